@@ -1,0 +1,214 @@
+// kiln-overhead-bench: what kiln's served path costs on top of the model itself.
+//
+//   BM_InProcessForward  the TorchScript backend's Execute, in this process (no server).
+//   BM_GrpcServed        one synchronous gRPC ModelInfer round trip to a running kiln-runtime
+//                        (KILN_GRPC_ADDRESS), same input.
+//   BM_RestServed        the same over REST JSON (KILN_HTTP_ADDRESS), optional.
+//
+// Served minus in-process is kiln's per-request overhead (protocol, (de)serialization, queue,
+// scheduling). Point the served benchmarks at a runtime *without* dynamic batching: with it, a
+// lone synchronous client waits out max_queue_delay_microseconds on every request.
+//
+// Environment: KILN_MODEL_REPO (required for BM_InProcessForward), KILN_BENCH_MODEL (default
+// encoder), KILN_BENCH_THREADS (backend threads, default: the model config's),
+// KILN_GRPC_ADDRESS, KILN_HTTP_ADDRESS. A missing variable skips its benchmarks with an error.
+//
+// This file must include neither spdlog nor fmt: it links LibTorch (through
+// kiln_backend_torchscript), whose bundled fmt clashes with theirs.
+
+#include <benchmark/benchmark.h>
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "bench/http_client.h"
+#include "bench/oip.h"
+#include "inference/grpc_service.grpc.pb.h"
+#include "runtime/backend.h"
+#include "runtime/model_config.h"
+#include "runtime/tensor.h"
+#include "runtime/torchscript_backend.h"
+
+namespace kiln::bench {
+namespace {
+
+std::string Env(const char* name, const std::string& fallback = "") {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0' ? std::string(v) : fallback;
+}
+
+std::string ModelName() { return Env("KILN_BENCH_MODEL", "encoder"); }
+
+std::string LittleEndianBytes(const std::vector<int64_t>& values) {
+  std::string out;
+  out.reserve(values.size() * 8);
+  for (int64_t v : values) {
+    uint64_t u = static_cast<uint64_t>(v);
+    for (int i = 0; i < 8; ++i) {
+      out.push_back(static_cast<char>((u >> (8 * i)) & 0xff));
+    }
+  }
+  return out;
+}
+
+EncoderInput BenchInput(int64_t batch, int64_t seq_len) {
+  std::mt19937_64 rng(42);
+  return RandomEncoderInput(batch, seq_len, &rng);
+}
+
+// The backend, loaded once for the whole binary.
+struct LoadedBackend {
+  absl::Status status;
+  ModelConfig config;
+  std::unique_ptr<Backend> backend;
+};
+
+const LoadedBackend& GetBackend() {
+  static const LoadedBackend* loaded = [] {
+    auto* l = new LoadedBackend;
+    std::string repo = Env("KILN_MODEL_REPO");
+    if (repo.empty()) {
+      l->status = absl::FailedPreconditionError("KILN_MODEL_REPO is not set");
+      return l;
+    }
+    absl::StatusOr<ResolvedModel> model = ResolveModel(repo, ModelName(), "");
+    if (!model.ok()) {
+      l->status = model.status();
+      return l;
+    }
+    l->config = model->config;
+    BackendOptions options;
+    options.device = model->config.instance.device;
+    options.threads = model->config.instance.threads;
+    int64_t threads = 0;
+    if (absl::SimpleAtoi(Env("KILN_BENCH_THREADS"), &threads)) {
+      options.threads = threads;
+    }
+    absl::StatusOr<std::unique_ptr<Backend>> backend =
+        CreateTorchScriptBackend(model->config, model->model_file, options);
+    if (!backend.ok()) {
+      l->status = backend.status();
+      return l;
+    }
+    l->backend = *std::move(backend);
+    return l;
+  }();
+  return *loaded;
+}
+
+void BM_InProcessForward(benchmark::State& state) {
+  const LoadedBackend& loaded = GetBackend();
+  if (!loaded.status.ok()) {
+    state.SkipWithError(std::string(loaded.status.message()).c_str());
+    return;
+  }
+  const int64_t batch = state.range(0);
+  const int64_t seq_len = state.range(1);
+  EncoderInput in = BenchInput(batch, seq_len);
+  // Tensors in the config's input order.
+  std::vector<Tensor> inputs;
+  for (const TensorSpec& spec : loaded.config.inputs) {
+    Tensor t;
+    t.name = spec.name;
+    t.dtype = DataType::kInt64;
+    t.shape = {batch, seq_len};
+    t.data = LittleEndianBytes(spec.name == kAttentionMaskName ? in.mask : in.ids);
+    inputs.push_back(std::move(t));
+  }
+  for (auto _ : state) {
+    absl::StatusOr<std::vector<Tensor>> out = loaded.backend->Execute(inputs);
+    if (!out.ok()) {
+      state.SkipWithError(std::string(out.status().message()).c_str());
+      break;
+    }
+    benchmark::DoNotOptimize(out->data());
+  }
+  state.SetItemsProcessed(state.iterations() * batch);
+}
+
+void BM_GrpcServed(benchmark::State& state) {
+  const std::string address = Env("KILN_GRPC_ADDRESS");
+  if (address.empty()) {
+    state.SkipWithError("KILN_GRPC_ADDRESS is not set (HOST:PORT of a running kiln-runtime)");
+    return;
+  }
+  const int64_t batch = state.range(0);
+  const int64_t seq_len = state.range(1);
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  auto stub = inference::GRPCInferenceService::NewStub(channel);
+  const inference::ModelInferRequest request =
+      MakeGrpcInferRequest(ModelName(), "", "bench", BenchInput(batch, seq_len), /*raw=*/true);
+  inference::ModelInferResponse response;
+  for (auto _ : state) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::Status s = stub->ModelInfer(&ctx, request, &response);
+    if (!s.ok()) {
+      state.SkipWithError(absl::StrCat("ModelInfer: ", s.error_message()).c_str());
+      break;
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * batch);
+}
+
+void BM_RestServed(benchmark::State& state) {
+  const std::string address = Env("KILN_HTTP_ADDRESS");
+  if (address.empty()) {
+    state.SkipWithError("KILN_HTTP_ADDRESS is not set (HOST:PORT of a running kiln-runtime)");
+    return;
+  }
+  absl::StatusOr<HostPort> target = ParseHostPort(address);
+  if (!target.ok()) {
+    state.SkipWithError(std::string(target.status().message()).c_str());
+    return;
+  }
+  const int64_t batch = state.range(0);
+  const int64_t seq_len = state.range(1);
+  HttpClient client(*target, std::chrono::milliseconds(10000));
+  const std::string path = RestInferPath(ModelName(), "");
+  const std::string body = MakeRestInferBody("bench", BenchInput(batch, seq_len));
+  for (auto _ : state) {
+    absl::StatusOr<HttpResponse> resp = client.Post(path, body);
+    if (!resp.ok()) {
+      state.SkipWithError(absl::StrCat("POST: ", resp.status().message()).c_str());
+      break;
+    }
+    if (resp->status != 200) {
+      state.SkipWithError(RestErrorMessage(resp->status, resp->body).c_str());
+      break;
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * batch);
+}
+
+BENCHMARK(BM_InProcessForward)
+    ->ArgNames({"batch", "seq"})
+    ->Args({1, 16})
+    ->Args({8, 16})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GrpcServed)
+    ->ArgNames({"batch", "seq"})
+    ->Args({1, 16})
+    ->Args({8, 16})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_RestServed)
+    ->ArgNames({"batch", "seq"})
+    ->Args({1, 16})
+    ->Args({8, 16})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+}  // namespace kiln::bench
+
+BENCHMARK_MAIN();

@@ -1,0 +1,18 @@
+# Every dependency comes from Debian's packages (scripts/install-deps.sh installs them).
+find_package(Threads REQUIRED)
+find_package(absl CONFIG REQUIRED)
+find_package(Protobuf REQUIRED)
+find_package(gRPC CONFIG REQUIRED)
+find_package(yaml-cpp CONFIG REQUIRED)
+find_package(spdlog CONFIG REQUIRED)
+find_package(cpprestsdk CONFIG REQUIRED)
+find_package(nlohmann_json CONFIG REQUIRED)
+find_package(CLI11 CONFIG REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(SYSTEMD REQUIRED IMPORTED_TARGET libsystemd)
+
+# LibTorch is found here but linked by exactly one target: runtime/kiln_backend_torchscript.
+find_package(Torch REQUIRED)
+
+find_program(KILN_PROTOC protoc REQUIRED)
+find_program(KILN_GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)

@@ -1,0 +1,45 @@
+#pragma once
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace kiln {
+
+// The one source of time. Production code takes a Clock&; tests pass a SimulatedClock and
+// advance it instead of sleeping.
+class Clock {
+ public:
+  virtual ~Clock() = default;
+  virtual absl::Time Now() = 0;
+};
+
+class RealClock : public Clock {
+ public:
+  absl::Time Now() override { return absl::Now(); }
+};
+
+// Time moves only when the test says so.
+class SimulatedClock : public Clock {
+ public:
+  explicit SimulatedClock(absl::Time start = absl::UnixEpoch() + absl::Hours(24 * 365 * 50))
+      : now_(start) {}
+  absl::Time Now() override {
+    absl::MutexLock lock(&mu_);
+    return now_;
+  }
+  void Advance(absl::Duration d) {
+    absl::MutexLock lock(&mu_);
+    now_ += d;
+  }
+  void Set(absl::Time t) {
+    absl::MutexLock lock(&mu_);
+    now_ = t;
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::Time now_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kiln

@@ -1,0 +1,60 @@
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/model_config.h"
+#include "runtime/tensor.h"
+
+namespace kiln {
+
+// One loaded model on one device. Implementations live in their own targets (the
+// TorchScript backend is the only target that links LibTorch); this header stays free of
+// any backend's headers.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  // `inputs` are in the config's input order and share dim 0 when the model batches.
+  // Returns the outputs in the config's output order.
+  virtual absl::StatusOr<std::vector<Tensor>> Execute(std::vector<Tensor> inputs) = 0;
+  // Where the model runs ("cpu", "cuda:0").
+  virtual std::string device() const = 0;
+};
+
+struct BackendOptions {
+  std::string device = "cpu";  // overrides the config's instance.device when set
+  int64_t threads = 0;
+};
+
+using BackendFactory = std::function<absl::StatusOr<std::unique_ptr<Backend>>(
+    const ModelConfig& config, const std::string& model_file, const BackendOptions& options)>;
+
+// Backends register explicitly (from main.cc), by the name config.yaml's `backend` uses.
+class BackendRegistry {
+ public:
+  void Register(const std::string& name, BackendFactory factory) {
+    factories_[name] = std::move(factory);
+  }
+  absl::StatusOr<std::unique_ptr<Backend>> Create(const ModelConfig& config,
+                                                  const std::string& model_file,
+                                                  const BackendOptions& options) const {
+    auto it = factories_.find(config.backend);
+    if (it == factories_.end()) {
+      std::string known;
+      for (const auto& [n, f] : factories_) known += (known.empty() ? "" : ", ") + n;
+      return absl::InvalidArgumentError("backend: '" + config.backend +
+                                        "' is not a registered backend (registered: " + known +
+                                        ")");
+    }
+    return it->second(config, model_file, options);
+  }
+
+ private:
+  std::map<std::string, BackendFactory> factories_;
+};
+
+}  // namespace kiln

@@ -1,0 +1,294 @@
+#include "runtime/batcher.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "common/logging.h"
+
+namespace kiln {
+
+BatchPolicy MakeBatchPolicy(const ModelConfig& config) {
+  BatchPolicy p;
+  if (config.max_batch_size > 0 && config.dynamic_batching) {
+    p.dynamic = true;
+    p.max_batch_size = config.max_batch_size;
+    p.preferred_batch_sizes = config.dynamic_batching->preferred_batch_size;
+    std::sort(p.preferred_batch_sizes.begin(), p.preferred_batch_sizes.end());
+    p.max_queue_delay = absl::Microseconds(config.dynamic_batching->max_queue_delay_microseconds);
+  } else {
+    p.dynamic = false;
+    p.max_batch_size = std::max<int64_t>(config.max_batch_size, 1);
+  }
+  return p;
+}
+
+BatchDecision Decide(const std::vector<PendingView>& queue, absl::Time now,
+                     const BatchPolicy& policy) {
+  BatchDecision d;
+  std::vector<size_t> live;
+  for (size_t i = 0; i < queue.size(); ++i) {
+    if (queue[i].deadline <= now) {
+      d.expired.push_back(i);
+    } else {
+      live.push_back(i);
+      d.wake_at = std::min(d.wake_at, queue[i].deadline);
+    }
+  }
+  if (live.empty()) return d;
+
+  // The leader: the oldest request of the highest priority present.
+  size_t leader = live[0];
+  for (size_t i : live) {
+    if (queue[i].priority < queue[leader].priority) leader = i;
+  }
+  if (!policy.dynamic) {
+    d.batch = {leader};
+    return d;
+  }
+
+  // Candidates with the leader's shape, higher priority first, then arrival order.
+  std::vector<size_t> cand;
+  for (size_t i : live) {
+    if (queue[i].shape_key == queue[leader].shape_key) cand.push_back(i);
+  }
+  std::stable_sort(cand.begin(), cand.end(),
+                   [&](size_t a, size_t b) { return queue[a].priority < queue[b].priority; });
+
+  // The longest prefix within max_batch_size; remember the longest prefix that hits a
+  // preferred size.
+  std::vector<size_t> prefix;
+  int64_t rows = 0;
+  size_t preferred_len = 0;
+  bool full = false;
+  for (size_t i : cand) {
+    if (rows + queue[i].rows > policy.max_batch_size) {
+      full = true;  // the next candidate does not fit: waiting cannot grow this batch
+      break;
+    }
+    rows += queue[i].rows;
+    prefix.push_back(i);
+    if (std::binary_search(policy.preferred_batch_sizes.begin(),
+                           policy.preferred_batch_sizes.end(), rows)) {
+      preferred_len = prefix.size();
+    }
+  }
+  if (prefix.empty()) {  // a leader larger than max_batch_size runs alone (rejected earlier)
+    d.batch = {leader};
+    return d;
+  }
+  if (rows == policy.max_batch_size) full = true;
+
+  absl::Time leader_due = queue[leader].enqueued + policy.max_queue_delay;
+  bool delay_over = now >= leader_due;
+  if (full || delay_over) {
+    d.batch = prefix;
+  } else if (preferred_len > 0) {
+    d.batch.assign(prefix.begin(), prefix.begin() + preferred_len);
+  } else if (policy.max_queue_delay == absl::ZeroDuration() &&
+             policy.preferred_batch_sizes.empty()) {
+    d.batch = prefix;
+  } else {
+    d.wake_at = std::min(d.wake_at, leader_due);
+  }
+  return d;
+}
+
+absl::StatusOr<std::vector<Tensor>> ConcatBatch(
+    const std::vector<std::vector<Tensor>*>& requests) {
+  if (requests.empty()) return absl::InvalidArgumentError("empty batch");
+  if (requests.size() == 1) return *requests[0];
+  const auto& first = *requests[0];
+  std::vector<Tensor> out(first.size());
+  for (size_t i = 0; i < first.size(); ++i) {
+    Tensor& t = out[i];
+    t.name = first[i].name;
+    t.dtype = first[i].dtype;
+    t.shape = first[i].shape;
+    if (t.shape.empty()) return absl::InvalidArgumentError(t.name + ": cannot batch a scalar");
+    int64_t rows = 0;
+    size_t bytes = 0;
+    for (const auto* r : requests) {
+      const Tensor& x = (*r)[i];
+      if (x.dtype != t.dtype || x.shape.size() != t.shape.size() ||
+          !std::equal(x.shape.begin() + 1, x.shape.end(), t.shape.begin() + 1)) {
+        return absl::InvalidArgumentError(t.name + ": requests in one batch differ in shape " +
+                                          ShapeString(x.shape) + " vs " + ShapeString(t.shape));
+      }
+      rows += x.shape[0];
+      bytes += x.data.size();
+    }
+    t.shape[0] = rows;
+    t.data.reserve(bytes);
+    for (const auto* r : requests) t.data += (*r)[i].data;
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<std::vector<Tensor>>> SplitBatch(const std::vector<Tensor>& outputs,
+                                                            const std::vector<int64_t>& rows) {
+  int64_t total = std::accumulate(rows.begin(), rows.end(), int64_t{0});
+  std::vector<std::vector<Tensor>> out(rows.size());
+  for (const Tensor& t : outputs) {
+    if (t.shape.empty() || t.shape[0] != total) {
+      return absl::InternalError("output " + t.name + ": the model returned shape " +
+                                 ShapeString(t.shape) + " for a batch of " +
+                                 std::to_string(total) + " rows");
+    }
+    size_t row_bytes = total == 0 ? 0 : t.data.size() / static_cast<size_t>(total);
+    size_t offset = 0;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      Tensor part;
+      part.name = t.name;
+      part.dtype = t.dtype;
+      part.shape = t.shape;
+      part.shape[0] = rows[r];
+      size_t n = row_bytes * static_cast<size_t>(rows[r]);
+      part.data.assign(t.data, offset, n);
+      offset += n;
+      out[r].push_back(std::move(part));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const ModelConfig& config,
+                                                         Executor executor, Clock* clock,
+                                                         BatchObserver observer) {
+  if (!executor || clock == nullptr) {
+    return absl::InvalidArgumentError("batcher needs an executor and a clock");
+  }
+  int64_t max_queue = config.dynamic_batching ? config.dynamic_batching->max_queue_size : 0;
+  return std::unique_ptr<Batcher>(new Batcher(MakeBatchPolicy(config), max_queue,
+                                              std::move(executor), clock, std::move(observer)));
+}
+
+Batcher::Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, Clock* clock,
+                 BatchObserver observer)
+    : policy_(std::move(policy)),
+      max_queue_size_(max_queue_size),
+      executor_(std::move(executor)),
+      clock_(clock),
+      observer_(std::move(observer)) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Batcher::~Batcher() { Stop(); }
+
+absl::Status Batcher::Enqueue(Item item) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the model is shutting down");
+  if (max_queue_size_ > 0 && static_cast<int64_t>(queue_.size()) >= max_queue_size_) {
+    return absl::ResourceExhaustedError("the request queue is full (max_queue_size " +
+                                        std::to_string(max_queue_size_) + ")");
+  }
+  PendingView v;
+  v.priority = item.priority;
+  v.enqueued = clock_->Now();
+  v.deadline = item.deadline;
+  v.rows = item.rows;
+  for (const Tensor& t : item.inputs) {
+    v.shape_key += DataTypeName(t.dtype);
+    for (size_t d = 1; d < t.shape.size(); ++d) v.shape_key += "," + std::to_string(t.shape[d]);
+    v.shape_key += ";";
+  }
+  views_.push_back(std::move(v));
+  queue_.push_back(std::move(item));
+  changed_ = true;
+  return absl::OkStatus();
+}
+
+int64_t Batcher::queue_depth() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(queue_.size());
+}
+
+void Batcher::Stop() {
+  std::deque<Item> left;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ && !thread_.joinable()) return;
+    stopping_ = true;
+    changed_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+  {
+    absl::MutexLock lock(&mu_);
+    left.swap(queue_);
+    views_.clear();
+  }
+  for (auto& item : left) item.done(absl::UnavailableError("the model is shutting down"));
+}
+
+void Batcher::Loop() {
+  for (;;) {
+    std::vector<Item> batch;
+    std::vector<Item> expired;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      std::vector<PendingView> views(views_.begin(), views_.end());
+      BatchDecision d = Decide(views, clock_->Now(), policy_);
+      if (d.batch.empty() && d.expired.empty()) {
+        changed_ = false;
+        absl::Duration wait = d.wake_at == absl::InfiniteFuture()
+                                  ? absl::Seconds(1)
+                                  : std::max(d.wake_at - clock_->Now(), absl::ZeroDuration());
+        mu_.AwaitWithTimeout(absl::Condition(&changed_), std::min(wait, absl::Seconds(1)));
+        continue;
+      }
+      std::vector<size_t> take;
+      for (size_t i : d.batch) {
+        batch.push_back(std::move(queue_[i]));
+        take.push_back(i);
+      }
+      for (size_t i : d.expired) {
+        expired.push_back(std::move(queue_[i]));
+        take.push_back(i);
+      }
+      std::sort(take.rbegin(), take.rend());
+      for (size_t i : take) {
+        queue_.erase(queue_.begin() + static_cast<long>(i));
+        views_.erase(views_.begin() + static_cast<long>(i));
+      }
+    }
+    for (auto& item : expired) {
+      item.done(absl::DeadlineExceededError("the request timed out in the queue"));
+    }
+    if (!batch.empty()) Run(std::move(batch));
+  }
+}
+
+void Batcher::Run(std::vector<Item> items) {
+  std::vector<int64_t> rows;
+  std::vector<std::vector<Tensor>*> inputs;
+  int64_t total = 0;
+  for (auto& item : items) {
+    rows.push_back(item.rows);
+    inputs.push_back(&item.inputs);
+    total += item.rows;
+  }
+  absl::StatusOr<std::vector<std::vector<Tensor>>> split;
+  auto batched = ConcatBatch(inputs);
+  if (!batched.ok()) {
+    split = batched.status();
+  } else {
+    auto outputs = executor_(std::move(*batched));
+    if (!outputs.ok()) {
+      split = outputs.status();
+    } else if (items.size() == 1) {
+      split = std::vector<std::vector<Tensor>>{std::move(*outputs)};
+    } else {
+      split = SplitBatch(*outputs, rows);
+    }
+  }
+  if (observer_) observer_(static_cast<int64_t>(items.size()), total);
+  for (size_t r = 0; r < items.size(); ++r) {
+    if (split.ok()) {
+      items[r].done(std::move((*split)[r]));
+    } else {
+      items[r].done(split.status());
+    }
+  }
+}
+
+}  // namespace kiln

@@ -1,0 +1,112 @@
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "runtime/model_config.h"
+#include "runtime/tensor.h"
+
+namespace kiln {
+
+// ---- The policy: pure functions, unit-tested with simulated time. ----
+
+struct BatchPolicy {
+  // Most rows one execution may take; 1 disables batching across requests.
+  int64_t max_batch_size = 1;
+  bool dynamic = false;  // combine requests at all
+  std::vector<int64_t> preferred_batch_sizes;
+  absl::Duration max_queue_delay = absl::ZeroDuration();
+};
+BatchPolicy MakeBatchPolicy(const ModelConfig& config);
+
+// What Decide() sees of one queued request (queue order = arrival order).
+struct PendingView {
+  int64_t priority = 1;  // 1 is the highest
+  absl::Time enqueued;
+  absl::Time deadline = absl::InfiniteFuture();
+  int64_t rows = 1;       // the request's own batch size
+  std::string shape_key;  // requests batch together only when their keys match
+};
+
+struct BatchDecision {
+  std::vector<size_t> expired;  // queue positions past their deadline: fail them
+  std::vector<size_t> batch;    // queue positions to execute now, in execution order
+  absl::Time wake_at = absl::InfiniteFuture();  // when to decide again if nothing changes
+};
+
+// Picks the next batch. The oldest request of the highest waiting priority leads; it is
+// joined by requests with the same shape key, higher priority first then arrival, up to
+// max_batch_size rows. The batch runs now when it is full, when it reaches a preferred
+// size (the largest reachable), when batching is off, or when its leader has waited
+// max_queue_delay; otherwise the caller waits until wake_at. A lower priority request never
+// leads while a higher one waits.
+BatchDecision Decide(const std::vector<PendingView>& queue, absl::Time now,
+                     const BatchPolicy& policy);
+
+// Concatenates per-request inputs along dim 0. requests[r][i] is request r's input i.
+absl::StatusOr<std::vector<Tensor>> ConcatBatch(const std::vector<std::vector<Tensor>*>& requests);
+
+// Splits batched outputs back into per-request outputs of `rows[r]` rows each.
+absl::StatusOr<std::vector<std::vector<Tensor>>> SplitBatch(const std::vector<Tensor>& outputs,
+                                                            const std::vector<int64_t>& rows);
+
+// ---- The executor thread that carries the policy out. ----
+
+class Batcher {
+ public:
+  using Done = std::function<void(absl::StatusOr<std::vector<Tensor>>)>;
+  using Executor = std::function<absl::StatusOr<std::vector<Tensor>>(std::vector<Tensor>)>;
+  // Called after each execution with the number of requests and rows it held.
+  using BatchObserver = std::function<void(int64_t requests, int64_t rows)>;
+
+  struct Item {
+    std::vector<Tensor> inputs;  // config input order
+    int64_t rows = 1;
+    int64_t priority = 1;
+    absl::Time deadline = absl::InfiniteFuture();
+    Done done;
+  };
+
+  static absl::StatusOr<std::unique_ptr<Batcher>> Create(const ModelConfig& config,
+                                                         Executor executor, Clock* clock,
+                                                         BatchObserver observer);
+  ~Batcher();
+
+  // RESOURCE_EXHAUSTED when the queue is full; UNAVAILABLE after Stop(). On OK, `done` is
+  // called exactly once, from the executor thread.
+  absl::Status Enqueue(Item item);
+  int64_t queue_depth() const;
+  // Fails every queued request with UNAVAILABLE and joins the thread.
+  void Stop();
+
+ private:
+  Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, Clock* clock,
+          BatchObserver observer);
+  void Loop();
+  void Run(std::vector<Item> items);
+
+  const BatchPolicy policy_;
+  const int64_t max_queue_size_;
+  Executor executor_;
+  Clock* clock_;
+  BatchObserver observer_;
+
+  mutable absl::Mutex mu_;
+  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<PendingView> views_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool changed_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace kiln

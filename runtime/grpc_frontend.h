@@ -1,0 +1,65 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "inference/grpc_service.grpc.pb.h"
+#include "runtime/inference_engine.h"
+#include "runtime/model_host.h"
+
+namespace kiln {
+
+// Decodes a ModelInferRequest (typed contents or raw_input_contents). Sizes are checked
+// against the shapes, and against `max_bytes`, before any tensor buffer is allocated.
+absl::StatusOr<InferRequest> DecodeInferRequest(const inference::ModelInferRequest& request,
+                                                int64_t max_bytes);
+
+// Encodes outputs as raw_output_contents when `raw`, else as typed contents.
+absl::Status EncodeInferResponse(const InferResponse& response, bool raw,
+                                 inference::ModelInferResponse* out);
+
+// Reads the request-level `priority` and `timeout` (microseconds) parameters.
+absl::Status ApplyRequestParameters(
+    const google::protobuf::Map<std::string, inference::InferParameter>& params,
+    InferRequest* request);
+
+// The Open Inference Protocol gRPC service, on gRPC's callback API: ModelInfer never blocks
+// a gRPC thread while the request waits in the batcher.
+class GrpcInferenceService final : public inference::GRPCInferenceService::CallbackService {
+ public:
+  GrpcInferenceService(ModelHost* host, int64_t max_request_bytes, std::string server_version)
+      : host_(host), max_request_bytes_(max_request_bytes),
+        server_version_(std::move(server_version)) {}
+
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
+                                       const inference::ServerLiveRequest* req,
+                                       inference::ServerLiveResponse* resp) override;
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* ctx,
+                                        const inference::ServerReadyRequest* req,
+                                        inference::ServerReadyResponse* resp) override;
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* ctx,
+                                       const inference::ModelReadyRequest* req,
+                                       inference::ModelReadyResponse* resp) override;
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* ctx,
+                                           const inference::ServerMetadataRequest* req,
+                                           inference::ServerMetadataResponse* resp) override;
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* ctx,
+                                          const inference::ModelMetadataRequest* req,
+                                          inference::ModelMetadataResponse* resp) override;
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx,
+                                       const inference::ModelInferRequest* req,
+                                       inference::ModelInferResponse* resp) override;
+
+ private:
+  ModelHost* host_;
+  const int64_t max_request_bytes_;
+  const std::string server_version_;
+};
+
+// Fills OIP model metadata (shared by gRPC and REST).
+absl::Status FillModelMetadata(const ModelHost& host, const std::string& name,
+                               const std::string& version,
+                               inference::ModelMetadataResponse* out);
+
+}  // namespace kiln

@@ -1,0 +1,267 @@
+#include "runtime/http_frontend.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cpprest/http_listener.h>
+
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "runtime/grpc_frontend.h"
+#include "runtime/json_codec.h"
+
+namespace kiln {
+
+namespace http = web::http;
+using http::experimental::listener::http_listener;
+using nlohmann::json;
+
+namespace {
+
+// Asks the kernel for a free TCP port on `address`.
+absl::StatusOr<int> PickFreePort(const std::string& address) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::InternalError("socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = 0;
+  if (inet_pton(AF_INET, address.c_str(), &addr.sin_addr) != 1) {
+    close(fd);
+    return absl::InvalidArgumentError("--bind-address: '" + address + "' is not an IPv4 address");
+  }
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return absl::UnavailableError("cannot bind " + address + ": " + strerror(errno));
+  }
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+void Reply(const http::http_request& request, int code, const std::string& body) {
+  http::http_response resp(static_cast<http::status_code>(code));
+  resp.set_body(body, "application/json");
+  request.reply(resp).then([](pplx::task<void> t) {
+    try {
+      t.get();
+    } catch (const std::exception&) {
+      // The client went away; nothing to do.
+    }
+  });
+}
+
+void ReplyStatus(const http::http_request& request, const absl::Status& status) {
+  Reply(request, HttpStatusFromCode(status.code()), JsonError(std::string(status.message())));
+}
+
+json MetadataJson(const inference::ModelMetadataResponse& m) {
+  json out = {{"name", m.name()}, {"versions", json::array()}, {"platform", m.platform()}};
+  for (const auto& v : m.versions()) out["versions"].push_back(v);
+  auto tensors = [](const auto& list) {
+    json arr = json::array();
+    for (const auto& t : list) {
+      arr.push_back({{"name", t.name()},
+                     {"datatype", t.datatype()},
+                     {"shape", std::vector<int64_t>(t.shape().begin(), t.shape().end())}});
+    }
+    return arr;
+  };
+  out["inputs"] = tensors(m.inputs());
+  out["outputs"] = tensors(m.outputs());
+  return out;
+}
+
+}  // namespace
+
+class HttpFrontend::Impl {
+ public:
+  Impl(ModelHost* host, Options options, const std::string& uri)
+      : host_(host), options_(std::move(options)), listener_(uri) {
+    listener_.support([this](http::http_request request) { Handle(std::move(request)); });
+  }
+
+  absl::Status Open() {
+    try {
+      listener_.open().wait();
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(std::string("cannot listen: ") + e.what());
+    }
+  }
+
+  void Close() {
+    try {
+      listener_.close().wait();
+    } catch (const std::exception&) {
+    }
+  }
+
+ private:
+  void Handle(http::http_request request) {
+    try {
+      Route(request);
+    } catch (const std::exception& e) {
+      Reply(request, 500, JsonError(std::string("internal error: ") + e.what()));
+    }
+  }
+
+  void Route(http::http_request& request) {
+    const std::string path = request.relative_uri().path();
+    std::vector<std::string> parts = absl::StrSplit(path, '/', absl::SkipEmpty());
+    const auto method = request.method();
+    if (parts.empty() || parts[0] != "v2") {
+      Reply(request, 404, JsonError("no such endpoint: " + path));
+      return;
+    }
+    if (parts.size() == 1) {
+      if (method != http::methods::GET) return MethodNotAllowed(request);
+      json meta = {{"name", "kiln"},
+                   {"version", options_.server_version},
+                   {"extensions", {"model_repository_layout", "dynamic_batching",
+                                   "response_cache", "priority", "timeout"}}};
+      Reply(request, 200, meta.dump());
+      return;
+    }
+    if (parts[1] == "health" && parts.size() == 3) {
+      if (method != http::methods::GET) return MethodNotAllowed(request);
+      if (parts[2] == "live") {
+        bool live = host_->Live();
+        Reply(request, live ? 200 : 503, json{{"live", live}}.dump());
+        return;
+      }
+      if (parts[2] == "ready") {
+        bool ready = host_->ModelReady(host_->config().name, "");
+        Reply(request, ready ? 200 : 503, json{{"ready", ready}}.dump());
+        return;
+      }
+    }
+    if (parts[1] == "models" && parts.size() >= 3) {
+      std::string model = web::uri::decode(parts[2]);
+      std::string version;
+      size_t next = 3;
+      if (parts.size() >= 5 && parts[3] == "versions") {
+        version = web::uri::decode(parts[4]);
+        next = 5;
+      }
+      if (parts.size() == next) {
+        if (method != http::methods::GET) return MethodNotAllowed(request);
+        inference::ModelMetadataResponse meta;
+        absl::Status s = FillModelMetadata(*host_, model, version, &meta);
+        if (!s.ok()) return ReplyStatus(request, s);
+        Reply(request, 200, MetadataJson(meta).dump());
+        return;
+      }
+      if (parts.size() == next + 1 && parts[next] == "ready") {
+        if (method != http::methods::GET) return MethodNotAllowed(request);
+        if (!host_->Serves(model, version)) {
+          Reply(request, 404, JsonError("unknown model '" + model + "'"));
+          return;
+        }
+        bool ready = host_->ModelReady(model, version);
+        Reply(request, ready ? 200 : 503, json{{"name", model}, {"ready", ready}}.dump());
+        return;
+      }
+      if (parts.size() == next + 1 && parts[next] == "infer") {
+        if (method != http::methods::POST) return MethodNotAllowed(request);
+        Infer(request, model, version);
+        return;
+      }
+    }
+    Reply(request, 404, JsonError("no such endpoint: " + path));
+  }
+
+  void MethodNotAllowed(const http::http_request& request) {
+    Reply(request, 405, JsonError("method " + request.method() + " is not allowed here"));
+  }
+
+  void Infer(http::http_request& request, const std::string& model, const std::string& version) {
+    const auto& headers = request.headers();
+    if (headers.has("Inference-Header-Content-Length")) {
+      Reply(request, 400, JsonError("the binary data extension is not supported; send JSON data "
+                                    "or use gRPC raw_input_contents"));
+      return;
+    }
+    if (!headers.has(http::header_names::content_length)) {
+      Reply(request, 411, JsonError("Content-Length is required"));
+      return;
+    }
+    // The body is read only once its declared size is known to be within the limit.
+    if (static_cast<int64_t>(headers.content_length()) > options_.max_request_bytes) {
+      Reply(request, 413,
+            JsonError("the request body of " + std::to_string(headers.content_length()) +
+                      " bytes exceeds the limit of " +
+                      std::to_string(options_.max_request_bytes) + " bytes"));
+      return;
+    }
+    ModelHost* host = host_;
+    int64_t max_bytes = options_.max_request_bytes;
+    request.extract_utf8string(true).then(
+        [request, host, model, version, max_bytes](pplx::task<std::string> body_task) {
+          std::string body;
+          try {
+            body = body_task.get();
+          } catch (const std::exception& e) {
+            Reply(request, 400, JsonError(std::string("cannot read the body: ") + e.what()));
+            return;
+          }
+          auto params = std::make_shared<json>();
+          auto decoded = DecodeJsonInferRequest(body, model, version, max_bytes, params.get());
+          if (!decoded.ok()) {
+            ReplyStatus(request, decoded.status());
+            return;
+          }
+          host->Infer(std::move(*decoded), [request, params](absl::StatusOr<InferResponse> r) {
+            if (!r.ok()) {
+              ReplyStatus(request, r.status());
+              return;
+            }
+            Reply(request, 200, EncodeJsonInferResponse(*r, *params));
+          });
+        });
+  }
+
+  ModelHost* host_;
+  Options options_;
+  http_listener listener_;
+};
+
+absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(ModelHost* host,
+                                                                  Options options) {
+  if (options.port < 0 || options.port > 65535) {
+    return absl::InvalidArgumentError("--http-port: must be in 0..65535, got " +
+                                      std::to_string(options.port));
+  }
+  const int attempts = options.port == 0 ? 5 : 1;
+  absl::Status last;
+  for (int i = 0; i < attempts; ++i) {
+    int port = options.port;
+    if (port == 0) {
+      KILN_ASSIGN_OR_RETURN(port, PickFreePort(options.bind_address));
+    }
+    std::string uri = "http://" + options.bind_address + ":" + std::to_string(port);
+    auto impl = std::make_unique<Impl>(host, options, uri);
+    last = impl->Open();
+    if (last.ok()) return std::unique_ptr<HttpFrontend>(new HttpFrontend(std::move(impl), port));
+  }
+  return Annotate(last, "--http-port");
+}
+
+HttpFrontend::HttpFrontend(std::unique_ptr<Impl> impl, int port)
+    : impl_(std::move(impl)), port_(port) {}
+
+HttpFrontend::~HttpFrontend() { Stop(); }
+
+void HttpFrontend::Stop() {
+  if (impl_) {
+    impl_->Close();
+    impl_.reset();
+  }
+}
+
+}  // namespace kiln

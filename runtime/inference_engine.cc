@@ -1,0 +1,339 @@
+#include "runtime/inference_engine.h"
+
+#include <cstring>
+#include <future>
+#include <set>
+
+#include "common/logging.h"
+#include "common/status.h"
+
+namespace kiln {
+
+absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(
+    ModelConfig config, std::string version, std::unique_ptr<Backend> backend,
+    Lifecycle* lifecycle, Clock* clock) {
+  if (!backend || !lifecycle || !clock) {
+    return absl::InvalidArgumentError("engine needs a backend, a lifecycle and a clock");
+  }
+  KILN_RETURN_IF_ERROR(ValidateModelConfig(config));
+  std::unique_ptr<InferenceEngine> engine(new InferenceEngine(
+      std::move(config), std::move(version), std::move(backend), lifecycle, clock));
+  InferenceEngine* self = engine.get();
+  KILN_ASSIGN_OR_RETURN(
+      engine->batcher_,
+      Batcher::Create(
+          engine->config_,
+          [self](std::vector<Tensor> inputs) { return self->backend_->Execute(std::move(inputs)); },
+          clock,
+          [self](int64_t requests, int64_t rows) {
+            self->batches_++;
+            self->batch_size_.Record(static_cast<double>(rows));
+          }));
+  return engine;
+}
+
+InferenceEngine::InferenceEngine(ModelConfig config, std::string version,
+                                 std::unique_ptr<Backend> backend, Lifecycle* lifecycle,
+                                 Clock* clock)
+    : config_(std::move(config)),
+      version_(std::move(version)),
+      backend_(std::move(backend)),
+      lifecycle_(lifecycle),
+      clock_(clock),
+      latency_micros_(Histogram::ExponentialBounds(25, 1.5, 36)),
+      batch_size_(Histogram::ExponentialBounds(1, 2, 12)) {
+  if (config_.response_cache.enable) {
+    cache_ = std::make_unique<ResponseCache>(config_.response_cache.max_bytes);
+  }
+}
+
+InferenceEngine::~InferenceEngine() { Stop(); }
+
+void InferenceEngine::Stop() {
+  if (batcher_) batcher_->Stop();
+}
+
+bool InferenceEngine::Serves(const std::string& model, const std::string& version) const {
+  return model == config_.name && (version.empty() || version == version_);
+}
+
+absl::Status InferenceEngine::Validate(InferRequest& r) const {
+  if (r.model_name != config_.name) {
+    return absl::NotFoundError("unknown model '" + r.model_name + "' (this runtime serves '" +
+                               config_.name + "')");
+  }
+  if (!r.model_version.empty() && r.model_version != version_) {
+    return absl::NotFoundError("unknown version '" + r.model_version + "' of model '" +
+                               config_.name + "' (this runtime serves version " + version_ + ")");
+  }
+  const bool batched = config_.max_batch_size > 0;
+  std::vector<Tensor> ordered(config_.inputs.size());
+  std::vector<bool> seen(config_.inputs.size(), false);
+  int64_t rows = -1;
+  for (Tensor& t : r.inputs) {
+    int idx = config_.InputIndex(t.name);
+    if (idx < 0) {
+      std::string names;
+      for (const auto& s : config_.inputs) names += (names.empty() ? "" : ", ") + s.name;
+      return absl::InvalidArgumentError("unknown input '" + t.name + "' (expected: " + names + ")");
+    }
+    if (seen[idx]) return absl::InvalidArgumentError("input '" + t.name + "' is given twice");
+    seen[idx] = true;
+    const TensorSpec& spec = config_.inputs[idx];
+    if (t.dtype != spec.dtype) {
+      return absl::InvalidArgumentError("input '" + t.name + "': expected datatype " +
+                                        DataTypeName(spec.dtype) + ", got " +
+                                        DataTypeName(t.dtype));
+    }
+    std::vector<int64_t> expected = spec.dims;
+    if (batched) expected.insert(expected.begin(), -1);
+    bool ok = t.shape.size() == expected.size();
+    for (size_t d = 0; ok && d < expected.size(); ++d) {
+      if (t.shape[d] < 0 || (expected[d] != -1 && expected[d] != t.shape[d])) ok = false;
+    }
+    if (!ok) {
+      return absl::InvalidArgumentError("input '" + t.name + "': expected shape " +
+                                        ShapeString(expected) +
+                                        (batched ? " (batch dimension first)" : "") + ", got " +
+                                        ShapeString(t.shape));
+    }
+    if (batched) {
+      if (t.shape[0] < 1 || t.shape[0] > config_.max_batch_size) {
+        return absl::InvalidArgumentError("input '" + t.name + "': batch size " +
+                                          std::to_string(t.shape[0]) + " is outside 1.." +
+                                          std::to_string(config_.max_batch_size) +
+                                          " (max_batch_size)");
+      }
+      if (rows >= 0 && rows != t.shape[0]) {
+        return absl::InvalidArgumentError("input '" + t.name + "': batch size " +
+                                          std::to_string(t.shape[0]) +
+                                          " differs from the other inputs' " +
+                                          std::to_string(rows));
+      }
+      rows = t.shape[0];
+    }
+    KILN_ASSIGN_OR_RETURN(int64_t n, ElementCount(t.shape, "input '" + t.name + "'"));
+    size_t want = static_cast<size_t>(n) * DataTypeSize(t.dtype);
+    if (t.data.size() != want) {
+      return absl::InvalidArgumentError("input '" + t.name + "': expected " +
+                                        std::to_string(want) + " bytes for " +
+                                        DataTypeName(t.dtype) + " " + ShapeString(t.shape) +
+                                        ", got " + std::to_string(t.data.size()));
+    }
+    ordered[idx] = std::move(t);
+  }
+  for (size_t i = 0; i < seen.size(); ++i) {
+    if (!seen[i]) {
+      return absl::InvalidArgumentError("missing input '" + config_.inputs[i].name + "'");
+    }
+  }
+  std::set<std::string> requested;
+  for (const auto& o : r.outputs) {
+    if (config_.OutputIndex(o) < 0) {
+      std::string names;
+      for (const auto& s : config_.outputs) names += (names.empty() ? "" : ", ") + s.name;
+      return absl::InvalidArgumentError("unknown output '" + o + "' (expected: " + names + ")");
+    }
+    if (!requested.insert(o).second) {
+      return absl::InvalidArgumentError("output '" + o + "' is requested twice");
+    }
+  }
+  if (config_.dynamic_batching) {
+    const auto& db = *config_.dynamic_batching;
+    if (r.priority < 0 || r.priority > db.priority_levels) {
+      return absl::InvalidArgumentError("parameter 'priority': must be in 0.." +
+                                        std::to_string(db.priority_levels) +
+                                        " (0 = default), got " + std::to_string(r.priority));
+    }
+  } else if (r.priority < 0) {
+    return absl::InvalidArgumentError("parameter 'priority': must be >= 0");
+  }
+  if (r.timeout_micros < 0) {
+    return absl::InvalidArgumentError("parameter 'timeout': must be >= 0 microseconds");
+  }
+  r.inputs = std::move(ordered);
+  return absl::OkStatus();
+}
+
+void InferenceEngine::Finish(absl::Time start, const absl::Status& status) {
+  latency_micros_.Record(absl::ToDoubleMicroseconds(clock_->Now() - start));
+  if (!status.ok()) {
+    errors_++;
+    if (status.code() == absl::StatusCode::kDeadlineExceeded) timed_out_++;
+  }
+  absl::MutexLock lock(&idle_mu_);
+  in_flight_--;
+}
+
+void InferenceEngine::Infer(InferRequest request, Done done) {
+  absl::Time start = clock_->Now();
+  requests_++;
+  {
+    absl::MutexLock lock(&idle_mu_);
+    in_flight_++;
+  }
+  auto fail = [&](absl::Status s) {
+    Finish(start, s);
+    done(std::move(s));
+  };
+  RuntimeState state = lifecycle_->state();
+  if (state != RuntimeState::kServing) {
+    // Unknown models are NOT_FOUND whatever the state; a known one is unavailable.
+    if (!Serves(request.model_name, request.model_version)) {
+      fail(absl::NotFoundError("unknown model '" + request.model_name + "' version '" +
+                               request.model_version + "'"));
+    } else {
+      fail(absl::UnavailableError(std::string("model '") + config_.name + "' is not serving (" +
+                                  RuntimeStateName(state) + ")"));
+    }
+    return;
+  }
+  absl::Status valid = Validate(request);
+  if (!valid.ok()) {
+    fail(valid);
+    return;
+  }
+
+  auto respond = [this, start, id = request.id, wanted = request.outputs,
+                  done](absl::StatusOr<std::vector<Tensor>> outputs, bool hit) {
+    if (!outputs.ok()) {
+      Finish(start, outputs.status());
+      done(outputs.status());
+      return;
+    }
+    InferResponse resp;
+    resp.model_name = config_.name;
+    resp.model_version = version_;
+    resp.id = id;
+    resp.cache_hit = hit;
+    if (wanted.empty()) {
+      resp.outputs = std::move(*outputs);
+    } else {
+      for (const auto& name : wanted) {
+        for (auto& t : *outputs) {
+          if (t.name == name) resp.outputs.push_back(std::move(t));
+        }
+      }
+    }
+    Finish(start, absl::OkStatus());
+    done(std::move(resp));
+  };
+
+  std::string cache_key;
+  if (cache_) {
+    cache_key = ResponseCache::Key(config_.name, version_, request.inputs);
+    if (auto hit = cache_->Lookup(cache_key)) {
+      respond(std::move(*hit), true);
+      return;
+    }
+  }
+
+  Batcher::Item item;
+  item.rows = config_.max_batch_size > 0 ? request.inputs[0].shape[0] : 1;
+  item.priority = request.priority;
+  if (item.priority == 0) {
+    item.priority = config_.dynamic_batching ? config_.dynamic_batching->default_priority_level : 1;
+  }
+  int64_t timeout = request.timeout_micros;
+  if (timeout == 0 && config_.dynamic_batching) {
+    timeout = config_.dynamic_batching->default_timeout_microseconds;
+  }
+  if (timeout > 0) item.deadline = start + absl::Microseconds(timeout);
+  item.inputs = std::move(request.inputs);
+  item.done = [this, respond, cache_key](absl::StatusOr<std::vector<Tensor>> outputs) {
+    if (outputs.ok() && cache_) cache_->Insert(cache_key, *outputs);
+    respond(std::move(outputs), false);
+  };
+  absl::Status queued = batcher_->Enqueue(std::move(item));
+  if (!queued.ok()) {
+    if (queued.code() == absl::StatusCode::kResourceExhausted) rejected_queue_full_++;
+    fail(queued);
+  }
+}
+
+absl::StatusOr<InferResponse> InferenceEngine::InferSync(InferRequest request) {
+  std::promise<absl::StatusOr<InferResponse>> promise;
+  auto future = promise.get_future();
+  Infer(std::move(request), [&promise](absl::StatusOr<InferResponse> r) {
+    promise.set_value(std::move(r));
+  });
+  return future.get();
+}
+
+absl::Status InferenceEngine::Warmup() {
+  auto log = GetLogger("runtime.engine");
+  for (const auto& w : config_.warmup) {
+    std::vector<Tensor> inputs;
+    for (const auto& spec : config_.inputs) {
+      Tensor t;
+      t.name = spec.name;
+      t.dtype = spec.dtype;
+      auto it = w.dims.find(spec.name);
+      t.shape = it != w.dims.end() ? it->second : spec.dims;
+      if (config_.max_batch_size > 0) t.shape.insert(t.shape.begin(), w.batch_size);
+      KILN_ASSIGN_OR_RETURN(int64_t n, ElementCount(t.shape, "warmup input " + spec.name));
+      t.data.assign(static_cast<size_t>(n) * DataTypeSize(t.dtype), '\0');
+      if (w.ones) {
+        for (int64_t e = 0; e < n; ++e) {
+          char* p = t.data.data() + e * DataTypeSize(t.dtype);
+          switch (t.dtype) {
+            case DataType::kFp32: {
+              float one = 1.0f;
+              std::memcpy(p, &one, 4);
+              break;
+            }
+            case DataType::kFp64: {
+              double one = 1.0;
+              std::memcpy(p, &one, 8);
+              break;
+            }
+            case DataType::kFp16: {
+              uint16_t one = FloatToHalf(1.0f);
+              std::memcpy(p, &one, 2);
+              break;
+            }
+            case DataType::kBf16: {
+              uint16_t one = FloatToBf16(1.0f);
+              std::memcpy(p, &one, 2);
+              break;
+            }
+            default:
+              p[0] = 1;  // little-endian integer or bool one
+          }
+        }
+      }
+      inputs.push_back(std::move(t));
+    }
+    for (int64_t i = 0; i < w.iterations; ++i) {
+      absl::Time t0 = clock_->Now();
+      auto out = backend_->Execute(inputs);
+      if (!out.ok()) return Annotate(out.status(), "warmup '" + w.name + "'");
+      log->debug("warmup '{}' iteration {}: {:.3f} ms", w.name, i,
+                 absl::ToDoubleMilliseconds(clock_->Now() - t0));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool InferenceEngine::WaitIdle(absl::Duration timeout) {
+  absl::MutexLock lock(&idle_mu_);
+  auto idle = [this]() { return in_flight_.load() == 0; };
+  return idle_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+}
+
+EngineStats InferenceEngine::Stats() const {
+  EngineStats s;
+  s.requests = requests_.load();
+  s.errors = errors_.load();
+  s.in_flight = in_flight_.load();
+  s.queue_depth = batcher_ ? batcher_->queue_depth() : 0;
+  s.batches = batches_.load();
+  s.rejected_queue_full = rejected_queue_full_.load();
+  s.timed_out = timed_out_.load();
+  s.latency_micros = latency_micros_.Take();
+  s.batch_size = batch_size_.Take();
+  if (cache_) s.cache = cache_->counters();
+  return s;
+}
+
+}  // namespace kiln

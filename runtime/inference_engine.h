@@ -1,0 +1,117 @@
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "common/histogram.h"
+#include "runtime/backend.h"
+#include "runtime/batcher.h"
+#include "runtime/lifecycle.h"
+#include "runtime/model_config.h"
+#include "runtime/response_cache.h"
+
+namespace kiln {
+
+// A protocol-neutral inference request, as the frontends decode it.
+struct InferRequest {
+  std::string model_name;
+  std::string model_version;  // empty = the served version
+  std::string id;
+  std::vector<Tensor> inputs;
+  std::vector<std::string> outputs;  // requested outputs; empty = all
+  int64_t priority = 0;              // 0 = the config's default level
+  int64_t timeout_micros = 0;        // 0 = the config's default
+};
+
+struct InferResponse {
+  std::string model_name;
+  std::string model_version;
+  std::string id;
+  std::vector<Tensor> outputs;
+  bool cache_hit = false;
+};
+
+struct EngineStats {
+  uint64_t requests = 0;
+  uint64_t errors = 0;
+  int64_t in_flight = 0;
+  int64_t queue_depth = 0;
+  uint64_t batches = 0;
+  uint64_t rejected_queue_full = 0;
+  uint64_t timed_out = 0;
+  Histogram::Snapshot latency_micros;
+  Histogram::Snapshot batch_size;
+  ResponseCache::Counters cache;
+};
+
+// One served model version: request validation, the response cache, the dynamic batcher and
+// the backend, gated by the lifecycle (only SERVING takes inference).
+class InferenceEngine {
+ public:
+  using Done = std::function<void(absl::StatusOr<InferResponse>)>;
+
+  static absl::StatusOr<std::unique_ptr<InferenceEngine>> Create(
+      ModelConfig config, std::string version, std::unique_ptr<Backend> backend,
+      Lifecycle* lifecycle, Clock* clock);
+  ~InferenceEngine();
+
+  const ModelConfig& config() const { return config_; }
+  const std::string& version() const { return version_; }
+  std::string device() const { return backend_->device(); }
+
+  // Runs the config's warm-up samples straight on the backend.
+  absl::Status Warmup();
+
+  // Validates and queues `request`; `done` runs exactly once (maybe on this thread).
+  void Infer(InferRequest request, Done done);
+  // Synchronous convenience over Infer().
+  absl::StatusOr<InferResponse> InferSync(InferRequest request);
+
+  // Checks a request's model, version, inputs and outputs against the config; reorders the
+  // inputs into config order. Public for the frontends' unit tests.
+  absl::Status Validate(InferRequest& request) const;
+
+  // True when a model with this name (and version, if non-empty) is the one served.
+  bool Serves(const std::string& model, const std::string& version) const;
+
+  // Waits until no request is in flight or `timeout` passes; true when idle.
+  bool WaitIdle(absl::Duration timeout);
+  int64_t in_flight() const { return in_flight_.load(); }
+
+  EngineStats Stats() const;
+  // Stops the batcher: queued requests fail with UNAVAILABLE.
+  void Stop();
+
+ private:
+  InferenceEngine(ModelConfig config, std::string version, std::unique_ptr<Backend> backend,
+                  Lifecycle* lifecycle, Clock* clock);
+  void Finish(absl::Time start, const absl::Status& status);
+
+  const ModelConfig config_;
+  const std::string version_;
+  std::unique_ptr<Backend> backend_;
+  Lifecycle* lifecycle_;
+  Clock* clock_;
+  std::unique_ptr<ResponseCache> cache_;  // null when disabled
+  std::unique_ptr<Batcher> batcher_;
+
+  std::atomic<uint64_t> requests_{0};
+  std::atomic<uint64_t> errors_{0};
+  std::atomic<uint64_t> batches_{0};
+  std::atomic<uint64_t> rejected_queue_full_{0};
+  std::atomic<uint64_t> timed_out_{0};
+  std::atomic<int64_t> in_flight_{0};
+  Histogram latency_micros_;
+  Histogram batch_size_;
+  mutable absl::Mutex idle_mu_;
+};
+
+}  // namespace kiln

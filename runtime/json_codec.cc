@@ -1,0 +1,310 @@
+#include "runtime/json_codec.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common/status.h"
+
+namespace kiln {
+
+using nlohmann::json;
+
+namespace {
+
+template <typename T>
+void Put(std::string* out, size_t i, T v) {
+  std::memcpy(out->data() + i * sizeof(T), &v, sizeof(T));
+}
+
+template <typename T>
+T Get(const std::string& data, size_t i) {
+  T v;
+  std::memcpy(&v, data.data() + i * sizeof(T), sizeof(T));
+  return v;
+}
+
+absl::Status BadElement(const std::string& name, size_t i, const char* what) {
+  return absl::InvalidArgumentError("input '" + name + "': data[" + std::to_string(i) +
+                                    "] must be " + what);
+}
+
+template <typename T>
+absl::Status PutInt(const json& v, const std::string& name, size_t i, std::string* out) {
+  if (!v.is_number_integer()) return BadElement(name, i, "an integer");
+  if constexpr (std::is_unsigned_v<T>) {
+    if (v.is_number_unsigned()) {
+      uint64_t u = v.get<uint64_t>();
+      if (u > std::numeric_limits<T>::max()) return BadElement(name, i, "in the type's range");
+      Put<T>(out, i, static_cast<T>(u));
+      return absl::OkStatus();
+    }
+    int64_t s = v.get<int64_t>();
+    if (s < 0 || static_cast<uint64_t>(s) > std::numeric_limits<T>::max()) {
+      return BadElement(name, i, "in the type's range");
+    }
+    Put<T>(out, i, static_cast<T>(s));
+  } else {
+    if (v.is_number_unsigned() &&
+        v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return BadElement(name, i, "in the type's range");
+    }
+    int64_t s = v.get<int64_t>();
+    if (s < std::numeric_limits<T>::min() || s > std::numeric_limits<T>::max()) {
+      return BadElement(name, i, "in the type's range");
+    }
+    Put<T>(out, i, static_cast<T>(s));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PutElement(const json& v, DataType t, const std::string& name, size_t i,
+                        std::string* out) {
+  switch (t) {
+    case DataType::kBool:
+      if (!v.is_boolean()) return BadElement(name, i, "true or false");
+      (*out)[i] = v.get<bool>() ? 1 : 0;
+      return absl::OkStatus();
+    case DataType::kInt8:
+      return PutInt<int8_t>(v, name, i, out);
+    case DataType::kInt16:
+      return PutInt<int16_t>(v, name, i, out);
+    case DataType::kInt32:
+      return PutInt<int32_t>(v, name, i, out);
+    case DataType::kInt64:
+      return PutInt<int64_t>(v, name, i, out);
+    case DataType::kUint8:
+      return PutInt<uint8_t>(v, name, i, out);
+    case DataType::kUint16:
+      return PutInt<uint16_t>(v, name, i, out);
+    case DataType::kUint32:
+      return PutInt<uint32_t>(v, name, i, out);
+    case DataType::kUint64:
+      return PutInt<uint64_t>(v, name, i, out);
+    case DataType::kFp16:
+    case DataType::kBf16:
+    case DataType::kFp32:
+    case DataType::kFp64: {
+      if (!v.is_number()) return BadElement(name, i, "a number");
+      double d = v.get<double>();
+      if (t == DataType::kFp64) {
+        Put<double>(out, i, d);
+      } else if (t == DataType::kFp32) {
+        Put<float>(out, i, static_cast<float>(d));
+      } else if (t == DataType::kFp16) {
+        Put<uint16_t>(out, i, FloatToHalf(static_cast<float>(d)));
+      } else {
+        Put<uint16_t>(out, i, FloatToBf16(static_cast<float>(d)));
+      }
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError("unsupported datatype");
+}
+
+// Walks nested arrays in row-major order, writing each leaf.
+absl::Status Flatten(const json& node, DataType t, const std::string& name, size_t limit,
+                     size_t* count, std::string* out) {
+  if (node.is_array()) {
+    for (const auto& child : node) {
+      KILN_RETURN_IF_ERROR(Flatten(child, t, name, limit, count, out));
+    }
+    return absl::OkStatus();
+  }
+  if (*count >= limit) {
+    return absl::InvalidArgumentError("input '" + name + "': data has more than the " +
+                                      std::to_string(limit) + " elements its shape holds");
+  }
+  KILN_RETURN_IF_ERROR(PutElement(node, t, name, *count, out));
+  ++*count;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> JsonInt(const json& v, const std::string& field) {
+  if (!v.is_number_integer()) return absl::InvalidArgumentError(field + ": must be an integer");
+  if (v.is_number_unsigned() &&
+      v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return absl::InvalidArgumentError(field + ": too large");
+  }
+  return v.get<int64_t>();
+}
+
+}  // namespace
+
+absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
+                                                    const std::string& model,
+                                                    const std::string& version,
+                                                    int64_t max_bytes, json* parameters) {
+  json doc = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded()) return absl::InvalidArgumentError("the request body is not valid JSON");
+  if (!doc.is_object()) return absl::InvalidArgumentError("the request body must be a JSON object");
+  InferRequest r;
+  r.model_name = model;
+  r.model_version = version;
+  if (doc.contains("id")) {
+    if (!doc["id"].is_string()) return absl::InvalidArgumentError("id: must be a string");
+    r.id = doc["id"].get<std::string>();
+  }
+  if (doc.contains("parameters")) {
+    const json& p = doc["parameters"];
+    if (!p.is_object()) return absl::InvalidArgumentError("parameters: must be an object");
+    if (p.contains("priority")) {
+      KILN_ASSIGN_OR_RETURN(r.priority, JsonInt(p["priority"], "parameters.priority"));
+    }
+    if (p.contains("timeout")) {
+      KILN_ASSIGN_OR_RETURN(r.timeout_micros, JsonInt(p["timeout"], "parameters.timeout"));
+    }
+    if (parameters) *parameters = p;
+  }
+  if (!doc.contains("inputs") || !doc["inputs"].is_array() || doc["inputs"].empty()) {
+    return absl::InvalidArgumentError("inputs: must be a non-empty array");
+  }
+  int64_t total = 0;
+  size_t idx = 0;
+  for (const json& in : doc["inputs"]) {
+    std::string field = "inputs[" + std::to_string(idx++) + "]";
+    if (!in.is_object()) return absl::InvalidArgumentError(field + ": must be an object");
+    Tensor t;
+    if (!in.contains("name") || !in["name"].is_string()) {
+      return absl::InvalidArgumentError(field + ".name: must be a string");
+    }
+    t.name = in["name"].get<std::string>();
+    if (!in.contains("datatype") || !in["datatype"].is_string()) {
+      return absl::InvalidArgumentError(field + ".datatype: must be a string");
+    }
+    KILN_ASSIGN_OR_RETURN(t.dtype, ParseDataType(in["datatype"].get<std::string>(),
+                                                 "input '" + t.name + "'"));
+    if (!in.contains("shape") || !in["shape"].is_array()) {
+      return absl::InvalidArgumentError(field + ".shape: must be an array of integers");
+    }
+    for (const json& d : in["shape"]) {
+      KILN_ASSIGN_OR_RETURN(int64_t v, JsonInt(d, field + ".shape"));
+      t.shape.push_back(v);
+    }
+    KILN_ASSIGN_OR_RETURN(int64_t n, ElementCount(t.shape, "input '" + t.name + "'"));
+    int64_t bytes = n * static_cast<int64_t>(DataTypeSize(t.dtype));
+    total += bytes;
+    if (total > max_bytes) {
+      return absl::ResourceExhaustedError("the request's tensors exceed the payload limit of " +
+                                          std::to_string(max_bytes) + " bytes");
+    }
+    if (in.contains("parameters") && in["parameters"].is_object() &&
+        in["parameters"].contains("binary_data_size")) {
+      return absl::InvalidArgumentError("input '" + t.name +
+                                        "': the binary data extension is not supported; send "
+                                        "JSON data or use gRPC raw_input_contents");
+    }
+    if (!in.contains("data")) return absl::InvalidArgumentError(field + ".data: is missing");
+    t.data.assign(static_cast<size_t>(bytes), '\0');
+    size_t count = 0;
+    KILN_RETURN_IF_ERROR(Flatten(in["data"], t.dtype, t.name, static_cast<size_t>(n), &count,
+                                 &t.data));
+    if (count != static_cast<size_t>(n)) {
+      return absl::InvalidArgumentError("input '" + t.name + "': expected " + std::to_string(n) +
+                                        " elements for shape " + ShapeString(t.shape) + ", got " +
+                                        std::to_string(count));
+    }
+    r.inputs.push_back(std::move(t));
+  }
+  if (doc.contains("outputs")) {
+    if (!doc["outputs"].is_array()) return absl::InvalidArgumentError("outputs: must be an array");
+    size_t i = 0;
+    for (const json& o : doc["outputs"]) {
+      if (!o.is_object() || !o.contains("name") || !o["name"].is_string()) {
+        return absl::InvalidArgumentError("outputs[" + std::to_string(i) +
+                                          "].name: must be a string");
+      }
+      r.outputs.push_back(o["name"].get<std::string>());
+      ++i;
+    }
+  }
+  return r;
+}
+
+void AppendTensorData(const Tensor& t, json* array) {
+  size_t n = t.data.size() / std::max<size_t>(DataTypeSize(t.dtype), 1);
+  auto& arr = array->get_ref<json::array_t&>();
+  arr.reserve(arr.size() + n);
+  for (size_t i = 0; i < n; ++i) {
+    switch (t.dtype) {
+      case DataType::kBool:
+        arr.emplace_back(t.data[i] != 0);
+        break;
+      case DataType::kInt8:
+        arr.emplace_back(Get<int8_t>(t.data, i));
+        break;
+      case DataType::kInt16:
+        arr.emplace_back(Get<int16_t>(t.data, i));
+        break;
+      case DataType::kInt32:
+        arr.emplace_back(Get<int32_t>(t.data, i));
+        break;
+      case DataType::kInt64:
+        arr.emplace_back(Get<int64_t>(t.data, i));
+        break;
+      case DataType::kUint8:
+        arr.emplace_back(Get<uint8_t>(t.data, i));
+        break;
+      case DataType::kUint16:
+        arr.emplace_back(Get<uint16_t>(t.data, i));
+        break;
+      case DataType::kUint32:
+        arr.emplace_back(Get<uint32_t>(t.data, i));
+        break;
+      case DataType::kUint64:
+        arr.emplace_back(Get<uint64_t>(t.data, i));
+        break;
+      case DataType::kFp16:
+        arr.emplace_back(HalfToFloat(Get<uint16_t>(t.data, i)));
+        break;
+      case DataType::kBf16:
+        arr.emplace_back(Bf16ToFloat(Get<uint16_t>(t.data, i)));
+        break;
+      case DataType::kFp32: {
+        float f = Get<float>(t.data, i);
+        if (std::isfinite(f)) {
+          arr.emplace_back(f);
+        } else {
+          arr.emplace_back(nullptr);  // JSON has no NaN or Inf
+        }
+        break;
+      }
+      case DataType::kFp64: {
+        double d = Get<double>(t.data, i);
+        if (std::isfinite(d)) {
+          arr.emplace_back(d);
+        } else {
+          arr.emplace_back(nullptr);
+        }
+        break;
+      }
+    }
+  }
+}
+
+std::string EncodeJsonInferResponse(const InferResponse& response, const json& parameters) {
+  json out = json::object();
+  out["model_name"] = response.model_name;
+  out["model_version"] = response.model_version;
+  if (!response.id.empty()) out["id"] = response.id;
+  if (!parameters.is_null()) out["parameters"] = parameters;
+  json outputs = json::array();
+  for (const Tensor& t : response.outputs) {
+    json o = json::object();
+    o["name"] = t.name;
+    o["datatype"] = DataTypeName(t.dtype);
+    o["shape"] = t.shape;
+    json data = json::array();
+    AppendTensorData(t, &data);
+    o["data"] = std::move(data);
+    outputs.push_back(std::move(o));
+  }
+  out["outputs"] = std::move(outputs);
+  return out.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::string JsonError(const std::string& message) {
+  return json{{"error", message}}.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+}  // namespace kiln

@@ -1,0 +1,32 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+#include "runtime/inference_engine.h"
+
+namespace kiln {
+
+// The Open Inference Protocol's REST JSON bodies.
+
+// Decodes an infer request body for `model`/`version` (from the URL). `data` may be flat
+// or nested row-major; each element must fit the datatype. Shapes are checked against
+// `max_bytes` before any tensor is allocated.
+absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
+                                                    const std::string& model,
+                                                    const std::string& version,
+                                                    int64_t max_bytes,
+                                                    nlohmann::json* parameters);
+
+// Encodes a response; `parameters` (the request's) are echoed back when not null.
+std::string EncodeJsonInferResponse(const InferResponse& response,
+                                    const nlohmann::json& parameters);
+
+// Appends a tensor's elements to a JSON array, as numbers (or booleans).
+void AppendTensorData(const Tensor& t, nlohmann::json* array);
+
+std::string JsonError(const std::string& message);
+
+}  // namespace kiln

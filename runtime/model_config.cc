@@ -1,0 +1,375 @@
+#include "runtime/model_config.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "common/config_node.h"
+#include "common/status.h"
+
+namespace kiln {
+
+namespace fs = std::filesystem;
+
+const char* PrecisionName(Precision p) {
+  switch (p) {
+    case Precision::kFp16:
+      return "fp16";
+    case Precision::kBf16:
+      return "bf16";
+    default:
+      return "fp32";
+  }
+}
+
+int ModelConfig::InputIndex(const std::string& n) const {
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].name == n) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+int ModelConfig::OutputIndex(const std::string& n) const {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i].name == n) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+namespace {
+
+absl::StatusOr<std::vector<TensorSpec>> ParseTensorList(const ConfigNode& root,
+                                                        const std::string& key) {
+  KILN_ASSIGN_OR_RETURN(ConfigNode list, root.Child(key));
+  KILN_ASSIGN_OR_RETURN(auto items, list.Items());
+  std::vector<TensorSpec> out;
+  for (const auto& item : items) {
+    KILN_RETURN_IF_ERROR(item.CheckKeys({"name", "datatype", "data_type", "dims"}));
+    TensorSpec spec;
+    KILN_ASSIGN_OR_RETURN(ConfigNode name, item.Child("name"));
+    KILN_ASSIGN_OR_RETURN(spec.name, name.AsString());
+    std::string dt_key = item.Has("data_type") ? "data_type" : "datatype";
+    KILN_ASSIGN_OR_RETURN(ConfigNode dt, item.Child(dt_key));
+    KILN_ASSIGN_OR_RETURN(std::string dt_name, dt.AsString());
+    KILN_ASSIGN_OR_RETURN(spec.dtype, ParseDataType(dt_name, dt.path()));
+    KILN_ASSIGN_OR_RETURN(ConfigNode dims, item.Child("dims"));
+    KILN_ASSIGN_OR_RETURN(spec.dims, dims.AsIntList());
+    out.push_back(std::move(spec));
+  }
+  return out;
+}
+
+absl::StatusOr<DynamicBatchingConfig> ParseDynamicBatching(const ConfigNode& node) {
+  DynamicBatchingConfig db;
+  if (node.IsNull()) return db;
+  KILN_RETURN_IF_ERROR(node.CheckKeys({"preferred_batch_size", "max_queue_delay_microseconds",
+                                       "priority_levels", "default_priority_level",
+                                       "max_queue_size", "default_timeout_microseconds"}));
+  KILN_ASSIGN_OR_RETURN(db.preferred_batch_size, node.GetIntList("preferred_batch_size"));
+  KILN_ASSIGN_OR_RETURN(db.max_queue_delay_microseconds,
+                        node.GetInt("max_queue_delay_microseconds", 0));
+  KILN_ASSIGN_OR_RETURN(db.priority_levels, node.GetInt("priority_levels", 1));
+  KILN_ASSIGN_OR_RETURN(db.default_priority_level, node.GetInt("default_priority_level", 1));
+  KILN_ASSIGN_OR_RETURN(db.max_queue_size, node.GetInt("max_queue_size", 0));
+  KILN_ASSIGN_OR_RETURN(db.default_timeout_microseconds,
+                        node.GetInt("default_timeout_microseconds", 0));
+  return db;
+}
+
+absl::StatusOr<std::vector<WarmupSample>> ParseWarmup(const ConfigNode& node) {
+  KILN_ASSIGN_OR_RETURN(auto items, node.Items());
+  std::vector<WarmupSample> out;
+  for (const auto& item : items) {
+    KILN_RETURN_IF_ERROR(item.CheckKeys({"name", "batch_size", "iterations", "inputs", "data"}));
+    WarmupSample w;
+    KILN_ASSIGN_OR_RETURN(w.name, item.GetString("name", item.path()));
+    KILN_ASSIGN_OR_RETURN(w.batch_size, item.GetInt("batch_size", 1));
+    KILN_ASSIGN_OR_RETURN(w.iterations, item.GetInt("iterations", 1));
+    KILN_ASSIGN_OR_RETURN(std::string data, item.GetString("data", "zero"));
+    if (data != "zero" && data != "one") {
+      return absl::InvalidArgumentError(item.path() + ".data: must be zero or one, got '" + data +
+                                        "'");
+    }
+    w.ones = data == "one";
+    if (auto inputs = item.OptionalChild("inputs")) {
+      KILN_ASSIGN_OR_RETURN(auto entries, inputs->Entries());
+      for (const auto& [name, spec] : entries) {
+        KILN_RETURN_IF_ERROR(spec.CheckKeys({"dims"}));
+        KILN_ASSIGN_OR_RETURN(ConfigNode dims, spec.Child("dims"));
+        KILN_ASSIGN_OR_RETURN(w.dims[name], dims.AsIntList());
+      }
+    }
+    out.push_back(std::move(w));
+  }
+  return out;
+}
+
+absl::Status ValidateTensorList(const std::vector<TensorSpec>& list, const std::string& key,
+                                int64_t max_batch_size) {
+  if (list.empty()) return absl::InvalidArgumentError(key + ": must list at least one tensor");
+  std::set<std::string> seen;
+  for (size_t i = 0; i < list.size(); ++i) {
+    std::string path = key + "[" + std::to_string(i) + "]";
+    const auto& t = list[i];
+    if (t.name.empty()) return absl::InvalidArgumentError(path + ".name: must not be empty");
+    if (!seen.insert(t.name).second) {
+      return absl::InvalidArgumentError(path + ".name: '" + t.name + "' is listed twice");
+    }
+    if (t.dims.empty() && max_batch_size == 0) {
+      return absl::InvalidArgumentError(
+          path + ".dims: must not be empty when max_batch_size is 0 (the model has no batch "
+                 "dimension)");
+    }
+    for (int64_t d : t.dims) {
+      if (d == 0 || d < -1) {
+        return absl::InvalidArgumentError(path + ".dims: each dimension must be positive or -1 "
+                                                 "(variable), got " +
+                                          ShapeString(t.dims));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateDevice(const std::string& device, const std::string& field) {
+  if (device == "cpu") return absl::OkStatus();
+  if (device.rfind("cuda:", 0) == 0 && device.size() > 5 && device.size() < 9 &&
+      std::all_of(device.begin() + 5, device.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(field + ": must be cpu or cuda:N, got '" + device + "'");
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
+                                             const std::string& source) {
+  KILN_ASSIGN_OR_RETURN(ConfigNode root, ConfigNode::Parse(yaml_text, source));
+  auto in_source = [&](absl::Status s) { return Annotate(s, source); };
+  absl::Status keys = root.CheckKeys({"name", "backend", "platform", "max_batch_size", "input",
+                                      "output", "dynamic_batching", "response_cache", "instance",
+                                      "warmup"});
+  if (!keys.ok()) return in_source(keys);
+
+  ModelConfig c;
+  auto parse = [&]() -> absl::Status {
+    KILN_ASSIGN_OR_RETURN(ConfigNode name, root.Child("name"));
+    KILN_ASSIGN_OR_RETURN(c.name, name.AsString());
+    if (root.Has("backend")) {
+      KILN_ASSIGN_OR_RETURN(c.backend, root.GetString("backend", ""));
+    } else if (root.Has("platform")) {
+      // Triton's name for a TorchScript model.
+      KILN_ASSIGN_OR_RETURN(std::string platform, root.GetString("platform", ""));
+      if (platform != "pytorch_libtorch") {
+        return absl::InvalidArgumentError("platform: only pytorch_libtorch is supported, got '" +
+                                          platform + "'");
+      }
+      c.backend = "torchscript";
+    } else {
+      return absl::InvalidArgumentError("backend: required field is missing");
+    }
+    KILN_ASSIGN_OR_RETURN(c.max_batch_size, root.GetInt("max_batch_size", 0));
+    KILN_ASSIGN_OR_RETURN(c.inputs, ParseTensorList(root, "input"));
+    KILN_ASSIGN_OR_RETURN(c.outputs, ParseTensorList(root, "output"));
+    if (root.Has("dynamic_batching")) {  // `dynamic_batching: {}` turns it on with defaults
+      KILN_ASSIGN_OR_RETURN(ConfigNode db, root.Child("dynamic_batching"));
+      KILN_ASSIGN_OR_RETURN(c.dynamic_batching, ParseDynamicBatching(db));
+    }
+    if (auto rc = root.OptionalChild("response_cache")) {
+      KILN_RETURN_IF_ERROR(rc->CheckKeys({"enable", "max_bytes"}));
+      KILN_ASSIGN_OR_RETURN(c.response_cache.enable, rc->GetBool("enable", false));
+      if (auto mb = rc->OptionalChild("max_bytes")) {
+        KILN_ASSIGN_OR_RETURN(std::string text, mb->AsString());
+        KILN_ASSIGN_OR_RETURN(c.response_cache.max_bytes, ParseByteSize(text, mb->path()));
+      }
+    }
+    if (auto inst = root.OptionalChild("instance")) {
+      KILN_RETURN_IF_ERROR(inst->CheckKeys({"device", "threads", "precision"}));
+      KILN_ASSIGN_OR_RETURN(c.instance.device, inst->GetString("device", "cpu"));
+      KILN_ASSIGN_OR_RETURN(c.instance.threads, inst->GetInt("threads", 0));
+      KILN_ASSIGN_OR_RETURN(std::string p, inst->GetString("precision", "fp32"));
+      if (p == "fp32") {
+        c.instance.precision = Precision::kFp32;
+      } else if (p == "fp16") {
+        c.instance.precision = Precision::kFp16;
+      } else if (p == "bf16") {
+        c.instance.precision = Precision::kBf16;
+      } else {
+        return absl::InvalidArgumentError("instance.precision: must be fp32, fp16 or bf16, got '" +
+                                          p + "'");
+      }
+    }
+    if (auto w = root.OptionalChild("warmup")) {
+      KILN_ASSIGN_OR_RETURN(c.warmup, ParseWarmup(*w));
+    }
+    return ValidateModelConfig(c);
+  };
+  absl::Status s = parse();
+  if (!s.ok()) return in_source(s);
+  return c;
+}
+
+absl::Status ValidateModelConfig(const ModelConfig& c) {
+  if (c.name.empty()) return absl::InvalidArgumentError("name: must not be empty");
+  if (c.backend.empty()) return absl::InvalidArgumentError("backend: must not be empty");
+  if (c.max_batch_size < 0) {
+    return absl::InvalidArgumentError("max_batch_size: must be >= 0 (0 = no batch dimension), got " +
+                                      std::to_string(c.max_batch_size));
+  }
+  if (c.max_batch_size > 1 << 20) {
+    return absl::InvalidArgumentError("max_batch_size: must be <= 1048576, got " +
+                                      std::to_string(c.max_batch_size));
+  }
+  KILN_RETURN_IF_ERROR(ValidateTensorList(c.inputs, "input", c.max_batch_size));
+  KILN_RETURN_IF_ERROR(ValidateTensorList(c.outputs, "output", c.max_batch_size));
+  if (c.dynamic_batching) {
+    const auto& db = *c.dynamic_batching;
+    if (c.max_batch_size == 0) {
+      return absl::InvalidArgumentError(
+          "dynamic_batching: needs max_batch_size > 0 (the model must have a batch dimension)");
+    }
+    for (size_t i = 0; i < db.preferred_batch_size.size(); ++i) {
+      int64_t p = db.preferred_batch_size[i];
+      if (p < 1 || p > c.max_batch_size) {
+        return absl::InvalidArgumentError("dynamic_batching.preferred_batch_size[" +
+                                          std::to_string(i) + "]: must be in 1.." +
+                                          std::to_string(c.max_batch_size) +
+                                          " (max_batch_size), got " + std::to_string(p));
+      }
+    }
+    if (db.max_queue_delay_microseconds < 0 || db.max_queue_delay_microseconds > 60'000'000) {
+      return absl::InvalidArgumentError(
+          "dynamic_batching.max_queue_delay_microseconds: must be in 0..60000000, got " +
+          std::to_string(db.max_queue_delay_microseconds));
+    }
+    if (db.priority_levels < 1 || db.priority_levels > 16) {
+      return absl::InvalidArgumentError("dynamic_batching.priority_levels: must be in 1..16, got " +
+                                        std::to_string(db.priority_levels));
+    }
+    if (db.default_priority_level < 1 || db.default_priority_level > db.priority_levels) {
+      return absl::InvalidArgumentError(
+          "dynamic_batching.default_priority_level: must be in 1.." +
+          std::to_string(db.priority_levels) + " (priority_levels), got " +
+          std::to_string(db.default_priority_level));
+    }
+    if (db.max_queue_size < 0) {
+      return absl::InvalidArgumentError(
+          "dynamic_batching.max_queue_size: must be >= 0 (0 = unbounded), got " +
+          std::to_string(db.max_queue_size));
+    }
+    if (db.default_timeout_microseconds < 0) {
+      return absl::InvalidArgumentError(
+          "dynamic_batching.default_timeout_microseconds: must be >= 0, got " +
+          std::to_string(db.default_timeout_microseconds));
+    }
+  }
+  if (c.response_cache.max_bytes <= 0) {
+    return absl::InvalidArgumentError("response_cache.max_bytes: must be > 0");
+  }
+  KILN_RETURN_IF_ERROR(ValidateDevice(c.instance.device, "instance.device"));
+  if (c.instance.threads < 0 || c.instance.threads > 1024) {
+    return absl::InvalidArgumentError("instance.threads: must be in 0..1024, got " +
+                                      std::to_string(c.instance.threads));
+  }
+  for (size_t i = 0; i < c.warmup.size(); ++i) {
+    const auto& w = c.warmup[i];
+    std::string path = "warmup[" + std::to_string(i) + "]";
+    if (c.max_batch_size > 0 && (w.batch_size < 1 || w.batch_size > c.max_batch_size)) {
+      return absl::InvalidArgumentError(path + ".batch_size: must be in 1.." +
+                                        std::to_string(c.max_batch_size) + ", got " +
+                                        std::to_string(w.batch_size));
+    }
+    if (w.iterations < 1 || w.iterations > 1000) {
+      return absl::InvalidArgumentError(path + ".iterations: must be in 1..1000, got " +
+                                        std::to_string(w.iterations));
+    }
+    for (const auto& [name, dims] : w.dims) {
+      int idx = c.InputIndex(name);
+      if (idx < 0) {
+        return absl::InvalidArgumentError(path + ".inputs." + name + ": no such input");
+      }
+      const auto& spec = c.inputs[idx].dims;
+      if (dims.size() != spec.size()) {
+        return absl::InvalidArgumentError(path + ".inputs." + name + ".dims: expected " +
+                                          std::to_string(spec.size()) + " dims like " +
+                                          ShapeString(spec) + ", got " + ShapeString(dims));
+      }
+      for (size_t d = 0; d < dims.size(); ++d) {
+        if (dims[d] < 1 || (spec[d] != -1 && spec[d] != dims[d])) {
+          return absl::InvalidArgumentError(path + ".inputs." + name + ".dims: " +
+                                            ShapeString(dims) + " does not fit " +
+                                            ShapeString(spec));
+        }
+      }
+    }
+    for (const auto& in : c.inputs) {
+      bool variable = std::find(in.dims.begin(), in.dims.end(), -1) != in.dims.end();
+      if (variable && !w.dims.count(in.name)) {
+        return absl::InvalidArgumentError(path + ".inputs." + in.name +
+                                          ": required, the input has variable dims " +
+                                          ShapeString(in.dims));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ResolvedModel> ResolveModel(const std::string& repository, const std::string& name,
+                                           const std::string& version) {
+  if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+    return absl::InvalidArgumentError("--model: '" + name + "' is not a model name");
+  }
+  std::error_code ec;
+  if (!fs::is_directory(repository, ec)) {
+    return absl::NotFoundError("--model-repository: '" + repository + "' is not a directory");
+  }
+  ResolvedModel m;
+  m.model_dir = (fs::path(repository) / name).string();
+  if (!fs::is_directory(m.model_dir, ec)) {
+    return absl::NotFoundError("--model: no model '" + name + "' in " + repository);
+  }
+  std::string config_file = (fs::path(m.model_dir) / "config.yaml").string();
+  std::ifstream in(config_file);
+  if (!in) return absl::NotFoundError(config_file + ": cannot be read");
+  std::stringstream text;
+  text << in.rdbuf();
+  KILN_ASSIGN_OR_RETURN(m.config, ParseModelConfig(text.str(), config_file));
+  if (m.config.name != name) {
+    return absl::InvalidArgumentError(config_file + ": name: '" + m.config.name +
+                                      "' does not match the model directory '" + name + "'");
+  }
+  std::vector<int64_t> numeric;
+  for (const auto& entry : fs::directory_iterator(m.model_dir, ec)) {
+    if (!entry.is_directory()) continue;
+    std::string v = entry.path().filename().string();
+    if (v.empty() || v.size() > 18 ||
+        !std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      continue;
+    }
+    numeric.push_back(std::stoll(v));
+  }
+  std::sort(numeric.begin(), numeric.end());
+  for (int64_t v : numeric) m.versions.push_back(std::to_string(v));
+  if (version.empty()) {
+    if (numeric.empty()) {
+      return absl::NotFoundError("--model: '" + name + "' has no numeric version directory in " +
+                                 m.model_dir);
+    }
+    m.version = std::to_string(numeric.back());
+  } else {
+    if (std::find(m.versions.begin(), m.versions.end(), version) == m.versions.end()) {
+      return absl::NotFoundError("--version: model '" + name + "' has no version '" + version +
+                                 "' in " + m.model_dir);
+    }
+    m.version = version;
+  }
+  m.model_file = (fs::path(m.model_dir) / m.version / "model.pt").string();
+  if (!fs::is_regular_file(m.model_file, ec)) {
+    return absl::NotFoundError(m.model_file + ": model file is missing");
+  }
+  return m;
+}
+
+}  // namespace kiln

@@ -1,0 +1,91 @@
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/tensor.h"
+
+namespace kiln {
+
+struct TensorSpec {
+  std::string name;
+  DataType dtype = DataType::kFp32;
+  // Without the batch dimension when max_batch_size > 0; -1 marks a variable dimension.
+  std::vector<int64_t> dims;
+};
+
+struct DynamicBatchingConfig {
+  std::vector<int64_t> preferred_batch_size;
+  int64_t max_queue_delay_microseconds = 0;
+  // Priority 1 is the highest; a request names its level with the `priority` parameter.
+  int64_t priority_levels = 1;
+  int64_t default_priority_level = 1;
+  // 0 = unbounded.
+  int64_t max_queue_size = 0;
+  // 0 = no timeout unless the request gives one.
+  int64_t default_timeout_microseconds = 0;
+};
+
+struct ResponseCacheConfig {
+  bool enable = false;
+  int64_t max_bytes = 64LL * 1024 * 1024;
+};
+
+enum class Precision { kFp32, kFp16, kBf16 };
+const char* PrecisionName(Precision p);
+
+struct InstanceConfig {
+  std::string device = "cpu";  // cpu | cuda:N
+  int64_t threads = 0;         // 0 = the backend's default
+  Precision precision = Precision::kFp32;
+};
+
+struct WarmupSample {
+  std::string name;
+  int64_t batch_size = 1;
+  int64_t iterations = 1;
+  // Concrete non-batch dims per input; inputs not listed use their configured dims (which
+  // must then be fixed).
+  std::map<std::string, std::vector<int64_t>> dims;
+  bool ones = false;  // fill with ones instead of zeros
+};
+
+struct ModelConfig {
+  std::string name;
+  std::string backend;
+  int64_t max_batch_size = 0;
+  std::vector<TensorSpec> inputs;
+  std::vector<TensorSpec> outputs;
+  std::optional<DynamicBatchingConfig> dynamic_batching;
+  ResponseCacheConfig response_cache;
+  InstanceConfig instance;
+  std::vector<WarmupSample> warmup;
+
+  int InputIndex(const std::string& name) const;   // -1 when absent
+  int OutputIndex(const std::string& name) const;  // -1 when absent
+};
+
+// Parses config.yaml text (YAML is syntax; ModelConfig is the schema) and validates it.
+// `source` names the file in errors; every error names the field and the reason.
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
+                                             const std::string& source);
+absl::Status ValidateModelConfig(const ModelConfig& config);
+
+// A model in a Triton-layout repository: DIR/NAME/config.yaml and DIR/NAME/V/model.pt.
+struct ResolvedModel {
+  ModelConfig config;
+  std::string version;
+  std::string model_dir;   // DIR/NAME
+  std::string model_file;  // DIR/NAME/V/model.pt
+  std::vector<std::string> versions;  // every numeric version present, ascending
+};
+
+// Loads NAME from `repository`. Without `version`, picks the highest numeric version.
+absl::StatusOr<ResolvedModel> ResolveModel(const std::string& repository, const std::string& name,
+                                           const std::string& version);
+
+}  // namespace kiln

@@ -1,0 +1,303 @@
+#include "runtime/runtime_server.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include <grpcpp/server_builder.h>
+
+#include "common/logging.h"
+#include "common/status.h"
+
+namespace kiln {
+
+namespace {
+
+v1::LifecycleState ToProto(RuntimeState s) {
+  switch (s) {
+    case RuntimeState::kLoading:
+      return v1::LOADING;
+    case RuntimeState::kWarm:
+      return v1::WARM;
+    case RuntimeState::kServing:
+      return v1::SERVING;
+    case RuntimeState::kDraining:
+      return v1::DRAINING;
+    case RuntimeState::kStopped:
+      return v1::STOPPED;
+    case RuntimeState::kFailed:
+      return v1::FAILED;
+  }
+  return v1::LIFECYCLE_STATE_UNSPECIFIED;
+}
+
+void ToProto(const Histogram::Snapshot& h, v1::Histogram* out) {
+  for (double b : h.bounds) out->add_bounds(b);
+  for (uint64_t c : h.counts) out->add_counts(c);
+  out->set_sum(h.sum);
+  out->set_count(h.count);
+}
+
+}  // namespace
+
+absl::Status ValidateRuntimeOptions(const RuntimeOptions& o) {
+  if (o.model_repository.empty()) {
+    return absl::InvalidArgumentError("--model-repository: is required");
+  }
+  if (o.model.empty()) return absl::InvalidArgumentError("--model: is required");
+  if (o.grpc_port < 0 || o.grpc_port > 65535) {
+    return absl::InvalidArgumentError("--grpc-port: must be in 0..65535, got " +
+                                      std::to_string(o.grpc_port));
+  }
+  if (o.http_port < 0 || o.http_port > 65535) {
+    return absl::InvalidArgumentError("--http-port: must be in 0..65535, got " +
+                                      std::to_string(o.http_port));
+  }
+  if (o.grpc_port != 0 && o.grpc_port == o.http_port) {
+    return absl::InvalidArgumentError("--http-port: must differ from --grpc-port");
+  }
+  if (o.initial_state != "warm" && o.initial_state != "serving") {
+    return absl::InvalidArgumentError("--initial-state: must be warm or serving, got '" +
+                                      o.initial_state + "'");
+  }
+  if (!o.device.empty() && o.device != "cpu" &&
+      !(o.device.rfind("cuda:", 0) == 0 && o.device.size() > 5 && o.device.size() < 9 &&
+        o.device.find_first_not_of("0123456789", 5) == std::string::npos)) {
+    return absl::InvalidArgumentError("--device: must be cpu or cuda:N, got '" + o.device + "'");
+  }
+  if (o.threads < 0 || o.threads > 1024) {
+    return absl::InvalidArgumentError("--threads: must be in 0..1024");
+  }
+  if (o.max_request_bytes < 1024 || o.max_request_bytes > (2LL << 30)) {
+    return absl::InvalidArgumentError("--max-request-bytes: must be in 1Ki..2Gi");
+  }
+  if (o.control_socket.size() >= 100) {
+    return absl::InvalidArgumentError("--control-socket: path is too long for a unix socket "
+                                      "(max 99 bytes)");
+  }
+  if (o.drain_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--drain-timeout-ms: must be >= 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<RuntimeServer>> RuntimeServer::Create(
+    RuntimeOptions options, const BackendRegistry* backends, Clock* clock,
+    absl::Time process_start) {
+  KILN_RETURN_IF_ERROR(ValidateRuntimeOptions(options));
+  KILN_ASSIGN_OR_RETURN(ResolvedModel model,
+                        ResolveModel(options.model_repository, options.model, options.version));
+  return std::unique_ptr<RuntimeServer>(
+      new RuntimeServer(std::move(options), backends, clock, process_start, std::move(model)));
+}
+
+RuntimeServer::RuntimeServer(RuntimeOptions options, const BackendRegistry* backends,
+                             Clock* clock, absl::Time process_start, ResolvedModel model)
+    : options_(std::move(options)),
+      backends_(backends),
+      clock_(clock),
+      process_start_(process_start),
+      model_(std::move(model)),
+      lifecycle_(clock, "[model=" + model_.config.name + " v=" + model_.version +
+                            " pid=" + std::to_string(getpid()) + "] "),
+      host_(model_.config, model_.version, &lifecycle_) {}
+
+RuntimeServer::~RuntimeServer() { Stop(); }
+
+absl::Status RuntimeServer::Start() {
+  KILN_RETURN_IF_ERROR(StartListening());
+  absl::Status loaded = Load();
+  if (!loaded.ok()) {
+    lifecycle_.Fail(std::string(loaded.message()));
+    return loaded;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RuntimeServer::StartListening() {
+  auto log = GetLogger("runtime.server");
+  if (!options_.control_socket.empty()) {
+    std::error_code ec;
+    std::filesystem::remove(options_.control_socket, ec);  // a stale socket from a crash
+    control_service_ = std::make_unique<ControlService>(this, options_.drain_timeout);
+    grpc::ServerBuilder b;
+    b.AddListeningPort("unix:" + options_.control_socket, grpc::InsecureServerCredentials());
+    b.RegisterService(control_service_.get());
+    control_server_ = b.BuildAndStart();
+    if (!control_server_) {
+      return absl::UnavailableError("--control-socket: cannot listen on " +
+                                    options_.control_socket);
+    }
+    if (chmod(options_.control_socket.c_str(), 0600) != 0) {
+      return absl::PermissionDeniedError("--control-socket: cannot chmod 0600 " +
+                                         options_.control_socket);
+    }
+  }
+  grpc_service_ = std::make_unique<GrpcInferenceService>(&host_, options_.max_request_bytes,
+                                                         options_.server_version);
+  grpc::ServerBuilder b;
+  b.AddListeningPort(options_.bind_address + ":" + std::to_string(options_.grpc_port),
+                     grpc::InsecureServerCredentials(), &grpc_port_);
+  b.RegisterService(grpc_service_.get());
+  // Oversized messages are refused by gRPC before they are buffered.
+  b.SetMaxReceiveMessageSize(static_cast<int>(
+      std::min<int64_t>(options_.max_request_bytes + 64 * 1024, INT32_MAX)));
+  b.SetMaxSendMessageSize(INT32_MAX);
+  grpc_server_ = b.BuildAndStart();
+  if (!grpc_server_ || grpc_port_ == 0) {
+    return absl::UnavailableError("--grpc-port: cannot listen on " + options_.bind_address + ":" +
+                                  std::to_string(options_.grpc_port));
+  }
+  HttpFrontend::Options http;
+  http.bind_address = options_.bind_address;
+  http.port = options_.http_port;
+  http.max_request_bytes = options_.max_request_bytes;
+  http.server_version = options_.server_version;
+  KILN_ASSIGN_OR_RETURN(http_, HttpFrontend::Start(&host_, http));
+  http_port_ = http_->port();
+  log->info("listening grpc_port={} http_port={} control_socket={} model={} version={}",
+            grpc_port_, http_port_, options_.control_socket.empty() ? "-" : options_.control_socket,
+            model_.config.name, model_.version);
+  return absl::OkStatus();
+}
+
+absl::Status RuntimeServer::Load() {
+  auto log = GetLogger("runtime.server");
+  BackendOptions bo;
+  bo.device = options_.device;
+  bo.threads = options_.threads;
+  absl::Time t0 = clock_->Now();
+  KILN_ASSIGN_OR_RETURN(auto backend, backends_->Create(model_.config, model_.model_file, bo));
+  absl::Time t1 = clock_->Now();
+  KILN_ASSIGN_OR_RETURN(engine_, InferenceEngine::Create(model_.config, model_.version,
+                                                         std::move(backend), &lifecycle_, clock_));
+  KILN_RETURN_IF_ERROR(engine_->Warmup());
+  absl::Time t2 = clock_->Now();
+  host_.SetEngine(engine_.get());
+  load_time_ = t2 - process_start_;
+  log->info("loaded {} on {}: load {:.1f} ms, warmup {:.1f} ms, since process start {:.1f} ms",
+            model_.model_file, engine_->device(), absl::ToDoubleMilliseconds(t1 - t0),
+            absl::ToDoubleMilliseconds(t2 - t1), absl::ToDoubleMilliseconds(load_time_));
+  KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kWarm, "loaded and warmed up"));
+  if (options_.initial_state == "serving") {
+    KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kServing, "--initial-state=serving"));
+  }
+  return absl::OkStatus();
+}
+
+v1::RuntimeState RuntimeServer::GetState() {
+  v1::RuntimeState s;
+  s.set_state(ToProto(lifecycle_.state()));
+  s.set_model_name(model_.config.name);
+  s.set_model_version(model_.version);
+  s.set_device(engine_ ? engine_->device()
+                       : (options_.device.empty() ? model_.config.instance.device
+                                                  : options_.device));
+  s.set_grpc_port(grpc_port_);
+  s.set_http_port(http_port_);
+  s.set_pid(getpid());
+  s.set_load_time_micros(absl::ToInt64Microseconds(load_time_));
+  s.set_failure_reason(lifecycle_.failure_reason());
+  s.set_state_since_unix_micros(absl::ToUnixMicros(lifecycle_.since()));
+  return s;
+}
+
+absl::Status RuntimeServer::Promote() {
+  if (lifecycle_.state() == RuntimeState::kServing) return absl::OkStatus();  // idempotent
+  return lifecycle_.Transition(RuntimeState::kServing, "promoted");
+}
+
+absl::Status RuntimeServer::Demote() {
+  if (lifecycle_.state() == RuntimeState::kWarm) return absl::OkStatus();
+  return lifecycle_.Transition(RuntimeState::kWarm, "demoted");
+}
+
+absl::StatusOr<bool> RuntimeServer::Drain(absl::Duration deadline) {
+  RuntimeState s = lifecycle_.state();
+  if (s != RuntimeState::kDraining) {
+    KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kDraining, "drain requested"));
+  }
+  if (!engine_) return true;
+  bool drained = engine_->WaitIdle(deadline);
+  GetLogger("runtime.server")
+      ->info("drain {}: {} request(s) in flight", drained ? "complete" : "deadline passed",
+             engine_->in_flight());
+  return drained;
+}
+
+int64_t RuntimeServer::InFlight() { return engine_ ? engine_->in_flight() : 0; }
+
+v1::RuntimeStats RuntimeServer::Stats() {
+  v1::RuntimeStats out;
+  out.set_state(ToProto(lifecycle_.state()));
+  if (!engine_) return out;
+  EngineStats s = engine_->Stats();
+  out.set_requests(s.requests);
+  out.set_errors(s.errors);
+  out.set_in_flight(s.in_flight);
+  out.set_queue_depth(s.queue_depth);
+  ToProto(s.latency_micros, out.mutable_latency_micros());
+  ToProto(s.batch_size, out.mutable_batch_size());
+  out.set_cache_hits(s.cache.hits);
+  out.set_cache_misses(s.cache.misses);
+  out.set_cache_bytes(static_cast<uint64_t>(s.cache.bytes));
+  out.set_batches(s.batches);
+  out.set_rejected_queue_full(s.rejected_queue_full);
+  out.set_timed_out(s.timed_out);
+  out.set_latency_p50_micros(s.latency_micros.Quantile(0.5));
+  out.set_latency_p99_micros(s.latency_micros.Quantile(0.99));
+  return out;
+}
+
+bool RuntimeServer::Shutdown(absl::Duration deadline) {
+  bool drained = true;
+  RuntimeState s = lifecycle_.state();
+  if (s == RuntimeState::kWarm || s == RuntimeState::kServing || s == RuntimeState::kDraining) {
+    auto d = Drain(deadline);
+    drained = d.ok() && *d;
+  }
+  absl::MutexLock lock(&mu_);
+  shutdown_requested_ = true;
+  return drained;
+}
+
+bool RuntimeServer::WaitForShutdownRequest(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithTimeout(absl::Condition(&shutdown_requested_), timeout);
+}
+
+void RuntimeServer::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  RuntimeState s = lifecycle_.state();
+  if (s == RuntimeState::kWarm || s == RuntimeState::kServing) {
+    (void)Drain(options_.drain_timeout);
+  }
+  if (lifecycle_.state() == RuntimeState::kDraining) {
+    (void)lifecycle_.Transition(RuntimeState::kStopped, "shut down");
+  }
+  auto log = GetLogger("runtime.server");
+  absl::Time t0 = absl::Now();
+  if (http_) http_->Stop();
+  absl::Time t1 = absl::Now();
+  // Work was drained above; calls still open now are cancelled after a short grace.
+  if (grpc_server_) {
+    grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+  }
+  absl::Time t2 = absl::Now();
+  if (engine_) engine_->Stop();
+  if (control_server_) {
+    control_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+    std::error_code ec;
+    std::filesystem::remove(options_.control_socket, ec);
+  }
+  log->debug("stop: http {:.1f} ms, grpc {:.1f} ms, rest {:.1f} ms",
+             absl::ToDoubleMilliseconds(t1 - t0), absl::ToDoubleMilliseconds(t2 - t1),
+             absl::ToDoubleMilliseconds(absl::Now() - t2));
+}
+
+}  // namespace kiln

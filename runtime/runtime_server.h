@@ -1,0 +1,100 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <grpcpp/server.h>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "runtime/backend.h"
+#include "runtime/control_service.h"
+#include "runtime/grpc_frontend.h"
+#include "runtime/http_frontend.h"
+#include "runtime/inference_engine.h"
+#include "runtime/lifecycle.h"
+#include "runtime/model_host.h"
+
+namespace kiln {
+
+struct RuntimeOptions {
+  std::string model_repository;
+  std::string model;
+  std::string version;  // empty = highest numeric
+  std::string bind_address = "0.0.0.0";
+  int grpc_port = 8001;  // 0 = pick a free port
+  int http_port = 8000;  // 0 = pick a free port
+  std::string control_socket;  // empty = no control socket
+  std::string initial_state = "serving";  // warm | serving
+  std::string device;  // empty = the config's instance.device
+  int64_t threads = 0;
+  int64_t max_request_bytes = 64LL * 1024 * 1024;
+  absl::Duration drain_timeout = absl::Seconds(30);
+  std::string server_version = "0.1.0";
+};
+
+// Checks flag values; errors name the flag.
+absl::Status ValidateRuntimeOptions(const RuntimeOptions& options);
+
+// One replica: resolves the model, starts the control socket and both frontends, loads and
+// warms the model (LOADING -> WARM), then serves if asked (-> SERVING).
+class RuntimeServer : public ControlTarget {
+ public:
+  static absl::StatusOr<std::unique_ptr<RuntimeServer>> Create(RuntimeOptions options,
+                                                               const BackendRegistry* backends,
+                                                               Clock* clock,
+                                                               absl::Time process_start);
+  ~RuntimeServer() override;
+
+  // Starts listening, then loads. A load failure leaves the runtime FAILED and is returned.
+  absl::Status Start();
+
+  int grpc_port() const { return grpc_port_; }
+  int http_port() const { return http_port_; }
+  RuntimeState state() const { return lifecycle_.state(); }
+
+  // Blocks until Shutdown() was called over the control socket, or `timeout` passes.
+  bool WaitForShutdownRequest(absl::Duration timeout);
+  // Drains (bounded), stops everything. Safe to call more than once.
+  void Stop();
+
+  // ControlTarget
+  v1::RuntimeState GetState() override;
+  absl::Status Promote() override;
+  absl::Status Demote() override;
+  absl::StatusOr<bool> Drain(absl::Duration deadline) override;
+  v1::RuntimeStats Stats() override;
+  bool Shutdown(absl::Duration deadline) override;
+  int64_t InFlight() override;
+
+ private:
+  RuntimeServer(RuntimeOptions options, const BackendRegistry* backends, Clock* clock,
+                absl::Time process_start, ResolvedModel model);
+  absl::Status StartListening();
+  absl::Status Load();
+
+  const RuntimeOptions options_;
+  const BackendRegistry* backends_;
+  Clock* clock_;
+  const absl::Time process_start_;
+  const ResolvedModel model_;
+  Lifecycle lifecycle_;
+  ModelHost host_;
+  std::unique_ptr<InferenceEngine> engine_;
+  std::unique_ptr<GrpcInferenceService> grpc_service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  std::unique_ptr<HttpFrontend> http_;
+  std::unique_ptr<ControlService> control_service_;
+  std::unique_ptr<grpc::Server> control_server_;
+  int grpc_port_ = 0;
+  int http_port_ = 0;
+  absl::Duration load_time_ = absl::ZeroDuration();
+
+  absl::Mutex mu_;
+  bool shutdown_requested_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace kiln

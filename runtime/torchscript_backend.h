@@ -1,0 +1,20 @@
+#pragma once
+
+// The TorchScript backend. This header is LibTorch-free; torchscript_backend.cc is the only
+// file in kiln that includes LibTorch, and it includes neither spdlog nor fmt.
+
+#include "runtime/backend.h"
+
+namespace kiln {
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateTorchScriptBackend(const ModelConfig& config,
+                                                                  const std::string& model_file,
+                                                                  const BackendOptions& options);
+
+// Registers the backend as "torchscript".
+void RegisterTorchScriptBackend(BackendRegistry* registry);
+
+// Whether this build's LibTorch can reach a CUDA device, and how many.
+int TorchCudaDeviceCount();
+
+}  // namespace kiln

@@ -1,0 +1,643 @@
+// The real kiln-runtime binary on generated models, over loopback gRPC, REST and its
+// control socket.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cpprest/http_client.h>
+
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <thread>
+
+#include <grpcpp/create_channel.h>
+
+#include "gtest/gtest.h"
+#include "inference/grpc_service.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/runtime_process.h"
+
+namespace kiln {
+namespace {
+
+using nlohmann::json;
+using testing::RuntimeProcess;
+
+const std::string kRepo = KILN_MODEL_REPO;
+
+json References(const std::string& version) {
+  std::ifstream in(kRepo + "/encoder/reference/v" + version + ".json");
+  return json::parse(in);
+}
+
+std::unique_ptr<RuntimeProcess> StartRuntime(const std::string& model, const std::string& version = "",
+                                             const std::string& initial = "serving",
+                                             std::vector<std::string> extra = {},
+                                             const std::string& repo = kRepo) {
+  RuntimeProcess::Options o;
+  o.repository = repo;
+  o.model = model;
+  o.version = version;
+  o.initial_state = initial;
+  o.extra_args = std::move(extra);
+  auto p = RuntimeProcess::Start(o);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? std::move(*p) : nullptr;
+}
+
+std::unique_ptr<inference::GRPCInferenceService::Stub> Stub(const RuntimeProcess& p) {
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(64 << 20);
+  return inference::GRPCInferenceService::NewStub(grpc::CreateCustomChannel(
+      p.grpc_address(), grpc::InsecureChannelCredentials(), args));
+}
+
+struct HttpResult {
+  int code = 0;
+  json body;
+  std::string raw;
+};
+
+HttpResult Http(int port, const std::string& method, const std::string& path,
+                const std::string& body = "") {
+  web::http::client::http_client_config cfg;
+  cfg.set_timeout(std::chrono::seconds(30));
+  web::http::client::http_client client("http://127.0.0.1:" + std::to_string(port), cfg);
+  web::http::http_request req(method);
+  req.set_request_uri(path);
+  if (!body.empty() || method == web::http::methods::POST) req.set_body(body, "application/json");
+  HttpResult r;
+  auto resp = client.request(req).get();
+  r.code = resp.status_code();
+  r.raw = resp.extract_utf8string(true).get();
+  r.body = json::parse(r.raw, nullptr, false);
+  return r;
+}
+
+// An encoder request for a reference case, in gRPC form (typed or raw).
+inference::ModelInferRequest GrpcEncoderRequest(const json& c, bool raw,
+                                                const std::string& version = "") {
+  inference::ModelInferRequest req;
+  req.set_model_name("encoder");
+  req.set_model_version(version);
+  req.set_id("case");
+  for (const char* name : {"input_ids", "attention_mask"}) {
+    auto* in = req.add_inputs();
+    in->set_name(name);
+    in->set_datatype("INT64");
+    in->add_shape(static_cast<int64_t>(c[name].size()));
+    in->add_shape(static_cast<int64_t>(c[name][0].size()));
+    std::string bytes;
+    for (const auto& row : c[name]) {
+      for (const auto& v : row) {
+        int64_t x = v.get<int64_t>();
+        if (raw) {
+          bytes.append(reinterpret_cast<const char*>(&x), 8);
+        } else {
+          in->mutable_contents()->add_int64_contents(x);
+        }
+      }
+    }
+    if (raw) req.add_raw_input_contents(bytes);
+  }
+  return req;
+}
+
+std::string RestEncoderBody(const json& c) {
+  json body = {{"id", "rest-case"}, {"inputs", json::array()}};
+  for (const char* name : {"input_ids", "attention_mask"}) {
+    body["inputs"].push_back({{"name", name},
+                              {"datatype", "INT64"},
+                              {"shape", {c[name].size(), c[name][0].size()}},
+                              {"data", c[name]}});
+  }
+  return body.dump();
+}
+
+std::vector<float> GrpcFloats(const inference::ModelInferResponse& r) {
+  if (r.raw_output_contents_size() > 0) {
+    const std::string& b = r.raw_output_contents(0);
+    std::vector<float> out(b.size() / 4);
+    std::memcpy(out.data(), b.data(), b.size());
+    return out;
+  }
+  return {r.outputs(0).contents().fp32_contents().begin(),
+          r.outputs(0).contents().fp32_contents().end()};
+}
+
+double MaxDiff(const std::vector<float>& got, const json& rows) {
+  double worst = 0;
+  size_t i = 0;
+  for (const auto& row : rows) {
+    for (const auto& v : row) {
+      if (i >= got.size()) return 1e9;
+      worst = std::max(worst, std::abs(got[i++] - v.get<double>()));
+    }
+  }
+  return i == got.size() ? worst : 1e9;
+}
+
+std::vector<float> JsonFloats(const json& data) { return data.get<std::vector<float>>(); }
+
+TEST(RuntimeTest, BothProtocolsReturnTheReferenceOutputs) {
+  auto rt = StartRuntime("encoder", "1");
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  auto refs = References("1");
+  for (size_t i = 0; i < 6; ++i) {
+    const json& c = refs[i];
+    for (bool raw : {false, true}) {
+      grpc::ClientContext ctx;
+      inference::ModelInferResponse resp;
+      grpc::Status s = stub->ModelInfer(&ctx, GrpcEncoderRequest(c, raw), &resp);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(resp.model_version(), "1");
+      EXPECT_EQ(resp.id(), "case");
+      EXPECT_EQ(resp.raw_output_contents_size() > 0, raw);
+      EXPECT_EQ(resp.outputs(0).name(), "embedding");
+      EXPECT_EQ(resp.outputs(0).shape(1), 64);
+      EXPECT_LT(MaxDiff(GrpcFloats(resp), c["embedding"]), 1e-5) << "case " << i << " raw " << raw;
+    }
+    HttpResult h = Http(rt->http_port(), "POST", "/v2/models/encoder/infer", RestEncoderBody(c));
+    ASSERT_EQ(h.code, 200) << h.raw;
+    EXPECT_EQ(h.body["id"], "rest-case");
+    EXPECT_EQ(h.body["model_version"], "1");
+    EXPECT_LT(MaxDiff(JsonFloats(h.body["outputs"][0]["data"]), c["embedding"]), 1e-5);
+    HttpResult v = Http(rt->http_port(), "POST", "/v2/models/encoder/versions/1/infer",
+                        RestEncoderBody(c));
+    EXPECT_EQ(v.code, 200) << v.raw;
+  }
+}
+
+TEST(RuntimeTest, HealthAndMetadataOnBothProtocols) {
+  auto rt = StartRuntime("encoder");
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  {
+    grpc::ClientContext ctx;
+    inference::ServerLiveResponse r;
+    ASSERT_TRUE(stub->ServerLive(&ctx, {}, &r).ok());
+    EXPECT_TRUE(r.live());
+  }
+  {
+    grpc::ClientContext ctx;
+    inference::ModelMetadataRequest req;
+    req.set_name("encoder");
+    inference::ModelMetadataResponse r;
+    ASSERT_TRUE(stub->ModelMetadata(&ctx, req, &r).ok());
+    EXPECT_EQ(r.versions(0), "2");  // the highest version without --version
+    EXPECT_EQ(r.inputs(0).name(), "input_ids");
+    EXPECT_EQ(r.inputs(0).shape(0), -1);
+    EXPECT_EQ(r.outputs(0).shape(1), 64);
+  }
+  {
+    grpc::ClientContext ctx;
+    inference::ServerMetadataResponse r;
+    ASSERT_TRUE(stub->ServerMetadata(&ctx, {}, &r).ok());
+    EXPECT_EQ(r.name(), "kiln");
+  }
+  EXPECT_EQ(Http(rt->http_port(), "GET", "/v2/health/live").code, 200);
+  EXPECT_EQ(Http(rt->http_port(), "GET", "/v2/health/ready").code, 200);
+  EXPECT_EQ(Http(rt->http_port(), "GET", "/v2").body["name"], "kiln");
+  auto meta = Http(rt->http_port(), "GET", "/v2/models/encoder");
+  EXPECT_EQ(meta.code, 200);
+  EXPECT_EQ(meta.body["versions"][0], "2");
+  EXPECT_EQ(meta.body["outputs"][0]["datatype"], "FP32");
+  EXPECT_EQ(Http(rt->http_port(), "GET", "/v2/models/encoder/versions/2/ready").code, 200);
+  EXPECT_EQ(Http(rt->http_port(), "GET", "/v2/models/encoder/versions/1/ready").code, 404);
+  auto state = rt->GetState();
+  ASSERT_TRUE(state.ok());
+  EXPECT_EQ(state->state(), v1::SERVING);
+  EXPECT_EQ(state->model_version(), "2");
+  EXPECT_EQ(state->device(), "cpu");
+  EXPECT_GT(state->load_time_micros(), 0);
+  EXPECT_NE(rt->Log().find("grpc_port=" + std::to_string(rt->grpc_port())), std::string::npos);
+}
+
+TEST(RuntimeTest, SixtyFourConcurrentMixedRequestsEachGetTheirOwnAnswer) {
+  auto rt = StartRuntime("encoder", "2");
+  ASSERT_NE(rt, nullptr);
+  auto refs = References("2");
+  ASSERT_EQ(refs.size(), 64u);
+  std::atomic<int> ready{0};
+  std::atomic<int> correct{0};
+  std::vector<std::string> failures(64);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < 64; ++i) {
+    threads.emplace_back([&, i]() {
+      const json& c = refs[i];
+      ready++;
+      // Start together (bounded spin).
+      for (int k = 0; k < 5000 && ready.load() < 64; ++k) absl::SleepFor(absl::Microseconds(200));
+      std::vector<float> got;
+      if (i % 2 == 0) {
+        auto stub = Stub(*rt);
+        grpc::ClientContext ctx;
+        inference::ModelInferResponse resp;
+        grpc::Status s = stub->ModelInfer(&ctx, GrpcEncoderRequest(c, i % 4 == 0), &resp);
+        if (!s.ok()) {
+          failures[i] = s.error_message();
+          return;
+        }
+        got = GrpcFloats(resp);
+      } else {
+        HttpResult h = Http(rt->http_port(), "POST", "/v2/models/encoder/infer", RestEncoderBody(c));
+        if (h.code != 200) {
+          failures[i] = h.raw;
+          return;
+        }
+        got = JsonFloats(h.body["outputs"][0]["data"]);
+      }
+      double diff = MaxDiff(got, c["embedding"]);
+      if (diff < 1e-5) {
+        correct++;
+      } else {
+        failures[i] = "max diff " + std::to_string(diff);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < 64; ++i) EXPECT_EQ(failures[i], "") << "request " << i;
+  EXPECT_EQ(correct.load(), 64);
+  grpc::ClientContext ctx;
+  v1::RuntimeStats stats;
+  ASSERT_TRUE(rt->control()->Stats(&ctx, {}, &stats).ok());
+  EXPECT_GE(stats.requests(), 64u);
+  EXPECT_EQ(stats.errors(), 0u);
+  // Concurrent requests of equal shape were combined: fewer executions than requests.
+  EXPECT_LT(stats.batches(), stats.requests());
+  EXPECT_EQ(stats.in_flight(), 0);
+}
+
+grpc::Status Infer(inference::GRPCInferenceService::Stub* stub,
+                   const inference::ModelInferRequest& req,
+                   inference::ModelInferResponse* resp = nullptr) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  inference::ModelInferResponse local;
+  return stub->ModelInfer(&ctx, req, resp ? resp : &local);
+}
+
+TEST(RuntimeTest, BadRequestsGetClearErrorsAndTheServerKeepsServing) {
+  auto rt = StartRuntime("encoder", "", "serving", {"--max-request-bytes", "1Mi"});
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  json c = References("2")[0];
+  auto good = GrpcEncoderRequest(c, true);
+
+  struct Case {
+    std::string what;
+    inference::ModelInferRequest req;
+    grpc::StatusCode code;
+    std::string expect;
+  };
+  std::vector<Case> cases;
+  auto r = good;
+  r.set_model_name("nope");
+  cases.push_back({"unknown model", r, grpc::StatusCode::NOT_FOUND, "unknown model 'nope'"});
+  r = good;
+  r.set_model_version("7");
+  cases.push_back({"unknown version", r, grpc::StatusCode::NOT_FOUND, "unknown version '7'"});
+  r = good;
+  r.mutable_inputs(0)->set_name("token_ids");
+  cases.push_back({"wrong input name", r, grpc::StatusCode::INVALID_ARGUMENT,
+                   "unknown input 'token_ids' (expected: input_ids, attention_mask)"});
+  r = good;
+  r.mutable_inputs(0)->set_datatype("INT32");
+  cases.push_back({"wrong datatype", r, grpc::StatusCode::INVALID_ARGUMENT, "expected"});
+  r = good;
+  r.mutable_inputs(0)->clear_shape();
+  r.mutable_inputs(0)->add_shape(static_cast<int64_t>(c["input_ids"][0].size()));
+  cases.push_back({"wrong shape", r, grpc::StatusCode::INVALID_ARGUMENT, "expected"});
+  r = good;
+  r.mutable_raw_input_contents(1)->resize(8);
+  cases.push_back({"wrong byte size", r, grpc::StatusCode::INVALID_ARGUMENT, "bytes"});
+  r = good;
+  r.mutable_inputs()->RemoveLast();
+  r.mutable_raw_input_contents()->RemoveLast();
+  cases.push_back({"missing input", r, grpc::StatusCode::INVALID_ARGUMENT,
+                   "missing input 'attention_mask'"});
+  r = good;
+  r.mutable_inputs(0)->set_shape(0, 40);
+  r.mutable_inputs(1)->set_shape(0, 40);
+  r.mutable_raw_input_contents(0)->assign(40 * c["input_ids"][0].size() * 8, '\1');
+  r.mutable_raw_input_contents(1)->assign(40 * c["input_ids"][0].size() * 8, '\1');
+  cases.push_back({"batch over max", r, grpc::StatusCode::INVALID_ARGUMENT, "max_batch_size"});
+  r = good;
+  r.mutable_inputs(0)->set_shape(1, 100000);
+  r.mutable_inputs(1)->set_shape(1, 100000);
+  r.mutable_raw_input_contents(0)->assign(800000, '\0');
+  r.mutable_raw_input_contents(1)->assign(800000, '\0');
+  cases.push_back({"payload over the limit", r, grpc::StatusCode::RESOURCE_EXHAUSTED, ""});
+  for (const auto& k : cases) {
+    grpc::Status s = Infer(stub.get(), k.req);
+    EXPECT_EQ(s.error_code(), k.code) << k.what << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(k.expect), std::string::npos) << k.what << ": " << s.error_message();
+  }
+
+  int port = rt->http_port();
+  auto rest = [&](const std::string& path, const std::string& body) {
+    return Http(port, "POST", path, body);
+  };
+  std::string body = RestEncoderBody(c);
+  EXPECT_EQ(rest("/v2/models/nope/infer", body).code, 404);
+  EXPECT_EQ(rest("/v2/models/encoder/versions/7/infer", body).code, 404);
+  auto bad_json = rest("/v2/models/encoder/infer", "{not json");
+  EXPECT_EQ(bad_json.code, 400);
+  EXPECT_NE(bad_json.body["error"].get<std::string>().find("not valid JSON"), std::string::npos);
+  json wrong = json::parse(body);
+  wrong["inputs"][0]["datatype"] = "FP32";
+  auto wrong_type = rest("/v2/models/encoder/infer", wrong.dump());
+  EXPECT_EQ(wrong_type.code, 400);
+  EXPECT_NE(wrong_type.body["error"].get<std::string>().find("expected datatype INT64"),
+            std::string::npos) << wrong_type.raw;
+  wrong = json::parse(body);
+  wrong["inputs"][1]["shape"] = {1, 2};
+  EXPECT_EQ(rest("/v2/models/encoder/infer", wrong.dump()).code, 400);
+  std::string big(2 << 20, ' ');
+  auto too_big = rest("/v2/models/encoder/infer", "{" + big + "}");
+  EXPECT_EQ(too_big.code, 413) << too_big.raw;
+  EXPECT_EQ(Http(port, "GET", "/v2/models/encoder/infer").code, 405);
+  EXPECT_EQ(Http(port, "GET", "/v3/whatever").code, 404);
+
+  // Still serving, and every request above was answered.
+  inference::ModelInferResponse resp;
+  ASSERT_TRUE(Infer(stub.get(), good, &resp).ok());
+  EXPECT_LT(MaxDiff(GrpcFloats(resp), c["embedding"]), 1e-5);
+  EXPECT_EQ(rest("/v2/models/encoder/infer", body).code, 200);
+  auto state = rt->GetState();
+  ASSERT_TRUE(state.ok());
+  EXPECT_EQ(state->state(), v1::SERVING);
+}
+
+inference::ModelInferRequest SlowRequest(int64_t work, int64_t timeout_us = 0) {
+  inference::ModelInferRequest req;
+  req.set_model_name("slow");
+  auto* x = req.add_inputs();
+  x->set_name("x");
+  x->set_datatype("FP32");
+  x->add_shape(1);
+  x->add_shape(1);
+  x->mutable_contents()->add_fp32_contents(3.0f);
+  auto* w = req.add_inputs();
+  w->set_name("work");
+  w->set_datatype("INT64");
+  w->add_shape(1);
+  w->add_shape(1);
+  w->mutable_contents()->add_int64_contents(work);
+  if (timeout_us > 0) (*req.mutable_parameters())["timeout"].set_int64_param(timeout_us);
+  return req;
+}
+
+v1::RuntimeStats Stats(RuntimeProcess* rt) {
+  grpc::ClientContext ctx;
+  v1::RuntimeStats s;
+  EXPECT_TRUE(rt->control()->Stats(&ctx, {}, &s).ok());
+  return s;
+}
+
+// Bounded poll until the runtime is executing exactly one request with nothing queued.
+bool WaitExecuting(RuntimeProcess* rt, int64_t in_flight, int64_t queued) {
+  for (int i = 0; i < 1000; ++i) {
+    auto s = Stats(rt);
+    if (s.in_flight() == in_flight && s.queue_depth() == queued) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+constexpr int64_t kLongWork = 1500;  // about a second of CPU on the slow model
+
+TEST(RuntimeTest, WarmRefusesInferencePromoteServes) {
+  auto rt = StartRuntime("encoder", "", "warm");
+  ASSERT_NE(rt, nullptr);
+  auto state = rt->GetState();
+  ASSERT_TRUE(state.ok());
+  EXPECT_EQ(state->state(), v1::WARM);
+  auto stub = Stub(*rt);
+  {
+    grpc::ClientContext ctx;
+    inference::ServerLiveResponse r;
+    ASSERT_TRUE(stub->ServerLive(&ctx, {}, &r).ok());
+    EXPECT_TRUE(r.live());
+  }
+  {
+    grpc::ClientContext ctx;
+    inference::ModelReadyRequest req;
+    req.set_name("encoder");
+    inference::ModelReadyResponse r;
+    ASSERT_TRUE(stub->ModelReady(&ctx, req, &r).ok());
+    EXPECT_FALSE(r.ready());
+  }
+  EXPECT_EQ(Http(rt->http_port(), "GET", "/v2/health/ready").code, 503);
+  json c = References("2")[3];
+  EXPECT_EQ(Infer(stub.get(), GrpcEncoderRequest(c, true)).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(Http(rt->http_port(), "POST", "/v2/models/encoder/infer", RestEncoderBody(c)).code, 503);
+
+  grpc::ClientContext ctx;
+  v1::RuntimeState promoted;
+  ASSERT_TRUE(rt->control()->Promote(&ctx, {}, &promoted).ok());
+  EXPECT_EQ(promoted.state(), v1::SERVING);
+  inference::ModelInferResponse resp;
+  ASSERT_TRUE(Infer(stub.get(), GrpcEncoderRequest(c, true), &resp).ok());
+  EXPECT_LT(MaxDiff(GrpcFloats(resp), c["embedding"]), 1e-5);
+
+  grpc::ClientContext dctx;
+  v1::RuntimeState demoted;
+  ASSERT_TRUE(rt->control()->Demote(&dctx, {}, &demoted).ok());
+  EXPECT_EQ(demoted.state(), v1::WARM);
+  EXPECT_EQ(Infer(stub.get(), GrpcEncoderRequest(c, true)).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST(RuntimeTest, DrainFinishesInFlightWorkAndRefusesNew) {
+  auto rt = StartRuntime("slow");
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  auto long_call = std::async(std::launch::async, [&]() {
+    inference::ModelInferResponse resp;
+    grpc::Status s = Infer(stub.get(), SlowRequest(kLongWork), &resp);
+    return std::make_pair(s, resp);
+  });
+  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
+  grpc::ClientContext ctx;
+  v1::DrainRequest dreq;
+  dreq.set_deadline_millis(60000);
+  v1::DrainResponse dresp;
+  ASSERT_TRUE(rt->control()->Drain(&ctx, dreq, &dresp).ok());
+  EXPECT_TRUE(dresp.drained());
+  EXPECT_EQ(dresp.in_flight(), 0);
+  EXPECT_EQ(dresp.state().state(), v1::DRAINING);
+  auto [status, resp] = long_call.get();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(resp.outputs(0).contents().fp32_contents(0), 3.0f);
+  EXPECT_EQ(Infer(stub.get(), SlowRequest(1)).error_code(), grpc::StatusCode::UNAVAILABLE);
+
+  grpc::ClientContext sctx;
+  v1::ShutdownResponse sresp;
+  ASSERT_TRUE(rt->control()->Shutdown(&sctx, {}, &sresp).ok());
+  auto exit = rt->WaitExit(absl::Seconds(30));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << rt->Log();
+}
+
+TEST(RuntimeTest, SigtermDrainsThenExitsCleanly) {
+  auto rt = StartRuntime("slow");
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  auto long_call = std::async(std::launch::async,
+                              [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
+  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
+  rt->Signal(SIGTERM);
+  EXPECT_TRUE(long_call.get().ok());
+  auto exit = rt->WaitExit(absl::Seconds(30));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << rt->Log();
+  EXPECT_NE(rt->Log().find("DRAINING -> STOPPED"), std::string::npos);
+}
+
+TEST(RuntimeTest, FullQueueIsResourceExhaustedAndTimeoutsExpire) {
+  auto rt = StartRuntime("slow");  // max_queue_size: 4
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  auto long_call = std::async(std::launch::async,
+                              [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
+  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
+  // One queued request with a 1 ms timeout: it expires behind the long one.
+  auto timed = std::async(std::launch::async,
+                          [&]() { return Infer(stub.get(), SlowRequest(1, 1000)); });
+  ASSERT_TRUE(WaitExecuting(rt.get(), 2, 1));
+  std::vector<std::future<grpc::Status>> queued;
+  for (int i = 0; i < 3; ++i) {
+    queued.push_back(std::async(std::launch::async, [&]() { return Infer(stub.get(), SlowRequest(1)); }));
+  }
+  ASSERT_TRUE(WaitExecuting(rt.get(), 5, 4));
+  grpc::Status full = Infer(stub.get(), SlowRequest(1));
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << full.error_message();
+  json body = {{"inputs",
+                {{{"name", "x"}, {"datatype", "FP32"}, {"shape", {1, 1}}, {"data", {1.0}}},
+                 {{"name", "work"}, {"datatype", "INT64"}, {"shape", {1, 1}}, {"data", {1}}}}}};
+  EXPECT_EQ(Http(rt->http_port(), "POST", "/v2/models/slow/infer", body.dump()).code, 429);
+
+  EXPECT_TRUE(long_call.get().ok());
+  grpc::Status t = timed.get();
+  EXPECT_EQ(t.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << t.error_message();
+  for (auto& q : queued) EXPECT_TRUE(q.get().ok());
+  auto stats = Stats(rt.get());
+  EXPECT_EQ(stats.rejected_queue_full(), 2u);
+  EXPECT_EQ(stats.timed_out(), 1u);
+}
+
+TEST(RuntimeTest, RestTimeoutIs504) {
+  auto rt = StartRuntime("slow");
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  auto long_call = std::async(std::launch::async,
+                              [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
+  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
+  json body = {{"parameters", {{"timeout", 1000}}},
+               {"inputs",
+                {{{"name", "x"}, {"datatype", "FP32"}, {"shape", {1, 1}}, {"data", {1.0}}},
+                 {{"name", "work"}, {"datatype", "INT64"}, {"shape", {1, 1}}, {"data", {1}}}}}};
+  auto r = Http(rt->http_port(), "POST", "/v2/models/slow/infer", body.dump());
+  EXPECT_EQ(r.code, 504) << r.raw;
+  EXPECT_TRUE(long_call.get().ok());
+}
+
+TEST(RuntimeTest, ResponseCacheHitsOnRepeatedInputs) {
+  auto rt = StartRuntime("addsub");
+  ASSERT_NE(rt, nullptr);
+  json body = {{"inputs",
+                {{{"name", "INPUT0"}, {"datatype", "FP32"}, {"shape", {1, 4}}, {"data", {1, 2, 3, 4}}},
+                 {{"name", "INPUT1"}, {"datatype", "FP32"}, {"shape", {1, 4}}, {"data", {1, 1, 1, 1}}}}},
+               {"outputs", {{{"name", "OUTPUT1"}}}}};
+  for (int i = 0; i < 3; ++i) {
+    auto r = Http(rt->http_port(), "POST", "/v2/models/addsub/infer", body.dump());
+    ASSERT_EQ(r.code, 200) << r.raw;
+    ASSERT_EQ(r.body["outputs"].size(), 1u);
+    EXPECT_EQ(r.body["outputs"][0]["name"], "OUTPUT1");
+    EXPECT_EQ(r.body["outputs"][0]["data"], json({0.0, 1.0, 2.0, 3.0}));
+  }
+  auto stats = Stats(rt.get());
+  EXPECT_EQ(stats.cache_misses(), 1u);
+  EXPECT_EQ(stats.cache_hits(), 2u);
+  EXPECT_EQ(stats.batches(), 1u);
+}
+
+TEST(RuntimeTest, NoBatchDimensionModelAndDictOutputs) {
+  auto rt = StartRuntime("dictout");
+  ASSERT_NE(rt, nullptr);
+  json body = {{"inputs", {{{"name", "x"}, {"datatype", "INT32"}, {"shape", {3}}, {"data", {4, 5, 6}}}}}};
+  auto r = Http(rt->http_port(), "POST", "/v2/models/dictout/infer", body.dump());
+  ASSERT_EQ(r.code, 200) << r.raw;
+  EXPECT_EQ(r.body["outputs"][0]["data"], json({8, 10, 12}));
+  EXPECT_EQ(r.body["outputs"][1]["datatype"], "INT64");
+  EXPECT_EQ(r.body["outputs"][1]["data"], json({15}));
+}
+
+class BrokenRepoTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() / ("kiln_broken_repo_" + std::to_string(getpid()));
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_ / "encoder/1");
+    std::filesystem::copy_file(kRepo + "/encoder/config.yaml", dir_ / "encoder/config.yaml");
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::filesystem::path dir_;
+};
+
+TEST_F(BrokenRepoTest, CorruptModelFileFailsTheLoadCleanly) {
+  std::ofstream(dir_ / "encoder/1/model.pt") << "PK\x03\x04 definitely not a TorchScript archive";
+  testing::RunResult r = testing::RunToCompletion(
+      {KILN_RUNTIME_BIN, "--model-repository", dir_.string(), "--model", "encoder",
+       "--grpc-port", "0", "--http-port", "0", "--bind-address", "127.0.0.1"},
+      absl::Seconds(60));
+  EXPECT_EQ(r.exit_code, 1) << r.output;  // an orderly exit, not a crash
+  EXPECT_NE(r.output.find("not a loadable TorchScript model"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("-> FAILED"), std::string::npos) << r.output;
+}
+
+TEST_F(BrokenRepoTest, BadConfigFailsBeforeListening) {
+  std::ofstream(dir_ / "encoder/1/model.pt") << "x";
+  std::ofstream(dir_ / "encoder/config.yaml") << "name: encoder\nbackend: torchscript\nmax_batch_size: lots\n";
+  testing::RunResult r = testing::RunToCompletion(
+      {KILN_RUNTIME_BIN, "--model-repository", dir_.string(), "--model", "encoder"},
+      absl::Seconds(30));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("max_batch_size: must be an integer"), std::string::npos) << r.output;
+}
+
+TEST(RuntimeFlagsTest, BadFlagsNameTheFlag) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string expect;
+  };
+  std::vector<Case> cases = {
+      {{"--model", "encoder"}, "--model-repository"},
+      {{"--model-repository", kRepo}, "--model"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--initial-state", "hot"}, "--initial-state"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--grpc-port", "70000"}, "--grpc-port"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--http-port", "abc"}, "--http-port"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--device", "gpu"}, "--device"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--version", "9"}, "--version"},
+      {{"--model-repository", kRepo, "--model", "missing"}, "--model"},
+      {{"--model-repository", "/nonexistent", "--model", "encoder"}, "--model-repository"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--max-request-bytes", "huge"}, "--max-request-bytes"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--log-level", "loud"}, "--log-level"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> args = {KILN_RUNTIME_BIN};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    testing::RunResult r = testing::RunToCompletion(args, absl::Seconds(30));
+    EXPECT_NE(r.exit_code, 0) << c.expect;
+    EXPECT_NE(r.exit_code, -1) << c.expect << " (killed or crashed)";
+    EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.expect << ": " << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace kiln

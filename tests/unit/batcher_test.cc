@@ -1,0 +1,218 @@
+#include "runtime/batcher.h"
+
+#include <cstring>
+
+#include "gtest/gtest.h"
+
+namespace kiln {
+namespace {
+
+constexpr absl::Duration kDelay = absl::Microseconds(2000);
+
+class DecideTest : public ::testing::Test {
+ protected:
+  BatchPolicy Policy(int64_t max, std::vector<int64_t> preferred = {},
+                     absl::Duration delay = kDelay) {
+    BatchPolicy p;
+    p.dynamic = true;
+    p.max_batch_size = max;
+    p.preferred_batch_sizes = std::move(preferred);
+    p.max_queue_delay = delay;
+    return p;
+  }
+  PendingView At(absl::Duration ago, int64_t priority = 1, int64_t rows = 1,
+                 std::string key = "k") {
+    PendingView v;
+    v.enqueued = clock_.Now() - ago;
+    v.priority = priority;
+    v.rows = rows;
+    v.shape_key = std::move(key);
+    return v;
+  }
+  SimulatedClock clock_;
+};
+
+TEST_F(DecideTest, EmptyQueueWaitsForever) {
+  BatchDecision d = Decide({}, clock_.Now(), Policy(8));
+  EXPECT_TRUE(d.batch.empty());
+  EXPECT_EQ(d.wake_at, absl::InfiniteFuture());
+}
+
+TEST_F(DecideTest, WaitsForMaxQueueDelayThenRunsWhatItHas) {
+  std::vector<PendingView> q = {At(absl::ZeroDuration()), At(absl::ZeroDuration())};
+  BatchDecision d = Decide(q, clock_.Now(), Policy(8));
+  EXPECT_TRUE(d.batch.empty());
+  EXPECT_EQ(d.wake_at, clock_.Now() + kDelay);
+
+  clock_.Advance(kDelay - absl::Microseconds(1));
+  EXPECT_TRUE(Decide(q, clock_.Now(), Policy(8)).batch.empty());
+  clock_.Advance(absl::Microseconds(1));
+  d = Decide(q, clock_.Now(), Policy(8));
+  EXPECT_EQ(d.batch, (std::vector<size_t>{0, 1}));
+}
+
+TEST_F(DecideTest, FullBatchRunsAtOnce) {
+  std::vector<PendingView> q;
+  for (int i = 0; i < 5; ++i) q.push_back(At(absl::ZeroDuration()));
+  BatchDecision d = Decide(q, clock_.Now(), Policy(4));
+  EXPECT_EQ(d.batch, (std::vector<size_t>{0, 1, 2, 3}));
+}
+
+TEST_F(DecideTest, NextRequestNotFittingMakesBatchFull) {
+  // 3 rows queued, the next request has 2 rows and max is 4: waiting cannot help.
+  std::vector<PendingView> q = {At(absl::ZeroDuration(), 1, 3), At(absl::ZeroDuration(), 1, 2)};
+  BatchDecision d = Decide(q, clock_.Now(), Policy(4));
+  EXPECT_EQ(d.batch, (std::vector<size_t>{0}));
+}
+
+TEST_F(DecideTest, PreferredSizeRunsBeforeTheDelay) {
+  std::vector<PendingView> q;
+  for (int i = 0; i < 5; ++i) q.push_back(At(absl::ZeroDuration()));
+  BatchDecision d = Decide(q, clock_.Now(), Policy(8, {2, 4}));
+  // The largest preferred size reachable is 4.
+  EXPECT_EQ(d.batch, (std::vector<size_t>{0, 1, 2, 3}));
+  q.resize(3);
+  d = Decide(q, clock_.Now(), Policy(8, {2, 4}));
+  EXPECT_EQ(d.batch, (std::vector<size_t>{0, 1}));
+  q.resize(1);
+  d = Decide(q, clock_.Now(), Policy(8, {2, 4}));
+  EXPECT_TRUE(d.batch.empty());
+  EXPECT_EQ(d.wake_at, clock_.Now() + kDelay);
+}
+
+TEST_F(DecideTest, ZeroDelayWithoutPreferredRunsImmediately) {
+  std::vector<PendingView> q = {At(absl::ZeroDuration())};
+  BatchDecision d = Decide(q, clock_.Now(), Policy(8, {}, absl::ZeroDuration()));
+  EXPECT_EQ(d.batch, (std::vector<size_t>{0}));
+}
+
+TEST_F(DecideTest, HigherPriorityLeadsAndNeverWaitsBehindLower) {
+  // An older low-priority (2) request and a newer high-priority (1) one.
+  std::vector<PendingView> q = {At(absl::Microseconds(1500), 2), At(absl::ZeroDuration(), 1)};
+  BatchDecision d = Decide(q, clock_.Now(), Policy(1));
+  EXPECT_EQ(d.batch, (std::vector<size_t>{1}));
+  // With room for both, the high one is first in the batch.
+  d = Decide(q, clock_.Now(), Policy(2));
+  EXPECT_EQ(d.batch, (std::vector<size_t>{1, 0}));
+}
+
+TEST_F(DecideTest, LeaderDelayGovernsTheWake) {
+  // The high-priority leader is new: its delay, not the old low one's, sets the deadline.
+  std::vector<PendingView> q = {At(absl::Microseconds(1900), 2), At(absl::ZeroDuration(), 1)};
+  BatchDecision d = Decide(q, clock_.Now(), Policy(8));
+  EXPECT_TRUE(d.batch.empty());
+  EXPECT_EQ(d.wake_at, clock_.Now() + kDelay);
+}
+
+TEST_F(DecideTest, DifferentShapesDoNotMix) {
+  std::vector<PendingView> q = {At(kDelay, 1, 1, "a"), At(kDelay, 1, 1, "b"),
+                                At(kDelay, 1, 1, "a")};
+  BatchDecision d = Decide(q, clock_.Now(), Policy(8));
+  EXPECT_EQ(d.batch, (std::vector<size_t>{0, 2}));
+}
+
+TEST_F(DecideTest, ExpiredRequestsAreReportedAndSkipped) {
+  std::vector<PendingView> q = {At(kDelay), At(absl::ZeroDuration())};
+  q[0].deadline = clock_.Now() - absl::Microseconds(1);
+  q[1].deadline = clock_.Now() + absl::Microseconds(500);
+  BatchDecision d = Decide(q, clock_.Now(), Policy(8));
+  EXPECT_EQ(d.expired, (std::vector<size_t>{0}));
+  EXPECT_TRUE(d.batch.empty());
+  // The live request's own deadline comes before its batching delay.
+  EXPECT_EQ(d.wake_at, clock_.Now() + absl::Microseconds(500));
+}
+
+TEST_F(DecideTest, BatchingOffRunsOneRequestAtATime) {
+  BatchPolicy p;
+  p.dynamic = false;
+  p.max_batch_size = 8;
+  std::vector<PendingView> q = {At(absl::ZeroDuration(), 2), At(absl::ZeroDuration(), 1)};
+  BatchDecision d = Decide(q, clock_.Now(), p);
+  EXPECT_EQ(d.batch, (std::vector<size_t>{1}));
+}
+
+Tensor Make(const std::string& name, std::vector<int64_t> shape, std::vector<float> values) {
+  Tensor t;
+  t.name = name;
+  t.dtype = DataType::kFp32;
+  t.shape = std::move(shape);
+  t.data.resize(values.size() * 4);
+  std::memcpy(t.data.data(), values.data(), t.data.size());
+  return t;
+}
+
+TEST(ConcatSplitTest, RoundTripsExactly) {
+  std::vector<Tensor> a = {Make("x", {1, 2}, {1, 2})};
+  std::vector<Tensor> b = {Make("x", {2, 2}, {3, 4, 5, 6})};
+  auto batched = ConcatBatch({&a, &b});
+  ASSERT_TRUE(batched.ok()) << batched.status();
+  EXPECT_EQ((*batched)[0].shape, (std::vector<int64_t>{3, 2}));
+  auto split = SplitBatch(*batched, {1, 2});
+  ASSERT_TRUE(split.ok());
+  EXPECT_EQ((*split)[0][0].data, a[0].data);
+  EXPECT_EQ((*split)[1][0].data, b[0].data);
+  EXPECT_EQ((*split)[1][0].shape, (std::vector<int64_t>{2, 2}));
+}
+
+TEST(ConcatSplitTest, RejectsMismatchedShapes) {
+  std::vector<Tensor> a = {Make("x", {1, 2}, {1, 2})};
+  std::vector<Tensor> b = {Make("x", {1, 3}, {3, 4, 5})};
+  EXPECT_EQ(ConcatBatch({&a, &b}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ConcatSplitTest, SplitRejectsWrongBatchDimension) {
+  std::vector<Tensor> out = {Make("y", {2, 1}, {1, 2})};
+  auto split = SplitBatch(out, {1, 2});
+  EXPECT_EQ(split.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(split.status().message().find("batch of 3"), std::string::npos);
+}
+
+ModelConfig BatchingConfig(int64_t max_queue) {
+  ModelConfig c;
+  c.name = "m";
+  c.backend = "test";
+  c.max_batch_size = 4;
+  c.inputs = {{"x", DataType::kFp32, {1}}};
+  c.outputs = {{"y", DataType::kFp32, {1}}};
+  DynamicBatchingConfig db;
+  db.max_queue_delay_microseconds = 0;
+  db.max_queue_size = max_queue;
+  c.dynamic_batching = db;
+  return c;
+}
+
+TEST(BatcherTest, FullQueueIsResourceExhausted) {
+  SimulatedClock clock;
+  absl::Mutex mu;
+  bool release = false;
+  auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&release));
+    return std::vector<Tensor>{Make("y", {in[0].shape[0], 1}, std::vector<float>(in[0].shape[0]))};
+  };
+  auto batcher = Batcher::Create(BatchingConfig(1), exec, &clock, nullptr);
+  ASSERT_TRUE(batcher.ok());
+  std::atomic<int> done{0};
+  auto item = [&]() {
+    Batcher::Item it;
+    it.inputs = {Make("x", {1, 1}, {1})};
+    it.done = [&](absl::StatusOr<std::vector<Tensor>> r) { done++; };
+    return it;
+  };
+  ASSERT_TRUE((*batcher)->Enqueue(item()).ok());
+  // Wait (bounded) until the executor took the first one and is blocked in it.
+  for (int i = 0; i < 2000 && (*batcher)->queue_depth() > 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ((*batcher)->queue_depth(), 0);
+  ASSERT_TRUE((*batcher)->Enqueue(item()).ok());
+  absl::Status full = (*batcher)->Enqueue(item());
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  {
+    absl::MutexLock lock(&mu);
+    release = true;
+  }
+  (*batcher)->Stop();
+  EXPECT_EQ(done.load(), 2);
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,327 @@
+// Request decoding (gRPC and REST JSON), response encoding, and the engine's request
+// validation, with a fake in-process backend.
+#include <cstring>
+
+#include "gtest/gtest.h"
+#include "runtime/grpc_frontend.h"
+#include "runtime/inference_engine.h"
+#include "runtime/json_codec.h"
+
+namespace kiln {
+namespace {
+
+constexpr int64_t kLimit = 1 << 20;
+
+TEST(GrpcDecodeTest, TypedAndRawContents) {
+  inference::ModelInferRequest req;
+  req.set_model_name("m");
+  req.set_id("r1");
+  auto* in = req.add_inputs();
+  in->set_name("x");
+  in->set_datatype("INT32");
+  in->add_shape(1);
+  in->add_shape(3);
+  for (int v : {1, -2, 3}) in->mutable_contents()->add_int_contents(v);
+  (*req.mutable_parameters())["priority"].set_int64_param(1);
+  (*req.mutable_parameters())["timeout"].set_int64_param(5000);
+  auto r = DecodeInferRequest(req, kLimit);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->priority, 1);
+  EXPECT_EQ(r->timeout_micros, 5000);
+  ASSERT_EQ(r->inputs[0].data.size(), 12u);
+  int32_t v[3];
+  std::memcpy(v, r->inputs[0].data.data(), 12);
+  EXPECT_EQ(v[1], -2);
+
+  in->clear_contents();
+  req.add_raw_input_contents(std::string(reinterpret_cast<const char*>(v), 12));
+  auto raw = DecodeInferRequest(req, kLimit);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  EXPECT_EQ(raw->inputs[0].data, std::string(reinterpret_cast<const char*>(v), 12));
+}
+
+TEST(GrpcDecodeTest, RejectsBadInputs) {
+  inference::ModelInferRequest req;
+  req.set_model_name("m");
+  auto* in = req.add_inputs();
+  in->set_name("x");
+  in->set_datatype("INT8");
+  in->add_shape(2);
+  in->mutable_contents()->add_int_contents(1);
+  in->mutable_contents()->add_int_contents(300);  // out of INT8 range
+  auto s = DecodeInferRequest(req, kLimit).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("out of range"), std::string::npos);
+
+  in->mutable_contents()->clear_int_contents();
+  in->mutable_contents()->add_int_contents(1);
+  s = DecodeInferRequest(req, kLimit).status();
+  EXPECT_NE(s.message().find("expected 2 elements"), std::string::npos) << s;
+
+  in->set_datatype("FP16");
+  s = DecodeInferRequest(req, kLimit).status();
+  EXPECT_NE(s.message().find("raw_input_contents"), std::string::npos) << s;
+
+  in->set_datatype("STRING");
+  EXPECT_EQ(DecodeInferRequest(req, kLimit).status().code(), absl::StatusCode::kInvalidArgument);
+
+  in->set_datatype("FP32");
+  in->clear_contents();
+  req.add_raw_input_contents(std::string(7, '\0'));
+  s = DecodeInferRequest(req, kLimit).status();
+  EXPECT_NE(s.message().find("expected 8 bytes"), std::string::npos) << s;
+
+  // A huge declared shape is refused before anything is allocated.
+  in->clear_shape();
+  in->add_shape(1 << 30);
+  s = DecodeInferRequest(req, kLimit).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+
+  in->clear_shape();
+  in->add_shape(-3);
+  EXPECT_EQ(DecodeInferRequest(req, kLimit).status().code(), absl::StatusCode::kInvalidArgument);
+
+  req.add_raw_input_contents("extra");
+  EXPECT_NE(DecodeInferRequest(req, kLimit).status().message().find("raw_input_contents has 2"),
+            std::string::npos);
+
+  inference::ModelInferRequest bad_param;
+  bad_param.add_inputs()->set_name("x");
+  (*bad_param.mutable_parameters())["priority"].set_string_param("high");
+  EXPECT_NE(DecodeInferRequest(bad_param, kLimit).status().message().find("priority"),
+            std::string::npos);
+}
+
+TEST(GrpcEncodeTest, TypedRawAndHalf) {
+  InferResponse resp;
+  resp.model_name = "m";
+  resp.model_version = "3";
+  resp.id = "r";
+  Tensor t;
+  t.name = "y";
+  t.dtype = DataType::kFp32;
+  t.shape = {1, 2};
+  float f[2] = {1.5f, -2.0f};
+  t.data.assign(reinterpret_cast<const char*>(f), 8);
+  resp.outputs.push_back(t);
+  inference::ModelInferResponse typed;
+  ASSERT_TRUE(EncodeInferResponse(resp, false, &typed).ok());
+  EXPECT_EQ(typed.model_version(), "3");
+  ASSERT_EQ(typed.outputs(0).contents().fp32_contents_size(), 2);
+  EXPECT_EQ(typed.outputs(0).contents().fp32_contents(1), -2.0f);
+  EXPECT_EQ(typed.raw_output_contents_size(), 0);
+
+  inference::ModelInferResponse raw;
+  ASSERT_TRUE(EncodeInferResponse(resp, true, &raw).ok());
+  EXPECT_EQ(raw.raw_output_contents(0), t.data);
+
+  resp.outputs[0].dtype = DataType::kFp16;
+  resp.outputs[0].data.resize(4);
+  inference::ModelInferResponse half;
+  ASSERT_TRUE(EncodeInferResponse(resp, false, &half).ok());
+  EXPECT_EQ(half.raw_output_contents_size(), 1);  // FP16 has no typed field
+}
+
+TEST(JsonDecodeTest, NestedAndFlatData) {
+  std::string body = R"({"id":"q","parameters":{"priority":2,"custom":"kept"},
+    "inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","data":[[1,2],[3,4.5]]},
+              {"name":"b","shape":[2],"datatype":"BOOL","data":[true,false]},
+              {"name":"h","shape":[1],"datatype":"FP16","data":[0.5]}],
+    "outputs":[{"name":"y"}]})";
+  nlohmann::json params;
+  auto r = DecodeJsonInferRequest(body, "m", "1", kLimit, &params);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->id, "q");
+  EXPECT_EQ(r->priority, 2);
+  EXPECT_EQ(params["custom"], "kept");
+  float v[4];
+  std::memcpy(v, r->inputs[0].data.data(), 16);
+  EXPECT_EQ(v[3], 4.5f);
+  EXPECT_EQ(r->inputs[1].data, std::string("\x01\x00", 2));
+  uint16_t h;
+  std::memcpy(&h, r->inputs[2].data.data(), 2);
+  EXPECT_EQ(HalfToFloat(h), 0.5f);
+  EXPECT_EQ(r->outputs, (std::vector<std::string>{"y"}));
+}
+
+TEST(JsonDecodeTest, RejectsBadBodies) {
+  struct Case {
+    std::string body;
+    std::string expect;
+  };
+  std::vector<Case> cases = {
+      {"not json", "not valid JSON"},
+      {"[1,2]", "JSON object"},
+      {R"({"inputs":[]})", "inputs: must be a non-empty array"},
+      {R"({"inputs":[{"shape":[1],"datatype":"FP32","data":[1]}]})", "inputs[0].name"},
+      {R"({"inputs":[{"name":"x","shape":[1],"data":[1]}]})", "inputs[0].datatype"},
+      {R"({"inputs":[{"name":"x","shape":"1","datatype":"FP32","data":[1]}]})", "inputs[0].shape"},
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32"}]})", "inputs[0].data: is missing"},
+      {R"({"inputs":[{"name":"x","shape":[3],"datatype":"FP32","data":[1,2]}]})", "expected 3 elements"},
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1,2]}]})", "more than the 1"},
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"INT32","data":[1.5]}]})", "an integer"},
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"UINT8","data":[256]}]})", "range"},
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"INT64","data":["7"]}]})", "an integer"},
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"BOOL","data":[1]}]})", "true or false"},
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[null]}]})", "a number"},
+      {R"({"id":5,"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]})", "id: must be a string"},
+      {R"({"parameters":{"timeout":"soon"},"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]})", "parameters.timeout"},
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}],"outputs":[{"nom":"y"}]})", "outputs[0].name"},
+  };
+  for (const auto& c : cases) {
+    auto r = DecodeJsonInferRequest(c.body, "m", "", kLimit, nullptr);
+    ASSERT_FALSE(r.ok()) << c.body;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.body;
+    EXPECT_NE(r.status().message().find(c.expect), std::string::npos)
+        << c.body << " -> " << r.status().message();
+  }
+  auto huge = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"x","shape":[100000000],"datatype":"FP32","data":[1]}]})", "m", "",
+      kLimit, nullptr);
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(JsonEncodeTest, EchoesIdAndParameters) {
+  InferResponse resp;
+  resp.model_name = "m";
+  resp.model_version = "1";
+  resp.id = "q";
+  Tensor t;
+  t.name = "y";
+  t.dtype = DataType::kInt64;
+  t.shape = {2};
+  int64_t v[2] = {7, -9};
+  t.data.assign(reinterpret_cast<const char*>(v), 16);
+  resp.outputs.push_back(t);
+  auto j = nlohmann::json::parse(EncodeJsonInferResponse(resp, {{"custom", 1}}));
+  EXPECT_EQ(j["id"], "q");
+  EXPECT_EQ(j["model_version"], "1");
+  EXPECT_EQ(j["parameters"]["custom"], 1);
+  EXPECT_EQ(j["outputs"][0]["datatype"], "INT64");
+  EXPECT_EQ(j["outputs"][0]["data"][1], -9);
+  EXPECT_EQ(j["outputs"][0]["shape"][0], 2);
+}
+
+// Doubles its FP32 input; counts calls.
+class DoublingBackend : public Backend {
+ public:
+  explicit DoublingBackend(std::atomic<int>* calls) : calls_(calls) {}
+  absl::StatusOr<std::vector<Tensor>> Execute(std::vector<Tensor> in) override {
+    (*calls_)++;
+    Tensor out = in[0];
+    out.name = "y";
+    auto* f = reinterpret_cast<float*>(out.data.data());
+    for (int64_t i = 0; i < out.elements(); ++i) f[i] *= 2;
+    return std::vector<Tensor>{out};
+  }
+  std::string device() const override { return "cpu"; }
+
+ private:
+  std::atomic<int>* calls_;
+};
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    config_.name = "m";
+    config_.backend = "fake";
+    config_.max_batch_size = 4;
+    config_.inputs = {{"x", DataType::kFp32, {2}}};
+    config_.outputs = {{"y", DataType::kFp32, {2}}};
+    config_.dynamic_batching = DynamicBatchingConfig{};
+    config_.response_cache.enable = true;
+    auto e = InferenceEngine::Create(config_, "1", std::make_unique<DoublingBackend>(&calls_),
+                                     &lifecycle_, &clock_);
+    ASSERT_TRUE(e.ok()) << e.status();
+    engine_ = std::move(*e);
+    ASSERT_TRUE(lifecycle_.Transition(RuntimeState::kWarm, "test").ok());
+  }
+  InferRequest Request(std::vector<int64_t> shape, std::vector<float> v) {
+    InferRequest r;
+    r.model_name = "m";
+    Tensor t;
+    t.name = "x";
+    t.dtype = DataType::kFp32;
+    t.shape = std::move(shape);
+    t.data.assign(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+    r.inputs.push_back(t);
+    return r;
+  }
+
+  RealClock clock_;
+  Lifecycle lifecycle_{&clock_};
+  ModelConfig config_;
+  std::atomic<int> calls_{0};
+  std::unique_ptr<InferenceEngine> engine_;
+};
+
+TEST_F(EngineTest, WarmRefusesThenServingAnswersAndCaches) {
+  auto warm = engine_->InferSync(Request({1, 2}, {1, 2}));
+  EXPECT_EQ(warm.status().code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(lifecycle_.Transition(RuntimeState::kServing, "test").ok());
+  auto r = engine_->InferSync(Request({1, 2}, {1, 2}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->model_version, "1");
+  EXPECT_FALSE(r->cache_hit);
+  const float* y = reinterpret_cast<const float*>(r->outputs[0].data.data());
+  EXPECT_EQ(y[1], 4.0f);
+  auto again = engine_->InferSync(Request({1, 2}, {1, 2}));
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->cache_hit);
+  EXPECT_EQ(calls_.load(), 1);
+  EXPECT_EQ(engine_->Stats().cache.hits, 1u);
+}
+
+TEST_F(EngineTest, ValidationErrorsSayWhatWasExpected) {
+  ASSERT_TRUE(lifecycle_.Transition(RuntimeState::kServing, "test").ok());
+  struct Case {
+    InferRequest req;
+    absl::StatusCode code;
+    std::string expect;
+  };
+  std::vector<Case> cases;
+  auto wrong_model = Request({1, 2}, {1, 2});
+  wrong_model.model_name = "other";
+  cases.push_back({wrong_model, absl::StatusCode::kNotFound, "unknown model 'other'"});
+  auto wrong_version = Request({1, 2}, {1, 2});
+  wrong_version.model_version = "9";
+  cases.push_back({wrong_version, absl::StatusCode::kNotFound, "unknown version '9'"});
+  auto wrong_name = Request({1, 2}, {1, 2});
+  wrong_name.inputs[0].name = "z";
+  cases.push_back({wrong_name, absl::StatusCode::kInvalidArgument, "unknown input 'z' (expected: x)"});
+  auto wrong_type = Request({1, 2}, {1, 2});
+  wrong_type.inputs[0].dtype = DataType::kInt32;
+  cases.push_back({wrong_type, absl::StatusCode::kInvalidArgument, "expected datatype FP32, got INT32"});
+  cases.push_back({Request({1, 3}, {1, 2, 3}), absl::StatusCode::kInvalidArgument,
+                   "expected shape [-1,2] (batch dimension first), got [1,3]"});
+  cases.push_back({Request({2}, {1, 2}), absl::StatusCode::kInvalidArgument, "expected shape"});
+  cases.push_back({Request({5, 2}, std::vector<float>(10)), absl::StatusCode::kInvalidArgument,
+                   "batch size 5 is outside 1..4"});
+  auto short_data = Request({1, 2}, {1, 2});
+  short_data.inputs[0].data.resize(4);
+  cases.push_back({short_data, absl::StatusCode::kInvalidArgument, "expected 8 bytes"});
+  auto twice = Request({1, 2}, {1, 2});
+  twice.inputs.push_back(twice.inputs[0]);
+  cases.push_back({twice, absl::StatusCode::kInvalidArgument, "given twice"});
+  auto bad_output = Request({1, 2}, {1, 2});
+  bad_output.outputs = {"nope"};
+  cases.push_back({bad_output, absl::StatusCode::kInvalidArgument, "unknown output 'nope'"});
+  auto bad_priority = Request({1, 2}, {1, 2});
+  bad_priority.priority = 7;
+  cases.push_back({bad_priority, absl::StatusCode::kInvalidArgument, "priority"});
+  InferRequest empty;
+  empty.model_name = "m";
+  cases.push_back({empty, absl::StatusCode::kInvalidArgument, "missing input 'x'"});
+  for (auto& c : cases) {
+    auto r = engine_->InferSync(c.req);
+    ASSERT_FALSE(r.ok()) << c.expect;
+    EXPECT_EQ(r.status().code(), c.code) << r.status();
+    EXPECT_NE(r.status().message().find(c.expect), std::string::npos) << r.status().message();
+  }
+  EXPECT_EQ(calls_.load(), 0);
+  EXPECT_EQ(engine_->Stats().errors, cases.size());
+  EXPECT_EQ(engine_->in_flight(), 0);
+}
+
+}  // namespace
+}  // namespace kiln

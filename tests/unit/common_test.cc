@@ -1,0 +1,75 @@
+#include "common/clock.h"
+#include "common/config_node.h"
+#include "common/histogram.h"
+#include "common/status.h"
+#include "gtest/gtest.h"
+
+namespace kiln {
+namespace {
+
+TEST(StatusTest, HttpMapping) {
+  EXPECT_EQ(HttpStatusFromCode(absl::StatusCode::kInvalidArgument), 400);
+  EXPECT_EQ(HttpStatusFromCode(absl::StatusCode::kNotFound), 404);
+  EXPECT_EQ(HttpStatusFromCode(absl::StatusCode::kResourceExhausted), 429);
+  EXPECT_EQ(HttpStatusFromCode(absl::StatusCode::kUnavailable), 503);
+  EXPECT_EQ(HttpStatusFromCode(absl::StatusCode::kDeadlineExceeded), 504);
+  EXPECT_EQ(HttpStatusFromCode(absl::StatusCode::kInternal), 500);
+}
+
+TEST(ClockTest, SimulatedClockMovesOnlyWhenAdvanced) {
+  SimulatedClock c;
+  absl::Time t = c.Now();
+  EXPECT_EQ(c.Now(), t);
+  c.Advance(absl::Milliseconds(5));
+  EXPECT_EQ(c.Now(), t + absl::Milliseconds(5));
+}
+
+TEST(ConfigNodeTest, NamesTheFieldInErrors) {
+  auto root = ConfigNode::Parse("a: {b: notanumber, c: [1, 2, x]}", "f.yaml");
+  ASSERT_TRUE(root.ok());
+  auto a = root->Child("a");
+  ASSERT_TRUE(a.ok());
+  auto b = a->GetInt("b", 0);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(b.status().message().find("a.b"), std::string::npos);
+  auto c = a->GetIntList("c");
+  EXPECT_NE(c.status().message().find("a.c[2]"), std::string::npos);
+  auto missing = a->Child("d");
+  EXPECT_NE(missing.status().message().find("a.d: required"), std::string::npos);
+  EXPECT_NE(a->CheckKeys({"b"}).message().find("a.c: unknown field"), std::string::npos);
+}
+
+TEST(ConfigNodeTest, RejectsBadYaml) {
+  auto bad = ConfigNode::Parse("a: [1, 2", "f.yaml");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("f.yaml"), std::string::npos);
+}
+
+TEST(ByteSizeTest, ParsesQuantities) {
+  EXPECT_EQ(*ParseByteSize("1024", "f"), 1024);
+  EXPECT_EQ(*ParseByteSize("64Mi", "f"), 64LL << 20);
+  EXPECT_EQ(*ParseByteSize("2Gi", "f"), 2LL << 30);
+  EXPECT_EQ(*ParseByteSize("5k", "f"), 5000);
+  EXPECT_FALSE(ParseByteSize("", "f").ok());
+  EXPECT_FALSE(ParseByteSize("12XB", "f").ok());
+  EXPECT_FALSE(ParseByteSize("-1", "f").ok());
+  EXPECT_FALSE(ParseByteSize("99999999999999999999Gi", "max_bytes").ok());
+}
+
+TEST(HistogramTest, CountsAndQuantiles) {
+  Histogram h({1, 2, 4, 8});
+  for (int i = 0; i < 90; ++i) h.Record(1);
+  for (int i = 0; i < 10; ++i) h.Record(7);
+  h.Record(100);
+  auto s = h.Take();
+  EXPECT_EQ(s.count, 101u);
+  EXPECT_EQ(s.counts[0], 90u);
+  EXPECT_EQ(s.counts[3], 10u);
+  EXPECT_EQ(s.counts[4], 1u);
+  EXPECT_LE(s.Quantile(0.5), 1.0);
+  EXPECT_GT(s.Quantile(0.95), 4.0);
+  EXPECT_LE(s.Quantile(0.95), 8.0);
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,180 @@
+#include "runtime/model_config.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "gtest/gtest.h"
+
+namespace kiln {
+namespace {
+
+const char* kValid = R"(name: enc
+backend: torchscript
+max_batch_size: 8
+input:
+  - {name: ids, datatype: INT64, dims: [-1]}
+  - {name: mask, datatype: INT64, dims: [-1]}
+output:
+  - {name: emb, datatype: FP32, dims: [16]}
+dynamic_batching:
+  preferred_batch_size: [4, 8]
+  max_queue_delay_microseconds: 100
+  priority_levels: 2
+  default_priority_level: 2
+  max_queue_size: 16
+  default_timeout_microseconds: 0
+response_cache: {enable: true, max_bytes: 1Mi}
+instance: {device: cpu, threads: 2, precision: bf16}
+warmup:
+  - {name: w, batch_size: 2, iterations: 2, inputs: {ids: {dims: [8]}, mask: {dims: [8]}}}
+)";
+
+std::string Replace(std::string s, const std::string& from, const std::string& to) {
+  size_t at = s.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  if (at != std::string::npos) s.replace(at, from.size(), to);
+  return s;
+}
+
+TEST(ModelConfigTest, ParsesAValidConfig) {
+  auto c = ParseModelConfig(kValid, "config.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->name, "enc");
+  EXPECT_EQ(c->max_batch_size, 8);
+  ASSERT_EQ(c->inputs.size(), 2u);
+  EXPECT_EQ(c->inputs[1].name, "mask");
+  EXPECT_EQ(c->inputs[0].dims, (std::vector<int64_t>{-1}));
+  ASSERT_TRUE(c->dynamic_batching.has_value());
+  EXPECT_EQ(c->dynamic_batching->preferred_batch_size, (std::vector<int64_t>{4, 8}));
+  EXPECT_EQ(c->dynamic_batching->priority_levels, 2);
+  EXPECT_TRUE(c->response_cache.enable);
+  EXPECT_EQ(c->response_cache.max_bytes, 1 << 20);
+  EXPECT_EQ(c->instance.precision, Precision::kBf16);
+  EXPECT_EQ(c->instance.threads, 2);
+  ASSERT_EQ(c->warmup.size(), 1u);
+  EXPECT_EQ(c->warmup[0].dims.at("ids"), (std::vector<int64_t>{8}));
+}
+
+TEST(ModelConfigTest, MinimalConfigHasNoBatching) {
+  auto c = ParseModelConfig(
+      "name: m\nbackend: torchscript\ninput: [{name: x, datatype: FP32, dims: [3]}]\n"
+      "output: [{name: y, datatype: FP32, dims: [3]}]\n",
+      "config.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->max_batch_size, 0);
+  EXPECT_FALSE(c->dynamic_batching.has_value());
+  EXPECT_EQ(c->instance.device, "cpu");
+}
+
+struct BadCase {
+  std::string from;
+  std::string to;
+  std::string expect;  // the field the error must name
+};
+
+class BadFieldTest : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(BadFieldTest, ErrorNamesTheField) {
+  const BadCase& b = GetParam();
+  auto c = ParseModelConfig(Replace(kValid, b.from, b.to), "config.yaml");
+  ASSERT_FALSE(c.ok()) << "accepted: " << b.to;
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find(b.expect), std::string::npos) << c.status().message();
+  EXPECT_NE(c.status().message().find("config.yaml"), std::string::npos);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fields, BadFieldTest,
+    ::testing::Values(
+        BadCase{"name: enc\n", "", "name: required"},
+        BadCase{"backend: torchscript\n", "", "backend: required"},
+        BadCase{"max_batch_size: 8", "max_batch_size: -1", "max_batch_size"},
+        BadCase{"max_batch_size: 8", "max_batch_size: eight", "max_batch_size"},
+        BadCase{"datatype: INT64, dims: [-1]}\n  - {name: mask", "datatype: INT65, dims: [-1]}\n  - {name: mask", "input[0].datatype"},
+        BadCase{"{name: mask, datatype: INT64, dims: [-1]}", "{name: ids, datatype: INT64, dims: [-1]}", "input[1].name"},
+        BadCase{"{name: emb, datatype: FP32, dims: [16]}", "{name: emb, datatype: FP32, dims: [0]}", "output[0].dims"},
+        BadCase{"{name: emb, datatype: FP32, dims: [16]}", "{name: emb, datatype: FP32}", "output[0].dims"},
+        BadCase{"{name: emb, datatype: FP32, dims: [16]}", "{name: emb, datatype: FP32, dims: [16], colour: red}", "output[0].colour: unknown field"},
+        BadCase{"output:\n  - {name: emb, datatype: FP32, dims: [16]}\n", "", "output: required"},
+        BadCase{"preferred_batch_size: [4, 8]", "preferred_batch_size: [4, 9]", "dynamic_batching.preferred_batch_size[1]"},
+        BadCase{"max_queue_delay_microseconds: 100", "max_queue_delay_microseconds: -5", "dynamic_batching.max_queue_delay_microseconds"},
+        BadCase{"priority_levels: 2", "priority_levels: 0", "dynamic_batching.priority_levels"},
+        BadCase{"default_priority_level: 2", "default_priority_level: 3", "dynamic_batching.default_priority_level"},
+        BadCase{"max_queue_size: 16", "max_queue_size: -1", "dynamic_batching.max_queue_size"},
+        BadCase{"default_timeout_microseconds: 0", "default_timeout_microseconds: -1", "dynamic_batching.default_timeout_microseconds"},
+        BadCase{"max_queue_size: 16", "max_queue_sise: 16", "dynamic_batching.max_queue_sise: unknown field"},
+        BadCase{"max_bytes: 1Mi", "max_bytes: lots", "response_cache.max_bytes"},
+        BadCase{"enable: true", "enable: maybe", "response_cache.enable"},
+        BadCase{"device: cpu", "device: tpu:0", "instance.device"},
+        BadCase{"threads: 2", "threads: -2", "instance.threads"},
+        BadCase{"precision: bf16", "precision: int4", "instance.precision"},
+        BadCase{"batch_size: 2, iterations", "batch_size: 9, iterations", "warmup[0].batch_size"},
+        BadCase{"iterations: 2", "iterations: 0", "warmup[0].iterations"},
+        BadCase{"ids: {dims: [8]}", "idz: {dims: [8]}", "warmup[0].inputs.idz"},
+        BadCase{"mask: {dims: [8]}", "mask: {dims: [8, 2]}", "warmup[0].inputs.mask.dims"},
+        BadCase{"backend: torchscript\n", "backend: torchscript\nreplicas: 3\n", "replicas: unknown field"}));
+
+TEST(ModelConfigTest, BatchingNeedsABatchDimension) {
+  auto c = ParseModelConfig(Replace(kValid, "max_batch_size: 8", "max_batch_size: 0"), "c.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("dynamic_batching"), std::string::npos);
+}
+
+TEST(ModelConfigTest, NotYamlIsAClearError) {
+  auto c = ParseModelConfig("name: [unclosed", "config.yaml");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("not valid YAML"), std::string::npos);
+}
+
+class ResolveModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("kiln_resolve_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_ / "enc");
+    std::ofstream(dir_ / "enc/config.yaml") << kValid;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  void AddVersion(const std::string& v) {
+    std::filesystem::create_directories(dir_ / "enc" / v);
+    std::ofstream(dir_ / "enc" / v / "model.pt") << "x";
+  }
+  std::filesystem::path dir_;
+};
+
+TEST_F(ResolveModelTest, PicksTheHighestNumericVersion) {
+  AddVersion("2");
+  AddVersion("10");
+  AddVersion("9");
+  std::filesystem::create_directories(dir_ / "enc/reference");
+  auto m = ResolveModel(dir_.string(), "enc", "");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->version, "10");
+  EXPECT_EQ(m->versions, (std::vector<std::string>{"2", "9", "10"}));
+  auto two = ResolveModel(dir_.string(), "enc", "2");
+  ASSERT_TRUE(two.ok());
+  EXPECT_EQ(two->model_file, (dir_ / "enc/2/model.pt").string());
+}
+
+TEST_F(ResolveModelTest, ErrorsNameTheProblem) {
+  EXPECT_NE(ResolveModel(dir_.string(), "enc", "").status().message().find("no numeric version"),
+            std::string::npos);
+  AddVersion("1");
+  EXPECT_EQ(ResolveModel(dir_.string(), "enc", "7").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ResolveModel(dir_.string(), "nope", "").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ResolveModel(dir_.string(), "../etc", "").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ResolveModel((dir_ / "missing").string(), "enc", "").status().code(),
+            absl::StatusCode::kNotFound);
+  std::filesystem::create_directories(dir_ / "enc/3");
+  auto no_file = ResolveModel(dir_.string(), "enc", "3");
+  EXPECT_NE(no_file.status().message().find("model file is missing"), std::string::npos);
+  std::ofstream(dir_ / "enc/config.yaml") << "name: other\nbackend: torchscript\n";
+  auto mismatch = ResolveModel(dir_.string(), "enc", "1");
+  EXPECT_FALSE(mismatch.ok());
+}
+
+}  // namespace
+}  // namespace kiln
