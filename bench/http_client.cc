@@ -23,6 +23,8 @@ namespace kiln::bench {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 std::string ErrnoText(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
 
 }  // namespace
@@ -99,7 +101,8 @@ absl::Status HttpClient::Connect() {
   }
   if (rc != 0) {
     pollfd pfd{fd, POLLOUT, 0};
-    int n = ::poll(&pfd, 1, static_cast<int>(timeout_.count()));
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now());
+    int n = left.count() > 0 ? ::poll(&pfd, 1, static_cast<int>(left.count())) : 0;
     if (n <= 0) {
       ::close(fd);
       return absl::DeadlineExceededError("connect: timed out");
@@ -143,6 +146,18 @@ absl::Status HttpClient::ReadMore() {
   }
   char chunk[16384];
   while (true) {
+    // The whole request shares one deadline, so a server that trickles bytes cannot stretch
+    // it.
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now());
+    pollfd pfd{fd_, POLLIN, 0};
+    int ready = left.count() > 0 ? ::poll(&pfd, 1, static_cast<int>(left.count())) : 0;
+    if (ready < 0 && errno == EINTR) {
+      continue;
+    }
+    if (ready == 0) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("no complete response within ", timeout_.count(), " ms"));
+    }
     ssize_t n = ::recv(fd_, chunk, sizeof(chunk), 0);
     if (n > 0) {
       buffer_.append(chunk, static_cast<size_t>(n));
@@ -336,6 +351,7 @@ absl::StatusOr<HttpResponse> HttpClient::Request(const std::string& method, cons
   }
   request += "\r\n";
   request += body;
+  deadline_ = Clock::now() + timeout_;
 
   for (int attempt = 0; attempt < 2; ++attempt) {
     bool sent_on_reused = false;

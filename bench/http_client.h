@@ -2,8 +2,9 @@
 
 // A small blocking HTTP/1.1 client over one keep-alive POSIX TCP connection. It is meant for
 // load generation and demos against a loopback server: no TLS, no redirects, no proxies, IPv4
-// literal or "localhost" hosts only. Every call is bounded by the client's timeout (connect,
-// send and receive all use it), so a dead or stuck server can never hang the caller.
+// literal or "localhost" hosts only. Every request is bounded by the client's timeout (one
+// deadline for connecting and receiving the whole response; each send is bounded by it too),
+// so a dead or stuck server can never hang the caller.
 //
 // Not thread-safe: use one client per thread.
 
@@ -66,6 +67,7 @@ class HttpClient {
 
   HostPort target_;
   std::chrono::milliseconds timeout_;
+  std::chrono::steady_clock::time_point deadline_;  // of the request under way
   int fd_ = -1;
   std::string buffer_;  // received and not yet consumed bytes
   size_t buffer_pos_ = 0;

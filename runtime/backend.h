@@ -23,6 +23,8 @@ class Backend {
   virtual absl::StatusOr<std::vector<Tensor>> Execute(std::vector<Tensor> inputs) = 0;
   // Where the model runs ("cpu", "cuda:0").
   virtual std::string device() const = 0;
+  // One line for the load log: backend, device, precision and what loading changed.
+  virtual std::string Describe() const { return device(); }
 };
 
 struct BackendOptions {

@@ -66,6 +66,7 @@ class InferenceEngine {
   const ModelConfig& config() const { return config_; }
   const std::string& version() const { return version_; }
   std::string device() const { return backend_->device(); }
+  std::string backend_description() const { return backend_->Describe(); }
 
   // Runs the config's warm-up samples straight on the backend.
   absl::Status Warmup();

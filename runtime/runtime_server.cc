@@ -176,8 +176,8 @@ absl::Status RuntimeServer::Load() {
   absl::Time t2 = clock_->Now();
   host_.SetEngine(engine_.get());
   load_time_ = t2 - process_start_;
-  log->info("loaded {} on {}: load {:.1f} ms, warmup {:.1f} ms, since process start {:.1f} ms",
-            model_.model_file, engine_->device(), absl::ToDoubleMilliseconds(t1 - t0),
+  log->info("loaded {} ({}): load {:.1f} ms, warmup {:.1f} ms, since process start {:.1f} ms",
+            model_.model_file, engine_->backend_description(), absl::ToDoubleMilliseconds(t1 - t0),
             absl::ToDoubleMilliseconds(t2 - t1), absl::ToDoubleMilliseconds(load_time_));
   KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kWarm, "loaded and warmed up"));
   if (options_.initial_state == "serving") {
@@ -231,6 +231,10 @@ int64_t RuntimeServer::InFlight() { return engine_ ? engine_->in_flight() : 0; }
 v1::RuntimeStats RuntimeServer::Stats() {
   v1::RuntimeStats out;
   out.set_state(ToProto(lifecycle_.state()));
+  auto counts = lifecycle_.transition_counts();
+  for (int i = 0; i < kRuntimeStateCount; ++i) {
+    (*out.mutable_transitions())[RuntimeStateName(static_cast<RuntimeState>(i))] = counts[i];
+  }
   if (!engine_) return out;
   EngineStats s = engine_->Stats();
   out.set_requests(s.requests);

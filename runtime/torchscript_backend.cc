@@ -89,10 +89,22 @@ void UpcastSensitiveOps(torch::jit::Block* block, at::ScalarType reduced, int* r
 class TorchScriptBackend : public Backend {
  public:
   TorchScriptBackend(const ModelConfig& config, torch::jit::Module module, torch::Device device,
-                     at::ScalarType compute_type)
-      : config_(config), module_(std::move(module)), device_(device), compute_type_(compute_type) {}
+                     at::ScalarType compute_type, int upcast_ops)
+      : config_(config),
+        module_(std::move(module)),
+        device_(device),
+        compute_type_(compute_type),
+        upcast_ops_(upcast_ops) {}
 
   std::string device() const override { return device_.str(); }
+
+  std::string Describe() const override {
+    std::string d = "torchscript on " + device_.str() + ", " + PrecisionName(config_.instance.precision);
+    if (compute_type_ != at::kFloat) {
+      d += " (" + std::to_string(upcast_ops_) + " layer_norm/softmax ops kept in fp32)";
+    }
+    return d + ", " + std::to_string(at::get_num_threads()) + " intra-op threads";
+  }
 
   absl::StatusOr<std::vector<Tensor>> Execute(std::vector<Tensor> inputs) override {
     try {
@@ -188,6 +200,7 @@ class TorchScriptBackend : public Backend {
   torch::jit::Module module_;
   torch::Device device_;
   at::ScalarType compute_type_;
+  int upcast_ops_;
 };
 
 }  // namespace
@@ -271,15 +284,17 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateTorchScriptBackend(const ModelCon
           (required == total ? "" : ".." + std::to_string(total)));
     }
     module.eval();
+    int rewritten = 0;
     if (compute != at::kFloat) {
+      // Weights and floating inputs go to the reduced type; freezing inlines the graph so
+      // LayerNorm and Softmax can be found and kept in fp32.
       module.to(compute);
       module = torch::jit::freeze(module);
-      int rewritten = 0;
       auto graph = module.get_method("forward").graph();
       UpcastSensitiveOps(graph->block(), compute, &rewritten);
     }
     return std::unique_ptr<Backend>(
-        new TorchScriptBackend(config, std::move(module), device, compute));
+        new TorchScriptBackend(config, std::move(module), device, compute, rewritten));
   } catch (const c10::Error& e) {
     return absl::InvalidArgumentError(model_file + ": " + FirstLine(e.what_without_backtrace()));
   } catch (const std::exception& e) {

@@ -565,6 +565,8 @@ TEST(RuntimeTest, ResponseCacheHitsOnRepeatedInputs) {
   EXPECT_EQ(stats.cache_misses(), 1u);
   EXPECT_EQ(stats.cache_hits(), 2u);
   EXPECT_EQ(stats.batches(), 1u);
+  EXPECT_EQ(stats.transitions().at("SERVING"), 1u);
+  EXPECT_EQ(stats.transitions().at("WARM"), 1u);
 }
 
 TEST(RuntimeTest, NoBatchDimensionModelAndDictOutputs) {
