@@ -1,0 +1,169 @@
+#include "agent/gpu_power.h"
+
+#include <algorithm>
+
+#include "common/status.h"
+
+namespace kiln {
+
+const char* GpuLoadName(GpuLoad l) {
+  switch (l) {
+    case GpuLoad::kIdle:
+      return "idle";
+    case GpuLoad::kWarmOnly:
+      return "warm-only";
+    case GpuLoad::kServing:
+      return "serving";
+  }
+  return "?";
+}
+
+const PowerKnobs& PowerPolicy::For(GpuLoad load) const {
+  switch (load) {
+    case GpuLoad::kWarmOnly:
+      return warm_only;
+    case GpuLoad::kServing:
+      return serving;
+    default:
+      return idle;
+  }
+}
+
+std::string PowerChange::Describe() const {
+  switch (kind) {
+    case kPersistence:
+      return std::string("persistence mode ") + (a ? "on" : "off");
+    case kPowerLimit:
+      return "power limit " + std::to_string(a / 1000) + " W";
+    case kLockClocks:
+      return "lock SM clocks " + std::to_string(a) + "-" + std::to_string(b) + " MHz";
+    case kUnlockClocks:
+      return "unlock SM clocks";
+  }
+  return "?";
+}
+
+std::vector<PowerChange> PlanPowerChanges(const GpuIdentity& card, const GpuTelemetry& now,
+                                          const ClockLock& current_lock, const PowerKnobs& want) {
+  std::vector<PowerChange> out;
+  if (want.persistence && *want.persistence != now.persistence_mode) {
+    out.push_back({PowerChange::kPersistence, *want.persistence ? 1u : 0u});
+  }
+  if (want.power_limit_mw) {
+    uint32_t limit = *want.power_limit_mw;
+    if (card.power_limit_max_mw > 0) {
+      limit = std::clamp(limit, card.power_limit_min_mw, card.power_limit_max_mw);
+    }
+    if (limit != now.power_limit_mw) out.push_back({PowerChange::kPowerLimit, limit});
+  }
+  if (want.locked_sm_clocks) {
+    if (current_lock != want.locked_sm_clocks) {
+      out.push_back({PowerChange::kLockClocks, want.locked_sm_clocks->first,
+                     want.locked_sm_clocks->second});
+    }
+  } else if (want.unlock_clocks && current_lock) {
+    out.push_back({PowerChange::kUnlockClocks});
+  }
+  return out;
+}
+
+absl::StatusOr<PowerMode> ParsePowerMode(const std::string& text) {
+  if (text == "off") return PowerMode::kOff;
+  if (text == "dry-run") return PowerMode::kDryRun;
+  if (text == "enforce") return PowerMode::kEnforce;
+  return absl::InvalidArgumentError("--gpu-power: must be off, dry-run or enforce, got '" + text +
+                                    "'");
+}
+
+GpuPowerManager::GpuPowerManager(GpuDriver* driver, PowerMode mode, PowerPolicy policy, Log log)
+    : driver_(driver), mode_(mode), policy_(std::move(policy)), log_(std::move(log)) {}
+
+absl::StatusOr<std::vector<PowerChange>> GpuPowerManager::Apply(int index, GpuLoad load) {
+  if (mode_ == PowerMode::kOff) return std::vector<PowerChange>{};
+  KILN_ASSIGN_OR_RETURN(GpuIdentity id, driver_->Identify(index));
+  KILN_ASSIGN_OR_RETURN(GpuTelemetry now, driver_->Read(index));
+  absl::MutexLock lock(&mu_);
+  originals_.try_emplace(index, Original{id, now});
+  std::vector<PowerChange> plan = PlanPowerChanges(id, now, locked_[index], policy_.For(load));
+  planned_ += plan.size();
+  const std::string prefix = "gpu " + std::to_string(index) + " (" + id.uuid + ", " +
+                             GpuLoadName(load) + "): ";
+  for (const auto& c : plan) {
+    if (mode_ == PowerMode::kDryRun) {
+      log_(prefix + "would set " + c.Describe() + " (dry-run)");
+      continue;
+    }
+    absl::Status s;
+    switch (c.kind) {
+      case PowerChange::kPersistence:
+        s = driver_->SetPersistenceMode(index, c.a != 0);
+        break;
+      case PowerChange::kPowerLimit:
+        s = driver_->SetPowerLimit(index, c.a);
+        break;
+      case PowerChange::kLockClocks:
+        s = driver_->LockSmClocks(index, c.a, c.b);
+        if (s.ok()) locked_[index] = std::make_pair(c.a, c.b);
+        break;
+      case PowerChange::kUnlockClocks:
+        s = driver_->ResetSmClocks(index);
+        if (s.ok()) locked_[index].reset();
+        break;
+    }
+    if (!s.ok()) return Annotate(s, prefix + c.Describe());
+    applied_++;
+    // Read back what the card now enforces.
+    KILN_ASSIGN_OR_RETURN(GpuTelemetry after, driver_->Read(index));
+    std::string readback;
+    if (c.kind == PowerChange::kPowerLimit) {
+      readback = ", enforced limit now " + std::to_string(after.power_limit_mw / 1000) + " W";
+    } else if (c.kind == PowerChange::kPersistence) {
+      readback = std::string(", persistence now ") + (after.persistence_mode ? "on" : "off");
+    }
+    log_(prefix + "set " + c.Describe() + readback);
+  }
+  return plan;
+}
+
+absl::Status GpuPowerManager::RestoreAll() {
+  absl::MutexLock lock(&mu_);
+  absl::Status first;
+  for (auto& [index, orig] : originals_) {
+    if (mode_ != PowerMode::kEnforce) continue;
+    auto now = driver_->Read(index);
+    if (!now.ok()) {
+      first.Update(now.status());
+      continue;
+    }
+    PowerKnobs back;
+    back.persistence = orig.telemetry.persistence_mode;
+    back.power_limit_mw = orig.telemetry.power_limit_mw;
+    back.unlock_clocks = true;
+    for (const auto& c : PlanPowerChanges(orig.identity, *now, locked_[index], back)) {
+      absl::Status s;
+      if (c.kind == PowerChange::kPersistence) s = driver_->SetPersistenceMode(index, c.a != 0);
+      if (c.kind == PowerChange::kPowerLimit) s = driver_->SetPowerLimit(index, c.a);
+      if (c.kind == PowerChange::kUnlockClocks) s = driver_->ResetSmClocks(index);
+      if (s.ok()) {
+        log_("gpu " + std::to_string(index) + ": restored " + c.Describe());
+      } else {
+        first.Update(s);
+      }
+    }
+    locked_[index].reset();
+  }
+  originals_.clear();
+  return first;
+}
+
+uint64_t GpuPowerManager::changes_applied() const {
+  absl::MutexLock lock(&mu_);
+  return applied_;
+}
+
+uint64_t GpuPowerManager::changes_planned() const {
+  absl::MutexLock lock(&mu_);
+  return planned_;
+}
+
+}  // namespace kiln

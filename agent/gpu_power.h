@@ -1,0 +1,90 @@
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "agent/gpu_driver.h"
+
+namespace kiln {
+
+// What runs on a GPU, as the power policy sees it.
+enum class GpuLoad { kIdle, kWarmOnly, kServing };
+const char* GpuLoadName(GpuLoad l);
+
+// Card settings for one GpuLoad; an unset knob is left as found.
+struct PowerKnobs {
+  std::optional<bool> persistence;
+  std::optional<uint32_t> power_limit_mw;  // clamped to the card's bounds
+  // Locked SM clocks (min, max) MHz; `unlock_clocks` resets a lock instead.
+  std::optional<std::pair<uint32_t, uint32_t>> locked_sm_clocks;
+  bool unlock_clocks = false;
+};
+
+struct PowerPolicy {
+  PowerKnobs idle;
+  PowerKnobs warm_only;
+  PowerKnobs serving;
+  // WARM replicas get CUDA_DISABLE_PERF_BOOST=1 ("power-parked"); promotion then runs one
+  // warm-up inference before the replica is routed.
+  bool park_warm_replicas = true;
+
+  const PowerKnobs& For(GpuLoad load) const;
+};
+
+// One card setting to change.
+struct PowerChange {
+  enum Kind { kPersistence, kPowerLimit, kLockClocks, kUnlockClocks } kind;
+  uint32_t a = 0;  // persistence 0/1, limit mW, or min MHz
+  uint32_t b = 0;  // max MHz
+  std::string Describe() const;
+};
+
+// The changes that take the card from `now` to `want` (pure). Power limits are clamped to
+// [min, max] of the card; a change already in effect is omitted.
+using ClockLock = std::optional<std::pair<uint32_t, uint32_t>>;
+std::vector<PowerChange> PlanPowerChanges(const GpuIdentity& card, const GpuTelemetry& now,
+                                          const ClockLock& current_lock, const PowerKnobs& want);
+
+enum class PowerMode { kOff, kDryRun, kEnforce };
+absl::StatusOr<PowerMode> ParsePowerMode(const std::string& text);
+
+// Carries power plans out: dry-run logs only; enforce applies, reads back and counts; the
+// settings each card had when first touched are restored by RestoreAll() (on exit).
+class GpuPowerManager {
+ public:
+  using Log = std::function<void(const std::string&)>;
+  GpuPowerManager(GpuDriver* driver, PowerMode mode, PowerPolicy policy, Log log);
+
+  // Brings GPU `index` to the policy for `load`. Returns the changes planned.
+  absl::StatusOr<std::vector<PowerChange>> Apply(int index, GpuLoad load);
+  // Puts back what each touched card had (enforce mode). Safe to call twice.
+  absl::Status RestoreAll();
+
+  uint64_t changes_applied() const;
+  uint64_t changes_planned() const;
+
+ private:
+  struct Original {
+    GpuIdentity identity;
+    GpuTelemetry telemetry;
+  };
+
+  GpuDriver* driver_;
+  const PowerMode mode_;
+  const PowerPolicy policy_;
+  Log log_;
+  mutable absl::Mutex mu_;
+  std::map<int, Original> originals_ ABSL_GUARDED_BY(mu_);
+  std::map<int, ClockLock> locked_ ABSL_GUARDED_BY(mu_);
+  uint64_t applied_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t planned_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kiln
