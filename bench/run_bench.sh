@@ -325,7 +325,7 @@ if ob:
         if isinstance(v, str):
             print(f"| {name} | {batch} | {v} | |")
             continue
-        over = f"+{v - base:.0f} µs" if isinstance(base, float) and name != "BM_InProcessForward" else ""
+        over = f"{v - base:+.0f} µs" if isinstance(base, float) and name != "BM_InProcessForward" else ""
         print(f"| {name} | {batch} | {v:.0f} | {over} |")
 else:
     print("overhead benchmark did not produce results")

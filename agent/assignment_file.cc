@@ -1,0 +1,229 @@
+#include "agent/assignment_file.h"
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "common/config_node.h"
+#include "common/status.h"
+
+namespace kiln {
+
+namespace {
+
+bool IsName(const std::string& s) {
+  if (s.empty() || s.size() > 128 || s == "." || s == "..") return false;
+  for (char c : s) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool IsVersion(const std::string& s) {
+  return !s.empty() && s.size() <= 18 && s.find_first_not_of("0123456789") == std::string::npos;
+}
+
+absl::StatusOr<v1::LifecycleState> ParseState(const ConfigNode& n) {
+  KILN_ASSIGN_OR_RETURN(std::string s, n.AsString());
+  if (s == "SERVING") return v1::SERVING;
+  if (s == "WARM") return v1::WARM;
+  return n.Error("must be SERVING or WARM, got '" + s + "'");
+}
+
+absl::Status ParseReplicaFields(const ConfigNode& item, v1::ReplicaSpec* r) {
+  KILN_ASSIGN_OR_RETURN(ConfigNode model, item.Child("model"));
+  KILN_ASSIGN_OR_RETURN(*r->mutable_model(), model.AsString());
+  KILN_ASSIGN_OR_RETURN(ConfigNode version, item.Child("version"));
+  KILN_ASSIGN_OR_RETURN(*r->mutable_version(), version.AsString());
+  KILN_ASSIGN_OR_RETURN(ConfigNode repo, item.Child("repository"));
+  KILN_ASSIGN_OR_RETURN(*r->mutable_repository(), repo.AsString());
+  KILN_ASSIGN_OR_RETURN(int64_t gpu, item.GetInt("gpu", -1));
+  KILN_ASSIGN_OR_RETURN(int64_t cpus, item.GetInt("cpus", 1));
+  KILN_ASSIGN_OR_RETURN(int64_t threads, item.GetInt("threads", 0));
+  if (gpu < -1 || gpu > 1024) return absl::InvalidArgumentError(item.path() + ".gpu: must be -1..1024");
+  if (cpus < 1 || cpus > 1024) return absl::InvalidArgumentError(item.path() + ".cpus: must be 1..1024");
+  if (threads < 0 || threads > 1024) {
+    return absl::InvalidArgumentError(item.path() + ".threads: must be 0..1024");
+  }
+  r->set_gpu(static_cast<int32_t>(gpu));
+  r->set_cpus(static_cast<int32_t>(cpus));
+  r->mutable_runtime()->set_threads(static_cast<int32_t>(threads));
+  if (auto mem = item.OptionalChild("gpuMemory")) {
+    KILN_ASSIGN_OR_RETURN(std::string text, mem->AsString());
+    KILN_ASSIGN_OR_RETURN(int64_t bytes, ParseByteSize(text, mem->path()));
+    r->set_gpu_memory_bytes(bytes);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateAssignment(const v1::Assignment& a) {
+  std::set<std::string> ids;
+  for (int i = 0; i < a.replicas_size(); ++i) {
+    const auto& r = a.replicas(i);
+    std::string p = "replicas[" + std::to_string(i) + "]";
+    if (!IsName(r.model())) {
+      return absl::InvalidArgumentError(p + ".model: '" + r.model() +
+                                        "' must be 1-128 of [A-Za-z0-9._-]");
+    }
+    if (!IsVersion(r.version())) {
+      return absl::InvalidArgumentError(p + ".version: '" + r.version() +
+                                        "' must be a numeric version");
+    }
+    if (!IsName(r.replica_id())) {
+      return absl::InvalidArgumentError(p + ".id: '" + r.replica_id() +
+                                        "' must be 1-128 of [A-Za-z0-9._-]");
+    }
+    if (!ids.insert(r.replica_id()).second) {
+      return absl::InvalidArgumentError(p + ".id: '" + r.replica_id() + "' is used twice");
+    }
+    if (r.repository().empty() || r.repository()[0] != '/') {
+      return absl::InvalidArgumentError(p + ".repository: must be an absolute path, got '" +
+                                        r.repository() + "'");
+    }
+    if (r.gpu() < -1) return absl::InvalidArgumentError(p + ".gpu: must be >= -1");
+    if (r.cpus() < 1) return absl::InvalidArgumentError(p + ".cpus: must be >= 1");
+    if (r.state() != v1::SERVING && r.state() != v1::WARM) {
+      return absl::InvalidArgumentError(p + ".state: must be SERVING or WARM");
+    }
+    if (r.gpu_memory_bytes() < 0) return absl::InvalidArgumentError(p + ".gpuMemory: must be >= 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRoutingTable(const v1::RoutingTable& t) {
+  std::set<std::string> models;
+  for (int i = 0; i < t.routes_size(); ++i) {
+    const auto& r = t.routes(i);
+    std::string p = "routes[" + std::to_string(i) + "]";
+    if (!IsName(r.model())) return absl::InvalidArgumentError(p + ".model: not a model name");
+    if (!models.insert(r.model()).second) {
+      return absl::InvalidArgumentError(p + ".model: '" + r.model() + "' has two routes");
+    }
+    if (r.versions_size() == 0) {
+      return absl::InvalidArgumentError(p + ".versions: must list at least one version");
+    }
+    int total = 0;
+    std::set<std::string> versions;
+    for (int v = 0; v < r.versions_size(); ++v) {
+      std::string vp = p + ".versions[" + std::to_string(v) + "]";
+      if (!IsVersion(r.versions(v).version())) {
+        return absl::InvalidArgumentError(vp + ".version: must be a numeric version");
+      }
+      if (!versions.insert(r.versions(v).version()).second) {
+        return absl::InvalidArgumentError(vp + ".version: listed twice");
+      }
+      if (r.versions(v).weight() < 0 || r.versions(v).weight() > 1000000) {
+        return absl::InvalidArgumentError(vp + ".weight: must be in 0..1000000");
+      }
+      total += r.versions(v).weight();
+    }
+    if (total == 0) return absl::InvalidArgumentError(p + ".versions: every weight is 0");
+    const std::string& sticky = r.sticky_key();
+    if (!sticky.empty() && !((sticky.rfind("header:", 0) == 0 && sticky.size() > 7) ||
+                             (sticky.rfind("parameter:", 0) == 0 && sticky.size() > 10))) {
+      return absl::InvalidArgumentError(p + ".stickyKey: must be header:NAME or parameter:NAME, got '" +
+                                        sticky + "'");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AssignmentFile> ParseAssignmentFile(const std::string& yaml_text,
+                                                   const std::string& source) {
+  KILN_ASSIGN_OR_RETURN(ConfigNode root, ConfigNode::Parse(yaml_text, source));
+  AssignmentFile out;
+  auto parse = [&]() -> absl::Status {
+    if (root.IsNull()) return absl::OkStatus();  // an empty file: run nothing
+    KILN_RETURN_IF_ERROR(root.CheckKeys({"replicas", "warmPools", "routes"}));
+    if (auto replicas = root.OptionalChild("replicas")) {
+      KILN_ASSIGN_OR_RETURN(auto items, replicas->Items());
+      for (size_t i = 0; i < items.size(); ++i) {
+        const auto& item = items[i];
+        KILN_RETURN_IF_ERROR(item.CheckKeys({"id", "model", "version", "repository", "gpu", "cpus",
+                                             "state", "threads", "gpuMemory"}));
+        v1::ReplicaSpec* r = out.assignment.add_replicas();
+        KILN_RETURN_IF_ERROR(ParseReplicaFields(item, r));
+        KILN_ASSIGN_OR_RETURN(std::string id, item.GetString("id", ""));
+        r->set_replica_id(id.empty() ? r->model() + "-" + r->version() + "-" + std::to_string(i)
+                                     : id);
+        if (auto state = item.OptionalChild("state")) {
+          KILN_ASSIGN_OR_RETURN(auto s, ParseState(*state));
+          r->set_state(s);
+        } else {
+          r->set_state(v1::SERVING);
+        }
+      }
+    }
+    if (auto pools = root.OptionalChild("warmPools")) {
+      KILN_ASSIGN_OR_RETURN(auto items, pools->Items());
+      for (size_t i = 0; i < items.size(); ++i) {
+        const auto& item = items[i];
+        KILN_RETURN_IF_ERROR(item.CheckKeys({"model", "version", "repository", "gpu", "cpus",
+                                             "size", "threads", "gpuMemory"}));
+        KILN_ASSIGN_OR_RETURN(int64_t size, item.GetInt("size", 1));
+        if (size < 0 || size > 64) return absl::InvalidArgumentError(item.path() + ".size: must be 0..64");
+        for (int64_t k = 0; k < size; ++k) {
+          v1::ReplicaSpec* r = out.assignment.add_replicas();
+          KILN_RETURN_IF_ERROR(ParseReplicaFields(item, r));
+          r->set_state(v1::WARM);
+          r->set_replica_id(r->model() + "-" + r->version() + "-warm-" + std::to_string(i) + "-" +
+                            std::to_string(k));
+        }
+      }
+    }
+    if (auto routes = root.OptionalChild("routes")) {
+      KILN_ASSIGN_OR_RETURN(auto items, routes->Items());
+      for (const auto& item : items) {
+        KILN_RETURN_IF_ERROR(item.CheckKeys({"model", "versions", "stickyKey", "endpoints"}));
+        v1::Route* r = out.routing.add_routes();
+        KILN_ASSIGN_OR_RETURN(ConfigNode model, item.Child("model"));
+        KILN_ASSIGN_OR_RETURN(*r->mutable_model(), model.AsString());
+        KILN_ASSIGN_OR_RETURN(*r->mutable_sticky_key(), item.GetString("stickyKey", ""));
+        KILN_ASSIGN_OR_RETURN(ConfigNode versions, item.Child("versions"));
+        KILN_ASSIGN_OR_RETURN(auto vs, versions.Items());
+        for (const auto& v : vs) {
+          KILN_RETURN_IF_ERROR(v.CheckKeys({"version", "weight"}));
+          auto* rv = r->add_versions();
+          KILN_ASSIGN_OR_RETURN(ConfigNode ver, v.Child("version"));
+          KILN_ASSIGN_OR_RETURN(*rv->mutable_version(), ver.AsString());
+          KILN_ASSIGN_OR_RETURN(int64_t w, v.GetInt("weight", 100));
+          if (w < 0 || w > 1000000) return absl::InvalidArgumentError(v.path() + ".weight: must be in 0..1000000");
+          rv->set_weight(static_cast<int32_t>(w));
+        }
+        if (auto eps = item.OptionalChild("endpoints")) {
+          KILN_ASSIGN_OR_RETURN(auto es, eps->Items());
+          for (const auto& e : es) {
+            KILN_RETURN_IF_ERROR(e.CheckKeys({"node", "version", "grpc", "http"}));
+            auto* ep = r->add_endpoints();
+            KILN_ASSIGN_OR_RETURN(*ep->mutable_node_name(), e.GetString("node", ""));
+            KILN_ASSIGN_OR_RETURN(ConfigNode ver, e.Child("version"));
+            KILN_ASSIGN_OR_RETURN(*ep->mutable_version(), ver.AsString());
+            KILN_ASSIGN_OR_RETURN(ConfigNode grpc, e.Child("grpc"));
+            KILN_ASSIGN_OR_RETURN(*ep->mutable_grpc_address(), grpc.AsString());
+            KILN_ASSIGN_OR_RETURN(*ep->mutable_http_address(), e.GetString("http", ""));
+            ep->set_replica_id(ep->node_name() + "/" + ep->grpc_address());
+          }
+        }
+      }
+    }
+    KILN_RETURN_IF_ERROR(ValidateAssignment(out.assignment));
+    return ValidateRoutingTable(out.routing);
+  };
+  absl::Status s = parse();
+  if (!s.ok()) return Annotate(s, source);
+  return out;
+}
+
+absl::StatusOr<AssignmentFile> LoadAssignmentFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(path + ": cannot be read");
+  std::stringstream text;
+  text << in.rdbuf();
+  return ParseAssignmentFile(text.str(), path);
+}
+
+}  // namespace kiln
