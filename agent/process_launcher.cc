@@ -1,0 +1,229 @@
+#include "agent/process_launcher.h"
+
+#include <fcntl.h>
+#include <numaif.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+extern char** environ;
+
+namespace kiln {
+
+absl::StatusOr<pid_t> RealProcessLauncher::Launch(const LaunchRequest& r) {
+  if (r.argv.empty()) return absl::InvalidArgumentError("launch: empty argv");
+  if (access(r.argv[0].c_str(), X_OK) != 0) {
+    return absl::NotFoundError(r.argv[0] + ": not an executable");
+  }
+  // Everything the child needs is prepared before fork: the child only makes syscalls.
+  std::vector<char*> argv;
+  for (const auto& a : r.argv) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<std::string> env_storage;
+  for (char** e = environ; e && *e; ++e) env_storage.push_back(*e);
+  for (const auto& e : r.env) env_storage.push_back(e);
+  std::vector<char*> envp;
+  for (auto& e : env_storage) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  cpu_set_t cpuset;
+  CPU_ZERO(&cpuset);
+  for (int c : r.cpus) {
+    if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &cpuset);
+  }
+  unsigned long nodemask[16] = {};
+  if (r.memory_node >= 0 && r.memory_node < 1024) {
+    nodemask[r.memory_node / (8 * sizeof(unsigned long))] |=
+        1UL << (r.memory_node % (8 * sizeof(unsigned long)));
+  }
+  int log_fd = -1;
+  if (!r.log_file.empty()) {
+    log_fd = open(r.log_file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
+    if (log_fd < 0) return absl::PermissionDeniedError(r.log_file + ": " + strerror(errno));
+  }
+  int err_pipe[2];
+  if (pipe2(err_pipe, O_CLOEXEC) != 0) {
+    if (log_fd >= 0) close(log_fd);
+    return absl::InternalError("pipe2 failed");
+  }
+  pid_t pid = fork();
+  if (pid < 0) {
+    if (log_fd >= 0) close(log_fd);
+    close(err_pipe[0]);
+    close(err_pipe[1]);
+    return absl::ResourceExhaustedError(std::string("fork: ") + strerror(errno));
+  }
+  if (pid == 0) {
+    // Child: own session and process group, so the runtime outlives the agent.
+    setsid();
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    signal(SIGPIPE, SIG_DFL);
+    int step = 0;
+    if (log_fd >= 0) {
+      dup2(log_fd, 1);
+      dup2(log_fd, 2);
+    }
+    if (!r.cpus.empty() && sched_setaffinity(0, sizeof(cpuset), &cpuset) != 0) step = 1;
+    if (step == 0 && r.memory_node >= 0 &&
+        set_mempolicy(MPOL_BIND, nodemask, sizeof(nodemask) * 8) != 0) {
+      step = 2;
+    }
+    if (step == 0) {
+      execve(argv[0], argv.data(), envp.data());
+      step = 3;
+    }
+    int e[2] = {step, errno};
+    [[maybe_unused]] ssize_t n = write(err_pipe[1], e, sizeof(e));
+    _exit(127);
+  }
+  if (log_fd >= 0) close(log_fd);
+  close(err_pipe[1]);
+  int e[2] = {0, 0};
+  ssize_t n = read(err_pipe[0], e, sizeof(e));  // EOF (0) when exec succeeded
+  close(err_pipe[0]);
+  if (n == sizeof(e)) {
+    int status;
+    waitpid(pid, &status, 0);
+    const char* what = e[0] == 1 ? "sched_setaffinity" : e[0] == 2 ? "set_mempolicy" : "execve";
+    return absl::InternalError(std::string(what) + " failed for " + r.argv[0] + ": " +
+                               strerror(e[1]));
+  }
+  absl::MutexLock lock(&mu_);
+  children_.push_back(pid);
+  return pid;
+}
+
+absl::Status RealProcessLauncher::Signal(pid_t pid, int sig) {
+  if (pid <= 0) return absl::InvalidArgumentError("bad pid");
+  if (kill(pid, sig) != 0 && errno != ESRCH) {
+    return absl::InternalError("kill(" + std::to_string(pid) + "): " + strerror(errno));
+  }
+  return absl::OkStatus();
+}
+
+bool RealProcessLauncher::Alive(pid_t pid) {
+  if (pid <= 0 || kill(pid, 0) != 0) return false;
+  // A zombie is not alive.
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  std::getline(stat, text);
+  size_t close_paren = text.rfind(')');
+  return close_paren == std::string::npos || close_paren + 2 >= text.size() ||
+         text[close_paren + 2] != 'Z';
+}
+
+absl::Status RealProcessLauncher::Adopt(pid_t pid) {
+  if (!Alive(pid)) return absl::NotFoundError("process " + std::to_string(pid) + " is not running");
+  absl::MutexLock lock(&mu_);
+  adopted_.push_back(pid);
+  return absl::OkStatus();
+}
+
+std::vector<ProcessExit> RealProcessLauncher::CollectExits() {
+  std::vector<ProcessExit> out;
+  absl::MutexLock lock(&mu_);
+  for (auto it = children_.begin(); it != children_.end();) {
+    int status = 0;
+    pid_t r = waitpid(*it, &status, WNOHANG);
+    if (r == *it || (r < 0 && errno == ECHILD)) {
+      out.push_back({*it, r == *it ? status : 0});
+      it = children_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = adopted_.begin(); it != adopted_.end();) {
+    if (!Alive(*it)) {
+      out.push_back({*it, 0});  // not our child: the exit status is unknown
+      it = adopted_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<pid_t> FakeProcessLauncher::Launch(const LaunchRequest& request) {
+  absl::MutexLock lock(&mu_);
+  if (!fail_next_.ok()) {
+    absl::Status s = fail_next_;
+    fail_next_ = absl::OkStatus();
+    return s;
+  }
+  pid_t pid = next_pid_++;
+  alive_[pid] = true;
+  launches_.push_back(request);
+  return pid;
+}
+
+absl::Status FakeProcessLauncher::Signal(pid_t pid, int sig) {
+  absl::MutexLock lock(&mu_);
+  signals_.push_back({pid, sig});
+  return absl::OkStatus();
+}
+
+std::vector<ProcessExit> FakeProcessLauncher::CollectExits() {
+  absl::MutexLock lock(&mu_);
+  std::vector<ProcessExit> out;
+  out.swap(exits_);
+  return out;
+}
+
+absl::Status FakeProcessLauncher::Adopt(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  if (!alive_[pid]) return absl::NotFoundError("not running");
+  return absl::OkStatus();
+}
+
+bool FakeProcessLauncher::Alive(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  return alive_[pid];
+}
+
+void FakeProcessLauncher::Exit(pid_t pid, int signal_number) {
+  absl::MutexLock lock(&mu_);
+  if (!alive_[pid]) return;
+  alive_[pid] = false;
+  exits_.push_back({pid, signal_number & 0x7f});  // WIFSIGNALED form
+}
+
+void FakeProcessLauncher::ExitCode(pid_t pid, int code) {
+  absl::MutexLock lock(&mu_);
+  if (!alive_[pid]) return;
+  alive_[pid] = false;
+  exits_.push_back({pid, (code & 0xff) << 8});  // WIFEXITED form
+}
+
+void FakeProcessLauncher::FailNextLaunch(absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  fail_next_ = std::move(status);
+}
+
+std::vector<LaunchRequest> FakeProcessLauncher::launches() const {
+  absl::MutexLock lock(&mu_);
+  return launches_;
+}
+
+std::vector<std::pair<pid_t, int>> FakeProcessLauncher::signals() const {
+  absl::MutexLock lock(&mu_);
+  return signals_;
+}
+
+std::vector<pid_t> FakeProcessLauncher::alive() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<pid_t> out;
+  for (const auto& [pid, a] : alive_) {
+    if (a) out.push_back(pid);
+  }
+  return out;
+}
+
+}  // namespace kiln

@@ -1,0 +1,84 @@
+#pragma once
+
+#include <sys/types.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace kiln {
+
+struct LaunchRequest {
+  std::vector<std::string> argv;  // argv[0] is the executable path
+  std::vector<std::string> env;   // extra NAME=VALUE entries on top of the agent's environment
+  std::vector<int> cpus;          // CPU affinity; empty = inherit
+  int memory_node = -1;           // bind memory to this NUMA node; -1 = no binding
+  std::string log_file;           // stdout and stderr; empty = inherit
+};
+
+struct ProcessExit {
+  pid_t pid = 0;
+  int status = 0;  // as waitpid reports it
+};
+
+// The OS seam for processes. Children are started in their own session, so they survive the
+// agent's exit and can be adopted again.
+class ProcessLauncher {
+ public:
+  virtual ~ProcessLauncher() = default;
+  virtual absl::StatusOr<pid_t> Launch(const LaunchRequest& request) = 0;
+  virtual absl::Status Signal(pid_t pid, int sig) = 0;
+  // Exits seen since the last call (children reaped, and adopted processes found gone).
+  virtual std::vector<ProcessExit> CollectExits() = 0;
+  // Watch a process this launcher did not start (re-adoption after an agent restart).
+  virtual absl::Status Adopt(pid_t pid) = 0;
+  virtual bool Alive(pid_t pid) = 0;
+};
+
+class RealProcessLauncher : public ProcessLauncher {
+ public:
+  absl::StatusOr<pid_t> Launch(const LaunchRequest& request) override;
+  absl::Status Signal(pid_t pid, int sig) override;
+  std::vector<ProcessExit> CollectExits() override;
+  absl::Status Adopt(pid_t pid) override;
+  bool Alive(pid_t pid) override;
+
+ private:
+  absl::Mutex mu_;
+  std::vector<pid_t> children_ ABSL_GUARDED_BY(mu_);
+  std::vector<pid_t> adopted_ ABSL_GUARDED_BY(mu_);
+};
+
+// A launcher for tests: nothing runs; the test decides when processes exit.
+class FakeProcessLauncher : public ProcessLauncher {
+ public:
+  absl::StatusOr<pid_t> Launch(const LaunchRequest& request) override;
+  absl::Status Signal(pid_t pid, int sig) override;
+  std::vector<ProcessExit> CollectExits() override;
+  absl::Status Adopt(pid_t pid) override;
+  bool Alive(pid_t pid) override;
+
+  // The process exits with `status` (waitpid form), e.g. Exit(pid, SIGKILL) for a kill.
+  void Exit(pid_t pid, int signal_number);
+  void ExitCode(pid_t pid, int code);
+  void FailNextLaunch(absl::Status status);
+  // Every launch so far, in order.
+  std::vector<LaunchRequest> launches() const;
+  std::vector<std::pair<pid_t, int>> signals() const;
+  std::vector<pid_t> alive() const;
+
+ private:
+  mutable absl::Mutex mu_;
+  pid_t next_pid_ ABSL_GUARDED_BY(mu_) = 1000;
+  std::map<pid_t, bool> alive_ ABSL_GUARDED_BY(mu_);
+  std::vector<ProcessExit> exits_ ABSL_GUARDED_BY(mu_);
+  std::vector<LaunchRequest> launches_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<pid_t, int>> signals_ ABSL_GUARDED_BY(mu_);
+  absl::Status fail_next_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kiln

@@ -1,0 +1,113 @@
+// The real launcher on /bin/sh (milliseconds): affinity, memory policy, environment, own
+// session, log file, exit collection.
+#include "agent/process_launcher.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "gtest/gtest.h"
+
+namespace kiln {
+namespace {
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Bounded poll for the exit of `pid`.
+std::optional<ProcessExit> WaitForExit(ProcessLauncher& l, pid_t pid) {
+  for (int i = 0; i < 2000; ++i) {
+    for (const auto& e : l.CollectExits()) {
+      if (e.pid == pid) return e;
+    }
+    usleep(1000);
+  }
+  return std::nullopt;
+}
+
+class RealLauncherTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    log_ = (std::filesystem::temp_directory_path() /
+            ("kiln_launch_" + std::to_string(getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".log"))
+               .string();
+    std::filesystem::remove(log_);
+  }
+  void TearDown() override { std::filesystem::remove(log_); }
+  std::string log_;
+  RealProcessLauncher launcher_;
+};
+
+TEST_F(RealLauncherTest, AppliesAffinityMemoryPolicyEnvironmentAndSession) {
+  LaunchRequest r;
+  r.argv = {"/bin/sh", "-c",
+            "grep Cpus_allowed_list /proc/self/status; echo env=$KILN_TEST_VALUE; "
+            "head -1 /proc/self/numa_maps; cut -d' ' -f6 /proc/self/stat; echo pid=$$"};
+  r.env = {"KILN_TEST_VALUE=hello"};
+  r.cpus = {0};
+  r.memory_node = 0;
+  r.log_file = log_;
+  auto pid = launcher_.Launch(r);
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  auto exit = WaitForExit(launcher_, *pid);
+  ASSERT_TRUE(exit.has_value());
+  EXPECT_TRUE(WIFEXITED(exit->status) && WEXITSTATUS(exit->status) == 0);
+  std::string out = ReadAll(log_);
+  EXPECT_NE(out.find("Cpus_allowed_list:\t0\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("env=hello"), std::string::npos) << out;
+  EXPECT_NE(out.find("bind:0"), std::string::npos) << out;
+  // The session id (field 6 of /proc/self/stat of the sh) is the child's own pid.
+  EXPECT_NE(out.find(std::to_string(*pid) + "\npid=" + std::to_string(*pid)), std::string::npos)
+      << out;
+}
+
+TEST_F(RealLauncherTest, ReportsSignalsAndMissingBinaries) {
+  LaunchRequest r;
+  r.argv = {"/bin/sleep", "30"};
+  auto pid = launcher_.Launch(r);
+  ASSERT_TRUE(pid.ok());
+  EXPECT_TRUE(launcher_.Alive(*pid));
+  ASSERT_TRUE(launcher_.Signal(*pid, SIGKILL).ok());
+  auto exit = WaitForExit(launcher_, *pid);
+  ASSERT_TRUE(exit.has_value());
+  EXPECT_TRUE(WIFSIGNALED(exit->status));
+  EXPECT_EQ(WTERMSIG(exit->status), SIGKILL);
+  EXPECT_FALSE(launcher_.Alive(*pid));
+
+  r.argv = {"/nonexistent/kiln-runtime"};
+  EXPECT_EQ(launcher_.Launch(r).status().code(), absl::StatusCode::kNotFound);
+  r.argv = {"/bin/true"};
+  r.cpus = {CPU_SETSIZE - 1};  // no such CPU here: the affinity call fails in the child
+  auto bad = launcher_.Launch(r);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("sched_setaffinity"), std::string::npos) << bad.status();
+}
+
+TEST_F(RealLauncherTest, AdoptsAProcessItDidNotStart) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    execl("/bin/sleep", "sleep", "30", nullptr);
+    _exit(1);
+  }
+  RealProcessLauncher other;
+  ASSERT_TRUE(other.Adopt(pid).ok());
+  EXPECT_TRUE(other.CollectExits().empty());
+  kill(pid, SIGKILL);
+  int status;
+  waitpid(pid, &status, 0);  // reaped by its real parent
+  auto exit = WaitForExit(other, pid);
+  EXPECT_TRUE(exit.has_value());
+  EXPECT_EQ(other.Adopt(pid).code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kiln
