@@ -120,6 +120,12 @@ bool RealProcessLauncher::Alive(pid_t pid) {
          text[close_paren + 2] != 'Z';
 }
 
+std::string RealProcessLauncher::CommandLine(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return s;
+}
+
 absl::Status RealProcessLauncher::Adopt(pid_t pid) {
   if (!Alive(pid)) return absl::NotFoundError("process " + std::to_string(pid) + " is not running");
   absl::MutexLock lock(&mu_);
@@ -160,6 +166,9 @@ absl::StatusOr<pid_t> FakeProcessLauncher::Launch(const LaunchRequest& request) 
   }
   pid_t pid = next_pid_++;
   alive_[pid] = true;
+  std::string cmd;
+  for (const auto& a : request.argv) cmd += a + std::string(1, '\0');
+  cmdlines_[pid] = cmd;
   launches_.push_back(request);
   return pid;
 }
@@ -181,6 +190,11 @@ absl::Status FakeProcessLauncher::Adopt(pid_t pid) {
   absl::MutexLock lock(&mu_);
   if (!alive_[pid]) return absl::NotFoundError("not running");
   return absl::OkStatus();
+}
+
+std::string FakeProcessLauncher::CommandLine(pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  return alive_[pid] ? cmdlines_[pid] : "";
 }
 
 bool FakeProcessLauncher::Alive(pid_t pid) {

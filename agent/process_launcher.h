@@ -37,6 +37,8 @@ class ProcessLauncher {
   // Watch a process this launcher did not start (re-adoption after an agent restart).
   virtual absl::Status Adopt(pid_t pid) = 0;
   virtual bool Alive(pid_t pid) = 0;
+  // The process's command line, arguments joined by NUL ("" when gone).
+  virtual std::string CommandLine(pid_t pid) = 0;
 };
 
 class RealProcessLauncher : public ProcessLauncher {
@@ -46,6 +48,7 @@ class RealProcessLauncher : public ProcessLauncher {
   std::vector<ProcessExit> CollectExits() override;
   absl::Status Adopt(pid_t pid) override;
   bool Alive(pid_t pid) override;
+  std::string CommandLine(pid_t pid) override;
 
  private:
   absl::Mutex mu_;
@@ -61,6 +64,7 @@ class FakeProcessLauncher : public ProcessLauncher {
   std::vector<ProcessExit> CollectExits() override;
   absl::Status Adopt(pid_t pid) override;
   bool Alive(pid_t pid) override;
+  std::string CommandLine(pid_t pid) override;
 
   // The process exits with `status` (waitpid form), e.g. Exit(pid, SIGKILL) for a kill.
   void Exit(pid_t pid, int signal_number);
@@ -75,6 +79,7 @@ class FakeProcessLauncher : public ProcessLauncher {
   mutable absl::Mutex mu_;
   pid_t next_pid_ ABSL_GUARDED_BY(mu_) = 1000;
   std::map<pid_t, bool> alive_ ABSL_GUARDED_BY(mu_);
+  std::map<pid_t, std::string> cmdlines_ ABSL_GUARDED_BY(mu_);
   std::vector<ProcessExit> exits_ ABSL_GUARDED_BY(mu_);
   std::vector<LaunchRequest> launches_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<pid_t, int>> signals_ ABSL_GUARDED_BY(mu_);

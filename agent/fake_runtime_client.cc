@@ -1,0 +1,78 @@
+#include "agent/fake_runtime_client.h"
+
+namespace kiln {
+
+class FakeRuntimeClient : public RuntimeClient {
+ public:
+  FakeRuntimeClient(FakeRuntimeClientFactory* f, std::string socket)
+      : f_(f), socket_(std::move(socket)) {}
+
+  absl::StatusOr<v1::RuntimeState> GetState() override {
+    absl::MutexLock lock(&f_->mu_);
+    auto* r = Find();
+    if (!r) return absl::UnavailableError("no runtime at " + socket_);
+    return r->state;
+  }
+  absl::StatusOr<v1::RuntimeState> Promote() override {
+    return Move(v1::WARM, v1::SERVING, &FakeRuntimeClientFactory::Runtime::promotes);
+  }
+  absl::StatusOr<v1::RuntimeState> Demote() override {
+    return Move(v1::SERVING, v1::WARM, &FakeRuntimeClientFactory::Runtime::demotes);
+  }
+  absl::StatusOr<v1::RuntimeStats> Stats() override {
+    absl::MutexLock lock(&f_->mu_);
+    auto* r = Find();
+    if (!r) return absl::UnavailableError("no runtime at " + socket_);
+    return r->stats;
+  }
+
+ private:
+  FakeRuntimeClientFactory::Runtime* Find() ABSL_EXCLUSIVE_LOCKS_REQUIRED(f_->mu_) {
+    auto it = f_->runtimes_.find(socket_);
+    if (it == f_->runtimes_.end() || !it->second.reachable) return nullptr;
+    return &it->second;
+  }
+  absl::StatusOr<v1::RuntimeState> Move(v1::LifecycleState from, v1::LifecycleState to,
+                                        int FakeRuntimeClientFactory::Runtime::*counter) {
+    absl::MutexLock lock(&f_->mu_);
+    auto* r = Find();
+    if (!r) return absl::UnavailableError("no runtime at " + socket_);
+    if (r->state.state() != from && r->state.state() != to) {
+      return absl::FailedPreconditionError("bad state");
+    }
+    r->state.set_state(to);
+    (r->*counter)++;
+    return r->state;
+  }
+
+  FakeRuntimeClientFactory* f_;
+  std::string socket_;
+};
+
+std::unique_ptr<RuntimeClient> FakeRuntimeClientFactory::Connect(const std::string& socket_path) {
+  return std::make_unique<FakeRuntimeClient>(this, socket_path);
+}
+
+void FakeRuntimeClientFactory::Set(const std::string& socket, v1::LifecycleState state,
+                                   const std::string& model, const std::string& version,
+                                   int grpc_port) {
+  absl::MutexLock lock(&mu_);
+  Runtime& r = runtimes_[socket];
+  r.state.set_state(state);
+  if (!model.empty()) r.state.set_model_name(model);
+  if (!version.empty()) r.state.set_model_version(version);
+  if (grpc_port) r.state.set_grpc_port(grpc_port);
+}
+
+void FakeRuntimeClientFactory::SetReachable(const std::string& socket, bool reachable) {
+  absl::MutexLock lock(&mu_);
+  runtimes_[socket].reachable = reachable;
+}
+
+FakeRuntimeClientFactory::Runtime FakeRuntimeClientFactory::Get(const std::string& socket) const {
+  absl::MutexLock lock(&mu_);
+  auto it = runtimes_.find(socket);
+  return it == runtimes_.end() ? Runtime{} : it->second;
+}
+
+}  // namespace kiln

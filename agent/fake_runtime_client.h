@@ -1,0 +1,37 @@
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "agent/runtime_client.h"
+
+namespace kiln {
+
+// Runtimes that exist only in memory, by control socket: tests set their state.
+class FakeRuntimeClientFactory : public RuntimeClientFactory {
+ public:
+  struct Runtime {
+    v1::RuntimeState state;
+    v1::RuntimeStats stats;
+    bool reachable = true;
+    int promotes = 0;
+    int demotes = 0;
+  };
+
+  std::unique_ptr<RuntimeClient> Connect(const std::string& socket_path) override;
+
+  // Creates or updates the runtime behind `socket`.
+  void Set(const std::string& socket, v1::LifecycleState state, const std::string& model = "",
+           const std::string& version = "", int grpc_port = 0);
+  void SetReachable(const std::string& socket, bool reachable);
+  Runtime Get(const std::string& socket) const;
+
+ private:
+  friend class FakeRuntimeClient;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Runtime> runtimes_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kiln

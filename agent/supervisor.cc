@@ -1,0 +1,427 @@
+#include "agent/supervisor.h"
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <google/protobuf/util/json_util.h>
+
+#include "common/status.h"
+#include "nlohmann/json.hpp"
+
+namespace kiln {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+const char* PhaseName(int p) {
+  static const char* kNames[] = {"PENDING", "STARTING", "RUNNING", "BACKOFF", "STOPPING", "FAILED"};
+  return kNames[p];
+}
+
+std::string ExitText(int status) {
+  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  return "exited";
+}
+
+std::string ReadFileOr(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+Supervisor::Supervisor(SupervisorOptions options, Topology topology, ProcessLauncher* launcher,
+                       RuntimeClientFactory* clients, Clock* clock, Log log)
+    : options_(std::move(options)),
+      topology_(std::move(topology)),
+      launcher_(launcher),
+      clients_(clients),
+      clock_(clock),
+      log_(std::move(log)) {
+  reserved_ = AgentReservedCpus(topology_, options_.reserved_cpus);
+  std::error_code ec;
+  fs::create_directories(options_.state_dir + "/sockets", ec);
+  fs::create_directories(options_.state_dir + "/logs", ec);
+  chmod((options_.state_dir + "/sockets").c_str(), 0700);
+  Publish();
+}
+
+std::string Supervisor::Device(const v1::ReplicaSpec& spec) const {
+  if (spec.gpu() < 0 || options_.fake_gpus) return "cpu";
+  return "cuda:" + std::to_string(spec.gpu());
+}
+
+std::set<int> Supervisor::CpusInUse(const std::string& except_id) const {
+  std::set<int> used;
+  for (const auto& [id, r] : replicas_) {
+    if (id == except_id) continue;
+    used.insert(r.cpus.cpus.begin(), r.cpus.cpus.end());
+  }
+  return used;
+}
+
+absl::Status Supervisor::Apply(const v1::Assignment& a) {
+  // Plan first; nothing changes unless the whole assignment fits.
+  std::map<std::string, CpuAssignment> cpus;
+  std::set<int> used;
+  for (const auto& [id, r] : replicas_) {
+    bool kept = false;
+    for (const auto& s : a.replicas()) {
+      if (s.replica_id() == id && s.model() == r.spec.model() && s.version() == r.spec.version() &&
+          s.gpu() == r.spec.gpu() && s.cpus() == r.spec.cpus()) {
+        kept = true;
+      }
+    }
+    // Replicas being replaced keep their CPUs until they are gone.
+    used.insert(r.cpus.cpus.begin(), r.cpus.cpus.end());
+    if (kept) cpus[id] = r.cpus;
+  }
+  for (const auto& s : a.replicas()) {
+    if (cpus.count(s.replica_id())) continue;
+    if (s.gpu() >= static_cast<int>(topology_.gpus.size())) {
+      return absl::InvalidArgumentError("replica " + s.replica_id() + ": gpu " +
+                                        std::to_string(s.gpu()) + " does not exist on this node (" +
+                                        std::to_string(topology_.gpus.size()) + " GPUs)");
+    }
+    auto alloc = AllocateCpus(topology_, used, reserved_, s.gpu(), s.cpus());
+    if (!alloc.ok()) return Annotate(alloc.status(), "replica " + s.replica_id());
+    used.insert(alloc->cpus.begin(), alloc->cpus.end());
+    cpus[s.replica_id()] = *alloc;
+  }
+
+  std::set<std::string> wanted;
+  for (const auto& s : a.replicas()) wanted.insert(s.replica_id());
+  for (auto& [id, r] : replicas_) {
+    if (!wanted.count(id) && !r.removing) BeginStop(r, "no longer assigned");
+  }
+  for (const auto& s : a.replicas()) {
+    auto it = replicas_.find(s.replica_id());
+    if (it != replicas_.end() && !it->second.removing &&
+        (it->second.spec.model() != s.model() || it->second.spec.version() != s.version() ||
+         it->second.spec.gpu() != s.gpu() || it->second.spec.cpus() != s.cpus())) {
+      return absl::InvalidArgumentError("replica " + s.replica_id() +
+                                        ": model, version, gpu or cpus changed; a changed "
+                                        "replica needs a new id");
+    }
+    if (it == replicas_.end()) {
+      Replica r;
+      r.spec = s;
+      r.cpus = cpus[s.replica_id()];
+      r.phase = Phase::kPending;
+      r.due = clock_->Now();
+      replicas_.emplace(s.replica_id(), std::move(r));
+    } else {
+      it->second.spec.set_state(s.state());  // promote/demote happens in Tick
+      *it->second.spec.mutable_runtime() = s.runtime();
+    }
+  }
+  applied_generation_ = a.generation();
+  Publish();
+  return absl::OkStatus();
+}
+
+absl::Status Supervisor::Launch(Replica& r) {
+  const v1::ReplicaSpec& s = r.spec;
+  r.socket = options_.state_dir + "/sockets/" + s.replica_id() + ".sock";
+  r.log_file = options_.state_dir + "/logs/" + s.replica_id() + ".log";
+  if (r.socket.size() > 99) {
+    return absl::InvalidArgumentError("--state-dir: too long for a unix socket path (" + r.socket +
+                                      ")");
+  }
+  LaunchRequest req;
+  // A GPU replica sees only its own GPU (CUDA_VISIBLE_DEVICES), as cuda:0.
+  const bool real_gpu = s.gpu() >= 0 && !options_.fake_gpus;
+  int threads = s.runtime().threads() > 0 ? s.runtime().threads()
+                                          : static_cast<int>(r.cpus.cpus.size());
+  req.argv = {options_.runtime_binary,
+              "--model-repository", s.repository(),
+              "--model", s.model(),
+              "--version", s.version(),
+              "--grpc-port", "0",
+              "--http-port", "0",
+              "--bind-address", options_.bind_address,
+              "--control-socket", r.socket,
+              "--initial-state", "warm",
+              "--device", real_gpu ? "cuda:0" : "cpu",
+              "--threads", std::to_string(threads),
+              "--log-level", options_.runtime_log_level};
+  if (s.runtime().max_request_bytes() > 0) {
+    req.argv.push_back("--max-request-bytes");
+    req.argv.push_back(std::to_string(s.runtime().max_request_bytes()));
+  }
+  req.cpus = r.cpus.cpus;
+  req.memory_node = r.cpus.memory_node;
+  req.log_file = r.log_file;
+  req.env.push_back("KILN_REPLICA_ID=" + s.replica_id());
+  if (real_gpu) {
+    req.env.push_back("CUDA_VISIBLE_DEVICES=" + topology_.gpus[s.gpu()].identity.uuid);
+    if (options_.park_warm_replicas && s.state() == v1::WARM) {
+      req.env.push_back("CUDA_DISABLE_PERF_BOOST=1");
+    }
+  }
+  auto pid = launcher_->Launch(req);
+  if (!pid.ok()) return pid.status();
+  r.pid = *pid;
+  r.phase = Phase::kStarting;
+  r.observed = v1::LOADING;
+  r.client = clients_->Connect(r.socket);
+  OnStart(r.crashes, clock_->Now());
+  log_("replica " + s.replica_id() + ": started pid " + std::to_string(r.pid) + " (" + s.model() +
+       " v" + s.version() + " on " + Device(s) + ", cpus " + FormatCpuList(r.cpus.cpus) +
+       (r.cpus.memory_node >= 0 ? ", memory node " + std::to_string(r.cpus.memory_node) : "") +
+       ")");
+  return absl::OkStatus();
+}
+
+void Supervisor::BeginStop(Replica& r, const std::string& why) {
+  r.removing = true;
+  if (r.pid > 0 && (r.phase == Phase::kStarting || r.phase == Phase::kRunning)) {
+    (void)launcher_->Signal(r.pid, SIGTERM);  // the runtime drains, then exits
+    r.phase = Phase::kStopping;
+    r.due = clock_->Now() + options_.stop_timeout;
+    log_("replica " + r.spec.replica_id() + ": stopping (" + why + "), pid " + std::to_string(r.pid));
+  } else if (r.phase != Phase::kStopping) {
+    r.phase = Phase::kFailed;  // never running: nothing to stop
+    r.pid = 0;
+  }
+}
+
+void Supervisor::HandleExit(const ProcessExit& e) {
+  for (auto it = replicas_.begin(); it != replicas_.end(); ++it) {
+    Replica& r = it->second;
+    if (r.pid != e.pid || r.pid == 0) continue;
+    r.pid = 0;
+    r.client.reset();
+    r.grpc_port = r.http_port = 0;
+    if (r.removing) {
+      log_("replica " + r.spec.replica_id() + ": stopped (" + ExitText(e.status) + ")");
+      std::error_code ec;
+      fs::remove(r.socket, ec);
+      replicas_.erase(it);
+      return;
+    }
+    RestartDecision d = OnCrash(r.crashes, clock_->Now(), options_.restart);
+    r.restarts++;
+    r.crash_loop = d.crash_loop;
+    r.phase = Phase::kBackoff;
+    r.due = d.restart_at;
+    r.observed = v1::LIFECYCLE_STATE_UNSPECIFIED;
+    r.last_error = ExitText(e.status);
+    log_("replica " + r.spec.replica_id() + ": " + ExitText(e.status) + "; restart in " +
+         absl::FormatDuration(d.backoff) +
+         (d.crash_loop ? " (CrashLoop: " + std::to_string(d.crashes_in_window) +
+                             " crashes within the window)"
+                       : ""));
+    return;
+  }
+}
+
+void Supervisor::Observe(Replica& r) {
+  if (!r.client) return;
+  auto st = r.client->GetState();
+  if (!st.ok()) {
+    if (r.phase == Phase::kRunning) r.last_error = "control socket: " + std::string(st.status().message());
+    return;
+  }
+  r.observed = st->state();
+  r.grpc_port = st->grpc_port();
+  r.http_port = st->http_port();
+  if (r.observed == v1::FAILED) r.last_error = st->failure_reason();
+  if (r.phase == Phase::kStarting && (r.observed == v1::WARM || r.observed == v1::SERVING)) {
+    r.phase = Phase::kRunning;
+    log_("replica " + r.spec.replica_id() + ": " + v1::LifecycleState_Name(r.observed) +
+         " after " + std::to_string(st->load_time_micros() / 1000) + " ms");
+  }
+  if (r.phase != Phase::kRunning || r.removing) return;
+  if (r.spec.state() == v1::SERVING && r.observed == v1::WARM) {
+    auto p = r.client->Promote();
+    if (p.ok()) {
+      r.observed = p->state();
+      log_("replica " + r.spec.replica_id() + ": promoted to SERVING");
+    } else {
+      r.last_error = "promote: " + std::string(p.status().message());
+    }
+  } else if (r.spec.state() == v1::WARM && r.observed == v1::SERVING) {
+    auto d = r.client->Demote();
+    if (d.ok()) {
+      r.observed = d->state();
+      log_("replica " + r.spec.replica_id() + ": demoted to WARM");
+    } else {
+      r.last_error = "demote: " + std::string(d.status().message());
+    }
+  }
+}
+
+void Supervisor::Tick() {
+  for (const auto& e : launcher_->CollectExits()) HandleExit(e);
+  absl::Time now = clock_->Now();
+  bool changed_set = false;
+  for (auto it = replicas_.begin(); it != replicas_.end();) {
+    Replica& r = it->second;
+    if (r.removing && r.pid == 0) {
+      it = replicas_.erase(it);
+      changed_set = true;
+      continue;
+    }
+    if ((r.phase == Phase::kPending || r.phase == Phase::kBackoff) && now >= r.due) {
+      absl::Status s = Launch(r);
+      changed_set = true;
+      if (!s.ok()) {
+        r.last_error = std::string(s.message());
+        RestartDecision d = OnCrash(r.crashes, now, options_.restart);
+        r.crash_loop = d.crash_loop;
+        r.phase = Phase::kBackoff;
+        r.due = d.restart_at;
+        log_("replica " + r.spec.replica_id() + ": cannot start: " + r.last_error);
+      }
+    } else if (r.phase == Phase::kStarting || r.phase == Phase::kRunning) {
+      Observe(r);
+    } else if (r.phase == Phase::kStopping && now >= r.due && r.pid > 0) {
+      log_("replica " + r.spec.replica_id() + ": did not stop within " +
+           absl::FormatDuration(options_.stop_timeout) + "; killing pid " + std::to_string(r.pid));
+      (void)launcher_->Signal(r.pid, SIGKILL);
+      r.due = now + options_.stop_timeout;
+    }
+    ++it;
+  }
+  if (changed_set) {
+    absl::Status s = WriteStateFile();
+    if (!s.ok()) log_("state file: " + std::string(s.message()));
+  }
+  Publish();
+}
+
+bool Supervisor::Converged() const {
+  for (const auto& [id, r] : replicas_) {
+    if (r.removing) return false;
+    if (r.phase != Phase::kRunning || r.observed != r.spec.state()) return false;
+  }
+  return true;
+}
+
+absl::Status Supervisor::WriteStateFile() {
+  json doc = {{"replicas", json::array()}};
+  for (const auto& [id, r] : replicas_) {
+    if (r.pid <= 0) continue;
+    std::string spec;
+    (void)google::protobuf::util::MessageToJsonString(r.spec, &spec);
+    doc["replicas"].push_back({{"id", id},
+                               {"pid", r.pid},
+                               {"socket", r.socket},
+                               {"log", r.log_file},
+                               {"cpus", FormatCpuList(r.cpus.cpus)},
+                               {"memory_node", r.cpus.memory_node},
+                               {"restarts", r.restarts},
+                               {"spec", json::parse(spec)}});
+  }
+  std::string path = options_.state_dir + "/replicas.json";
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) return absl::PermissionDeniedError(tmp + ": cannot be written");
+    out << doc.dump(2) << "\n";
+    out.flush();
+    if (!out) return absl::DataLossError(tmp + ": write failed");
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return absl::DataLossError(path + ": rename failed: " + ec.message());
+  return absl::OkStatus();
+}
+
+absl::Status Supervisor::Recover() {
+  std::string path = options_.state_dir + "/replicas.json";
+  if (!fs::exists(path)) return absl::OkStatus();
+  json doc = json::parse(ReadFileOr(path), nullptr, false);
+  if (doc.is_discarded() || !doc.contains("replicas") || !doc["replicas"].is_array()) {
+    log_(path + ": not a state file kiln wrote; starting with no replicas");
+    return absl::OkStatus();
+  }
+  for (const auto& e : doc["replicas"]) {
+    if (!e.is_object() || !e.contains("pid") || !e["pid"].is_number_integer() ||
+        !e.contains("socket") || !e["socket"].is_string() || !e.contains("spec")) {
+      continue;
+    }
+    pid_t pid = e["pid"].get<pid_t>();
+    std::string socket = e["socket"].get<std::string>();
+    v1::ReplicaSpec spec;
+    if (!google::protobuf::util::JsonStringToMessage(e["spec"].dump(), &spec).ok()) continue;
+    // The pid must still be our runtime: its command line names its control socket.
+    std::string cmdline = launcher_->CommandLine(pid);
+    bool ours = launcher_->Alive(pid) && cmdline.find(socket) != std::string::npos;
+    auto client = clients_->Connect(socket);
+    absl::StatusOr<v1::RuntimeState> st =
+        ours ? client->GetState() : absl::StatusOr<v1::RuntimeState>(absl::NotFoundError("gone"));
+    if (!ours || !st.ok() || st->model_name() != spec.model() || st->model_version() != spec.version()) {
+      if (ours) (void)launcher_->Signal(pid, SIGKILL);  // ours but not answering: replace it
+      log_("replica " + spec.replica_id() + ": pid " + std::to_string(pid) + " not adoptable (" +
+           (ours ? (st.ok() ? "different model" : std::string(st.status().message())) : "gone") +
+           ")");
+      continue;
+    }
+    if (!launcher_->Adopt(pid).ok()) continue;
+    Replica r;
+    r.spec = spec;
+    auto cpus = ParseCpuList(e.value("cpus", ""), "state file cpus");
+    if (cpus.ok()) r.cpus.cpus = *cpus;
+    r.cpus.memory_node = e.value("memory_node", -1);
+    r.pid = pid;
+    r.socket = socket;
+    r.log_file = e.value("log", "");
+    r.client = std::move(client);
+    r.phase = Phase::kRunning;
+    r.observed = st->state();
+    r.grpc_port = st->grpc_port();
+    r.http_port = st->http_port();
+    r.restarts = e.value("restarts", 0);
+    r.adopted = true;
+    OnStart(r.crashes, clock_->Now());
+    log_("replica " + spec.replica_id() + ": adopted pid " + std::to_string(pid) + " (" +
+         v1::LifecycleState_Name(r.observed) + ")");
+    replicas_.emplace(spec.replica_id(), std::move(r));
+  }
+  Publish();
+  return WriteStateFile();
+}
+
+std::shared_ptr<const std::vector<ReplicaView>> Supervisor::Snapshot() const {
+  absl::MutexLock lock(&snapshot_mu_);
+  return snapshot_;
+}
+
+void Supervisor::Publish() {
+  auto views = std::make_shared<std::vector<ReplicaView>>();
+  for (const auto& [id, r] : replicas_) {
+    ReplicaView v;
+    v.spec = r.spec;
+    v.phase = PhaseName(static_cast<int>(r.phase));
+    if (r.crash_loop && r.phase == Phase::kBackoff) v.phase = "CRASH_LOOP";
+    v.state = r.observed;
+    v.pid = r.pid;
+    v.grpc_port = r.grpc_port;
+    v.http_port = r.http_port;
+    v.restarts = r.restarts;
+    v.crash_loop = r.crash_loop;
+    v.adopted = r.adopted;
+    v.last_error = r.last_error;
+    v.cpus = FormatCpuList(r.cpus.cpus);
+    v.socket = r.socket;
+    v.device = Device(r.spec);
+    views->push_back(std::move(v));
+  }
+  absl::MutexLock lock(&snapshot_mu_);
+  snapshot_ = std::move(views);
+}
+
+}  // namespace kiln

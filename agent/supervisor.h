@@ -1,0 +1,129 @@
+#pragma once
+
+#include <sys/types.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "agent/cpu_allocator.h"
+#include "agent/process_launcher.h"
+#include "agent/runtime_client.h"
+#include "agent/topology.h"
+#include "common/clock.h"
+#include "health/restart_policy.h"
+#include "kiln/v1/control_plane.pb.h"
+
+namespace kiln {
+
+struct SupervisorOptions {
+  std::string runtime_binary;
+  // replicas.json (what re-adoption reads), sockets/ (mode 0700) and logs/ live here.
+  std::string state_dir;
+  std::string bind_address = "127.0.0.1";
+  RestartPolicy restart;
+  // After SIGTERM a replica drains; past this it is killed.
+  absl::Duration stop_timeout = absl::Seconds(30);
+  // CPUs of the first NUMA node kept for the agent itself.
+  int reserved_cpus = 1;
+  // GPU replicas run on cpu (a --fake-gpus node).
+  bool fake_gpus = false;
+  // WARM replicas on a real GPU get CUDA_DISABLE_PERF_BOOST=1.
+  bool park_warm_replicas = false;
+  std::string runtime_log_level = "info";
+};
+
+// What the agent reports and routes by, for one replica.
+struct ReplicaView {
+  v1::ReplicaSpec spec;
+  std::string phase;  // STARTING, RUNNING, BACKOFF, CRASH_LOOP, STOPPING, FAILED
+  v1::LifecycleState state = v1::LIFECYCLE_STATE_UNSPECIFIED;  // last observed
+  pid_t pid = 0;
+  int grpc_port = 0;
+  int http_port = 0;
+  int restarts = 0;
+  bool crash_loop = false;
+  bool adopted = false;
+  std::string last_error;
+  std::string cpus;
+  std::string socket;
+  std::string device;
+};
+
+// Owns every kiln-runtime process on the node: starts replicas with their CPU set and memory
+// node, promotes and demotes them to the assigned state, restarts crashed ones with backoff
+// (crash loops are reported and restarted only at the maximum backoff), stops removed ones
+// (SIGTERM drains; killed past the stop timeout), and records them in a state file so that a
+// restarted agent adopts them instead of restarting them. Not thread-safe: one thread (the
+// agent's loop) calls it; others read Snapshot().
+class Supervisor {
+ public:
+  using Log = std::function<void(const std::string&)>;
+  Supervisor(SupervisorOptions options, Topology topology, ProcessLauncher* launcher,
+             RuntimeClientFactory* clients, Clock* clock, Log log);
+
+  // Reads the state file and adopts the replicas still running and answering.
+  absl::Status Recover();
+  // Makes the assignment the desired set. INVALID_ARGUMENT or RESOURCE_EXHAUSTED (no CPUs)
+  // leave the previous assignment in force.
+  absl::Status Apply(const v1::Assignment& assignment);
+  // One pass: collect exits, restart what is due, start, promote/demote, stop.
+  void Tick();
+
+  std::shared_ptr<const std::vector<ReplicaView>> Snapshot() const;
+  int64_t applied_generation() const { return applied_generation_; }
+  // True once every assigned replica has reached its assigned state.
+  bool Converged() const;
+
+ private:
+  enum class Phase { kPending, kStarting, kRunning, kBackoff, kStopping, kFailed };
+  struct Replica {
+    v1::ReplicaSpec spec;
+    CpuAssignment cpus;
+    Phase phase = Phase::kPending;
+    pid_t pid = 0;
+    std::string socket;
+    std::string log_file;
+    std::unique_ptr<RuntimeClient> client;
+    v1::LifecycleState observed = v1::LIFECYCLE_STATE_UNSPECIFIED;
+    int grpc_port = 0;
+    int http_port = 0;
+    CrashHistory crashes;
+    absl::Time due;  // restart time (kBackoff) or kill time (kStopping)
+    int restarts = 0;
+    bool crash_loop = false;
+    bool removing = false;
+    bool adopted = false;
+    std::string last_error;
+  };
+
+  absl::Status Launch(Replica& r);
+  void HandleExit(const ProcessExit& e);
+  void Observe(Replica& r);
+  void BeginStop(Replica& r, const std::string& why);
+  std::string Device(const v1::ReplicaSpec& spec) const;
+  std::set<int> CpusInUse(const std::string& except_id) const;
+  absl::Status WriteStateFile();
+  void Publish();
+
+  const SupervisorOptions options_;
+  const Topology topology_;
+  ProcessLauncher* launcher_;
+  RuntimeClientFactory* clients_;
+  Clock* clock_;
+  Log log_;
+  std::vector<int> reserved_;
+  std::map<std::string, Replica> replicas_;  // by replica id
+  int64_t applied_generation_ = 0;
+
+  mutable absl::Mutex snapshot_mu_;
+  std::shared_ptr<const std::vector<ReplicaView>> snapshot_ ABSL_GUARDED_BY(snapshot_mu_);
+};
+
+}  // namespace kiln

@@ -1,0 +1,248 @@
+// The supervisor with a fake launcher, fake runtimes and simulated time.
+#include "agent/supervisor.h"
+
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "agent/fake_runtime_client.h"
+#include "gtest/gtest.h"
+
+namespace kiln {
+namespace {
+
+namespace fs = std::filesystem;
+
+Topology TwoNodeTopology() {
+  Topology t;
+  for (int c = 0; c < 16; ++c) t.online_cpus.push_back(c);
+  t.allowed_cpus = t.online_cpus;
+  t.numa_nodes = {{0, {0, 1, 2, 3, 4, 5, 6, 7}, 0}, {1, {8, 9, 10, 11, 12, 13, 14, 15}, 0}};
+  GpuTopology g0;
+  g0.identity.uuid = "GPU-0";
+  g0.numa_node = 0;
+  g0.local_cpus = t.numa_nodes[0].cpus;
+  GpuTopology g1 = g0;
+  g1.identity.uuid = "GPU-1";
+  g1.numa_node = 1;
+  g1.local_cpus = t.numa_nodes[1].cpus;
+  t.gpus = {g0, g1};
+  return t;
+}
+
+v1::ReplicaSpec Spec(const std::string& id, int gpu, int cpus, v1::LifecycleState state,
+                     const std::string& version = "1") {
+  v1::ReplicaSpec s;
+  s.set_replica_id(id);
+  s.set_model("enc");
+  s.set_version(version);
+  s.set_repository("/models");
+  s.set_gpu(gpu);
+  s.set_cpus(cpus);
+  s.set_state(state);
+  return s;
+}
+
+class SupervisorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("kiln_sup_" + std::to_string(getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    options_.runtime_binary = "/usr/bin/kiln-runtime";
+    options_.state_dir = dir_.string();
+    options_.stop_timeout = absl::Seconds(10);
+    sup_ = MakeSupervisor();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::unique_ptr<Supervisor> MakeSupervisor() {
+    return std::make_unique<Supervisor>(options_, TwoNodeTopology(), &launcher_, &runtimes_,
+                                        &clock_, [this](const std::string& s) { log_.push_back(s); });
+  }
+  std::string Socket(const std::string& id) { return dir_.string() + "/sockets/" + id + ".sock"; }
+  const ReplicaView* View(const std::string& id) {
+    snapshot_ = sup_->Snapshot();
+    for (const auto& v : *snapshot_) {
+      if (v.spec.replica_id() == id) return &v;
+    }
+    return nullptr;
+  }
+  std::string Arg(const LaunchRequest& r, const std::string& flag) {
+    for (size_t i = 0; i + 1 < r.argv.size(); ++i) {
+      if (r.argv[i] == flag) return r.argv[i + 1];
+    }
+    return "";
+  }
+  v1::Assignment Assignment(std::vector<v1::ReplicaSpec> specs, int64_t generation = 1) {
+    v1::Assignment a;
+    a.set_generation(generation);
+    for (auto& s : specs) *a.add_replicas() = s;
+    return a;
+  }
+
+  fs::path dir_;
+  SupervisorOptions options_;
+  SimulatedClock clock_;
+  FakeProcessLauncher launcher_;
+  FakeRuntimeClientFactory runtimes_;
+  std::vector<std::string> log_;
+  std::unique_ptr<Supervisor> sup_;
+  std::shared_ptr<const std::vector<ReplicaView>> snapshot_;
+};
+
+TEST_F(SupervisorTest, StartsReplicasPinnedAndPromotesToTheirState) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING), Spec("b", -1, 1, v1::WARM)})).ok());
+  sup_->Tick();
+  auto launches = launcher_.launches();
+  ASSERT_EQ(launches.size(), 2u);
+  const LaunchRequest& a = launches[0];
+  EXPECT_EQ(Arg(a, "--initial-state"), "warm");
+  EXPECT_EQ(Arg(a, "--device"), "cuda:0");
+  EXPECT_EQ(Arg(a, "--threads"), "2");
+  EXPECT_EQ(Arg(a, "--control-socket"), Socket("a"));
+  EXPECT_EQ(a.cpus, (std::vector<int>{8, 9}));  // local to GPU 1
+  EXPECT_EQ(a.memory_node, 1);
+  EXPECT_NE(std::find(a.env.begin(), a.env.end(), "CUDA_VISIBLE_DEVICES=GPU-1"), a.env.end());
+  EXPECT_EQ(Arg(launches[1], "--device"), "cpu");
+  // Node 0 has 7 free CPUs (CPU 0 is the agent's), node 1 has 6 after a: node 0.
+  EXPECT_EQ(launches[1].cpus, (std::vector<int>{1}));
+  EXPECT_EQ(View("a")->phase, "STARTING");
+  EXPECT_FALSE(sup_->Converged());
+
+  runtimes_.Set(Socket("a"), v1::WARM, "enc", "1", 5001);
+  runtimes_.Set(Socket("b"), v1::WARM, "enc", "1", 5002);
+  sup_->Tick();
+  EXPECT_EQ(runtimes_.Get(Socket("a")).promotes, 1);
+  EXPECT_EQ(runtimes_.Get(Socket("b")).promotes, 0);
+  EXPECT_EQ(View("a")->state, v1::SERVING);
+  EXPECT_EQ(View("a")->grpc_port, 5001);
+  EXPECT_EQ(View("b")->state, v1::WARM);
+  EXPECT_TRUE(sup_->Converged());
+  EXPECT_EQ(sup_->applied_generation(), 1);
+
+  // The same assignment with b now SERVING: a promote, no restart.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING), Spec("b", -1, 1, v1::SERVING)}, 2)).ok());
+  sup_->Tick();
+  EXPECT_EQ(runtimes_.Get(Socket("b")).promotes, 1);
+  EXPECT_EQ(launcher_.launches().size(), 2u);
+}
+
+TEST_F(SupervisorTest, CrashesRestartWithBackoffAndCrashLoopsAreReported) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  std::vector<absl::Duration> waits;
+  for (int crash = 0; crash < 6; ++crash) {
+    pid_t pid = View("a")->pid;
+    ASSERT_GT(pid, 0);
+    launcher_.Exit(pid, SIGKILL);
+    sup_->Tick();
+    EXPECT_EQ(View("a")->pid, 0);
+    size_t before = launcher_.launches().size();
+    // Bounded: advance in 1 s steps until the restart happens.
+    absl::Duration waited;
+    for (int s = 0; s < 120 && launcher_.launches().size() == before; ++s) {
+      clock_.Advance(absl::Seconds(1));
+      waited += absl::Seconds(1);
+      sup_->Tick();
+    }
+    waits.push_back(waited);
+    if (crash == 5) {
+      EXPECT_TRUE(View("a")->crash_loop);
+      EXPECT_EQ(View("a")->restarts, 6);
+    }
+  }
+  EXPECT_EQ(waits, (std::vector<absl::Duration>{absl::Seconds(1), absl::Seconds(2),
+                                                absl::Seconds(4), absl::Seconds(8),
+                                                absl::Seconds(16), absl::Seconds(60)}));
+  // The CPUs stay with the replica across restarts.
+  auto launches = launcher_.launches();
+  EXPECT_EQ(launches.front().cpus, launches.back().cpus);
+}
+
+TEST_F(SupervisorTest, RemovedReplicasDrainThenAreKilledPastTheTimeout) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  pid_t a = View("a")->pid, b = View("b")->pid;
+  runtimes_.Set(Socket("a"), v1::WARM, "enc", "1");
+  runtimes_.Set(Socket("b"), v1::WARM, "enc", "1");
+  sup_->Tick();
+  ASSERT_TRUE(sup_->Apply(Assignment({}, 2)).ok());
+  auto sigs = launcher_.signals();
+  EXPECT_EQ(sigs, (std::vector<std::pair<pid_t, int>>{{a, SIGTERM}, {b, SIGTERM}}));
+  EXPECT_EQ(View("a")->phase, "STOPPING");
+  launcher_.ExitCode(a, 0);  // a drains and exits
+  sup_->Tick();
+  EXPECT_EQ(View("a"), nullptr);
+  clock_.Advance(absl::Seconds(10));  // b does not
+  sup_->Tick();
+  EXPECT_EQ(launcher_.signals().back(), std::make_pair(b, SIGKILL));
+  launcher_.Exit(b, SIGKILL);
+  sup_->Tick();
+  EXPECT_EQ(View("b"), nullptr);
+  EXPECT_EQ(launcher_.launches().size(), 2u);  // never restarted
+}
+
+TEST_F(SupervisorTest, AnAssignmentThatDoesNotFitIsRejectedWhole) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 4, v1::SERVING)})).ok());
+  // GPU 0's node has 8 CPUs, one kept for the agent, 4 taken: 3 left.
+  auto s = sup_->Apply(Assignment({Spec("a", 0, 4, v1::SERVING), Spec("b", 0, 4, v1::SERVING)}, 2));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("replica b"), std::string::npos);
+  EXPECT_EQ(sup_->applied_generation(), 1);
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), 1u);
+  EXPECT_FALSE(sup_->Apply(Assignment({Spec("a", 0, 4, v1::SERVING, "2")}, 3)).ok());  // same id, new version
+  EXPECT_FALSE(sup_->Apply(Assignment({Spec("x", 7, 1, v1::SERVING)}, 3)).ok());      // no GPU 7
+}
+
+TEST_F(SupervisorTest, ARestartedSupervisorAdoptsLiveReplicasAndDrainsOrphans) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::WARM),
+                                      Spec("c", -1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  pid_t a = View("a")->pid, b = View("b")->pid, c = View("c")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 7001);
+  runtimes_.Set(Socket("b"), v1::WARM, "enc", "1", 7002);
+  runtimes_.Set(Socket("c"), v1::SERVING, "enc", "1", 7003);
+  sup_->Tick();
+  // The agent goes away; c dies meanwhile; the replicas of a and b keep running.
+  sup_.reset();
+  launcher_.Exit(c, SIGKILL);
+  launcher_.CollectExits();
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  EXPECT_EQ(View("a")->pid, a);
+  EXPECT_TRUE(View("a")->adopted);
+  EXPECT_EQ(View("a")->grpc_port, 7001);
+  EXPECT_EQ(View("b")->state, v1::WARM);
+  EXPECT_EQ(View("c"), nullptr);
+  EXPECT_EQ(launcher_.launches().size(), 3u);  // nothing restarted
+  // The new assignment no longer wants b: it is drained, a is kept as it is.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)}, 5)).ok());
+  sup_->Tick();
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{b, SIGTERM}}));
+  EXPECT_EQ(launcher_.launches().size(), 3u);
+  EXPECT_TRUE(fs::exists(dir_ / "replicas.json"));
+}
+
+TEST_F(SupervisorTest, RecoveryIgnoresGarbageAndUnansweringReplicas) {
+  fs::create_directories(dir_);
+  { std::ofstream(dir_ / "replicas.json") << "{not json"; }
+  auto fresh = MakeSupervisor();
+  EXPECT_TRUE(fresh->Recover().ok());
+  EXPECT_TRUE(fresh->Snapshot()->empty());
+
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  pid_t a = View("a")->pid;
+  runtimes_.SetReachable(Socket("a"), false);  // alive but its control socket is dead
+  sup_.reset();
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  EXPECT_EQ(View("a"), nullptr);
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGKILL}}));
+}
+
+}  // namespace
+}  // namespace kiln
