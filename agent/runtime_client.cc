@@ -12,8 +12,18 @@ class GrpcRuntimeClient : public RuntimeClient {
  public:
   GrpcRuntimeClient(const std::string& socket, absl::Duration timeout)
       : stub_(v1::RuntimeControl::NewStub(
-            grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()))),
+            grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), Args()))),
         timeout_(timeout) {}
+
+  // A starting runtime creates its socket a moment after the agent first looks: reconnect
+  // quickly instead of gRPC's default of seconds.
+  static grpc::ChannelArguments Args() {
+    grpc::ChannelArguments a;
+    a.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+    a.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+    a.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+    return a;
+  }
 
   absl::StatusOr<v1::RuntimeState> GetState() override {
     return Call<v1::GetStateRequest, v1::RuntimeState>(&v1::RuntimeControl::Stub::GetState);

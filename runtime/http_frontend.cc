@@ -1,16 +1,12 @@
 #include "runtime/http_frontend.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <cpprest/http_listener.h>
 
 #include <vector>
 
 #include "absl/strings/str_split.h"
 #include "common/logging.h"
+#include "common/net_util.h"
 #include "common/status.h"
 #include "runtime/grpc_frontend.h"
 #include "runtime/json_codec.h"
@@ -22,27 +18,6 @@ using http::experimental::listener::http_listener;
 using nlohmann::json;
 
 namespace {
-
-// Asks the kernel for a free TCP port on `address`.
-absl::StatusOr<int> PickFreePort(const std::string& address) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::InternalError("socket() failed");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = 0;
-  if (inet_pton(AF_INET, address.c_str(), &addr.sin_addr) != 1) {
-    close(fd);
-    return absl::InvalidArgumentError("--bind-address: '" + address + "' is not an IPv4 address");
-  }
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return absl::UnavailableError("cannot bind " + address + ": " + strerror(errno));
-  }
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 void Reply(const http::http_request& request, int code, const std::string& body) {
   http::http_response resp(static_cast<http::status_code>(code));
@@ -242,7 +217,9 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(ModelHost* hos
   for (int i = 0; i < attempts; ++i) {
     int port = options.port;
     if (port == 0) {
-      KILN_ASSIGN_OR_RETURN(port, PickFreePort(options.bind_address));
+      auto picked = PickFreePort(options.bind_address);  // retried below if taken meanwhile
+      if (!picked.ok()) return Annotate(picked.status(), "--bind-address");
+      port = *picked;
     }
     std::string uri = "http://" + options.bind_address + ":" + std::to_string(port);
     auto impl = std::make_unique<Impl>(host, options, uri);

@@ -1,0 +1,362 @@
+#include "agent/agent.h"
+
+#include <sched.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "agent/admin_server.h"
+#include "agent/assignment_file.h"
+#include "agent/fake_gpu_driver.h"
+#include "agent/nvml_driver.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "nlohmann/json.hpp"
+
+namespace kiln {
+
+namespace {
+
+std::shared_ptr<spdlog::logger> Log() { return GetLogger("agent"); }
+
+std::string Escape(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+std::vector<int> ProcessAffinity() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> out;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return out;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) out.push_back(c);
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status ValidateAgentOptions(const AgentOptions& o) {
+  if (o.node_name.empty()) return absl::InvalidArgumentError("--node-name: must not be empty");
+  if (o.state_dir.empty() || o.state_dir[0] != '/') {
+    return absl::InvalidArgumentError("--state-dir: must be an absolute path");
+  }
+  if (o.state_dir.size() > 60) {
+    return absl::InvalidArgumentError(
+        "--state-dir: at most 60 characters (control sockets live under it)");
+  }
+  if (access(o.runtime_binary.c_str(), X_OK) != 0) {
+    return absl::InvalidArgumentError("--runtime-binary: '" + o.runtime_binary +
+                                      "' is not an executable");
+  }
+  if (o.admin_port < 0 || o.admin_port > 65535) {
+    return absl::InvalidArgumentError("--admin-port: must be in 0..65535");
+  }
+  if (o.reserved_cpus < 0 || o.reserved_cpus > 64) {
+    return absl::InvalidArgumentError("--reserved-cpus: must be in 0..64");
+  }
+  if (o.tick < absl::Milliseconds(10) || o.tick > absl::Seconds(10)) {
+    return absl::InvalidArgumentError("--tick-ms: must be in 10..10000");
+  }
+  return ParsePowerMode(o.gpu_power).status();
+}
+
+absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options, Clock* clock) {
+  KILN_RETURN_IF_ERROR(ValidateAgentOptions(options));
+  std::unique_ptr<GpuDriver> gpus;
+  if (!options.fake_gpus.empty()) {
+    KILN_ASSIGN_OR_RETURN(auto fake, FakeGpuDriver::ParseSpec(options.fake_gpus));
+    gpus = std::make_unique<FakeGpuDriver>(std::move(fake));
+    Log()->warn("--fake-gpus {}: these GPUs are FAKE; their replicas run on cpu",
+                options.fake_gpus);
+  } else {
+    auto nvml = LoadNvmlDriver();
+    if (nvml.ok()) {
+      gpus = std::move(*nvml);
+    } else {
+      Log()->info("no GPUs: {}", std::string(nvml.status().message()));
+    }
+  }
+  TopologyOptions topo;
+  topo.sysfs_root = options.sysfs_root;
+  std::ifstream cg("/proc/self/cgroup");
+  std::stringstream cgtext;
+  cgtext << cg.rdbuf();
+  topo.cgroup_path = CgroupV2Path(cgtext.str());
+  topo.affinity = ProcessAffinity();
+  RootedFilesystem fs;
+  auto topology = DiscoverTopology(fs, gpus.get(), topo);
+  if (!topology.ok()) return Annotate(topology.status(), "--sysfs-root " + options.sysfs_root);
+  std::unique_ptr<Agent> agent(
+      new Agent(std::move(options), clock, std::move(*topology), std::move(gpus)));
+  KILN_RETURN_IF_ERROR(agent->supervisor_->Recover());
+  if (!agent->options_.assignment_file.empty()) {
+    KILN_ASSIGN_OR_RETURN(AssignmentFile file, LoadAssignmentFile(agent->options_.assignment_file));
+    file.assignment.set_generation(++agent->generation_);
+    KILN_RETURN_IF_ERROR(Annotate(agent->supervisor_->Apply(file.assignment),
+                                  agent->options_.assignment_file));
+  }
+  return agent;
+}
+
+Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_ptr<GpuDriver> gpus)
+    : options_(std::move(options)), clock_(clock), topology_(std::move(topology)), gpus_(std::move(gpus)) {
+  const Topology& t = topology_;
+  Log()->info("node {}: {} CPUs online, allowed {}, {} NUMA node(s), {} GPU(s) via {}",
+              options_.node_name, t.online_cpus.size(), FormatCpuList(t.allowed_cpus),
+              t.numa_nodes.size(), t.gpus.size(), t.gpu_driver);
+  for (const auto& g : t.gpus) {
+    Log()->info("gpu {}: {} {} bus {} numa {} local cpus {}{}", g.identity.index, g.identity.name,
+                g.identity.uuid, g.pci_bus_id, g.numa_node, FormatCpuList(g.local_cpus),
+                t.fake_gpus ? " (FAKE)" : "");
+  }
+  launcher_ = std::make_unique<RealProcessLauncher>();
+  clients_ = std::make_unique<GrpcRuntimeClientFactory>(absl::Seconds(2));
+  SupervisorOptions so;
+  so.runtime_binary = options_.runtime_binary;
+  so.state_dir = options_.state_dir;
+  so.stop_timeout = options_.stop_timeout;
+  so.reserved_cpus = options_.reserved_cpus;
+  so.fake_gpus = t.fake_gpus;
+  so.runtime_log_level = options_.runtime_log_level;
+  PowerMode mode = *ParsePowerMode(options_.gpu_power);
+  PowerPolicy policy;
+  policy.park_warm_replicas = !t.fake_gpus && mode != PowerMode::kOff;
+  so.park_warm_replicas = policy.park_warm_replicas;
+  supervisor_ = std::make_unique<Supervisor>(so, topology_, launcher_.get(), clients_.get(), clock_,
+                                             [](const std::string& s) { Log()->info("{}", s); });
+  // The default policy: persistence on; a GPU holding only WARM replicas (or none) is capped at
+  // its minimum power limit; a serving GPU runs at its default limit.
+  policy.idle.persistence = true;
+  policy.warm_only.persistence = true;
+  policy.serving.persistence = true;
+  if (!t.gpus.empty()) {
+    const auto& id = t.gpus[0].identity;
+    if (id.power_limit_min_mw > 0) {
+      policy.idle.power_limit_mw = id.power_limit_min_mw;
+      policy.warm_only.power_limit_mw = id.power_limit_min_mw;
+    }
+    if (id.power_limit_default_mw > 0) policy.serving.power_limit_mw = id.power_limit_default_mw;
+  }
+  if (gpus_) {
+    power_ = std::make_unique<GpuPowerManager>(gpus_.get(), mode, policy,
+                                               [](const std::string& s) { Log()->info("power: {}", s); });
+  }
+}
+
+Agent::~Agent() { Stop(); }
+
+absl::Status Agent::Start() {
+  AdminServer::Handlers h;
+  h.live = [this]() { return live(); };
+  h.ready = [this]() { return ready(); };
+  h.metrics = [this]() { return MetricsText(); };
+  h.replicas = [this]() { return ReplicasJson(); };
+  KILN_ASSIGN_OR_RETURN(admin_, AdminServer::Start(options_.admin_bind, options_.admin_port, h));
+  Log()->info("admin listening admin_port={} (/healthz /readyz /metrics /v1/replicas)",
+              admin_->port());
+  last_tick_unix_ms_ = absl::ToUnixMillis(absl::Now());
+  loop_ = std::thread([this]() { Loop(); });
+  return absl::OkStatus();
+}
+
+int Agent::admin_port() const { return admin_ ? admin_->port() : 0; }
+
+bool Agent::live() const {
+  // The loop ticks every options_.tick; a loop silent for 30 ticks (and >= 5 s) is stalled.
+  int64_t age = absl::ToUnixMillis(absl::Now()) - last_tick_unix_ms_.load();
+  return age < std::max<int64_t>(5000, 30 * absl::ToInt64Milliseconds(options_.tick));
+}
+
+void Agent::RequestReload() { reload_ = true; }
+
+void Agent::Reload() {
+  if (options_.assignment_file.empty()) return;
+  auto file = LoadAssignmentFile(options_.assignment_file);
+  absl::Status s = file.status();
+  if (file.ok()) {
+    file->assignment.set_generation(generation_ + 1);
+    s = supervisor_->Apply(file->assignment);
+  }
+  if (!s.ok()) {
+    rejected_reloads_++;
+    Log()->error("assignment file rejected, keeping generation {}: {}", generation_,
+                 std::string(s.message()));
+    return;
+  }
+  generation_++;
+  ready_ = false;
+  Log()->info("assignment file reloaded: generation {}, {} replica(s)", generation_,
+              file->assignment.replicas_size());
+}
+
+void Agent::UpdatePower() {
+  if (!power_) return;
+  std::map<int, GpuLoad> load;
+  for (const auto& g : topology_.gpus) load[g.identity.index] = GpuLoad::kIdle;
+  for (const auto& v : *supervisor_->Snapshot()) {
+    if (v.spec.gpu() < 0) continue;
+    GpuLoad& l = load[v.spec.gpu()];
+    if (v.spec.state() == v1::SERVING) {
+      l = GpuLoad::kServing;
+    } else if (l == GpuLoad::kIdle) {
+      l = GpuLoad::kWarmOnly;
+    }
+  }
+  for (const auto& [gpu, l] : load) {
+    auto it = gpu_load_.find(gpu);
+    if (it != gpu_load_.end() && it->second == l) continue;
+    gpu_load_[gpu] = l;
+    auto r = power_->Apply(gpu, l);
+    if (!r.ok()) Log()->error("power: gpu {}: {}", gpu, std::string(r.status().message()));
+  }
+}
+
+void Agent::Loop() {
+  uint64_t watchdog_usec = 0;
+  bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0;
+  absl::Time last_watchdog = absl::InfinitePast();
+  bool notified_ready = false;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) break;
+    }
+    if (reload_.exchange(false)) Reload();
+    supervisor_->Tick();
+    UpdatePower();
+    bool r = supervisor_->Converged();
+    ready_ = r;
+    if (r && !notified_ready) {
+      notified_ready = true;
+      Log()->info("serving the assignment (generation {})", generation_);
+      sd_notifyf(0, "READY=1\nSTATUS=serving generation %lld", static_cast<long long>(generation_));
+    }
+    absl::Time now = absl::Now();
+    if (watchdog && now - last_watchdog >= absl::Microseconds(watchdog_usec / 2)) {
+      sd_notify(0, "WATCHDOG=1");
+      last_watchdog = now;
+    }
+    last_tick_unix_ms_ = absl::ToUnixMillis(now);
+    ticks_++;
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.tick);
+  }
+  sd_notify(0, "STOPPING=1");
+  if (options_.stop_replicas_on_exit) {
+    v1::Assignment none;
+    none.set_generation(generation_ + 1);
+    (void)supervisor_->Apply(none);
+    absl::Time deadline = absl::Now() + options_.stop_timeout + absl::Seconds(5);
+    while (!supervisor_->Snapshot()->empty() && absl::Now() < deadline) {
+      supervisor_->Tick();
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  }
+  if (power_) {
+    absl::Status s = power_->RestoreAll();
+    if (!s.ok()) Log()->error("power: restore: {}", std::string(s.message()));
+  }
+}
+
+void Agent::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (loop_.joinable()) loop_.join();
+  admin_.reset();
+}
+
+std::string Agent::ReplicasJson() const {
+  nlohmann::json out = {{"node", options_.node_name}, {"ready", ready()}, {"replicas", nlohmann::json::array()}};
+  for (const auto& v : *supervisor_->Snapshot()) {
+    out["replicas"].push_back({{"id", v.spec.replica_id()},
+                               {"model", v.spec.model()},
+                               {"version", v.spec.version()},
+                               {"gpu", v.spec.gpu()},
+                               {"device", v.device},
+                               {"assigned_state", v1::LifecycleState_Name(v.spec.state())},
+                               {"state", v1::LifecycleState_Name(v.state)},
+                               {"phase", v.phase},
+                               {"pid", v.pid},
+                               {"grpc_port", v.grpc_port},
+                               {"http_port", v.http_port},
+                               {"restarts", v.restarts},
+                               {"crash_loop", v.crash_loop},
+                               {"adopted", v.adopted},
+                               {"cpus", v.cpus},
+                               {"last_error", v.last_error}});
+  }
+  return out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string Agent::MetricsText() const {
+  std::ostringstream m;
+  std::string node = "node=\"" + Escape(options_.node_name) + "\"";
+  m << "# HELP kiln_agent_ready 1 when every assigned replica is in its assigned state.\n"
+    << "# TYPE kiln_agent_ready gauge\n"
+    << "kiln_agent_ready{" << node << "} " << (ready() ? 1 : 0) << "\n"
+    << "# HELP kiln_agent_assignment_reloads_rejected_total Assignment files rejected.\n"
+    << "# TYPE kiln_agent_assignment_reloads_rejected_total counter\n"
+    << "kiln_agent_assignment_reloads_rejected_total{" << node << "} " << rejected_reloads_.load()
+    << "\n";
+  auto snapshot = supervisor_->Snapshot();
+  auto labels = [&](const ReplicaView& v) {
+    return node + ",replica=\"" + Escape(v.spec.replica_id()) + "\",model=\"" +
+           Escape(v.spec.model()) + "\",version=\"" + Escape(v.spec.version()) + "\",gpu=\"" +
+           std::to_string(v.spec.gpu()) + "\"";
+  };
+  m << "# HELP kiln_replica_state 1 for the replica's current lifecycle state.\n"
+    << "# TYPE kiln_replica_state gauge\n";
+  for (const auto& v : *snapshot) {
+    m << "kiln_replica_state{" << labels(v) << ",state=\"" << v1::LifecycleState_Name(v.state)
+      << "\"} 1\n";
+  }
+  m << "# HELP kiln_replica_restarts_total Restarts after the replica exited on its own.\n"
+    << "# TYPE kiln_replica_restarts_total counter\n";
+  for (const auto& v : *snapshot) m << "kiln_replica_restarts_total{" << labels(v) << "} " << v.restarts << "\n";
+  m << "# HELP kiln_replica_crash_loop 1 while the replica is in a crash loop.\n"
+    << "# TYPE kiln_replica_crash_loop gauge\n";
+  for (const auto& v : *snapshot) m << "kiln_replica_crash_loop{" << labels(v) << "} " << (v.crash_loop ? 1 : 0) << "\n";
+  if (gpus_) {
+    struct Row {
+      std::string labels;
+      GpuTelemetry t;
+    };
+    std::vector<Row> rows;
+    for (const auto& g : topology_.gpus) {
+      auto t = gpus_->Read(g.identity.index);
+      if (!t.ok()) continue;
+      rows.push_back({node + ",gpu=\"" + std::to_string(g.identity.index) + "\",uuid=\"" +
+                          Escape(g.identity.uuid) + "\",fake=\"" +
+                          (topology_.fake_gpus ? "true" : "false") + "\"",
+                      *t});
+    }
+    auto gauge = [&](const char* name, const char* help, auto value) {
+      m << "# HELP " << name << " " << help << "\n# TYPE " << name << " gauge\n";
+      for (const auto& r : rows) m << name << "{" << r.labels << "} " << value(r.t) << "\n";
+    };
+    gauge("kiln_gpu_power_draw_watts", "Power draw.", [](const GpuTelemetry& t) { return t.power_draw_mw / 1000.0; });
+    gauge("kiln_gpu_power_limit_watts", "Enforced power limit.", [](const GpuTelemetry& t) { return t.power_limit_mw / 1000.0; });
+    gauge("kiln_gpu_memory_used_bytes", "Memory in use.", [](const GpuTelemetry& t) { return t.memory_used_bytes; });
+    gauge("kiln_gpu_memory_total_bytes", "Memory.", [](const GpuTelemetry& t) { return t.memory_total_bytes; });
+    gauge("kiln_gpu_utilization_ratio", "SM utilisation, 0..1.", [](const GpuTelemetry& t) { return t.utilization_gpu_pct / 100.0; });
+    gauge("kiln_gpu_temperature_celsius", "Temperature.", [](const GpuTelemetry& t) { return t.temperature_c; });
+  }
+  return m.str();
+}
+
+}  // namespace kiln

@@ -1,0 +1,86 @@
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "agent/gpu_power.h"
+#include "agent/supervisor.h"
+#include "agent/topology.h"
+#include "common/clock.h"
+
+namespace kiln {
+
+struct AgentOptions {
+  std::string node_name;
+  std::string assignment_file;  // empty = wait for a controller (later)
+  std::string state_dir = "/var/lib/kiln/agent";
+  std::string runtime_binary;
+  std::string sysfs_root = "/sys";
+  std::string fake_gpus;  // "N:MEM"
+  std::string gpu_power = "dry-run";
+  int reserved_cpus = 1;
+  std::string admin_bind = "0.0.0.0";
+  int admin_port = 8002;  // 0 = pick a free one
+  absl::Duration tick = absl::Milliseconds(100);
+  absl::Duration stop_timeout = absl::Seconds(30);
+  bool stop_replicas_on_exit = false;
+  std::string runtime_log_level = "info";
+};
+
+absl::Status ValidateAgentOptions(const AgentOptions& options);
+
+class AdminServer;
+
+// One node: discovers its topology, runs the assignment through the supervisor on one loop
+// thread, sets GPU power state by what each GPU holds, and serves /healthz, /readyz,
+// /metrics and /v1/replicas. Replicas outlive the agent and are adopted by the next one.
+class Agent {
+ public:
+  static absl::StatusOr<std::unique_ptr<Agent>> Create(AgentOptions options, Clock* clock);
+  ~Agent();
+
+  absl::Status Start();
+  // Re-reads the assignment file on the loop (SIGHUP). A bad file keeps the old assignment.
+  void RequestReload();
+  void Stop();
+
+  int admin_port() const;
+  bool ready() const { return ready_.load(); }
+  bool live() const;
+  std::string MetricsText() const;
+  std::string ReplicasJson() const;
+
+ private:
+  Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_ptr<GpuDriver> gpus);
+  void Loop();
+  void Reload();
+  void UpdatePower();
+
+  const AgentOptions options_;
+  Clock* clock_;
+  const Topology topology_;
+  std::unique_ptr<GpuDriver> gpus_;
+  std::unique_ptr<ProcessLauncher> launcher_;
+  std::unique_ptr<RuntimeClientFactory> clients_;
+  std::unique_ptr<Supervisor> supervisor_;
+  std::unique_ptr<GpuPowerManager> power_;
+  std::unique_ptr<AdminServer> admin_;
+  std::map<int, GpuLoad> gpu_load_;  // loop thread only
+  int64_t generation_ = 0;           // loop thread only
+  std::atomic<bool> ready_{false};
+  std::atomic<bool> reload_{false};
+  std::atomic<int64_t> last_tick_unix_ms_{0};
+  std::atomic<uint64_t> rejected_reloads_{0};
+  std::atomic<uint64_t> ticks_{0};
+
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread loop_;
+};
+
+}  // namespace kiln

@@ -1,0 +1,110 @@
+// kiln-agent: one per node; owns the node's kiln-runtime processes.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <filesystem>
+
+#include "agent/agent.h"
+#include "common/logging.h"
+
+namespace {
+
+int signal_pipe[2] = {-1, -1};
+
+void OnSignal(int sig) {
+  char c = static_cast<char>(sig);
+  [[maybe_unused]] ssize_t n = write(signal_pipe[1], &c, 1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  kiln::AgentOptions o;
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  o.node_name = host;
+  std::error_code ec;
+  auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  o.runtime_binary = ec ? "kiln-runtime" : (self.parent_path() / "kiln-runtime").string();
+  std::string log_level = "info";
+  int tick_ms = 100;
+  int stop_timeout_ms = 30000;
+
+  CLI::App app{"kiln-agent: runs a node's model replicas"};
+  app.add_option("--node-name", o.node_name, "This node's name")->capture_default_str();
+  app.add_option("--assignment-file", o.assignment_file,
+                 "Run this node alone from a YAML assignment (reloaded on SIGHUP)");
+  app.add_option("--state-dir", o.state_dir, "Replica state, sockets and logs")
+      ->capture_default_str();
+  app.add_option("--runtime-binary", o.runtime_binary, "kiln-runtime")->capture_default_str();
+  app.add_option("--sysfs-root", o.sysfs_root, "sysfs root")->capture_default_str();
+  app.add_option("--fake-gpus", o.fake_gpus, "COUNT:MEMORY fake GPUs (replicas run on cpu)");
+  app.add_option("--gpu-power", o.gpu_power, "off, dry-run or enforce")->capture_default_str();
+  app.add_option("--reserved-cpus", o.reserved_cpus, "CPUs kept for the agent")->capture_default_str();
+  app.add_option("--admin-bind", o.admin_bind, "Address for /healthz /readyz /metrics")
+      ->capture_default_str();
+  app.add_option("--admin-port", o.admin_port, "Port for /healthz /readyz /metrics (0 = free)")
+      ->capture_default_str();
+  app.add_option("--tick-ms", tick_ms, "Supervision period")->capture_default_str();
+  app.add_option("--stop-timeout-ms", stop_timeout_ms, "Drain deadline before a replica is killed")
+      ->capture_default_str();
+  app.add_flag("--stop-replicas-on-exit", o.stop_replicas_on_exit,
+               "Drain and stop every replica when the agent exits (default: they keep running "
+               "and the next agent adopts them)");
+  app.add_option("--runtime-log-level", o.runtime_log_level, "Log level for replicas")
+      ->capture_default_str();
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  auto log = kiln::GetLogger("agent.main");
+  if (auto s = kiln::SetLogLevel(log_level); !s.ok()) {
+    log->error("--log-level: {}", std::string(s.message()));
+    return 2;
+  }
+  o.tick = absl::Milliseconds(tick_ms);
+  o.stop_timeout = absl::Milliseconds(stop_timeout_ms);
+
+  if (pipe2(signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) return 1;
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGHUP, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  kiln::RealClock clock;
+  auto agent = kiln::Agent::Create(o, &clock);
+  if (!agent.ok()) {
+    log->error("{}", std::string(agent.status().message()));
+    return 2;
+  }
+  if (auto s = (*agent)->Start(); !s.ok()) {
+    log->error("{}", std::string(s.message()));
+    return 1;
+  }
+  for (;;) {
+    pollfd pfd{signal_pipe[0], POLLIN, 0};
+    if (poll(&pfd, 1, 1000) <= 0) continue;
+    char sig = 0;
+    if (read(signal_pipe[0], &sig, 1) != 1) continue;
+    if (sig == SIGHUP) {
+      log->info("SIGHUP: reloading {}", o.assignment_file);
+      (*agent)->RequestReload();
+      continue;
+    }
+    log->info("signal {}: stopping{}", static_cast<int>(sig),
+              o.stop_replicas_on_exit ? " and draining replicas" : " (replicas keep running)");
+    break;
+  }
+  (*agent)->Stop();
+  log->info("stopped");
+  return 0;
+}
