@@ -282,6 +282,16 @@ void Batcher::Run(std::vector<Item> items) {
     }
   }
   if (observer_) observer_(static_cast<int64_t>(items.size()), total);
+  if (!split.ok() && items.size() > 1) {
+    // One bad request (an out-of-range token, say) must not fail the requests it was batched
+    // with: run each alone so only the bad one gets the error.
+    for (auto& item : items) {
+      auto alone = executor_(item.inputs);
+      if (observer_) observer_(1, item.rows);
+      item.done(std::move(alone));
+    }
+    return;
+  }
   for (size_t r = 0; r < items.size(); ++r) {
     if (split.ok()) {
       items[r].done(std::move((*split)[r]));

@@ -198,11 +198,11 @@ absl::StatusOr<InferRequest> DecodeInferRequest(const inference::ModelInferReque
     t.shape.assign(in.shape().begin(), in.shape().end());
     KILN_ASSIGN_OR_RETURN(int64_t n, ElementCount(t.shape, "input '" + in.name() + "'"));
     int64_t bytes = n * static_cast<int64_t>(DataTypeSize(t.dtype));
-    total += bytes;
-    if (total > max_bytes) {
+    if (bytes > max_bytes - total) {  // written so it cannot overflow
       return absl::ResourceExhaustedError("the request's tensors exceed the payload limit of " +
                                           std::to_string(max_bytes) + " bytes");
     }
+    total += bytes;
     if (raw) {
       if (in.has_contents()) {
         return absl::InvalidArgumentError("input '" + in.name() +

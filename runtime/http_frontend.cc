@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "common/net_util.h"
 #include "common/status.h"
@@ -19,20 +20,62 @@ using nlohmann::json;
 
 namespace {
 
-void Reply(const http::http_request& request, int code, const std::string& body) {
+// Counts REST requests from acceptance until their reply is sent, so that shutdown waits
+// for them (and nothing they touch is freed under them).
+class RequestGate {
+ public:
+  bool Enter() {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return false;
+    active_++;
+    return true;
+  }
+  void Exit() {
+    absl::MutexLock lock(&mu_);
+    active_--;
+  }
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+  }
+  bool WaitIdle(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_ == 0; };
+    return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+  }
+
+ private:
+  absl::Mutex mu_;
+  int active_ ABSL_GUARDED_BY(mu_) = 0;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+using Gate = std::shared_ptr<RequestGate>;
+
+// Sends the one reply of an entered request and leaves the gate once it is written.
+void Reply(const http::http_request& request, const Gate& gate, int code,
+           const std::string& body) {
   http::http_response resp(static_cast<http::status_code>(code));
   resp.set_body(body, "application/json");
-  request.reply(resp).then([](pplx::task<void> t) {
-    try {
-      t.get();
-    } catch (const std::exception&) {
-      // The client went away; nothing to do.
-    }
-  });
+  try {
+    request.reply(resp).then([gate](pplx::task<void> t) {
+      try {
+        t.get();
+      } catch (const std::exception&) {
+        // The client went away; nothing to do.
+      }
+      gate->Exit();
+    });
+  } catch (const std::exception&) {
+    gate->Exit();
+  }
 }
 
-void ReplyStatus(const http::http_request& request, const absl::Status& status) {
-  Reply(request, HttpStatusFromCode(status.code()), JsonError(std::string(status.message())));
+void ReplyStatus(const http::http_request& request, const Gate& gate, const absl::Status& status,
+                 bool decoding = false) {
+  int code = HttpStatusFromCode(status.code());
+  // A payload over the limit can never succeed: 413, not 429 ("retry later").
+  if (decoding && status.code() == absl::StatusCode::kResourceExhausted) code = 413;
+  Reply(request, gate, code, JsonError(std::string(status.message())));
 }
 
 json MetadataJson(const inference::ModelMetadataResponse& m) {
@@ -57,7 +100,8 @@ json MetadataJson(const inference::ModelMetadataResponse& m) {
 class HttpFrontend::Impl {
  public:
   Impl(ModelHost* host, Options options, const std::string& uri)
-      : host_(host), options_(std::move(options)), listener_(uri) {
+      : host_(host), options_(std::move(options)), gate_(std::make_shared<RequestGate>()),
+        listener_(uri) {
     listener_.support([this](http::http_request request) { Handle(std::move(request)); });
   }
 
@@ -70,19 +114,36 @@ class HttpFrontend::Impl {
     }
   }
 
+  // New requests get 503; the listener closes (aborting unread bodies); then the requests
+  // already accepted are waited for, bounded.
   void Close() {
+    gate_->Close();
     try {
       listener_.close().wait();
     } catch (const std::exception&) {
+    }
+    if (!gate_->WaitIdle(absl::Seconds(10))) {
+      GetLogger("runtime.http")->error("REST requests still open 10 s after close");
     }
   }
 
  private:
   void Handle(http::http_request request) {
+    if (!gate_->Enter()) {
+      http::http_response resp(http::status_codes::ServiceUnavailable);
+      resp.set_body(JsonError("the server is shutting down"), "application/json");
+      request.reply(resp).then([](pplx::task<void> t) {
+        try {
+          t.get();
+        } catch (const std::exception&) {
+        }
+      });
+      return;
+    }
     try {
       Route(request);
     } catch (const std::exception& e) {
-      Reply(request, 500, JsonError(std::string("internal error: ") + e.what()));
+      Reply(request, gate_, 500, JsonError(std::string("internal error: ") + e.what()));
     }
   }
 
@@ -91,7 +152,7 @@ class HttpFrontend::Impl {
     std::vector<std::string> parts = absl::StrSplit(path, '/', absl::SkipEmpty());
     const auto method = request.method();
     if (parts.empty() || parts[0] != "v2") {
-      Reply(request, 404, JsonError("no such endpoint: " + path));
+      Reply(request, gate_, 404, JsonError("no such endpoint: " + path));
       return;
     }
     if (parts.size() == 1) {
@@ -100,19 +161,19 @@ class HttpFrontend::Impl {
                    {"version", options_.server_version},
                    {"extensions", {"model_repository_layout", "dynamic_batching",
                                    "response_cache", "priority", "timeout"}}};
-      Reply(request, 200, meta.dump());
+      Reply(request, gate_, 200, meta.dump());
       return;
     }
     if (parts[1] == "health" && parts.size() == 3) {
       if (method != http::methods::GET) return MethodNotAllowed(request);
       if (parts[2] == "live") {
         bool live = host_->Live();
-        Reply(request, live ? 200 : 503, json{{"live", live}}.dump());
+        Reply(request, gate_, live ? 200 : 503, json{{"live", live}}.dump());
         return;
       }
       if (parts[2] == "ready") {
         bool ready = host_->ModelReady(host_->config().name, "");
-        Reply(request, ready ? 200 : 503, json{{"ready", ready}}.dump());
+        Reply(request, gate_, ready ? 200 : 503, json{{"ready", ready}}.dump());
         return;
       }
     }
@@ -128,18 +189,18 @@ class HttpFrontend::Impl {
         if (method != http::methods::GET) return MethodNotAllowed(request);
         inference::ModelMetadataResponse meta;
         absl::Status s = FillModelMetadata(*host_, model, version, &meta);
-        if (!s.ok()) return ReplyStatus(request, s);
-        Reply(request, 200, MetadataJson(meta).dump());
+        if (!s.ok()) return ReplyStatus(request, gate_, s);
+        Reply(request, gate_, 200, MetadataJson(meta).dump());
         return;
       }
       if (parts.size() == next + 1 && parts[next] == "ready") {
         if (method != http::methods::GET) return MethodNotAllowed(request);
         if (!host_->Serves(model, version)) {
-          Reply(request, 404, JsonError("unknown model '" + model + "'"));
+          Reply(request, gate_, 404, JsonError("unknown model '" + model + "'"));
           return;
         }
         bool ready = host_->ModelReady(model, version);
-        Reply(request, ready ? 200 : 503, json{{"name", model}, {"ready", ready}}.dump());
+        Reply(request, gate_, ready ? 200 : 503, json{{"name", model}, {"ready", ready}}.dump());
         return;
       }
       if (parts.size() == next + 1 && parts[next] == "infer") {
@@ -148,61 +209,69 @@ class HttpFrontend::Impl {
         return;
       }
     }
-    Reply(request, 404, JsonError("no such endpoint: " + path));
+    Reply(request, gate_, 404, JsonError("no such endpoint: " + path));
   }
 
   void MethodNotAllowed(const http::http_request& request) {
-    Reply(request, 405, JsonError("method " + request.method() + " is not allowed here"));
+    Reply(request, gate_, 405, JsonError("method " + request.method() + " is not allowed here"));
   }
 
   void Infer(http::http_request& request, const std::string& model, const std::string& version) {
     const auto& headers = request.headers();
     if (headers.has("Inference-Header-Content-Length")) {
-      Reply(request, 400, JsonError("the binary data extension is not supported; send JSON data "
+      Reply(request, gate_, 400, JsonError("the binary data extension is not supported; send JSON data "
                                     "or use gRPC raw_input_contents"));
       return;
     }
     if (!headers.has(http::header_names::content_length)) {
-      Reply(request, 411, JsonError("Content-Length is required"));
+      Reply(request, gate_, 411, JsonError("Content-Length is required"));
       return;
     }
     // The body is read only once its declared size is known to be within the limit.
     if (static_cast<int64_t>(headers.content_length()) > options_.max_request_bytes) {
-      Reply(request, 413,
+      Reply(request, gate_, 413,
             JsonError("the request body of " + std::to_string(headers.content_length()) +
                       " bytes exceeds the limit of " +
                       std::to_string(options_.max_request_bytes) + " bytes"));
       return;
     }
     ModelHost* host = host_;
+    Gate gate = gate_;
     int64_t max_bytes = options_.max_request_bytes;
     request.extract_utf8string(true).then(
-        [request, host, model, version, max_bytes](pplx::task<std::string> body_task) {
-          std::string body;
+        [request, host, gate, model, version, max_bytes](pplx::task<std::string> body_task) {
+          // An exception escaping a continuation would terminate the process.
           try {
-            body = body_task.get();
-          } catch (const std::exception& e) {
-            Reply(request, 400, JsonError(std::string("cannot read the body: ") + e.what()));
-            return;
-          }
-          auto params = std::make_shared<json>();
-          auto decoded = DecodeJsonInferRequest(body, model, version, max_bytes, params.get());
-          if (!decoded.ok()) {
-            ReplyStatus(request, decoded.status());
-            return;
-          }
-          host->Infer(std::move(*decoded), [request, params](absl::StatusOr<InferResponse> r) {
-            if (!r.ok()) {
-              ReplyStatus(request, r.status());
+            std::string body;
+            try {
+              body = body_task.get();
+            } catch (const std::exception& e) {
+              Reply(request, gate, 400, JsonError(std::string("cannot read the body: ") + e.what()));
               return;
             }
-            Reply(request, 200, EncodeJsonInferResponse(*r, *params));
-          });
+            auto params = std::make_shared<json>();
+            auto decoded = DecodeJsonInferRequest(body, model, version, max_bytes, params.get());
+            if (!decoded.ok()) {
+              ReplyStatus(request, gate, decoded.status(), /*decoding=*/true);
+              return;
+            }
+            host->Infer(std::move(*decoded),
+                        [request, gate, params](absl::StatusOr<InferResponse> r) {
+                          if (!r.ok()) {
+                            ReplyStatus(request, gate, r.status());
+                            return;
+                          }
+                          Reply(request, gate, 200, EncodeJsonInferResponse(*r, *params));
+                        });
+          } catch (const std::exception& e) {
+            Reply(request, gate, 500, JsonError(std::string("internal error: ") + e.what()));
+          }
         });
   }
 
   ModelHost* host_;
   Options options_;
+  Gate gate_;
   http_listener listener_;
 };
 

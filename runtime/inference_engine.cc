@@ -155,12 +155,15 @@ absl::Status InferenceEngine::Validate(InferRequest& r) const {
   return absl::OkStatus();
 }
 
-void InferenceEngine::Finish(absl::Time start, const absl::Status& status) {
+void InferenceEngine::Record(absl::Time start, const absl::Status& status) {
   latency_micros_.Record(absl::ToDoubleMicroseconds(clock_->Now() - start));
   if (!status.ok()) {
     errors_++;
     if (status.code() == absl::StatusCode::kDeadlineExceeded) timed_out_++;
   }
+}
+
+void InferenceEngine::Leave() {
   absl::MutexLock lock(&idle_mu_);
   in_flight_--;
 }
@@ -172,9 +175,12 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
     absl::MutexLock lock(&idle_mu_);
     in_flight_++;
   }
+  // A request leaves the in-flight count only after its reply was handed to the frontend,
+  // so a drain never closes a frontend under a finished-but-unsent reply.
   auto fail = [&](absl::Status s) {
-    Finish(start, s);
-    done(std::move(s));
+    Record(start, s);
+    done(s);
+    Leave();
   };
   RuntimeState state = lifecycle_->state();
   if (state != RuntimeState::kServing) {
@@ -197,8 +203,10 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
   auto respond = [this, start, id = request.id, wanted = request.outputs,
                   done](absl::StatusOr<std::vector<Tensor>> outputs, bool hit) {
     if (!outputs.ok()) {
-      Finish(start, outputs.status());
-      done(outputs.status());
+      absl::Status s = outputs.status();
+      Record(start, s);
+      done(s);
+      Leave();
       return;
     }
     InferResponse resp;
@@ -215,8 +223,9 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
         }
       }
     }
-    Finish(start, absl::OkStatus());
+    Record(start, absl::OkStatus());
     done(std::move(resp));
+    Leave();
   };
 
   std::string cache_key;
@@ -272,7 +281,12 @@ absl::Status InferenceEngine::Warmup() {
       t.shape = it != w.dims.end() ? it->second : spec.dims;
       if (config_.max_batch_size > 0) t.shape.insert(t.shape.begin(), w.batch_size);
       KILN_ASSIGN_OR_RETURN(int64_t n, ElementCount(t.shape, "warmup input " + spec.name));
-      t.data.assign(static_cast<size_t>(n) * DataTypeSize(t.dtype), '\0');
+      try {
+        t.data.assign(static_cast<size_t>(n) * DataTypeSize(t.dtype), '\0');
+      } catch (const std::exception&) {
+        return absl::ResourceExhaustedError("warmup '" + w.name + "': cannot allocate input " +
+                                            spec.name + " " + ShapeString(t.shape));
+      }
       if (w.ones) {
         for (int64_t e = 0; e < n; ++e) {
           char* p = t.data.data() + e * DataTypeSize(t.dtype);

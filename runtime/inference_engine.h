@@ -94,7 +94,10 @@ class InferenceEngine {
  private:
   InferenceEngine(ModelConfig config, std::string version, std::unique_ptr<Backend> backend,
                   Lifecycle* lifecycle, Clock* clock);
-  void Finish(absl::Time start, const absl::Status& status);
+  // Counters and latency, before the reply goes out.
+  void Record(absl::Time start, const absl::Status& status);
+  // Leaves the in-flight count, after the reply was handed to the frontend.
+  void Leave();
 
   const ModelConfig config_;
   const std::string version_;

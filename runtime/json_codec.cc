@@ -102,12 +102,17 @@ absl::Status PutElement(const json& v, DataType t, const std::string& name, size
   return absl::InvalidArgumentError("unsupported datatype");
 }
 
-// Walks nested arrays in row-major order, writing each leaf.
+// Walks nested arrays in row-major order, writing each leaf. Nesting deeper than the
+// shape's rank is an error (and bounds the recursion).
 absl::Status Flatten(const json& node, DataType t, const std::string& name, size_t limit,
-                     size_t* count, std::string* out) {
+                     size_t depth, size_t max_depth, size_t* count, std::string* out) {
   if (node.is_array()) {
+    if (depth >= max_depth) {
+      return absl::InvalidArgumentError("input '" + name + "': data is nested deeper than its " +
+                                        std::to_string(max_depth) + "-dimensional shape");
+    }
     for (const auto& child : node) {
-      KILN_RETURN_IF_ERROR(Flatten(child, t, name, limit, count, out));
+      KILN_RETURN_IF_ERROR(Flatten(child, t, name, limit, depth + 1, max_depth, count, out));
     }
     return absl::OkStatus();
   }
@@ -148,6 +153,13 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
   if (doc.contains("parameters")) {
     const json& p = doc["parameters"];
     if (!p.is_object()) return absl::InvalidArgumentError("parameters: must be an object");
+    for (const auto& [key, value] : p.items()) {
+      // The protocol's parameter values are scalars: bool, number or string.
+      if (!value.is_primitive() || value.is_null()) {
+        return absl::InvalidArgumentError("parameters." + key +
+                                          ": must be a boolean, a number or a string");
+      }
+    }
     if (p.contains("priority")) {
       KILN_ASSIGN_OR_RETURN(r.priority, JsonInt(p["priority"], "parameters.priority"));
     }
@@ -183,11 +195,11 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
     }
     KILN_ASSIGN_OR_RETURN(int64_t n, ElementCount(t.shape, "input '" + t.name + "'"));
     int64_t bytes = n * static_cast<int64_t>(DataTypeSize(t.dtype));
-    total += bytes;
-    if (total > max_bytes) {
+    if (bytes > max_bytes - total) {  // written so it cannot overflow
       return absl::ResourceExhaustedError("the request's tensors exceed the payload limit of " +
                                           std::to_string(max_bytes) + " bytes");
     }
+    total += bytes;
     if (in.contains("parameters") && in["parameters"].is_object() &&
         in["parameters"].contains("binary_data_size")) {
       return absl::InvalidArgumentError("input '" + t.name +
@@ -197,8 +209,8 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
     if (!in.contains("data")) return absl::InvalidArgumentError(field + ".data: is missing");
     t.data.assign(static_cast<size_t>(bytes), '\0');
     size_t count = 0;
-    KILN_RETURN_IF_ERROR(Flatten(in["data"], t.dtype, t.name, static_cast<size_t>(n), &count,
-                                 &t.data));
+    KILN_RETURN_IF_ERROR(Flatten(in["data"], t.dtype, t.name, static_cast<size_t>(n), 0,
+                                 std::max<size_t>(t.shape.size(), 1), &count, &t.data));
     if (count != static_cast<size_t>(n)) {
       return absl::InvalidArgumentError("input '" + t.name + "': expected " + std::to_string(n) +
                                         " elements for shape " + ShapeString(t.shape) + ", got " +

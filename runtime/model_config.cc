@@ -305,6 +305,19 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
       }
     }
     for (const auto& in : c.inputs) {
+      auto it = w.dims.find(in.name);
+      std::vector<int64_t> shape = it != w.dims.end() ? it->second : in.dims;
+      bool concrete = std::find(shape.begin(), shape.end(), -1) == shape.end();
+      if (concrete) {
+        shape.insert(shape.begin(), std::max<int64_t>(w.batch_size, 1));
+        auto n = ElementCount(shape, path + ".inputs." + in.name);
+        if (!n.ok()) return n.status();
+        if (*n * static_cast<int64_t>(DataTypeSize(in.dtype)) > (1LL << 30)) {
+          return absl::InvalidArgumentError(path + ".inputs." + in.name + ": " +
+                                            ShapeString(shape) +
+                                            " is over 1 GiB; warm-up samples must be small");
+        }
+      }
       bool variable = std::find(in.dims.begin(), in.dims.end(), -1) != in.dims.end();
       if (variable && !w.dims.count(in.name)) {
         return absl::InvalidArgumentError(path + ".inputs." + in.name +
@@ -340,11 +353,12 @@ absl::StatusOr<ResolvedModel> ResolveModel(const std::string& repository, const 
     return absl::InvalidArgumentError(config_file + ": name: '" + m.config.name +
                                       "' does not match the model directory '" + name + "'");
   }
+  // Version directories are canonical numbers ("1", "10"; not "01").
   std::vector<int64_t> numeric;
   for (const auto& entry : fs::directory_iterator(m.model_dir, ec)) {
     if (!entry.is_directory()) continue;
     std::string v = entry.path().filename().string();
-    if (v.empty() || v.size() > 18 ||
+    if (v.empty() || v.size() > 18 || (v.size() > 1 && v[0] == '0') ||
         !std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; })) {
       continue;
     }

@@ -1,7 +1,11 @@
 #include "runtime/runtime_server.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include <filesystem>
 
@@ -37,6 +41,29 @@ void ToProto(const Histogram::Snapshot& h, v1::Histogram* out) {
   for (uint64_t c : h.counts) out->add_counts(c);
   out->set_sum(h.sum);
   out->set_count(h.count);
+}
+
+// A socket left by a crashed runtime is removed; anything else at the path, or a socket
+// another process still answers on, is an error rather than something to delete.
+absl::Status ClearStaleSocket(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::AlreadyExistsError("--control-socket: " + path + " exists and is not a socket");
+  }
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  bool live = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  if (fd >= 0) close(fd);
+  if (live) {
+    return absl::AlreadyExistsError("--control-socket: " + path +
+                                    " is in use by another process");
+  }
+  std::error_code ec;
+  std::filesystem::remove(path, ec);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -118,13 +145,15 @@ absl::Status RuntimeServer::Start() {
 absl::Status RuntimeServer::StartListening() {
   auto log = GetLogger("runtime.server");
   if (!options_.control_socket.empty()) {
-    std::error_code ec;
-    std::filesystem::remove(options_.control_socket, ec);  // a stale socket from a crash
+    KILN_RETURN_IF_ERROR(ClearStaleSocket(options_.control_socket));
     control_service_ = std::make_unique<ControlService>(this, options_.drain_timeout);
     grpc::ServerBuilder b;
     b.AddListeningPort("unix:" + options_.control_socket, grpc::InsecureServerCredentials());
     b.RegisterService(control_service_.get());
+    // The socket is created 0600 (no window in which others could connect).
+    mode_t old_umask = umask(0177);
     control_server_ = b.BuildAndStart();
+    umask(old_umask);
     if (!control_server_) {
       return absl::UnavailableError("--control-socket: cannot listen on " +
                                     options_.control_socket);
@@ -175,10 +204,10 @@ absl::Status RuntimeServer::Load() {
   KILN_RETURN_IF_ERROR(engine_->Warmup());
   absl::Time t2 = clock_->Now();
   host_.SetEngine(engine_.get());
-  load_time_ = t2 - process_start_;
+  load_time_micros_ = absl::ToInt64Microseconds(t2 - process_start_);
   log->info("loaded {} ({}): load {:.1f} ms, warmup {:.1f} ms, since process start {:.1f} ms",
             model_.model_file, engine_->backend_description(), absl::ToDoubleMilliseconds(t1 - t0),
-            absl::ToDoubleMilliseconds(t2 - t1), absl::ToDoubleMilliseconds(load_time_));
+            absl::ToDoubleMilliseconds(t2 - t1), absl::ToDoubleMilliseconds(t2 - process_start_));
   KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kWarm, "loaded and warmed up"));
   if (options_.initial_state == "serving") {
     KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kServing, "--initial-state=serving"));
@@ -191,25 +220,37 @@ v1::RuntimeState RuntimeServer::GetState() {
   s.set_state(ToProto(lifecycle_.state()));
   s.set_model_name(model_.config.name);
   s.set_model_version(model_.version);
-  s.set_device(engine_ ? engine_->device()
-                       : (options_.device.empty() ? model_.config.instance.device
-                                                  : options_.device));
+  InferenceEngine* engine = host_.engine();
+  s.set_device(engine ? engine->device()
+                      : (options_.device.empty() ? model_.config.instance.device
+                                                 : options_.device));
   s.set_grpc_port(grpc_port_);
   s.set_http_port(http_port_);
   s.set_pid(getpid());
-  s.set_load_time_micros(absl::ToInt64Microseconds(load_time_));
+  s.set_load_time_micros(load_time_micros_.load());
   s.set_failure_reason(lifecycle_.failure_reason());
   s.set_state_since_unix_micros(absl::ToUnixMicros(lifecycle_.since()));
   return s;
 }
 
 absl::Status RuntimeServer::Promote() {
-  if (lifecycle_.state() == RuntimeState::kServing) return absl::OkStatus();  // idempotent
+  RuntimeState s = lifecycle_.state();
+  if (s == RuntimeState::kServing) return absl::OkStatus();  // idempotent
+  if (s != RuntimeState::kWarm || host_.engine() == nullptr) {
+    return absl::FailedPreconditionError(std::string("cannot promote while ") +
+                                         RuntimeStateName(s));
+  }
   return lifecycle_.Transition(RuntimeState::kServing, "promoted");
 }
 
 absl::Status RuntimeServer::Demote() {
-  if (lifecycle_.state() == RuntimeState::kWarm) return absl::OkStatus();
+  RuntimeState s = lifecycle_.state();
+  if (s == RuntimeState::kWarm) return absl::OkStatus();
+  if (s != RuntimeState::kServing) {
+    // Only loading itself may leave LOADING.
+    return absl::FailedPreconditionError(std::string("cannot demote while ") +
+                                         RuntimeStateName(s));
+  }
   return lifecycle_.Transition(RuntimeState::kWarm, "demoted");
 }
 
@@ -218,15 +259,19 @@ absl::StatusOr<bool> RuntimeServer::Drain(absl::Duration deadline) {
   if (s != RuntimeState::kDraining) {
     KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kDraining, "drain requested"));
   }
-  if (!engine_) return true;
-  bool drained = engine_->WaitIdle(deadline);
+  InferenceEngine* engine = host_.engine();
+  if (!engine) return true;
+  bool drained = engine->WaitIdle(deadline);
   GetLogger("runtime.server")
       ->info("drain {}: {} request(s) in flight", drained ? "complete" : "deadline passed",
-             engine_->in_flight());
+             engine->in_flight());
   return drained;
 }
 
-int64_t RuntimeServer::InFlight() { return engine_ ? engine_->in_flight() : 0; }
+int64_t RuntimeServer::InFlight() {
+  InferenceEngine* engine = host_.engine();
+  return engine ? engine->in_flight() : 0;
+}
 
 v1::RuntimeStats RuntimeServer::Stats() {
   v1::RuntimeStats out;
@@ -235,8 +280,9 @@ v1::RuntimeStats RuntimeServer::Stats() {
   for (int i = 0; i < kRuntimeStateCount; ++i) {
     (*out.mutable_transitions())[RuntimeStateName(static_cast<RuntimeState>(i))] = counts[i];
   }
-  if (!engine_) return out;
-  EngineStats s = engine_->Stats();
+  InferenceEngine* engine = host_.engine();
+  if (!engine) return out;
+  EngineStats s = engine->Stats();
   out.set_requests(s.requests);
   out.set_errors(s.errors);
   out.set_in_flight(s.in_flight);
@@ -286,14 +332,15 @@ void RuntimeServer::Stop() {
   }
   auto log = GetLogger("runtime.server");
   absl::Time t0 = absl::Now();
+  // The drain deadline has passed (or everything finished): whatever is still queued fails
+  // now, so neither frontend waits on the model past the deadline.
+  if (InferenceEngine* e = host_.engine()) e->Stop();
   if (http_) http_->Stop();
   absl::Time t1 = absl::Now();
-  // Work was drained above; calls still open now are cancelled after a short grace.
   if (grpc_server_) {
     grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   }
   absl::Time t2 = absl::Now();
-  if (engine_) engine_->Stop();
   if (control_server_) {
     control_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
     std::error_code ec;

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -90,7 +91,7 @@ class RuntimeServer : public ControlTarget {
   std::unique_ptr<grpc::Server> control_server_;
   int grpc_port_ = 0;
   int http_port_ = 0;
-  absl::Duration load_time_ = absl::ZeroDuration();
+  std::atomic<int64_t> load_time_micros_{0};
 
   absl::Mutex mu_;
   bool shutdown_requested_ ABSL_GUARDED_BY(mu_) = false;

@@ -13,9 +13,16 @@ namespace kiln {
 
 namespace {
 
+// The first line of a LibTorch error, plus its last non-empty line when they differ (the
+// interpreter's "operation failed" header names no cause; the last line does).
 std::string FirstLine(const std::string& s) {
   size_t nl = s.find('\n');
-  return nl == std::string::npos ? s : s.substr(0, nl);
+  std::string first = nl == std::string::npos ? s : s.substr(0, nl);
+  size_t end = s.find_last_not_of(" \n\t");
+  if (end == std::string::npos || nl == std::string::npos || end < nl) return first;
+  size_t begin = s.rfind('\n', end);
+  std::string last = s.substr(begin + 1, end - begin);
+  return last == first ? first : first + " ... " + last;
 }
 
 absl::StatusOr<at::ScalarType> ToTorchType(DataType t, const std::string& field) {

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <sstream>
 #include <thread>
 
 #include <grpcpp/create_channel.h>
@@ -261,14 +262,19 @@ TEST(RuntimeTest, SixtyFourConcurrentMixedRequestsEachGetTheirOwnAnswer) {
   for (auto& t : threads) t.join();
   for (size_t i = 0; i < 64; ++i) EXPECT_EQ(failures[i], "") << "request " << i;
   EXPECT_EQ(correct.load(), 64);
-  grpc::ClientContext ctx;
+  // A request leaves the in-flight count just after its reply is handed over: poll (bounded).
   v1::RuntimeStats stats;
-  ASSERT_TRUE(rt->control()->Stats(&ctx, {}, &stats).ok());
+  for (int i = 0; i < 1000; ++i) {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(rt->control()->Stats(&ctx, {}, &stats).ok());
+    if (stats.in_flight() == 0) break;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_EQ(stats.in_flight(), 0);
   EXPECT_GE(stats.requests(), 64u);
   EXPECT_EQ(stats.errors(), 0u);
   // Concurrent requests of equal shape were combined: fewer executions than requests.
   EXPECT_LT(stats.batches(), stats.requests());
-  EXPECT_EQ(stats.in_flight(), 0);
 }
 
 grpc::Status Infer(inference::GRPCInferenceService::Stub* stub,
@@ -578,6 +584,150 @@ TEST(RuntimeTest, NoBatchDimensionModelAndDictOutputs) {
   EXPECT_EQ(r.body["outputs"][0]["data"], json({8, 10, 12}));
   EXPECT_EQ(r.body["outputs"][1]["datatype"], "INT64");
   EXPECT_EQ(r.body["outputs"][1]["data"], json({15}));
+}
+
+TEST(RuntimeTest, SigtermDeliversEveryRestReplyThatFinishesInTheDrain) {
+  auto rt = StartRuntime("slow", "", "serving", {"--drain-timeout-ms", "60000"});
+  ASSERT_NE(rt, nullptr);
+  json body = {{"inputs",
+                {{{"name", "x"}, {"datatype", "FP32"}, {"shape", {1, 1}}, {"data", {2.0}}},
+                 {{"name", "work"}, {"datatype", "INT64"}, {"shape", {1, 1}}, {"data", {kLongWork}}}}}};
+  std::vector<std::future<HttpResult>> calls;
+  for (int i = 0; i < 3; ++i) {
+    calls.push_back(std::async(std::launch::async, [&]() {
+      return Http(rt->http_port(), "POST", "/v2/models/slow/infer", body.dump());
+    }));
+  }
+  // Bounded poll until all three are accepted (batched or queued).
+  bool accepted = false;
+  for (int i = 0; i < 1000 && !accepted; ++i) {
+    accepted = Stats(rt.get()).in_flight() == 3;
+    if (!accepted) absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(accepted);
+  rt->Signal(SIGTERM);
+  for (auto& c : calls) {
+    HttpResult r = c.get();
+    EXPECT_EQ(r.code, 200) << r.raw;
+  }
+  auto exit = rt->WaitExit(absl::Seconds(60));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << rt->Log();
+}
+
+TEST(RuntimeTest, PastTheDrainDeadlineQueuedWorkFailsInsteadOfRunning) {
+  auto rt = StartRuntime("slow", "", "serving", {"--drain-timeout-ms", "200"});
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  auto running = std::async(std::launch::async,
+                            [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
+  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
+  std::vector<std::future<grpc::Status>> queued;
+  for (int i = 0; i < 3; ++i) {
+    queued.push_back(std::async(std::launch::async,
+                                [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); }));
+  }
+  ASSERT_TRUE(WaitExecuting(rt.get(), 4, 3));
+  rt->Signal(SIGTERM);
+  EXPECT_TRUE(running.get().ok());  // the batch already executing completes
+  for (auto& q : queued) {
+    EXPECT_EQ(q.get().error_code(), grpc::StatusCode::UNAVAILABLE);  // never executed
+  }
+  auto exit = rt->WaitExit(absl::Seconds(60));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << rt->Log();
+  EXPECT_NE(rt->Log().find("drain deadline passed"), std::string::npos);
+}
+
+TEST(RuntimeTest, HostileRestBodiesAreRefusedAndTheServerLives) {
+  auto rt = StartRuntime("addsub", "", "serving", {"--max-request-bytes", "1Mi"});
+  ASSERT_NE(rt, nullptr);
+  int port = rt->http_port();
+  // A declared shape over the payload limit: 413 (it can never succeed), not 429.
+  auto big = Http(port, "POST", "/v2/models/addsub/infer",
+                  R"({"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[8,4000000],"data":[1]}]})");
+  EXPECT_EQ(big.code, 413) << big.raw;
+  auto overflow = Http(port, "POST", "/v2/models/addsub/infer",
+                       R"({"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[1,4],"data":[1,2,3,4]},
+                           {"name":"INPUT1","datatype":"FP64","shape":[1152921504606846975],"data":[1]}]})");
+  EXPECT_EQ(overflow.code, 413) << overflow.raw;
+  std::string deep = R"({"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[1,4],"data":)";
+  deep += std::string(200000, '[') + "1" + std::string(200000, ']') + "}]}";
+  EXPECT_EQ(Http(port, "POST", "/v2/models/addsub/infer", deep).code, 400);
+  std::string deep_param = R"({"parameters":{"p":)" + std::string(200000, '[') +
+                           std::string(200000, ']') + R"(},"inputs":[]})";
+  EXPECT_EQ(Http(port, "POST", "/v2/models/addsub/infer", deep_param).code, 400);
+  EXPECT_EQ(Http(port, "GET", "/v2/health/live").code, 200);
+  auto state = rt->GetState();
+  ASSERT_TRUE(state.ok());
+  EXPECT_EQ(state->state(), v1::SERVING);
+}
+
+TEST(RuntimeTest, PromoteAndDemoteAreRefusedWhileLoading) {
+  // A copy of the encoder whose warm-up takes a while.
+  auto dir = std::filesystem::temp_directory_path() / ("kiln_slowload_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "encoder/1");
+  std::filesystem::copy_file(kRepo + "/encoder/1/model.pt", dir / "encoder/1/model.pt");
+  std::ifstream in(kRepo + "/encoder/config.yaml");
+  std::stringstream cfg;
+  cfg << in.rdbuf();
+  std::string text = cfg.str();
+  text = text.substr(0, text.find("warmup:")) +
+         "warmup:\n  - {name: long, batch_size: 32, iterations: 10, inputs: {input_ids: {dims: "
+         "[128]}, attention_mask: {dims: [128]}}}\n";
+  std::ofstream(dir / "encoder/config.yaml") << text;
+  RuntimeProcess::Options o;
+  o.repository = dir.string();
+  o.model = "encoder";
+  o.wait_until_loaded = false;
+  auto rt = RuntimeProcess::Start(o);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  // Bounded poll until the control socket answers in LOADING.
+  absl::StatusOr<v1::RuntimeState> st = absl::UnavailableError("not yet");
+  for (int i = 0; i < 3000 && !(st.ok() && st->state() == v1::LOADING); ++i) {
+    st = (*rt)->GetState();
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(st.ok());
+  if (st->state() == v1::LOADING) {
+    grpc::ClientContext c1;
+    v1::RuntimeState r1;
+    EXPECT_EQ((*rt)->control()->Demote(&c1, {}, &r1).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+    grpc::ClientContext c2;
+    v1::RuntimeState r2;
+    EXPECT_EQ((*rt)->control()->Promote(&c2, {}, &r2).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  // Loading still ends in SERVING, untouched.
+  for (int i = 0; i < 12000; ++i) {
+    st = (*rt)->GetState();
+    if (st.ok() && st->state() != v1::LOADING) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state(), v1::SERVING) << (*rt)->Log();
+  rt->reset();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(RuntimeTest, ControlSocketPathHoldingAFileIsNotDeleted) {
+  auto dir = std::filesystem::temp_directory_path() / ("kiln_sockfile_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  std::string path = (dir / "control.sock").string();
+  std::ofstream(path) << "precious";
+  testing::RunResult r = testing::RunToCompletion(
+      {KILN_RUNTIME_BIN, "--model-repository", kRepo, "--model", "addsub", "--grpc-port", "0",
+       "--http-port", "0", "--bind-address", "127.0.0.1", "--control-socket", path},
+      absl::Seconds(60));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("exists and is not a socket"), std::string::npos) << r.output;
+  std::ifstream kept(path);
+  std::string content;
+  kept >> content;
+  EXPECT_EQ(content, "precious");
+  std::filesystem::remove_all(dir);
 }
 
 class BrokenRepoTest : public ::testing::Test {

@@ -214,5 +214,48 @@ TEST(BatcherTest, FullQueueIsResourceExhausted) {
   EXPECT_EQ(done.load(), 2);
 }
 
+TEST(BatcherTest, OneBadRequestDoesNotFailTheOthersInItsBatch) {
+  SimulatedClock clock;
+  ModelConfig config = BatchingConfig(0);
+  config.dynamic_batching->max_queue_delay_microseconds = 0;
+  // Fails any execution that contains the value 13.
+  auto exec = [](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+    const float* f = reinterpret_cast<const float*>(in[0].data.data());
+    for (int64_t i = 0; i < in[0].shape[0]; ++i) {
+      if (f[i] == 13) return absl::InternalError("bad token");
+    }
+    Tensor y = in[0];
+    y.name = "y";
+    return std::vector<Tensor>{y};
+  };
+  absl::Mutex mu;
+  std::vector<absl::StatusCode> codes;
+  auto batcher = Batcher::Create(config, exec, &clock, nullptr);
+  ASSERT_TRUE(batcher.ok());
+  // Hold the executor with nothing, then queue three requests so they batch together.
+  std::vector<Batcher::Item> items;
+  for (float v : {1.0f, 13.0f, 2.0f}) {
+    Batcher::Item it;
+    it.inputs = {Make("x", {1, 1}, {v})};
+    it.done = [&](absl::StatusOr<std::vector<Tensor>> r) {
+      absl::MutexLock lock(&mu);
+      codes.push_back(r.status().code());
+    };
+    ASSERT_TRUE((*batcher)->Enqueue(std::move(it)).ok());
+  }
+  for (int i = 0; i < 2000; ++i) {
+    {
+      absl::MutexLock lock(&mu);
+      if (codes.size() == 3) break;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  (*batcher)->Stop();
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(codes.size(), 3u);
+  EXPECT_EQ(std::count(codes.begin(), codes.end(), absl::StatusCode::kOk), 2);
+  EXPECT_EQ(std::count(codes.begin(), codes.end(), absl::StatusCode::kInternal), 1);
+}
+
 }  // namespace
 }  // namespace kiln

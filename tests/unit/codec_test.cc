@@ -181,6 +181,41 @@ TEST(JsonDecodeTest, RejectsBadBodies) {
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
+TEST(JsonDecodeTest, SizesThatWouldOverflowAndDeepNestingAreRefused) {
+  // The second input's byte size would overflow the running total.
+  auto overflow = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"a","datatype":"FP32","shape":[4],"data":[1,2,3,4]},
+                    {"name":"b","datatype":"FP64","shape":[1152921504606846975],"data":[1]}]})",
+      "m", "", kLimit, nullptr);
+  EXPECT_EQ(overflow.status().code(), absl::StatusCode::kResourceExhausted);
+  std::string deep = R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":)";
+  for (int i = 0; i < 100000; ++i) deep += "[";
+  deep += "1";
+  for (int i = 0; i < 100000; ++i) deep += "]";
+  deep += "}]}";
+  auto d = DecodeJsonInferRequest(deep, "m", "", kLimit, nullptr);
+  EXPECT_NE(d.status().message().find("nested deeper than its 1-dimensional shape"),
+            std::string::npos) << d.status();
+  auto nested_param = DecodeJsonInferRequest(
+      R"({"parameters":{"x":{"y":[1]}},"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1]}]})",
+      "m", "", kLimit, nullptr);
+  EXPECT_NE(nested_param.status().message().find("parameters.x"), std::string::npos);
+}
+
+TEST(GrpcDecodeTest, SizesThatWouldOverflowAreRefused) {
+  inference::ModelInferRequest req;
+  auto* a = req.add_inputs();
+  a->set_name("a");
+  a->set_datatype("FP32");
+  a->add_shape(1);
+  a->mutable_contents()->add_fp32_contents(1);
+  auto* b = req.add_inputs();
+  b->set_name("b");
+  b->set_datatype("FP64");
+  b->add_shape(1152921504606846975LL);
+  EXPECT_EQ(DecodeInferRequest(req, kLimit).status().code(), absl::StatusCode::kResourceExhausted);
+}
+
 TEST(JsonEncodeTest, EchoesIdAndParameters) {
   InferResponse resp;
   resp.model_name = "m";

@@ -110,6 +110,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"precision: bf16", "precision: int4", "instance.precision"},
         BadCase{"batch_size: 2, iterations", "batch_size: 9, iterations", "warmup[0].batch_size"},
         BadCase{"iterations: 2", "iterations: 0", "warmup[0].iterations"},
+        BadCase{"ids: {dims: [8]}", "ids: {dims: [100000000000]}", "warmup[0].inputs.ids: [2,100000000000] is over 1 GiB"},
         BadCase{"ids: {dims: [8]}", "idz: {dims: [8]}", "warmup[0].inputs.idz"},
         BadCase{"mask: {dims: [8]}", "mask: {dims: [8, 2]}", "warmup[0].inputs.mask.dims"},
         BadCase{"backend: torchscript\n", "backend: torchscript\nreplicas: 3\n", "replicas: unknown field"}));
@@ -148,6 +149,7 @@ TEST_F(ResolveModelTest, PicksTheHighestNumericVersion) {
   AddVersion("2");
   AddVersion("10");
   AddVersion("9");
+  AddVersion("011");  // not a canonical version number: ignored
   std::filesystem::create_directories(dir_ / "enc/reference");
   auto m = ResolveModel(dir_.string(), "enc", "");
   ASSERT_TRUE(m.ok()) << m.status();
