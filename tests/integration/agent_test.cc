@@ -1,0 +1,286 @@
+// kiln-agent with real kiln-runtime processes on loopback: an assignment file brings replicas
+// up, SIGHUP scales by promoting WARM replicas, a killed replica is restarted, a restarted
+// agent adopts the running replicas, a bad file keeps the old assignment.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cpprest/http_client.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <grpcpp/create_channel.h>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "inference/grpc_service.grpc.pb.h"
+#include "nlohmann/json.hpp"
+
+namespace kiln {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+const std::string kRepo = KILN_MODEL_REPO;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class AgentTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Short: control sockets live under the state directory.
+    dir_ = "/tmp/kat" + std::to_string(getpid());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    StopAgent(SIGKILL);
+    // Replicas outlive agents by design: kill every one this test started.
+    for (pid_t p : seen_pids_) kill(p, SIGKILL);
+    fs::remove_all(dir_);
+  }
+
+  void WriteAssignment(const std::string& text) { std::ofstream(dir_ + "/assign.yaml") << text; }
+
+  std::string Replica(const std::string& id, const std::string& state, int gpu = -1) {
+    return "  - {id: " + id + ", model: encoder, version: \"2\", repository: " + kRepo +
+           ", gpu: " + std::to_string(gpu) + ", cpus: 1, state: " + state + "}\n";
+  }
+
+  void StartAgent() {
+    log_ = dir_ + "/agent" + std::to_string(++agents_) + ".log";
+    std::vector<std::string> args = {KILN_AGENT_BIN,       "--assignment-file", dir_ + "/assign.yaml",
+                                     "--state-dir",        dir_ + "/s",
+                                     "--runtime-binary",   KILN_RUNTIME_BIN,
+                                     "--admin-bind",       "127.0.0.1",
+                                     "--admin-port",       "0",
+                                     "--fake-gpus",        "1:16Gi",
+                                     "--reserved-cpus",    "0",
+                                     "--tick-ms",          "50",
+                                     "--stop-timeout-ms",  "5000"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_ = fork();
+    if (pid_ == 0) {
+      int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    // Bounded poll for the admin port in the log.
+    admin_port_ = 0;
+    for (int i = 0; i < 3000 && admin_port_ == 0; ++i) {
+      std::string text = ReadAll(log_);
+      size_t at = text.find("admin_port=");
+      if (at != std::string::npos) admin_port_ = std::atoi(text.c_str() + at + 11);
+      if (admin_port_ == 0) absl::SleepFor(absl::Milliseconds(10));
+    }
+    ASSERT_GT(admin_port_, 0) << ReadAll(log_);
+  }
+
+  void StopAgent(int sig) {
+    if (pid_ <= 0) return;
+    kill(pid_, sig);
+    int status;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
+
+  void Hup() { kill(pid_, SIGHUP); }
+
+  std::pair<int, std::string> Get(const std::string& path) {
+    web::http::client::http_client_config cfg;
+    cfg.set_timeout(std::chrono::seconds(10));
+    web::http::client::http_client c("http://127.0.0.1:" + std::to_string(admin_port_), cfg);
+    auto r = c.request(web::http::methods::GET, path).get();
+    return {r.status_code(), r.extract_utf8string(true).get()};
+  }
+
+  json Replicas() {
+    json j = json::parse(Get("/v1/replicas").second);
+    for (const auto& r : j["replicas"]) {
+      if (r["pid"].get<int>() > 0) seen_pids_.insert(r["pid"].get<int>());
+    }
+    return j;
+  }
+
+  json Find(const json& j, const std::string& id) {
+    for (const auto& r : j["replicas"]) {
+      if (r["id"] == id) return r;
+    }
+    return json();
+  }
+
+  // Bounded poll until `pred` holds on /v1/replicas.
+  template <typename Pred>
+  json WaitFor(Pred pred, const std::string& what) {
+    json j;
+    for (int i = 0; i < 1200; ++i) {
+      j = Replicas();
+      if (pred(j)) return j;
+      absl::SleepFor(absl::Milliseconds(25));
+    }
+    ADD_FAILURE() << "timed out waiting for " << what << ": " << j.dump() << "\n" << ReadAll(log_);
+    return j;
+  }
+
+  bool Ready() { return Get("/readyz").first == 200; }
+
+  // A real inference through the replica's own gRPC port.
+  grpc::Status Infer(int port) {
+    auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+    inference::ModelInferRequest req;
+    req.set_model_name("encoder");
+    for (const char* name : {"input_ids", "attention_mask"}) {
+      auto* in = req.add_inputs();
+      in->set_name(name);
+      in->set_datatype("INT64");
+      in->add_shape(1);
+      in->add_shape(4);
+      for (int k = 0; k < 4; ++k) in->mutable_contents()->add_int64_contents(1 + k);
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    inference::ModelInferResponse resp;
+    return stub->ModelInfer(&ctx, req, &resp);
+  }
+
+  std::string dir_;
+  std::string log_;
+  pid_t pid_ = -1;
+  int admin_port_ = 0;
+  int agents_ = 0;
+  std::set<int> seen_pids_;
+};
+
+TEST_F(AgentTest, AssignmentBringsUpReplicasAndScaleUpPromotesTheWarmOne) {
+  WriteAssignment("replicas:\n" + Replica("s0", "SERVING", 0) + Replica("w0", "WARM"));
+  StartAgent();
+  json j = WaitFor(
+      [&](const json& j) {
+        return Find(j, "s0")["state"] == "SERVING" && Find(j, "w0")["state"] == "WARM";
+      },
+      "SERVING + WARM");
+  EXPECT_TRUE(Ready());
+  EXPECT_EQ(Find(j, "s0")["device"], "cpu");  // a fake GPU: runs on cpu
+  EXPECT_TRUE(Infer(Find(j, "s0")["grpc_port"]).ok());
+  EXPECT_EQ(Infer(Find(j, "w0")["grpc_port"]).error_code(), grpc::StatusCode::UNAVAILABLE);
+  int warm_pid = Find(j, "w0")["pid"];
+
+  // Scale up: the WARM replica becomes SERVING in place (same process), then answers.
+  WriteAssignment("replicas:\n" + Replica("s0", "SERVING", 0) + Replica("w0", "SERVING"));
+  Hup();
+  j = WaitFor([&](const json& j) { return Find(j, "w0")["state"] == "SERVING"; }, "promotion");
+  EXPECT_EQ(Find(j, "w0")["pid"], warm_pid);
+  EXPECT_TRUE(Infer(Find(j, "w0")["grpc_port"]).ok());
+
+  auto metrics = Get("/metrics");
+  EXPECT_EQ(metrics.first, 200);
+  EXPECT_NE(metrics.second.find("kiln_replica_state{node="), std::string::npos);
+  EXPECT_NE(metrics.second.find("state=\"SERVING\"} 1"), std::string::npos);
+  EXPECT_NE(metrics.second.find("fake=\"true\""), std::string::npos);
+  EXPECT_EQ(Get("/healthz").first, 200);
+}
+
+TEST_F(AgentTest, KilledReplicaIsRestartedAndABadFileKeepsTheOldAssignment) {
+  WriteAssignment("replicas:\n" + Replica("s0", "SERVING"));
+  StartAgent();
+  json j = WaitFor([&](const json& j) { return Find(j, "s0")["state"] == "SERVING"; }, "SERVING");
+  int first = Find(j, "s0")["pid"];
+  kill(first, SIGKILL);
+  j = WaitFor(
+      [&](const json& j) {
+        auto r = Find(j, "s0");
+        return r["pid"] != first && r["pid"] != 0 && r["state"] == "SERVING";
+      },
+      "restart");
+  EXPECT_EQ(Find(j, "s0")["restarts"], 1);
+  EXPECT_TRUE(Infer(Find(j, "s0")["grpc_port"]).ok());
+  int second = Find(j, "s0")["pid"];
+
+  WriteAssignment("replicas:\n  - {id: s0, model: encoder, version: two, repository: /x}\n");
+  Hup();
+  for (int i = 0; i < 400 && ReadAll(log_).find("assignment file rejected") == std::string::npos; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  std::string log = ReadAll(log_);
+  EXPECT_NE(log.find("assignment file rejected, keeping generation 1"), std::string::npos) << log;
+  EXPECT_NE(log.find("replicas[0].version"), std::string::npos) << log;
+  j = Replicas();
+  EXPECT_EQ(Find(j, "s0")["pid"], second);
+  EXPECT_EQ(Find(j, "s0")["state"], "SERVING");
+  EXPECT_NE(Get("/metrics").second.find("kiln_agent_assignment_reloads_rejected_total{node="),
+            std::string::npos);
+}
+
+TEST_F(AgentTest, ARestartedAgentAdoptsItsReplicasWithoutRestartingThem) {
+  WriteAssignment("replicas:\n" + Replica("s0", "SERVING") + Replica("w0", "WARM"));
+  StartAgent();
+  json before = WaitFor(
+      [&](const json& j) {
+        return Find(j, "s0")["state"] == "SERVING" && Find(j, "w0")["state"] == "WARM";
+      },
+      "SERVING + WARM");
+  int s0 = Find(before, "s0")["pid"], w0 = Find(before, "w0")["pid"];
+  int port = Find(before, "s0")["grpc_port"];
+  StopAgent(SIGTERM);  // replicas keep running and keep serving
+  EXPECT_EQ(kill(s0, 0), 0);
+  EXPECT_TRUE(Infer(port).ok());
+  StartAgent();
+  json after = WaitFor([&](const json& j) { return Find(j, "s0")["adopted"] == true; }, "adoption");
+  EXPECT_EQ(Find(after, "s0")["pid"], s0);
+  EXPECT_EQ(Find(after, "w0")["pid"], w0);
+  EXPECT_EQ(Find(after, "w0")["state"], "WARM");
+  EXPECT_EQ(Find(after, "s0")["restarts"], 0);
+  EXPECT_TRUE(Infer(Find(after, "s0")["grpc_port"]).ok());
+  EXPECT_NE(ReadAll(log_).find("adopted pid " + std::to_string(s0)), std::string::npos);
+}
+
+TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string expect;
+  };
+  std::string dir = "/tmp/kaf" + std::to_string(getpid());
+  fs::create_directories(dir);
+  std::ofstream(dir + "/bad.yaml") << "replicas: [{model: e, version: '1', repository: /m, state: HOT}]\n";
+  std::vector<Case> cases = {
+      {{"--gpu-power", "maybe"}, "--gpu-power"},
+      {{"--fake-gpus", "lots"}, "--fake-gpus"},
+      {{"--state-dir", "relative"}, "--state-dir"},
+      {{"--runtime-binary", "/nonexistent"}, "--runtime-binary"},
+      {{"--assignment-file", dir + "/missing.yaml"}, "missing.yaml"},
+      {{"--assignment-file", dir + "/bad.yaml"}, "replicas[0].state"},
+      {{"--sysfs-root", "/nonexistent"}, "--sysfs-root"},
+  };
+  for (const auto& c : cases) {
+    std::string cmd = std::string(KILN_AGENT_BIN) + " --runtime-binary " + KILN_RUNTIME_BIN +
+                      " --state-dir " + dir + "/s --admin-port 0";
+    for (const auto& a : c.args) cmd += " '" + a + "'";
+    cmd += " 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[512];
+    while (fgets(buf, sizeof(buf), p)) out += buf;
+    int status = pclose(p);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << c.expect << ": " << out;
+    EXPECT_NE(out.find(c.expect), std::string::npos) << c.expect << ": " << out;
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace kiln
