@@ -114,16 +114,17 @@ class HttpFrontend::Impl {
     }
   }
 
-  // New requests get 503; the listener closes (aborting unread bodies); then the requests
-  // already accepted are waited for, bounded.
+  // New requests get 503; accepted ones get (bounded) time to have their replies written;
+  // then the listener closes, which aborts bodies still unread, and those are waited for too.
   void Close() {
     gate_->Close();
+    bool idle = gate_->WaitIdle(absl::Seconds(10));
     try {
       listener_.close().wait();
     } catch (const std::exception&) {
     }
-    if (!gate_->WaitIdle(absl::Seconds(10))) {
-      GetLogger("runtime.http")->error("REST requests still open 10 s after close");
+    if (!idle && !gate_->WaitIdle(absl::Seconds(5))) {
+      GetLogger("runtime.http")->error("REST requests still open 15 s after close");
     }
   }
 

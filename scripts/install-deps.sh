@@ -10,6 +10,9 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
   libsqlite3-dev libssl-dev
   libtorch-dev python3-torch python3-fastapi python3-uvicorn
+  # Debian's LibTorch calls the system BLAS (libblas.so.3); this makes it OpenBLAS (built
+  # with OpenMP, like LibTorch) instead of the reference BLAS: about 7x faster on CPU.
+  libopenblas0-openmp
 )
 
 missing=()

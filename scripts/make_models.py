@@ -86,15 +86,14 @@ class DictOut(nn.Module):
 
 
 class Slow(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.eye(128) * 0.5, requires_grad=False)
+    """Runs `work` rounds of element-wise math (no BLAS, so its pace does not depend on which
+    BLAS the machine has): about a third of a millisecond each."""
 
     def forward(self, x: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
         n = int(work.max().item())
-        m = torch.ones(128, 128)
+        m = torch.ones(256, 256)
         for _ in range(n):
-            m = torch.tanh(torch.matmul(m, self.w) + 1.0)
+            m = torch.tanh(m * 0.5 + 1.0)
         return x + m[0, 0] * 0.0
 
 

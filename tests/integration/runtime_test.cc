@@ -414,7 +414,7 @@ bool WaitExecuting(RuntimeProcess* rt, int64_t in_flight, int64_t queued) {
   return false;
 }
 
-constexpr int64_t kLongWork = 1500;  // about a second of CPU on the slow model
+constexpr int64_t kLongWork = 6000;  // about a second of CPU on the slow model
 
 TEST(RuntimeTest, WarmRefusesInferencePromoteServes) {
   auto rt = StartRuntime("encoder", "", "warm");
