@@ -12,6 +12,7 @@
 #include "agent/assignment_file.h"
 #include "agent/fake_gpu_driver.h"
 #include "agent/nvml_driver.h"
+#include "agent/router.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
@@ -61,8 +62,12 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
     return absl::InvalidArgumentError("--runtime-binary: '" + o.runtime_binary +
                                       "' is not an executable");
   }
-  if (o.admin_port < 0 || o.admin_port > 65535) {
-    return absl::InvalidArgumentError("--admin-port: must be in 0..65535");
+  for (auto [flag, port] : {std::pair<const char*, int>{"--admin-port", o.admin_port},
+                             {"--grpc-port", o.grpc_port},
+                             {"--http-port", o.http_port}}) {
+    if (port < 0 || port > 65535) {
+      return absl::InvalidArgumentError(std::string(flag) + ": must be in 0..65535");
+    }
   }
   if (o.reserved_cpus < 0 || o.reserved_cpus > 64) {
     return absl::InvalidArgumentError("--reserved-cpus: must be in 0..64");
@@ -107,6 +112,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options, Clock
     file.assignment.set_generation(++agent->generation_);
     KILN_RETURN_IF_ERROR(Annotate(agent->supervisor_->Apply(file.assignment),
                                   agent->options_.assignment_file));
+    agent->routing_ = file.routing;
   }
   return agent;
 }
@@ -165,6 +171,13 @@ absl::Status Agent::Start() {
   h.metrics = [this]() { return MetricsText(); };
   h.replicas = [this]() { return ReplicasJson(); };
   KILN_ASSIGN_OR_RETURN(admin_, AdminServer::Start(options_.admin_bind, options_.admin_port, h));
+  Router::Options ro;
+  ro.bind_address = options_.ingress_bind;
+  ro.grpc_port = options_.grpc_port;
+  ro.http_port = options_.http_port;
+  KILN_ASSIGN_OR_RETURN(router_, Router::Start(ro));
+  router_->SetTable(std::make_shared<RouterTable>(
+      BuildRouterTable(routing_, *supervisor_->Snapshot())));
   Log()->info("admin listening admin_port={} (/healthz /readyz /metrics /v1/replicas)",
               admin_->port());
   last_tick_unix_ms_ = absl::ToUnixMillis(absl::Now());
@@ -173,6 +186,8 @@ absl::Status Agent::Start() {
 }
 
 int Agent::admin_port() const { return admin_ ? admin_->port() : 0; }
+int Agent::ingress_grpc_port() const { return router_ ? router_->grpc_port() : 0; }
+int Agent::ingress_http_port() const { return router_ ? router_->http_port() : 0; }
 
 bool Agent::live() const {
   // The loop ticks every options_.tick; a loop silent for 30 ticks (and >= 5 s) is stalled.
@@ -197,6 +212,7 @@ void Agent::Reload() {
     return;
   }
   generation_++;
+  routing_ = file->routing;
   ready_ = false;
   Log()->info("assignment file reloaded: generation {}, {} replica(s)", generation_,
               file->assignment.replicas_size());
@@ -236,6 +252,11 @@ void Agent::Loop() {
     }
     if (reload_.exchange(false)) Reload();
     supervisor_->Tick();
+    // Routing follows the replicas: a replica that is not SERVING leaves routing at once.
+    if (router_) {
+      router_->SetTable(std::make_shared<RouterTable>(
+          BuildRouterTable(routing_, *supervisor_->Snapshot())));
+    }
     UpdatePower();
     bool r = supervisor_->Converged();
     ready_ = r;
@@ -277,6 +298,7 @@ void Agent::Stop() {
     stopping_ = true;
   }
   if (loop_.joinable()) loop_.join();
+  router_.reset();
   admin_.reset();
 }
 

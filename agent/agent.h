@@ -26,6 +26,10 @@ struct AgentOptions {
   int reserved_cpus = 1;
   std::string admin_bind = "0.0.0.0";
   int admin_port = 8002;  // 0 = pick a free one
+  // Node ingress (the router): OIP v2 over gRPC and REST. 0 = pick a free port.
+  std::string ingress_bind = "0.0.0.0";
+  int grpc_port = 8001;
+  int http_port = 8000;
   absl::Duration tick = absl::Milliseconds(100);
   absl::Duration stop_timeout = absl::Seconds(30);
   bool stop_replicas_on_exit = false;
@@ -35,6 +39,7 @@ struct AgentOptions {
 absl::Status ValidateAgentOptions(const AgentOptions& options);
 
 class AdminServer;
+class Router;
 
 // One node: discovers its topology, runs the assignment through the supervisor on one loop
 // thread, sets GPU power state by what each GPU holds, and serves /healthz, /readyz,
@@ -50,6 +55,8 @@ class Agent {
   void Stop();
 
   int admin_port() const;
+  int ingress_grpc_port() const;
+  int ingress_http_port() const;
   bool ready() const { return ready_.load(); }
   bool live() const;
   std::string MetricsText() const;
@@ -70,6 +77,8 @@ class Agent {
   std::unique_ptr<Supervisor> supervisor_;
   std::unique_ptr<GpuPowerManager> power_;
   std::unique_ptr<AdminServer> admin_;
+  std::unique_ptr<Router> router_;
+  v1::RoutingTable routing_;  // loop thread only (set before the loop starts)
   std::map<int, GpuLoad> gpu_load_;  // loop thread only
   int64_t generation_ = 0;           // loop thread only
   std::atomic<bool> ready_{false};

@@ -48,6 +48,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--admin-port", o.admin_port, "Port for /healthz /readyz /metrics (0 = free)")
       ->capture_default_str();
+  app.add_option("--ingress-bind", o.ingress_bind, "Address for the inference router")
+      ->capture_default_str();
+  app.add_option("--grpc-port", o.grpc_port, "Router gRPC port (0 = free)")->capture_default_str();
+  app.add_option("--http-port", o.http_port, "Router REST port (0 = free)")->capture_default_str();
   app.add_option("--tick-ms", tick_ms, "Supervision period")->capture_default_str();
   app.add_option("--stop-timeout-ms", stop_timeout_ms, "Drain deadline before a replica is killed")
       ->capture_default_str();

@@ -188,7 +188,10 @@ absl::Status Batcher::Enqueue(Item item) {
   v.rows = item.rows;
   for (const Tensor& t : item.inputs) {
     v.shape_key += DataTypeName(t.dtype);
-    for (size_t d = 1; d < t.shape.size(); ++d) v.shape_key += "," + std::to_string(t.shape[d]);
+    for (size_t d = 1; d < t.shape.size(); ++d) {
+      v.shape_key += ',';
+      v.shape_key += std::to_string(t.shape[d]);
+    }
     v.shape_key += ";";
   }
   views_.push_back(std::move(v));

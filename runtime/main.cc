@@ -9,6 +9,7 @@
 #include "common/clock.h"
 #include "common/config_node.h"
 #include "common/logging.h"
+#include "common/process_start.h"
 #include "runtime/runtime_server.h"
 #include "runtime/torchscript_backend.h"
 
@@ -39,7 +40,8 @@ bool InstallSignalHandlers() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const absl::Time process_start = absl::Now();
+  // Includes the time the loader spent on LibTorch before main().
+  const absl::Time process_start = kiln::ProcessStartTime(absl::Now());
   kiln::RuntimeOptions o;
   std::string log_level = "info";
   std::string max_request = "64Mi";

@@ -10,7 +10,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <atomic>
+#include <map>
 #include <set>
+#include <thread>
 #include <sstream>
 
 #include <grpcpp/create_channel.h>
@@ -67,6 +70,9 @@ class AgentTest : public ::testing::Test {
                                      "--fake-gpus",        "1:16Gi",
                                      "--reserved-cpus",    "0",
                                      "--tick-ms",          "50",
+                                     "--ingress-bind",     "127.0.0.1",
+                                     "--grpc-port",        "0",
+                                     "--http-port",        "0",
                                      "--stop-timeout-ms",  "5000"};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -88,6 +94,16 @@ class AgentTest : public ::testing::Test {
       if (admin_port_ == 0) absl::SleepFor(absl::Milliseconds(10));
     }
     ASSERT_GT(admin_port_, 0) << ReadAll(log_);
+    for (int i = 0; i < 3000 && router_grpc_ == 0; ++i) {
+      std::string text = ReadAll(log_);
+      size_t at = text.find("router listening grpc_port=");
+      if (at != std::string::npos) {
+        router_grpc_ = std::atoi(text.c_str() + at + 27);
+        router_http_ = std::atoi(text.c_str() + text.find("http_port=", at) + 10);
+      }
+      if (router_grpc_ == 0) absl::SleepFor(absl::Milliseconds(10));
+    }
+    ASSERT_GT(router_grpc_, 0) << ReadAll(log_);
   }
 
   void StopAgent(int sig) {
@@ -138,8 +154,8 @@ class AgentTest : public ::testing::Test {
 
   bool Ready() { return Get("/readyz").first == 200; }
 
-  // A real inference through the replica's own gRPC port.
-  grpc::Status Infer(int port) {
+  // A real inference through the replica's own gRPC port (or the router's).
+  grpc::Status Infer(int port, std::string* version = nullptr, const std::string& user = "") {
     auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
         "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
     inference::ModelInferRequest req;
@@ -154,14 +170,27 @@ class AgentTest : public ::testing::Test {
     }
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (!user.empty()) ctx.AddMetadata("x-user-id", user);
     inference::ModelInferResponse resp;
-    return stub->ModelInfer(&ctx, req, &resp);
+    grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
+    if (version) {
+      auto it = resp.parameters().find("kiln-version");
+      *version = it == resp.parameters().end() ? "" : it->second.string_param();
+      auto md = ctx.GetServerInitialMetadata().find("kiln-version");
+      if (md == ctx.GetServerInitialMetadata().end() ||
+          std::string(md->second.data(), md->second.size()) != *version) {
+        *version += " (metadata differs)";
+      }
+    }
+    return s;
   }
 
   std::string dir_;
   std::string log_;
   pid_t pid_ = -1;
   int admin_port_ = 0;
+  int router_grpc_ = 0;
+  int router_http_ = 0;
   int agents_ = 0;
   std::set<int> seen_pids_;
 };
@@ -247,6 +276,87 @@ TEST_F(AgentTest, ARestartedAgentAdoptsItsReplicasWithoutRestartingThem) {
   EXPECT_EQ(Find(after, "s0")["restarts"], 0);
   EXPECT_TRUE(Infer(Find(after, "s0")["grpc_port"]).ok());
   EXPECT_NE(ReadAll(log_).find("adopted pid " + std::to_string(s0)), std::string::npos);
+}
+
+TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {
+  std::string v1 = "  - {id: a1, model: encoder, version: \"1\", repository: " + kRepo +
+                   ", cpus: 1, state: SERVING}\n";
+  std::string v2a = "  - {id: b1, model: encoder, version: \"2\", repository: " + kRepo +
+                    ", cpus: 1, state: SERVING}\n";
+  WriteAssignment("replicas:\n" + v1 + v2a +
+                  "routes:\n  - model: encoder\n    versions: [{version: \"1\", weight: 50}, "
+                  "{version: \"2\", weight: 50}]\n    stickyKey: header:x-user-id\n");
+  StartAgent();
+  WaitFor([&](const json& j) {
+    return Find(j, "a1")["state"] == "SERVING" && Find(j, "b1")["state"] == "SERVING";
+  }, "two versions SERVING");
+  // Weighted split without a key; the same key always lands on the same version.
+  std::map<std::string, int> seen;
+  for (int i = 0; i < 40; ++i) {
+    std::string v;
+    ASSERT_TRUE(Infer(router_grpc_, &v).ok());
+    seen[v]++;
+  }
+  EXPECT_GT(seen["1"], 5);
+  EXPECT_GT(seen["2"], 5);
+  for (const char* user : {"alice", "bob", "carol"}) {
+    std::string first;
+    ASSERT_TRUE(Infer(router_grpc_, &first, user).ok());
+    for (int i = 0; i < 5; ++i) {
+      std::string again;
+      ASSERT_TRUE(Infer(router_grpc_, &again, user).ok());
+      EXPECT_EQ(again, first) << user;
+    }
+  }
+  // REST through the router says which version served.
+  web::http::client::http_client c("http://127.0.0.1:" + std::to_string(router_http_));
+  json body = {{"inputs",
+                {{{"name", "input_ids"}, {"datatype", "INT64"}, {"shape", {1, 3}}, {"data", {1, 2, 3}}},
+                 {{"name", "attention_mask"}, {"datatype", "INT64"}, {"shape", {1, 3}}, {"data", {1, 1, 1}}}}}};
+  web::http::http_request req(web::http::methods::POST);
+  req.set_request_uri("/v2/models/encoder/versions/2/infer");
+  req.set_body(body.dump(), "application/json");
+  auto resp = c.request(req).get();
+  EXPECT_EQ(resp.status_code(), 200);
+  EXPECT_EQ(resp.headers().find("kiln-version")->second, "2");
+  json out = json::parse(resp.extract_utf8string(true).get());
+  EXPECT_EQ(out["parameters"]["kiln-version"], "2");
+  EXPECT_EQ(out["model_version"], "2");
+
+  // Only version 2 from now on, with two replicas; then one of them is killed under load.
+  std::string v2b = "  - {id: b2, model: encoder, version: \"2\", repository: " + kRepo +
+                    ", cpus: 1, state: SERVING}\n";
+  // Two CPUs on this machine: a1 goes first, then b2 takes its CPU.
+  std::string route2 = "routes:\n  - model: encoder\n    versions: [{version: \"2\", weight: 1}]\n";
+  WriteAssignment("replicas:\n" + v2a + route2);
+  Hup();
+  WaitFor([&](const json& j) { return Find(j, "a1").is_null(); }, "a1 gone");
+  WriteAssignment("replicas:\n" + v2a + v2b + route2);
+  Hup();
+  json j = WaitFor([&](const json& j) { return Find(j, "b2")["state"] == "SERVING"; },
+                   "b1 + b2 SERVING");
+  int victim = Find(j, "b1")["pid"];
+  std::atomic<int> ok{0}, failed{0};
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> load;
+  for (int t = 0; t < 3; ++t) {
+    load.emplace_back([&]() {
+      for (int i = 0; i < 400 && !stop.load(); ++i) {
+        (Infer(router_grpc_).ok() ? ok : failed)++;
+      }
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(300));
+  kill(victim, SIGKILL);
+  j = WaitFor([&](const json& j) {
+    auto r = Find(j, "b1");
+    return r["pid"] != victim && r["state"] == "SERVING";
+  }, "b1 restarted");
+  stop = true;
+  for (auto& t : load) t.join();
+  EXPECT_GT(ok.load(), 50);
+  EXPECT_EQ(failed.load(), 0) << "requests failed while a replica died";
+  EXPECT_EQ(Find(j, "b1")["restarts"], 1);
 }
 
 TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {

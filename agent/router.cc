@@ -1,0 +1,526 @@
+#include "agent/router.h"
+
+#include <cpprest/http_client.h>
+#include <cpprest/http_listener.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/server_builder.h>
+
+#include <random>
+#include <set>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_split.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/net_util.h"
+#include "common/status.h"
+#include "nlohmann/json.hpp"
+
+namespace kiln {
+
+namespace http = web::http;
+using nlohmann::json;
+
+RouterTable BuildRouterTable(const v1::RoutingTable& routing,
+                             const std::vector<ReplicaView>& replicas) {
+  RouterTable t;
+  for (const auto& r : routing.routes()) {
+    RouterTable::Route route;
+    route.model = r.model();
+    for (const auto& v : r.versions()) route.versions.push_back({v.version(), v.weight()});
+    const std::string& sticky = r.sticky_key();
+    if (sticky.rfind("header:", 0) == 0) route.sticky_header = absl::AsciiStrToLower(sticky.substr(7));
+    if (sticky.rfind("parameter:", 0) == 0) route.sticky_parameter = sticky.substr(10);
+    for (const auto& e : r.endpoints()) {
+      route.endpoints.push_back({e.replica_id(), e.version(), e.grpc_address(), e.http_address(), false});
+    }
+    t.routes[route.model] = std::move(route);
+  }
+  for (const auto& v : replicas) {
+    if (v.state != v1::SERVING || v.phase != "RUNNING" || v.grpc_port == 0) continue;
+    RouterTable::Route& route = t.routes[v.spec.model()];
+    route.model = v.spec.model();
+    route.endpoints.push_back({v.spec.replica_id(), v.spec.version(),
+                               "127.0.0.1:" + std::to_string(v.grpc_port),
+                               "127.0.0.1:" + std::to_string(v.http_port), true});
+  }
+  // Models served here without a route: every serving version, equal weights.
+  for (auto& [model, route] : t.routes) {
+    if (!route.versions.empty()) continue;
+    std::set<std::string> versions;
+    for (const auto& e : route.endpoints) versions.insert(e.version);
+    for (const auto& v : versions) route.versions.push_back({v, 1});
+  }
+  return t;
+}
+
+Router::Router(Options options) : options_(std::move(options)) {}
+
+void Router::SetTable(std::shared_ptr<const RouterTable> table) {
+  absl::MutexLock lock(&mu_);
+  table_ = std::move(table);
+}
+
+absl::StatusOr<Router::Choice> Router::Choose(const std::string& model, const std::string& version,
+                                              const std::string& sticky_value, bool sticky_given,
+                                              const std::set<std::string>& exclude) const {
+  absl::MutexLock lock(&mu_);
+  if (!table_) return absl::UnavailableError("the router has no routing table yet");
+  auto it = table_->routes.find(model);
+  if (it == table_->routes.end()) return absl::NotFoundError("unknown model '" + model + "'");
+  const RouterTable::Route& route = it->second;
+  std::string chosen = version;
+  if (chosen.empty()) {
+    thread_local std::mt19937_64 rng(std::random_device{}());
+    auto v = PickVersion(route.versions,
+                         sticky_given ? std::optional<std::string>(sticky_value) : std::nullopt,
+                         rng());
+    if (!v.ok()) return absl::UnavailableError(std::string(v.status().message()));
+    chosen = *v;
+  }
+  std::vector<RouteEndpoint> eps;
+  for (const auto& e : route.endpoints) {
+    auto o = outstanding_.find(e.id);
+    eps.push_back({e.id, e.version, e.local, true, o == outstanding_.end() ? 0 : o->second});
+  }
+  auto idx = PickEndpoint(eps, chosen, exclude);
+  if (!idx.ok()) {
+    return absl::UnavailableError("model '" + model + "' version " + chosen +
+                                  ": no serving replica");
+  }
+  return Choice{route.endpoints[*idx], chosen};
+}
+
+std::pair<std::string, std::string> Router::StickyKey(const std::string& model) const {
+  absl::MutexLock lock(&mu_);
+  if (!table_) return {};
+  auto it = table_->routes.find(model);
+  if (it == table_->routes.end()) return {};
+  return {it->second.sticky_header, it->second.sticky_parameter};
+}
+
+bool Router::Ready(const std::string& model, const std::string& version) const {
+  absl::MutexLock lock(&mu_);
+  if (!table_) return false;
+  for (const auto& [name, route] : table_->routes) {
+    if (!model.empty() && name != model) continue;
+    for (const auto& e : route.endpoints) {
+      if (version.empty() || e.version == version) return true;
+    }
+  }
+  return false;
+}
+
+void Router::Begin(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  outstanding_[id]++;
+}
+
+void Router::End(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  if (--outstanding_[id] <= 0) outstanding_.erase(id);
+}
+
+inference::GRPCInferenceService::Stub* Router::StubFor(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto& stub = stubs_[address];
+  if (!stub) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(INT32_MAX);
+    args.SetMaxSendMessageSize(INT32_MAX);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    stub = inference::GRPCInferenceService::NewStub(
+        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  }
+  return stub.get();
+}
+
+namespace {
+
+std::string ParamText(const inference::InferParameter& p) {
+  switch (p.parameter_choice_case()) {
+    case inference::InferParameter::kStringParam:
+      return p.string_param();
+    case inference::InferParameter::kInt64Param:
+      return std::to_string(p.int64_param());
+    case inference::InferParameter::kUint64Param:
+      return std::to_string(p.uint64_param());
+    case inference::InferParameter::kBoolParam:
+      return p.bool_param() ? "true" : "false";
+    default:
+      return "";
+  }
+}
+
+// One forwarded ModelInfer: the first try and at most one retry elsewhere on UNAVAILABLE.
+struct ForwardCall {
+  Router* router;
+  grpc::CallbackServerContext* server_ctx;
+  const inference::ModelInferRequest* request;
+  inference::ModelInferResponse* response;
+  grpc::ServerUnaryReactor* reactor;
+  std::string sticky;
+  bool sticky_given = false;
+  std::set<std::string> exclude;
+  std::unique_ptr<grpc::ClientContext> client_ctx;
+  int attempts = 0;
+};
+
+void Attempt(std::shared_ptr<ForwardCall> c) {
+  auto choice = c->router->Choose(c->request->model_name(), c->request->model_version(), c->sticky,
+                                  c->sticky_given, c->exclude);
+  if (!choice.ok()) {
+    c->reactor->Finish(ToGrpcStatus(choice.status()));
+    return;
+  }
+  c->attempts++;
+  c->client_ctx = std::make_unique<grpc::ClientContext>();
+  auto deadline = c->server_ctx->deadline();
+  if (deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+    c->client_ctx->set_deadline(deadline);
+  }
+  auto* stub = c->router->StubFor(choice->endpoint.grpc_address);
+  std::string id = choice->endpoint.id;
+  std::string version = choice->version;
+  c->router->Begin(id);
+  stub->async()->ModelInfer(
+      c->client_ctx.get(), c->request, c->response, [c, id, version](grpc::Status s) {
+        c->router->End(id);
+        if (s.error_code() == grpc::StatusCode::UNAVAILABLE && c->attempts == 1) {
+          c->exclude.insert(id);
+          c->router->CountRetry();
+          c->response->Clear();
+          Attempt(c);
+          return;
+        }
+        if (s.ok()) {
+          (*c->response->mutable_parameters())["kiln-version"].set_string_param(version);
+          c->server_ctx->AddInitialMetadata("kiln-version", version);
+        }
+        c->reactor->Finish(s);
+      });
+}
+
+class RouterGrpcService final : public inference::GRPCInferenceService::CallbackService {
+ public:
+  explicit RouterGrpcService(Router* router) : router_(router) {}
+
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
+                                       const inference::ServerLiveRequest*,
+                                       inference::ServerLiveResponse* resp) override {
+    resp->set_live(true);
+    return Done(ctx, grpc::Status::OK);
+  }
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* ctx,
+                                        const inference::ServerReadyRequest*,
+                                        inference::ServerReadyResponse* resp) override {
+    resp->set_ready(router_->Ready("", ""));
+    return Done(ctx, grpc::Status::OK);
+  }
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* ctx,
+                                       const inference::ModelReadyRequest* req,
+                                       inference::ModelReadyResponse* resp) override {
+    resp->set_ready(router_->Ready(req->name(), req->version()));
+    return Done(ctx, grpc::Status::OK);
+  }
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* ctx,
+                                           const inference::ServerMetadataRequest*,
+                                           inference::ServerMetadataResponse* resp) override {
+    resp->set_name("kiln-agent");
+    resp->set_version("0.1.0");
+    resp->add_extensions("model_repository_layout");
+    return Done(ctx, grpc::Status::OK);
+  }
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* ctx,
+                                          const inference::ModelMetadataRequest* req,
+                                          inference::ModelMetadataResponse* resp) override {
+    auto choice = router_->Choose(req->name(), req->version(), "", false, {});
+    if (!choice.ok()) return Done(ctx, ToGrpcStatus(choice.status()));
+    grpc::ClientContext cc;
+    cc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    return Done(ctx, router_->StubFor(choice->endpoint.grpc_address)->ModelMetadata(&cc, *req, resp));
+  }
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx,
+                                       const inference::ModelInferRequest* req,
+                                       inference::ModelInferResponse* resp) override {
+    auto c = std::make_shared<ForwardCall>();
+    c->router = router_;
+    c->server_ctx = ctx;
+    c->request = req;
+    c->response = resp;
+    c->reactor = ctx->DefaultReactor();
+    auto [header, param] = router_->StickyKey(req->model_name());
+    if (!header.empty()) {
+      auto it = ctx->client_metadata().find(header);
+      if (it != ctx->client_metadata().end()) {
+        c->sticky.assign(it->second.data(), it->second.size());
+        c->sticky_given = true;
+      }
+    } else if (!param.empty()) {
+      auto it = req->parameters().find(param);
+      if (it != req->parameters().end()) {
+        c->sticky = ParamText(it->second);
+        c->sticky_given = true;
+      }
+    }
+    Attempt(c);
+    return c->reactor;
+  }
+
+ private:
+  grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const grpc::Status& s) {
+    auto* r = ctx->DefaultReactor();
+    r->Finish(s);
+    return r;
+  }
+  Router* router_;
+};
+
+void Reply(const http::http_request& request, int code, const std::string& body,
+           const std::string& version = "") {
+  http::http_response resp(static_cast<http::status_code>(code));
+  resp.set_body(body, "application/json");
+  if (!version.empty()) resp.headers().add("kiln-version", version);
+  request.reply(resp).then([](pplx::task<void> t) {
+    try {
+      t.get();
+    } catch (const std::exception&) {
+    }
+  });
+}
+
+std::string Error(const std::string& m) {
+  return json{{"error", m}}.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+}  // namespace
+
+class Router::Impl {
+ public:
+  Impl(Router* router, const Options& o) : router_(router), grpc_service_(router) {
+    (void)o;
+  }
+
+  absl::Status Start(const Options& o) {
+    grpc::ServerBuilder b;
+    b.AddListeningPort(o.bind_address + ":" + std::to_string(o.grpc_port),
+                       grpc::InsecureServerCredentials(), &grpc_port_);
+    b.RegisterService(&grpc_service_);
+    b.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(o.max_request_bytes + 65536, INT32_MAX)));
+    b.SetMaxSendMessageSize(INT32_MAX);
+    grpc_server_ = b.BuildAndStart();
+    if (!grpc_server_ || grpc_port_ == 0) {
+      return absl::UnavailableError("--grpc-port: cannot listen on " + o.bind_address + ":" +
+                                    std::to_string(o.grpc_port));
+    }
+    max_request_bytes_ = o.max_request_bytes;
+    absl::Status last;
+    for (int i = 0; i < (o.http_port == 0 ? 5 : 1); ++i) {
+      int port = o.http_port;
+      if (port == 0) {
+        auto picked = PickFreePort(o.bind_address);
+        if (!picked.ok()) return Annotate(picked.status(), "--bind-address");
+        port = *picked;
+      }
+      auto l = std::make_unique<http::experimental::listener::http_listener>(
+          "http://" + o.bind_address + ":" + std::to_string(port));
+      l->support([this](http::http_request r) { Handle(std::move(r)); });
+      try {
+        l->open().wait();
+        listener_ = std::move(l);
+        http_port_ = port;
+        return absl::OkStatus();
+      } catch (const std::exception& e) {
+        last = absl::UnavailableError(std::string("--http-port: cannot listen: ") + e.what());
+      }
+    }
+    return last;
+  }
+
+  void Stop() {
+    if (listener_) {
+      try {
+        listener_->close().wait();
+      } catch (const std::exception&) {
+      }
+      listener_.reset();
+    }
+    if (grpc_server_) {
+      grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      grpc_server_.reset();
+    }
+  }
+
+  int grpc_port_ = 0;
+  int http_port_ = 0;
+
+ private:
+  std::shared_ptr<http::client::http_client> ClientFor(const std::string& address) {
+    absl::MutexLock lock(&clients_mu_);
+    auto& c = clients_[address];
+    if (!c) {
+      http::client::http_client_config cfg;
+      cfg.set_timeout(std::chrono::seconds(300));
+      c = std::make_shared<http::client::http_client>("http://" + address, cfg);
+    }
+    return c;
+  }
+
+  void Handle(http::http_request request) {
+    try {
+      Route(request);
+    } catch (const std::exception& e) {
+      Reply(request, 500, Error(std::string("internal error: ") + e.what()));
+    }
+  }
+
+  void Route(http::http_request& request) {
+    std::string path = request.relative_uri().path();
+    std::vector<std::string> parts = absl::StrSplit(path, '/', absl::SkipEmpty());
+    if (parts.size() == 3 && parts[0] == "v2" && parts[1] == "health") {
+      bool ok = parts[2] == "live" || router_->Ready("", "");
+      Reply(request, ok ? 200 : 503, json{{parts[2], ok}}.dump());
+      return;
+    }
+    if (parts.size() >= 3 && parts[0] == "v2" && parts[1] == "models") {
+      std::string model = web::uri::decode(parts[2]);
+      std::string version;
+      size_t next = 3;
+      if (parts.size() >= 5 && parts[3] == "versions") {
+        version = web::uri::decode(parts[4]);
+        next = 5;
+      }
+      if (parts.size() == next + 1 && parts[next] == "ready") {
+        bool ok = router_->Ready(model, version);
+        Reply(request, ok ? 200 : 503, json{{"name", model}, {"ready", ok}}.dump());
+        return;
+      }
+      if (parts.size() == next + 1 && parts[next] == "infer" &&
+          request.method() == http::methods::POST) {
+        Infer(request, model, version, path);
+        return;
+      }
+      if (parts.size() == next && request.method() == http::methods::GET) {
+        Forward(request, model, version, path, "", {}, 0);
+        return;
+      }
+    }
+    Reply(request, 404, Error("no such endpoint: " + path));
+  }
+
+  void Infer(http::http_request& request, const std::string& model, const std::string& version,
+             const std::string& path) {
+    if (!request.headers().has(http::header_names::content_length)) {
+      Reply(request, 411, Error("Content-Length is required"));
+      return;
+    }
+    if (static_cast<int64_t>(request.headers().content_length()) > max_request_bytes_) {
+      Reply(request, 413, Error("the request body exceeds the limit of " +
+                                std::to_string(max_request_bytes_) + " bytes"));
+      return;
+    }
+    request.extract_utf8string(true).then([this, request, model, version,
+                                           path](pplx::task<std::string> t) mutable {
+      try {
+        std::string body = t.get();
+        Forward(request, model, version, path, body, {}, 0);
+      } catch (const std::exception& e) {
+        Reply(request, 400, Error(std::string("cannot read the body: ") + e.what()));
+      }
+    });
+  }
+
+  // Forwards to the chosen replica; on 503 or a connection failure, once more elsewhere.
+  void Forward(http::http_request request, const std::string& model, const std::string& version,
+               const std::string& path, const std::string& body, std::set<std::string> exclude,
+               int attempt) {
+    std::string sticky;
+    bool given = false;
+    auto [header, param] = router_->StickyKey(model);
+    if (!header.empty() && request.headers().has(header)) {
+      sticky = request.headers().find(header)->second;
+      given = true;
+    } else if (!param.empty() && !body.empty()) {
+      json doc = json::parse(body, nullptr, false);
+      if (doc.is_object() && doc.contains("parameters") && doc["parameters"].is_object() &&
+          doc["parameters"].contains(param)) {
+        const json& v = doc["parameters"][param];
+        sticky = v.is_string() ? v.get<std::string>() : v.dump();
+        given = true;
+      }
+    }
+    auto choice = router_->Choose(model, version, sticky, given, exclude);
+    if (!choice.ok()) {
+      Reply(request, HttpStatusFromCode(choice.status().code()),
+            Error(std::string(choice.status().message())));
+      return;
+    }
+    http::http_request out(body.empty() ? http::methods::GET : http::methods::POST);
+    out.set_request_uri(path);
+    if (!body.empty()) out.set_body(body, "application/json");
+    std::string id = choice->endpoint.id;
+    std::string chosen = choice->version;
+    router_->Begin(id);
+    ClientFor(choice->endpoint.http_address)
+        ->request(out)
+        .then([this, request, model, version, path, body, exclude, attempt, id,
+               chosen](pplx::task<http::http_response> t) mutable {
+          router_->End(id);
+          int code = 0;
+          std::string text;
+          try {
+            http::http_response r = t.get();
+            code = r.status_code();
+            text = r.extract_utf8string(true).get();
+          } catch (const std::exception& e) {
+            code = 503;  // connection refused or reset: the replica is gone
+            text = Error(std::string("replica unreachable: ") + e.what());
+          }
+          if (code == 503 && attempt == 0) {
+            exclude.insert(id);
+            router_->CountRetry();
+            Forward(request, model, version, path, body, exclude, 1);
+            return;
+          }
+          if (code == 200 && !body.empty()) {
+            json doc = json::parse(text, nullptr, false);
+            if (doc.is_object()) {
+              doc["parameters"]["kiln-version"] = chosen;
+              text = doc.dump(-1, ' ', false, json::error_handler_t::replace);
+            }
+          }
+          Reply(request, code, text, code == 200 ? chosen : "");
+        });
+  }
+
+  Router* router_;
+  RouterGrpcService grpc_service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  std::unique_ptr<http::experimental::listener::http_listener> listener_;
+  int64_t max_request_bytes_ = 0;
+  absl::Mutex clients_mu_;
+  std::map<std::string, std::shared_ptr<http::client::http_client>> clients_
+      ABSL_GUARDED_BY(clients_mu_);
+};
+
+absl::StatusOr<std::unique_ptr<Router>> Router::Start(Options options) {
+  std::unique_ptr<Router> r(new Router(options));
+  r->impl_ = std::make_unique<Impl>(r.get(), options);
+  KILN_RETURN_IF_ERROR(r->impl_->Start(options));
+  GetLogger("agent.router")
+      ->info("router listening grpc_port={} http_port={}", r->impl_->grpc_port_,
+             r->impl_->http_port_);
+  return r;
+}
+
+Router::~Router() { Stop(); }
+
+void Router::Stop() {
+  if (impl_) impl_->Stop();
+}
+
+int Router::grpc_port() const { return impl_ ? impl_->grpc_port_ : 0; }
+int Router::http_port() const { return impl_ ? impl_->http_port_ : 0; }
+
+}  // namespace kiln

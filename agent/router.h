@@ -1,0 +1,99 @@
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "agent/router_policy.h"
+#include "agent/supervisor.h"
+#include "inference/grpc_service.grpc.pb.h"
+#include "kiln/v1/control_plane.pb.h"
+
+namespace kiln {
+
+// What the router routes by: per model, weighted versions, a sticky key and endpoints.
+struct RouterTable {
+  struct Endpoint {
+    std::string id;
+    std::string version;
+    std::string grpc_address;  // host:port
+    std::string http_address;  // host:port
+    bool local = false;
+  };
+  struct Route {
+    std::string model;
+    std::vector<WeightedVersion> versions;
+    std::string sticky_header;     // lower-case header name, or empty
+    std::string sticky_parameter;  // request parameter name, or empty
+    std::vector<Endpoint> endpoints;
+  };
+  std::map<std::string, Route> routes;
+};
+
+// Builds the table from the routing table (file or controller) and the node's replicas: a
+// local replica is an endpoint only while it is SERVING. A model with SERVING replicas but no
+// route gets one: its serving versions, equal weights.
+RouterTable BuildRouterTable(const v1::RoutingTable& routing,
+                             const std::vector<ReplicaView>& replicas);
+
+// Node ingress: the Open Inference Protocol over gRPC and REST in front of the node's
+// replicas. Picks the version (weight or sticky key), then the endpoint with the fewest
+// outstanding requests, local first; retries once elsewhere on UNAVAILABLE; tells which
+// version served (gRPC: parameter and metadata `kiln-version`; REST: header `kiln-version`
+// and parameter). Channels to replicas are pooled and kept alive.
+class Router {
+ public:
+  struct Options {
+    std::string bind_address = "0.0.0.0";
+    int grpc_port = 8001;
+    int http_port = 8000;
+    int64_t max_request_bytes = 64LL * 1024 * 1024;
+  };
+  static absl::StatusOr<std::unique_ptr<Router>> Start(Options options);
+  ~Router();
+
+  void SetTable(std::shared_ptr<const RouterTable> table);
+  int grpc_port() const;
+  int http_port() const;
+  void Stop();
+
+  // Routing decisions, public for the servers (and tests).
+  struct Choice {
+    RouterTable::Endpoint endpoint;
+    std::string version;
+  };
+  absl::StatusOr<Choice> Choose(const std::string& model, const std::string& version,
+                                const std::string& sticky_value, bool sticky_given,
+                                const std::set<std::string>& exclude) const;
+  // The sticky key configured for `model` ("" when none): {header, parameter}.
+  std::pair<std::string, std::string> StickyKey(const std::string& model) const;
+  bool Ready(const std::string& model, const std::string& version) const;
+
+  // Outstanding-request accounting around each forwarded call.
+  void Begin(const std::string& endpoint_id);
+  void End(const std::string& endpoint_id);
+  inference::GRPCInferenceService::Stub* StubFor(const std::string& address);
+  uint64_t retries() const { return retries_.load(); }
+  void CountRetry() { retries_++; }
+
+ private:
+  class Impl;
+  explicit Router(Options options);
+
+  const Options options_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const RouterTable> table_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> outstanding_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<inference::GRPCInferenceService::Stub>> stubs_
+      ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> retries_{0};
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kiln
