@@ -169,6 +169,29 @@ void BM_GrpcServed(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * batch);
 }
 
+// The floor under any served request: a ServerLive round trip to the same runtime (loopback
+// gRPC, HTTP/2 framing, the callback executor) with no tensors and no model.
+void BM_GrpcTransportFloor(benchmark::State& state) {
+  const std::string address = Env("KILN_GRPC_ADDRESS");
+  if (address.empty()) {
+    state.SkipWithError("KILN_GRPC_ADDRESS is not set (HOST:PORT of a running kiln-runtime)");
+    return;
+  }
+  auto stub = inference::GRPCInferenceService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  inference::ServerLiveRequest request;
+  inference::ServerLiveResponse response;
+  for (auto _ : state) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::Status s = stub->ServerLive(&ctx, request, &response);
+    if (!s.ok()) {
+      state.SkipWithError(absl::StrCat("ServerLive: ", s.error_message()).c_str());
+      break;
+    }
+  }
+}
+
 void BM_RestServed(benchmark::State& state) {
   const std::string address = Env("KILN_HTTP_ADDRESS");
   if (address.empty()) {
@@ -220,6 +243,7 @@ BENCHMARK(BM_GrpcServed)
     ->Args({8, 16})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GrpcTransportFloor)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_RestServed)
     ->ArgNames({"batch", "seq"})
     ->Args({1, 16})

@@ -175,6 +175,29 @@ Batcher::Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, 
 Batcher::~Batcher() { Stop(); }
 
 absl::Status Batcher::Enqueue(Item item) {
+  const bool alone = !policy_.dynamic || (policy_.max_queue_delay == absl::ZeroDuration() &&
+                                          policy_.preferred_batch_sizes.empty());
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("the model is shutting down");
+    if (!(alone && queue_.empty() && !executing_)) goto queue_it;
+    executing_ = true;
+  }
+  // The fast path: nothing to wait for and nobody to batch with, run here.
+  if (item.deadline <= clock_->Now()) {
+    item.done(absl::DeadlineExceededError("the request timed out in the queue"));
+  } else {
+    std::vector<Item> one;
+    one.push_back(std::move(item));
+    Run(std::move(one));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    executing_ = false;
+    changed_ = true;  // requests queued meanwhile are the executor thread's
+  }
+  return absl::OkStatus();
+queue_it:
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the model is shutting down");
   if (max_queue_size_ > 0 && static_cast<int64_t>(queue_.size()) >= max_queue_size_) {
@@ -216,6 +239,9 @@ void Batcher::Stop() {
   if (thread_.joinable()) thread_.join();
   {
     absl::MutexLock lock(&mu_);
+    // An inline execution on a caller's thread finishes before the model can go away.
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !executing_; };
+    mu_.Await(absl::Condition(&idle));
     left.swap(queue_);
     views_.clear();
   }
@@ -229,6 +255,11 @@ void Batcher::Loop() {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
+      if (executing_) {  // an inline execution is running: wait for it
+        changed_ = false;
+        mu_.AwaitWithTimeout(absl::Condition(&changed_), absl::Seconds(1));
+        continue;
+      }
       std::vector<PendingView> views(views_.begin(), views_.end());
       BatchDecision d = Decide(views, clock_->Now(), policy_);
       if (d.batch.empty() && d.expired.empty()) {
@@ -253,11 +284,16 @@ void Batcher::Loop() {
         queue_.erase(queue_.begin() + static_cast<long>(i));
         views_.erase(views_.begin() + static_cast<long>(i));
       }
+      if (!batch.empty()) executing_ = true;
     }
     for (auto& item : expired) {
       item.done(absl::DeadlineExceededError("the request timed out in the queue"));
     }
-    if (!batch.empty()) Run(std::move(batch));
+    if (!batch.empty()) {
+      Run(std::move(batch));
+      absl::MutexLock lock(&mu_);
+      executing_ = false;
+    }
   }
 }
 

@@ -83,7 +83,8 @@ class Batcher {
   ~Batcher();
 
   // RESOURCE_EXHAUSTED when the queue is full; UNAVAILABLE after Stop(). On OK, `done` is
-  // called exactly once, from the executor thread.
+  // called exactly once: from the executor thread, or inline when the request would run
+  // alone anyway (no batching or no delay) and the model is idle, which saves a thread hop.
   absl::Status Enqueue(Item item);
   int64_t queue_depth() const;
   // Fails every queued request with UNAVAILABLE and joins the thread.
@@ -106,6 +107,7 @@ class Batcher {
   std::deque<PendingView> views_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool changed_ ABSL_GUARDED_BY(mu_) = false;
+  bool executing_ ABSL_GUARDED_BY(mu_) = false;  // one execution at a time, either path
   std::thread thread_;
 };
 

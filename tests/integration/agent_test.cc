@@ -120,12 +120,18 @@ class AgentTest : public ::testing::Test {
     web::http::client::http_client_config cfg;
     cfg.set_timeout(std::chrono::seconds(10));
     web::http::client::http_client c("http://127.0.0.1:" + std::to_string(admin_port_), cfg);
-    auto r = c.request(web::http::methods::GET, path).get();
-    return {r.status_code(), r.extract_utf8string(true).get()};
+    try {
+      auto r = c.request(web::http::methods::GET, path).get();
+      return {r.status_code(), r.extract_utf8string(true).get()};
+    } catch (const std::exception& e) {
+      return {0, std::string("request failed: ") + e.what()};  // pollers retry; asserts fail
+    }
   }
 
   json Replicas() {
-    json j = json::parse(Get("/v1/replicas").second);
+    auto [code, text] = Get("/v1/replicas");
+    json j = json::parse(text, nullptr, false);
+    if (code != 200 || j.is_discarded()) return json{{"replicas", json::array()}, {"error", text}};
     for (const auto& r : j["replicas"]) {
       if (r["pid"].get<int>() > 0) seen_pids_.insert(r["pid"].get<int>());
     }

@@ -175,14 +175,15 @@ ModelConfig BatchingConfig(int64_t max_queue) {
   c.inputs = {{"x", DataType::kFp32, {1}}};
   c.outputs = {{"y", DataType::kFp32, {1}}};
   DynamicBatchingConfig db;
-  db.max_queue_delay_microseconds = 0;
+  // A (tiny) delay keeps requests on the executor thread rather than the caller's.
+  db.max_queue_delay_microseconds = 1;
   db.max_queue_size = max_queue;
   c.dynamic_batching = db;
   return c;
 }
 
 TEST(BatcherTest, FullQueueIsResourceExhausted) {
-  SimulatedClock clock;
+  RealClock clock;  // the executor thread waits out a real (1 us) delay
   absl::Mutex mu;
   bool release = false;
   auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
@@ -215,9 +216,8 @@ TEST(BatcherTest, FullQueueIsResourceExhausted) {
 }
 
 TEST(BatcherTest, OneBadRequestDoesNotFailTheOthersInItsBatch) {
-  SimulatedClock clock;
+  RealClock clock;
   ModelConfig config = BatchingConfig(0);
-  config.dynamic_batching->max_queue_delay_microseconds = 0;
   // Fails any execution that contains the value 13.
   auto exec = [](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
     const float* f = reinterpret_cast<const float*>(in[0].data.data());
@@ -255,6 +255,29 @@ TEST(BatcherTest, OneBadRequestDoesNotFailTheOthersInItsBatch) {
   ASSERT_EQ(codes.size(), 3u);
   EXPECT_EQ(std::count(codes.begin(), codes.end(), absl::StatusCode::kOk), 2);
   EXPECT_EQ(std::count(codes.begin(), codes.end(), absl::StatusCode::kInternal), 1);
+}
+
+TEST(BatcherTest, ALoneRequestOnAnIdleModelRunsOnTheCallersThread) {
+  SimulatedClock clock;
+  ModelConfig config = BatchingConfig(0);
+  config.dynamic_batching.reset();  // no batching: every request runs alone
+  std::thread::id ran_on;
+  auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+    ran_on = std::this_thread::get_id();
+    Tensor y = in[0];
+    y.name = "y";
+    return std::vector<Tensor>{y};
+  };
+  auto batcher = Batcher::Create(config, exec, &clock, nullptr);
+  ASSERT_TRUE(batcher.ok());
+  bool done = false;
+  Batcher::Item it;
+  it.inputs = {Make("x", {1, 1}, {5})};
+  it.done = [&](absl::StatusOr<std::vector<Tensor>> r) { done = r.ok(); };
+  ASSERT_TRUE((*batcher)->Enqueue(std::move(it)).ok());
+  EXPECT_TRUE(done);  // already answered when Enqueue returns
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  (*batcher)->Stop();
 }
 
 }  // namespace
