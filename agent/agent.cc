@@ -157,6 +157,9 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
     if (id.power_limit_default_mw > 0) policy.serving.power_limit_mw = id.power_limit_default_mw;
   }
   if (gpus_) {
+    std::vector<int> indexes;
+    for (const auto& g : t.gpus) indexes.push_back(g.identity.index);
+    monitor_ = std::make_unique<GpuMonitor>(gpus_.get(), indexes);
     power_ = std::make_unique<GpuPowerManager>(gpus_.get(), mode, policy,
                                                [](const std::string& s) { Log()->info("power: {}", s); });
   }
@@ -251,6 +254,17 @@ void Agent::Loop() {
       if (stopping_) break;
     }
     if (reload_.exchange(false)) Reload();
+    if (monitor_ && absl::Now() - last_gpu_poll_ >= absl::Seconds(1)) {
+      last_gpu_poll_ = absl::Now();
+      monitor_->Poll();
+      for (const auto& [gpu, h] : monitor_->health()) {
+        std::string why;
+        for (const auto& r : h.reasons) why += (why.empty() ? "" : "; ") + r;
+        supervisor_->SetGpuHealth(gpu, h.healthy, why);
+      }
+      absl::MutexLock lock(&health_mu_);
+      gpu_health_ = monitor_->health();
+    }
     supervisor_->Tick();
     // Routing follows the replicas: a replica that is not SERVING leaves routing at once.
     if (router_) {
@@ -377,6 +391,15 @@ std::string Agent::MetricsText() const {
     gauge("kiln_gpu_memory_total_bytes", "Memory.", [](const GpuTelemetry& t) { return t.memory_total_bytes; });
     gauge("kiln_gpu_utilization_ratio", "SM utilisation, 0..1.", [](const GpuTelemetry& t) { return t.utilization_gpu_pct / 100.0; });
     gauge("kiln_gpu_temperature_celsius", "Temperature.", [](const GpuTelemetry& t) { return t.temperature_c; });
+    absl::MutexLock lock(&health_mu_);
+    m << "# HELP kiln_gpu_healthy 0 when the GPU takes no replicas (Xid, ECC); degraded is 1 "
+         "when throttled or with informational faults.\n# TYPE kiln_gpu_healthy gauge\n";
+    for (const auto& r : rows) {
+      int gpu = std::stoi(r.labels.substr(r.labels.find("gpu=\"") + 5));
+      auto it = gpu_health_.find(gpu);
+      bool healthy = it == gpu_health_.end() || it->second.healthy;
+      m << "kiln_gpu_healthy{" << r.labels << "} " << (healthy ? 1 : 0) << "\n";
+    }
   }
   return m.str();
 }

@@ -8,6 +8,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "agent/gpu_monitor.h"
 #include "agent/gpu_power.h"
 #include "agent/supervisor.h"
 #include "agent/topology.h"
@@ -76,6 +77,10 @@ class Agent {
   std::unique_ptr<RuntimeClientFactory> clients_;
   std::unique_ptr<Supervisor> supervisor_;
   std::unique_ptr<GpuPowerManager> power_;
+  std::unique_ptr<GpuMonitor> monitor_;  // loop thread only
+  absl::Time last_gpu_poll_ = absl::InfinitePast();
+  mutable absl::Mutex health_mu_;
+  std::map<int, GpuHealth> gpu_health_ ABSL_GUARDED_BY(health_mu_);
   std::unique_ptr<AdminServer> admin_;
   std::unique_ptr<Router> router_;
   v1::RoutingTable routing_;  // loop thread only (set before the loop starts)

@@ -197,6 +197,37 @@ void Supervisor::BeginStop(Replica& r, const std::string& why) {
   }
 }
 
+void Supervisor::SetGpuHealth(int gpu, bool healthy, const std::string& reason) {
+  bool was_healthy = !unhealthy_gpus_.count(gpu);
+  if (healthy) {
+    unhealthy_gpus_.erase(gpu);
+  } else {
+    unhealthy_gpus_[gpu] = reason;
+  }
+  if (was_healthy == healthy) return;
+  log_("gpu " + std::to_string(gpu) + (healthy ? ": healthy again" : ": UNHEALTHY (" + reason + ")"));
+  for (auto& [id, r] : replicas_) {
+    if (r.spec.gpu() != gpu || r.removing) continue;
+    if (!healthy) {
+      r.held = true;
+      r.last_error = "gpu " + std::to_string(gpu) + " unhealthy: " + reason;
+      if (r.pid > 0 && (r.phase == Phase::kStarting || r.phase == Phase::kRunning)) {
+        (void)launcher_->Signal(r.pid, SIGTERM);  // drain, then it exits
+        r.phase = Phase::kStopping;
+        r.due = clock_->Now() + options_.stop_timeout;
+        log_("replica " + id + ": draining off unhealthy gpu " + std::to_string(gpu));
+      }
+    } else if (r.held) {
+      r.held = false;
+      if (r.phase == Phase::kFailed || r.phase == Phase::kBackoff) {
+        r.phase = Phase::kPending;
+        r.due = clock_->Now();
+      }
+    }
+  }
+  Publish();
+}
+
 void Supervisor::HandleExit(const ProcessExit& e) {
   for (auto it = replicas_.begin(); it != replicas_.end(); ++it) {
     Replica& r = it->second;
@@ -204,6 +235,13 @@ void Supervisor::HandleExit(const ProcessExit& e) {
     r.pid = 0;
     r.client.reset();
     r.grpc_port = r.http_port = 0;
+    if (r.held && !r.removing) {
+      log_("replica " + r.spec.replica_id() + ": stopped (" + ExitText(e.status) +
+           "); not restarted while its GPU is unhealthy");
+      r.phase = Phase::kFailed;
+      r.observed = v1::LIFECYCLE_STATE_UNSPECIFIED;
+      return;
+    }
     if (r.removing) {
       log_("replica " + r.spec.replica_id() + ": stopped (" + ExitText(e.status) + ")");
       std::error_code ec;
@@ -274,7 +312,13 @@ void Supervisor::Tick() {
       changed_set = true;
       continue;
     }
-    if ((r.phase == Phase::kPending || r.phase == Phase::kBackoff) && now >= r.due) {
+    if ((r.phase == Phase::kPending || r.phase == Phase::kBackoff) && r.spec.gpu() >= 0 &&
+        unhealthy_gpus_.count(r.spec.gpu())) {
+      r.held = true;  // waits for its GPU
+      r.phase = Phase::kFailed;
+      r.last_error = "gpu " + std::to_string(r.spec.gpu()) + " unhealthy: " +
+                     unhealthy_gpus_[r.spec.gpu()];
+    } else if ((r.phase == Phase::kPending || r.phase == Phase::kBackoff) && now >= r.due) {
       absl::Status s = Launch(r);
       changed_set = true;
       if (!s.ok()) {

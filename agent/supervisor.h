@@ -76,6 +76,10 @@ class Supervisor {
   // One pass: collect exits, restart what is due, start, promote/demote, stop.
   void Tick();
 
+  // An unhealthy GPU takes no new replicas and its replicas are drained (not restarted) until
+  // it is healthy again; they stay assigned and are reported with the reason.
+  void SetGpuHealth(int gpu, bool healthy, const std::string& reason);
+
   std::shared_ptr<const std::vector<ReplicaView>> Snapshot() const;
   int64_t applied_generation() const { return applied_generation_; }
   // True once every assigned replica has reached its assigned state.
@@ -100,6 +104,7 @@ class Supervisor {
     bool crash_loop = false;
     bool removing = false;
     bool adopted = false;
+    bool held = false;  // stopped because its GPU is unhealthy
     std::string last_error;
   };
 
@@ -120,6 +125,7 @@ class Supervisor {
   Log log_;
   std::vector<int> reserved_;
   std::map<std::string, Replica> replicas_;  // by replica id
+  std::map<int, std::string> unhealthy_gpus_;  // gpu -> reason
   int64_t applied_generation_ = 0;
 
   mutable absl::Mutex snapshot_mu_;

@@ -3,6 +3,7 @@
 #include <map>
 
 #include "agent/fake_gpu_driver.h"
+#include "agent/gpu_monitor.h"
 #include "agent/gpu_power.h"
 #include "agent/router_policy.h"
 #include "common/clock.h"
@@ -88,6 +89,29 @@ TEST(GpuHealthTest, XidClassesAndThrottling) {
   h = EvaluateGpuHealth(xid);
   EXPECT_FALSE(h.healthy);
   EXPECT_NE(h.reasons[1].find("fallen off the bus"), std::string::npos);
+}
+
+TEST(GpuMonitorTest, XidsAndNewEccErrorsMakeAGpuUnhealthy) {
+  FakeGpuDriver driver(FakeGpuDriver::MakeGpus(3, 16LL << 30));
+  GpuTelemetry t = *driver.Read(2);
+  t.ecc_uncorrected = 4;  // present before the agent started: the baseline
+  driver.SetTelemetry(2, t);
+  GpuMonitor m(&driver, {0, 1, 2});
+  m.Poll();
+  EXPECT_TRUE(m.Healthy(0) && m.Healthy(1) && m.Healthy(2));
+  driver.InjectXid(1, 13);  // the application's fault: degraded, still takes replicas
+  driver.InjectXid(0, 79);
+  m.Poll();
+  EXPECT_FALSE(m.Healthy(0));
+  EXPECT_TRUE(m.Healthy(1));
+  EXPECT_TRUE(m.health().at(1).degraded);
+  m.Poll();
+  EXPECT_FALSE(m.Healthy(0));  // stays unhealthy: it needs a reset
+  t.ecc_uncorrected = 5;
+  driver.SetTelemetry(2, t);
+  m.Poll();
+  EXPECT_FALSE(m.Healthy(2));
+  EXPECT_NE(m.health().at(2).reasons[0].find("1 new uncorrectable"), std::string::npos);
 }
 
 PoolReplica R(const std::string& id, const std::string& key, PoolState s, int64_t used_s = 0,

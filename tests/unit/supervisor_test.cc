@@ -226,6 +226,35 @@ TEST_F(SupervisorTest, ARestartedSupervisorAdoptsLiveReplicasAndDrainsOrphans) {
   EXPECT_TRUE(fs::exists(dir_ / "replicas.json"));
 }
 
+TEST_F(SupervisorTest, AnUnhealthyGpuIsDrainedAndTakesNoReplicasUntilHealthy) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  pid_t a = View("a")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1");
+  runtimes_.Set(Socket("b"), v1::SERVING, "enc", "1");
+  sup_->Tick();
+  sup_->SetGpuHealth(0, false, "Xid 79: GPU has fallen off the bus");
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGTERM}}));
+  EXPECT_EQ(View("a")->phase, "STOPPING");
+  launcher_.ExitCode(a, 0);
+  sup_->Tick();
+  clock_.Advance(absl::Minutes(5));
+  sup_->Tick();
+  EXPECT_EQ(View("a")->phase, "FAILED");  // not restarted, still assigned and reported
+  EXPECT_NE(View("a")->last_error.find("fallen off the bus"), std::string::npos);
+  EXPECT_EQ(View("b")->phase, "RUNNING");  // the other GPU is untouched
+  // A new replica for the sick GPU waits too.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING),
+                                      Spec("c", 0, 1, v1::WARM)}, 2)).ok());
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), 2u);
+  EXPECT_EQ(View("c")->phase, "FAILED");
+  sup_->SetGpuHealth(0, true, "");
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), 4u);  // a and c start again
+  EXPECT_EQ(View("a")->restarts, 0);           // a drain is not a crash
+}
+
 TEST_F(SupervisorTest, RecoveryIgnoresGarbageAndUnansweringReplicas) {
   fs::create_directories(dir_);
   { std::ofstream(dir_ / "replicas.json") << "{not json"; }
