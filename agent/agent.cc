@@ -130,6 +130,7 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   }
   launcher_ = std::make_unique<RealProcessLauncher>();
   clients_ = std::make_unique<GrpcRuntimeClientFactory>(absl::Seconds(2));
+  prober_ = MakeGrpcInferenceProber(absl::Seconds(2));
   SupervisorOptions so;
   so.runtime_binary = options_.runtime_binary;
   so.state_dir = options_.state_dir;
@@ -142,7 +143,8 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   policy.park_warm_replicas = !t.fake_gpus && mode != PowerMode::kOff;
   so.park_warm_replicas = policy.park_warm_replicas;
   supervisor_ = std::make_unique<Supervisor>(so, topology_, launcher_.get(), clients_.get(), clock_,
-                                             [](const std::string& s) { Log()->info("{}", s); });
+                                             [](const std::string& s) { Log()->info("{}", s); },
+                                             prober_.get());
   // The default policy: persistence on; a GPU holding only WARM replicas (or none) is capped at
   // its minimum power limit; a serving GPU runs at its default limit.
   policy.idle.persistence = true;
@@ -332,6 +334,8 @@ std::string Agent::ReplicasJson() const {
                                {"http_port", v.http_port},
                                {"restarts", v.restarts},
                                {"crash_loop", v.crash_loop},
+                               {"healthy", v.healthy},
+                               {"health_reason", v.health_reason},
                                {"adopted", v.adopted},
                                {"cpus", v.cpus},
                                {"last_error", v.last_error}});
@@ -364,6 +368,10 @@ std::string Agent::MetricsText() const {
   m << "# HELP kiln_replica_restarts_total Restarts after the replica exited on its own.\n"
     << "# TYPE kiln_replica_restarts_total counter\n";
   for (const auto& v : *snapshot) m << "kiln_replica_restarts_total{" << labels(v) << "} " << v.restarts << "\n";
+  m << "# HELP kiln_replica_healthy 1 when the replica answers its probes (only healthy "
+       "replicas are routed to).\n"
+    << "# TYPE kiln_replica_healthy gauge\n";
+  for (const auto& v : *snapshot) m << "kiln_replica_healthy{" << labels(v) << "} " << (v.healthy ? 1 : 0) << "\n";
   m << "# HELP kiln_replica_crash_loop 1 while the replica is in a crash loop.\n"
     << "# TYPE kiln_replica_crash_loop gauge\n";
   for (const auto& v : *snapshot) m << "kiln_replica_crash_loop{" << labels(v) << "} " << (v.crash_loop ? 1 : 0) << "\n";

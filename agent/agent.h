@@ -75,6 +75,7 @@ class Agent {
   std::unique_ptr<GpuDriver> gpus_;
   std::unique_ptr<ProcessLauncher> launcher_;
   std::unique_ptr<RuntimeClientFactory> clients_;
+  std::unique_ptr<InferenceProber> prober_;
   std::unique_ptr<Supervisor> supervisor_;
   std::unique_ptr<GpuPowerManager> power_;
   std::unique_ptr<GpuMonitor> monitor_;  // loop thread only

@@ -37,7 +37,7 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
     t.routes[route.model] = std::move(route);
   }
   for (const auto& v : replicas) {
-    if (v.state != v1::SERVING || v.phase != "RUNNING" || v.grpc_port == 0) continue;
+    if (v.state != v1::SERVING || !v.healthy || v.grpc_port == 0) continue;
     RouterTable::Route& route = t.routes[v.spec.model()];
     route.model = v.spec.model();
     route.endpoints.push_back({v.spec.replica_id(), v.spec.version(),

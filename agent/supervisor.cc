@@ -42,13 +42,15 @@ std::string ReadFileOr(const std::string& path) {
 }  // namespace
 
 Supervisor::Supervisor(SupervisorOptions options, Topology topology, ProcessLauncher* launcher,
-                       RuntimeClientFactory* clients, Clock* clock, Log log)
+                       RuntimeClientFactory* clients, Clock* clock, Log log,
+                       InferenceProber* prober)
     : options_(std::move(options)),
       topology_(std::move(topology)),
       launcher_(launcher),
       clients_(clients),
       clock_(clock),
-      log_(std::move(log)) {
+      log_(std::move(log)),
+      prober_(prober) {
   reserved_ = AgentReservedCpus(topology_, options_.reserved_cpus);
   std::error_code ec;
   fs::create_directories(options_.state_dir + "/sockets", ec);
@@ -175,6 +177,10 @@ absl::Status Supervisor::Launch(Replica& r) {
   r.pid = *pid;
   r.phase = Phase::kStarting;
   r.observed = v1::LOADING;
+  r.control_ok = false;
+  r.probe = absl::OkStatus();
+  r.last_probe = absl::InfinitePast();
+  r.last_answer = clock_->Now();
   r.client = clients_->Connect(r.socket);
   OnStart(r.crashes, clock_->Now());
   log_("replica " + s.replica_id() + ": started pid " + std::to_string(r.pid) + " (" + s.model() +
@@ -268,10 +274,26 @@ void Supervisor::HandleExit(const ProcessExit& e) {
 void Supervisor::Observe(Replica& r) {
   if (!r.client) return;
   auto st = r.client->GetState();
+  absl::Time now = clock_->Now();
   if (!st.ok()) {
-    if (r.phase == Phase::kRunning) r.last_error = "control socket: " + std::string(st.status().message());
+    if (r.phase == Phase::kRunning) {
+      if (r.control_ok) {
+        log_("replica " + r.spec.replica_id() + ": control socket not answering (" +
+             std::string(st.status().message()) + "); out of routing");
+      }
+      r.control_ok = false;
+      r.last_error = "control socket: " + std::string(st.status().message());
+      if (now - r.last_answer >= options_.probe_timeout && r.pid > 0) {
+        log_("replica " + r.spec.replica_id() + ": no answer for " +
+             absl::FormatDuration(now - r.last_answer) + "; killing pid " + std::to_string(r.pid));
+        (void)launcher_->Signal(r.pid, SIGKILL);  // the exit restarts it
+        r.last_answer = now;
+      }
+    }
     return;
   }
+  r.control_ok = true;
+  r.last_answer = now;
   r.observed = st->state();
   r.grpc_port = st->grpc_port();
   r.http_port = st->http_port();
@@ -282,6 +304,20 @@ void Supervisor::Observe(Replica& r) {
          " after " + std::to_string(st->load_time_micros() / 1000) + " ms");
   }
   if (r.phase != Phase::kRunning || r.removing) return;
+  if (prober_ && r.observed == v1::SERVING && r.grpc_port > 0 &&
+      options_.inference_probe_interval > absl::ZeroDuration() &&
+      now - r.last_probe >= options_.inference_probe_interval) {
+    r.last_probe = now;
+    absl::Status was = r.probe;
+    r.probe = prober_->Probe(options_.bind_address + ":" + std::to_string(r.grpc_port),
+                             r.spec.model());
+    if (!r.probe.ok() && was.ok()) {
+      log_("replica " + r.spec.replica_id() + ": inference probe failed (" +
+           std::string(r.probe.message()) + "); out of routing");
+    } else if (r.probe.ok() && !was.ok()) {
+      log_("replica " + r.spec.replica_id() + ": inference probe passes again");
+    }
+  }
   if (r.spec.state() == v1::SERVING && r.observed == v1::WARM) {
     auto p = r.client->Promote();
     if (p.ok()) {
@@ -430,6 +466,8 @@ absl::Status Supervisor::Recover() {
     r.http_port = st->http_port();
     r.restarts = e.value("restarts", 0);
     r.adopted = true;
+    r.control_ok = true;
+    r.last_answer = clock_->Now();
     OnStart(r.crashes, clock_->Now());
     log_("replica " + spec.replica_id() + ": adopted pid " + std::to_string(pid) + " (" +
          v1::LifecycleState_Name(r.observed) + ")");
@@ -459,6 +497,12 @@ void Supervisor::Publish() {
     v.crash_loop = r.crash_loop;
     v.adopted = r.adopted;
     v.last_error = r.last_error;
+    v.healthy = r.phase == Phase::kRunning && r.control_ok && r.probe.ok();
+    if (!r.control_ok) {
+      v.health_reason = "control socket not answering";
+    } else if (!r.probe.ok()) {
+      v.health_reason = "inference probe: " + std::string(r.probe.message());
+    }
     v.cpus = FormatCpuList(r.cpus.cpus);
     v.socket = r.socket;
     v.device = Device(r.spec);

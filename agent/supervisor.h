@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/cpu_allocator.h"
+#include "agent/inference_prober.h"
 #include "agent/process_launcher.h"
 #include "agent/runtime_client.h"
 #include "agent/topology.h"
@@ -37,6 +38,11 @@ struct SupervisorOptions {
   // WARM replicas on a real GPU get CUDA_DISABLE_PERF_BOOST=1.
   bool park_warm_replicas = false;
   std::string runtime_log_level = "info";
+  // A running replica whose control socket does not answer for this long is killed (and
+  // restarted); it leaves routing at the first unanswered probe.
+  absl::Duration probe_timeout = absl::Seconds(10);
+  // A tiny real inference per SERVING replica this often; 0 = off.
+  absl::Duration inference_probe_interval = absl::Seconds(10);
 };
 
 // What the agent reports and routes by, for one replica.
@@ -50,6 +56,10 @@ struct ReplicaView {
   int restarts = 0;
   bool crash_loop = false;
   bool adopted = false;
+  // Answers its control socket and (when SERVING) the inference probe: only healthy
+  // replicas are routed to.
+  bool healthy = false;
+  std::string health_reason;
   std::string last_error;
   std::string cpus;
   std::string socket;
@@ -66,7 +76,8 @@ class Supervisor {
  public:
   using Log = std::function<void(const std::string&)>;
   Supervisor(SupervisorOptions options, Topology topology, ProcessLauncher* launcher,
-             RuntimeClientFactory* clients, Clock* clock, Log log);
+             RuntimeClientFactory* clients, Clock* clock, Log log,
+             InferenceProber* prober = nullptr);
 
   // Reads the state file and adopts the replicas still running and answering.
   absl::Status Recover();
@@ -105,6 +116,10 @@ class Supervisor {
     bool removing = false;
     bool adopted = false;
     bool held = false;  // stopped because its GPU is unhealthy
+    absl::Time last_answer;
+    bool control_ok = false;
+    absl::Time last_probe = absl::InfinitePast();
+    absl::Status probe = absl::OkStatus();
     std::string last_error;
   };
 
@@ -123,6 +138,7 @@ class Supervisor {
   RuntimeClientFactory* clients_;
   Clock* clock_;
   Log log_;
+  InferenceProber* prober_;
   std::vector<int> reserved_;
   std::map<std::string, Replica> replicas_;  // by replica id
   std::map<int, std::string> unhealthy_gpus_;  // gpu -> reason

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "agent/fake_runtime_client.h"
+#include "agent/router.h"
 #include "gtest/gtest.h"
 
 namespace kiln {
@@ -59,7 +60,8 @@ class SupervisorTest : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
   std::unique_ptr<Supervisor> MakeSupervisor() {
     return std::make_unique<Supervisor>(options_, TwoNodeTopology(), &launcher_, &runtimes_,
-                                        &clock_, [this](const std::string& s) { log_.push_back(s); });
+                                        &clock_, [this](const std::string& s) { log_.push_back(s); },
+                                        &prober_);
   }
   std::string Socket(const std::string& id) { return dir_.string() + "/sockets/" + id + ".sock"; }
   const ReplicaView* View(const std::string& id) {
@@ -87,6 +89,7 @@ class SupervisorTest : public ::testing::Test {
   SimulatedClock clock_;
   FakeProcessLauncher launcher_;
   FakeRuntimeClientFactory runtimes_;
+  FakeInferenceProber prober_;
   std::vector<std::string> log_;
   std::unique_ptr<Supervisor> sup_;
   std::shared_ptr<const std::vector<ReplicaView>> snapshot_;
@@ -253,6 +256,36 @@ TEST_F(SupervisorTest, AnUnhealthyGpuIsDrainedAndTakesNoReplicasUntilHealthy) {
   sup_->Tick();
   EXPECT_EQ(launcher_.launches().size(), 4u);  // a and c start again
   EXPECT_EQ(View("a")->restarts, 0);           // a drain is not a crash
+}
+
+TEST_F(SupervisorTest, ProbeFailuresTakeAReplicaOutOfRoutingAndSilenceGetsItKilled) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6001);
+  sup_->Tick();
+  EXPECT_TRUE(View("a")->healthy);
+  EXPECT_EQ(prober_.probes("127.0.0.1:6001"), 1);
+  // The model stops answering inference: out of routing, the process is left alone.
+  prober_.Set("127.0.0.1:6001", absl::InternalError("model execution failed"));
+  clock_.Advance(absl::Seconds(10));
+  sup_->Tick();
+  EXPECT_FALSE(View("a")->healthy);
+  EXPECT_NE(View("a")->health_reason.find("model execution failed"), std::string::npos);
+  EXPECT_TRUE(BuildRouterTable({}, *sup_->Snapshot()).routes["enc"].endpoints.empty());
+  prober_.Set("127.0.0.1:6001", absl::OkStatus());
+  clock_.Advance(absl::Seconds(10));
+  sup_->Tick();
+  EXPECT_TRUE(View("a")->healthy);
+  EXPECT_EQ(BuildRouterTable({}, *sup_->Snapshot()).routes["enc"].endpoints.size(), 1u);
+  // The control socket goes silent: out of routing at once, killed after the probe timeout.
+  pid_t pid = View("a")->pid;
+  runtimes_.SetReachable(Socket("a"), false);
+  sup_->Tick();
+  EXPECT_FALSE(View("a")->healthy);
+  EXPECT_TRUE(launcher_.signals().empty());
+  clock_.Advance(absl::Seconds(10));
+  sup_->Tick();
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{pid, SIGKILL}}));
 }
 
 TEST_F(SupervisorTest, RecoveryIgnoresGarbageAndUnansweringReplicas) {

@@ -1,0 +1,75 @@
+#include "agent/inference_prober.h"
+
+#include <grpcpp/create_channel.h>
+
+#include "common/grpc_status.h"
+#include "inference/grpc_service.grpc.pb.h"
+
+namespace kiln {
+
+namespace {
+
+size_t ElementSize(const std::string& dt) {
+  if (dt == "BOOL" || dt == "INT8" || dt == "UINT8") return 1;
+  if (dt == "INT16" || dt == "UINT16" || dt == "FP16" || dt == "BF16") return 2;
+  if (dt == "INT32" || dt == "UINT32" || dt == "FP32") return 4;
+  return 8;
+}
+
+class GrpcInferenceProber : public InferenceProber {
+ public:
+  explicit GrpcInferenceProber(absl::Duration timeout) : timeout_(timeout) {}
+
+  absl::Status Probe(const std::string& address, const std::string& model) override {
+    auto stub = inference::GRPCInferenceService::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    inference::ModelInferRequest req;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = requests_.find(address);
+      if (it != requests_.end()) req = it->second;
+    }
+    if (req.inputs_size() == 0) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+      inference::ModelMetadataRequest mreq;
+      mreq.set_name(model);
+      inference::ModelMetadataResponse meta;
+      grpc::Status s = stub->ModelMetadata(&ctx, mreq, &meta);
+      if (!s.ok()) return FromGrpcStatus(s);
+      req.set_model_name(model);
+      req.set_id("kiln-health-probe");
+      for (const auto& in : meta.inputs()) {
+        auto* t = req.add_inputs();
+        t->set_name(in.name());
+        t->set_datatype(in.datatype());
+        int64_t n = 1;
+        for (int64_t d : in.shape()) {
+          int64_t dim = d < 0 ? 1 : d;
+          t->add_shape(dim);
+          n *= dim;
+        }
+        req.add_raw_input_contents(std::string(static_cast<size_t>(n) * ElementSize(in.datatype()), '\0'));
+      }
+      absl::MutexLock lock(&mu_);
+      requests_[address] = req;
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+    inference::ModelInferResponse resp;
+    return FromGrpcStatus(stub->ModelInfer(&ctx, req, &resp));
+  }
+
+ private:
+  absl::Duration timeout_;
+  absl::Mutex mu_;
+  std::map<std::string, inference::ModelInferRequest> requests_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+std::unique_ptr<InferenceProber> MakeGrpcInferenceProber(absl::Duration timeout) {
+  return std::make_unique<GrpcInferenceProber>(timeout);
+}
+
+}  // namespace kiln
