@@ -10,6 +10,7 @@
 
 #include "agent/admin_server.h"
 #include "agent/assignment_file.h"
+#include "agent/controller_client.h"
 #include "agent/fake_gpu_driver.h"
 #include "agent/nvml_driver.h"
 #include "agent/router.h"
@@ -72,6 +73,10 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
   if (o.reserved_cpus < 0 || o.reserved_cpus > 64) {
     return absl::InvalidArgumentError("--reserved-cpus: must be in 0..64");
   }
+  if (!o.assignment_file.empty() && !o.controller.empty()) {
+    return absl::InvalidArgumentError(
+        "--controller: give either --assignment-file or --controller, not both");
+  }
   if (o.tick < absl::Milliseconds(10) || o.tick > absl::Seconds(10)) {
     return absl::InvalidArgumentError("--tick-ms: must be in 10..10000");
   }
@@ -113,6 +118,23 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options, Clock
     KILN_RETURN_IF_ERROR(Annotate(agent->supervisor_->Apply(file.assignment),
                                   agent->options_.assignment_file));
     agent->routing_ = file.routing;
+  }
+  if (!agent->options_.controller.empty()) {
+    // Static stability: the last assignment the controller sent, until it sends another.
+    v1::Assignment a;
+    std::ifstream in(agent->options_.state_dir + "/assignment.pb", std::ios::binary);
+    if (in && a.ParseFromIstream(&in) && ValidateAssignment(a).ok() &&
+        agent->supervisor_->Apply(a).ok()) {
+      agent->generation_ = a.generation();
+      Log()->info("serving the controller's last assignment (generation {}) until it reconnects",
+                  a.generation());
+    }
+    v1::RoutingTable t;
+    std::ifstream rin(agent->options_.state_dir + "/routing.pb", std::ios::binary);
+    if (rin && t.ParseFromIstream(&rin) && ValidateRoutingTable(t).ok()) {
+      agent->routing_ = t;
+      agent->routing_generation_ = t.generation();
+    }
   }
   return agent;
 }
@@ -187,7 +209,192 @@ absl::Status Agent::Start() {
               admin_->port());
   last_tick_unix_ms_ = absl::ToUnixMillis(absl::Now());
   loop_ = std::thread([this]() { Loop(); });
+  if (!options_.controller.empty()) {
+    ControllerClient::Hooks hooks;
+    hooks.make_register = [this]() { return MakeRegister(); };
+    hooks.make_status = [this]() { return MakeStatus(); };
+    hooks.apply_assignment = [this](const v1::Assignment& a) { return ApplyFromController(a); };
+    hooks.apply_routing = [this](const v1::RoutingTable& t) {
+      return ApplyRoutingFromController(t);
+    };
+    hooks.log = [](const std::string& s) { Log()->info("{}", s); };
+    controller_ = std::make_unique<ControllerClient>(options_.controller, hooks);
+    controller_->Start();
+  }
   return absl::OkStatus();
+}
+
+absl::Status Agent::RunOnLoop(std::function<absl::Status()> task) {
+  auto result = std::make_shared<std::pair<absl::Mutex, std::optional<absl::Status>>>();
+  {
+    absl::MutexLock lock(&tasks_mu_);
+    tasks_.push_back([task, result]() {
+      absl::Status s = task();
+      absl::MutexLock l(&result->first);
+      result->second = s;
+    });
+  }
+  absl::MutexLock l(&result->first);
+  auto has = [&]() { return result->second.has_value(); };
+  if (!result->first.AwaitWithTimeout(absl::Condition(&has), absl::Seconds(10))) {
+    return absl::DeadlineExceededError("the agent's loop did not take the change within 10 s");
+  }
+  return *result->second;
+}
+
+absl::Status Agent::Persist(const std::string& name, const google::protobuf::Message& m) {
+  std::string path = options_.state_dir + "/" + name;
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out || !m.SerializeToOstream(&out)) return absl::DataLossError(tmp + ": cannot write");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return absl::DataLossError(path + ": " + ec.message());
+  return absl::OkStatus();
+}
+
+absl::Status Agent::ApplyFromController(const v1::Assignment& a) {
+  KILN_RETURN_IF_ERROR(ValidateAssignment(a));
+  return RunOnLoop([this, a]() -> absl::Status {
+    if (a.generation() == generation_ && generation_ != 0) return absl::OkStatus();  // no-op
+    KILN_RETURN_IF_ERROR(supervisor_->Apply(a));
+    generation_ = a.generation();
+    ready_ = false;
+    absl::Status p = Persist("assignment.pb", a);
+    if (!p.ok()) Log()->error("{}", std::string(p.message()));
+    Log()->info("controller assignment generation {} applied: {} replica(s)", a.generation(),
+                a.replicas_size());
+    return absl::OkStatus();
+  });
+}
+
+absl::Status Agent::ApplyRoutingFromController(const v1::RoutingTable& t) {
+  KILN_RETURN_IF_ERROR(ValidateRoutingTable(t));
+  return RunOnLoop([this, t]() -> absl::Status {
+    routing_ = t;
+    routing_generation_ = t.generation();
+    absl::Status p = Persist("routing.pb", t);
+    if (!p.ok()) Log()->error("{}", std::string(p.message()));
+    return absl::OkStatus();
+  });
+}
+
+namespace {
+v1::ReplicaStatus ToStatus(const ReplicaView& v) {
+  v1::ReplicaStatus s;
+  s.set_replica_id(v.spec.replica_id());
+  s.set_model(v.spec.model());
+  s.set_version(v.spec.version());
+  s.set_device(v.device);
+  s.set_state(v.state);
+  s.set_healthy(v.healthy);
+  s.set_health_reason(v.health_reason.empty() ? v.last_error : v.health_reason);
+  s.set_pid(v.pid);
+  s.set_restarts(v.restarts);
+  s.set_crash_loop(v.crash_loop);
+  s.set_cpus(v.cpus);
+  s.set_gpu_memory_bytes(v.spec.gpu_memory_bytes());
+  return s;
+}
+}  // namespace
+
+v1::Register Agent::MakeRegister() {
+  v1::Register r;
+  r.set_node_name(options_.node_name);
+  r.set_agent_version("0.1.0");
+  for (const auto& n : topology_.numa_nodes) {
+    auto* m = r.add_numa_nodes();
+    m->set_id(n.id);
+    m->set_cpus(FormatCpuList(n.cpus));
+    m->set_memory_bytes(n.memory_bytes);
+  }
+  r.set_allowed_cpus(FormatCpuList(topology_.allowed_cpus));
+  r.set_cpu_capacity(static_cast<int32_t>(topology_.allowed_cpus.size()) -
+                     std::min<int32_t>(options_.reserved_cpus,
+                                       static_cast<int32_t>(topology_.allowed_cpus.size())));
+  for (const auto& g : topology_.gpus) {
+    auto* gi = r.add_gpus();
+    gi->set_index(g.identity.index);
+    gi->set_uuid(g.identity.uuid);
+    gi->set_name(g.identity.name);
+    gi->set_pci_bus_id(g.pci_bus_id);
+    gi->set_numa_node(g.numa_node);
+    gi->set_local_cpus(FormatCpuList(g.local_cpus));
+    gi->set_memory_bytes(g.identity.memory_total_bytes);
+    gi->set_power_limit_min_mw(g.identity.power_limit_min_mw);
+    gi->set_power_limit_max_mw(g.identity.power_limit_max_mw);
+    gi->set_fake(topology_.fake_gpus);
+  }
+  for (const auto& v : *supervisor_->Snapshot()) *r.add_replicas() = ToStatus(v);
+  std::string host = options_.ingress_bind == "0.0.0.0" ? options_.node_name : options_.ingress_bind;
+  r.set_ingress_grpc_address(host + ":" + std::to_string(ingress_grpc_port()));
+  r.set_ingress_http_address(host + ":" + std::to_string(ingress_http_port()));
+  return r;
+}
+
+v1::NodeStatus Agent::MakeStatus() {
+  v1::NodeStatus st;
+  absl::Time now = absl::Now();
+  for (const auto& v : *supervisor_->Snapshot()) {
+    v1::ReplicaStatus* r = st.add_replicas();
+    *r = ToStatus(v);
+    if (v.pid <= 0 || v.socket.empty()) continue;
+    absl::MutexLock lock(&load_mu_);
+    auto& client = stat_clients_[v.socket];
+    if (!client) client = clients_->Connect(v.socket);
+    auto stats = client->Stats();
+    if (!stats.ok()) continue;
+    v1::ReplicaLoad* load = r->mutable_load();
+    load->set_in_flight(stats->in_flight());
+    load->set_queue_depth(stats->queue_depth());
+    load->set_latency_p50_micros(stats->latency_p50_micros());
+    load->set_latency_p99_micros(stats->latency_p99_micros());
+    load->set_requests(stats->requests());
+    load->set_errors(stats->errors());
+    if (stats->batches() > 0) {
+      load->set_mean_batch_size(stats->batch_size().sum() / static_cast<double>(stats->batches()));
+    }
+    auto prev = last_stats_.find(v.socket);
+    if (prev != last_stats_.end() && stats->requests() >= prev->second.second.requests()) {
+      double secs = absl::ToDoubleSeconds(now - prev->second.first);
+      uint64_t dr = stats->requests() - prev->second.second.requests();
+      uint64_t de = stats->errors() - std::min(stats->errors(), prev->second.second.errors());
+      if (secs > 0) load->set_qps(dr / secs);
+      if (dr > 0) load->set_error_rate(static_cast<double>(de) / dr);
+    }
+    last_stats_[v.socket] = {now, *stats};
+  }
+  {
+    absl::MutexLock lock(&health_mu_);
+    for (const auto& g : topology_.gpus) {
+      v1::GpuStatus* gs = st.add_gpus();
+      gs->set_index(g.identity.index);
+      gs->set_uuid(g.identity.uuid);
+      auto h = gpu_health_.find(g.identity.index);
+      gs->set_healthy(h == gpu_health_.end() || h->second.healthy);
+      if (h != gpu_health_.end()) {
+        gs->set_degraded(h->second.degraded);
+        for (const auto& reason : h->second.reasons) gs->add_reasons(reason);
+      }
+      if (gpus_) {
+        auto t = gpus_->Read(g.identity.index);
+        if (t.ok()) {
+          gs->set_utilization_pct(t->utilization_gpu_pct);
+          gs->set_memory_used_bytes(t->memory_used_bytes);
+          gs->set_memory_total_bytes(t->memory_total_bytes);
+          gs->set_power_draw_mw(t->power_draw_mw);
+          gs->set_power_limit_mw(t->power_limit_mw);
+          gs->set_temperature_c(t->temperature_c);
+          gs->set_sm_clock_mhz(t->sm_clock_mhz);
+        }
+      }
+    }
+  }
+  st.set_assignment_generation(supervisor_->applied_generation());
+  st.set_routing_generation(routing_generation_.load());
+  return st;
 }
 
 int Agent::admin_port() const { return admin_ ? admin_->port() : 0; }
@@ -256,6 +463,12 @@ void Agent::Loop() {
       if (stopping_) break;
     }
     if (reload_.exchange(false)) Reload();
+    std::vector<std::function<void()>> tasks;
+    {
+      absl::MutexLock lock(&tasks_mu_);
+      tasks.swap(tasks_);
+    }
+    for (auto& t : tasks) t();
     if (monitor_ && absl::Now() - last_gpu_poll_ >= absl::Seconds(1)) {
       last_gpu_poll_ = absl::Now();
       monitor_->Poll();
@@ -309,6 +522,7 @@ void Agent::Loop() {
 }
 
 void Agent::Stop() {
+  if (controller_) controller_->Stop();
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;

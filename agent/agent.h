@@ -1,6 +1,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -18,7 +19,8 @@ namespace kiln {
 
 struct AgentOptions {
   std::string node_name;
-  std::string assignment_file;  // empty = wait for a controller (later)
+  std::string assignment_file;  // run alone from this file...
+  std::string controller;       // ...or take assignments from this controller (host:port)
   std::string state_dir = "/var/lib/kiln/agent";
   std::string runtime_binary;
   std::string sysfs_root = "/sys";
@@ -66,6 +68,13 @@ class Agent {
  private:
   Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_ptr<GpuDriver> gpus);
   void Loop();
+  // Runs `task` on the loop thread and waits (bounded) for its result.
+  absl::Status RunOnLoop(std::function<absl::Status()> task);
+  absl::Status ApplyFromController(const v1::Assignment& a);
+  absl::Status ApplyRoutingFromController(const v1::RoutingTable& t);
+  v1::Register MakeRegister();
+  v1::NodeStatus MakeStatus();
+  absl::Status Persist(const std::string& name, const google::protobuf::Message& m);
   void Reload();
   void UpdatePower();
 
@@ -84,6 +93,15 @@ class Agent {
   std::map<int, GpuHealth> gpu_health_ ABSL_GUARDED_BY(health_mu_);
   std::unique_ptr<AdminServer> admin_;
   std::unique_ptr<Router> router_;
+  std::unique_ptr<class ControllerClient> controller_;
+  std::atomic<int64_t> routing_generation_{0};
+  // Tasks posted to the loop thread.
+  absl::Mutex tasks_mu_;
+  std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(tasks_mu_);
+  // For load figures between two Status messages (the controller client's thread).
+  absl::Mutex load_mu_;
+  std::map<std::string, std::pair<absl::Time, v1::RuntimeStats>> last_stats_ ABSL_GUARDED_BY(load_mu_);
+  std::map<std::string, std::unique_ptr<RuntimeClient>> stat_clients_ ABSL_GUARDED_BY(load_mu_);
   v1::RoutingTable routing_;  // loop thread only (set before the loop starts)
   std::map<int, GpuLoad> gpu_load_;  // loop thread only
   int64_t generation_ = 0;           // loop thread only

@@ -37,6 +37,8 @@ int main(int argc, char** argv) {
   app.add_option("--node-name", o.node_name, "This node's name")->capture_default_str();
   app.add_option("--assignment-file", o.assignment_file,
                  "Run this node alone from a YAML assignment (reloaded on SIGHUP)");
+  app.add_option("--controller", o.controller,
+                 "Take assignments from kiln-controller at HOST:PORT (kiln.v1.ControlPlane)");
   app.add_option("--state-dir", o.state_dir, "Replica state, sockets and logs")
       ->capture_default_str();
   app.add_option("--runtime-binary", o.runtime_binary, "kiln-runtime")->capture_default_str();

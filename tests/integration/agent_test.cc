@@ -17,10 +17,12 @@
 #include <sstream>
 
 #include <grpcpp/create_channel.h>
+#include <grpcpp/server_builder.h>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
+#include "kiln/v1/control_plane.grpc.pb.h"
 #include "nlohmann/json.hpp"
 
 namespace kiln {
@@ -60,9 +62,11 @@ class AgentTest : public ::testing::Test {
            ", gpu: " + std::to_string(gpu) + ", cpus: 1, state: " + state + "}\n";
   }
 
-  void StartAgent() {
+  void StartAgent(const std::string& controller = "") {
     log_ = dir_ + "/agent" + std::to_string(++agents_) + ".log";
-    std::vector<std::string> args = {KILN_AGENT_BIN,       "--assignment-file", dir_ + "/assign.yaml",
+    std::vector<std::string> args = {KILN_AGENT_BIN,
+                                     controller.empty() ? "--assignment-file" : "--controller",
+                                     controller.empty() ? dir_ + "/assign.yaml" : controller,
                                      "--state-dir",        dir_ + "/s",
                                      "--runtime-binary",   KILN_RUNTIME_BIN,
                                      "--admin-bind",       "127.0.0.1",
@@ -94,6 +98,7 @@ class AgentTest : public ::testing::Test {
       if (admin_port_ == 0) absl::SleepFor(absl::Milliseconds(10));
     }
     ASSERT_GT(admin_port_, 0) << ReadAll(log_);
+    router_grpc_ = router_http_ = 0;
     for (int i = 0; i < 3000 && router_grpc_ == 0; ++i) {
       std::string text = ReadAll(log_);
       size_t at = text.find("router listening grpc_port=");
@@ -365,6 +370,152 @@ TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {
   EXPECT_EQ(Find(j, "b1")["restarts"], 1);
 }
 
+// A controller that lives in the test: records what the agent says, sends what the test says.
+class FakeController final : public v1::ControlPlane::Service {
+ public:
+  grpc::Status Connect(grpc::ServerContext* ctx,
+                       grpc::ServerReaderWriter<v1::ControllerMessage, v1::AgentMessage>* stream)
+      override {
+    {
+      absl::MutexLock lock(&mu_);
+      stream_ = stream;
+      sessions_++;
+    }
+    v1::AgentMessage m;
+    while (stream->Read(&m)) {
+      absl::MutexLock lock(&mu_);
+      if (m.has_register_()) registers_.push_back(m.register_());
+      if (m.has_status()) statuses_.push_back(m.status());
+      if (m.has_ack()) acks_.push_back(m.ack());
+      if (m.has_nack()) nacks_.push_back(m.nack());
+    }
+    absl::MutexLock lock(&mu_);
+    stream_ = nullptr;
+    return grpc::Status::OK;
+  }
+  bool Send(const v1::ControllerMessage& m) {
+    absl::MutexLock lock(&mu_);
+    return stream_ != nullptr && stream_->Write(m);
+  }
+  template <typename F>
+  bool WaitFor(F pred, absl::Duration timeout = absl::Seconds(60)) {
+    absl::Time end = absl::Now() + timeout;
+    while (absl::Now() < end) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (pred(*this)) return true;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return false;
+  }
+  // Read under WaitFor's lock.
+  std::vector<v1::Register> registers_;
+  std::vector<v1::NodeStatus> statuses_;
+  std::vector<v1::Ack> acks_;
+  std::vector<v1::Nack> nacks_;
+  int sessions_ = 0;
+
+ private:
+  absl::Mutex mu_;
+  grpc::ServerReaderWriter<v1::ControllerMessage, v1::AgentMessage>* stream_ = nullptr;
+};
+
+std::unique_ptr<grpc::Server> ServeController(FakeController* c, int* port) {
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:" + std::to_string(*port), grpc::InsecureServerCredentials(), port);
+  b.RegisterService(c);
+  return b.BuildAndStart();
+}
+
+TEST_F(AgentTest, ControllerAssignsAgentAcksReportsAndServesThroughOutages) {
+  auto controller = std::make_unique<FakeController>();
+  int port = 0;
+  auto server = ServeController(controller.get(), &port);
+  ASSERT_GT(port, 0);
+  std::string address = "127.0.0.1:" + std::to_string(port);
+  StartAgent(address);
+  ASSERT_TRUE(controller->WaitFor([](FakeController& c) { return !c.registers_.empty(); }));
+  v1::ControllerMessage m;
+  auto* a = m.mutable_assignment();
+  a->set_generation(1);
+  auto* r = a->add_replicas();
+  r->set_replica_id("c0");
+  r->set_model("encoder");
+  r->set_version("2");
+  r->set_repository(kRepo);
+  r->set_gpu(-1);
+  r->set_cpus(1);
+  r->set_state(v1::SERVING);
+  ASSERT_TRUE(controller->Send(m));
+  v1::ControllerMessage rt;
+  rt.mutable_routing_table()->set_generation(7);
+  auto* route = rt.mutable_routing_table()->add_routes();
+  route->set_model("encoder");
+  auto* rv = route->add_versions();
+  rv->set_version("2");
+  rv->set_weight(1);
+  ASSERT_TRUE(controller->Send(rt));
+  ASSERT_TRUE(controller->WaitFor([](FakeController& c) {
+    int got = 0;
+    for (const auto& ack : c.acks_) {
+      if ((ack.kind() == v1::Ack::ASSIGNMENT && ack.generation() == 1) ||
+          (ack.kind() == v1::Ack::ROUTING_TABLE && ack.generation() == 7)) {
+        got++;
+      }
+    }
+    return got == 2;
+  }));
+  // Status every second: the replica SERVING, with its load, and the generations applied.
+  ASSERT_TRUE(controller->WaitFor([](FakeController& c) {
+    if (c.statuses_.empty()) return false;
+    const auto& s = c.statuses_.back();
+    return s.replicas_size() == 1 && s.replicas(0).state() == v1::SERVING &&
+           s.replicas(0).healthy() && s.assignment_generation() == 1 && s.routing_generation() == 7;
+  })) << ReadAll(log_);
+  EXPECT_TRUE(Infer(router_grpc_).ok());
+  {
+    ASSERT_TRUE(controller->WaitFor([](FakeController& c) {
+      return !c.statuses_.empty() && c.statuses_.back().replicas(0).load().requests() >= 1;
+    }));
+  }
+  // A bad assignment is Nack'd with the reason; the old one stays.
+  v1::ControllerMessage bad = m;
+  bad.mutable_assignment()->set_generation(2);
+  bad.mutable_assignment()->mutable_replicas(0)->set_version("two");
+  ASSERT_TRUE(controller->Send(bad));
+  ASSERT_TRUE(controller->WaitFor([](FakeController& c) {
+    return !c.nacks_.empty() && c.nacks_.back().generation() == 2 &&
+           c.nacks_.back().reason().find("replicas[0].version") != std::string::npos;
+  }));
+  // The controller goes away: the node keeps serving what it had.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+  server.reset();
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_TRUE(Infer(router_grpc_).ok());
+  EXPECT_TRUE(Ready());
+  // It comes back on the same port: the agent reconnects and re-registers with its replicas.
+  controller = std::make_unique<FakeController>();
+  server = ServeController(controller.get(), &port);
+  ASSERT_TRUE(server != nullptr);
+  ASSERT_TRUE(controller->WaitFor([](FakeController& c) {
+    return !c.registers_.empty() && c.registers_.back().replicas_size() == 1;
+  })) << ReadAll(log_);
+  EXPECT_EQ(controller->registers_.back().replicas(0).replica_id(), "c0");
+  // The agent restarts while the controller is gone: it serves the last assignment it was
+  // given (persisted), with its replica adopted.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+  server.reset();
+  int pid = Find(Replicas(), "c0")["pid"];
+  StopAgent(SIGTERM);
+  StartAgent(address);
+  json j = WaitFor([&](const json& j) { return Find(j, "c0")["adopted"] == true; }, "adoption");
+  EXPECT_EQ(Find(j, "c0")["pid"], pid);
+  for (int i = 0; i < 200 && !Ready(); ++i) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_TRUE(Ready());
+  EXPECT_TRUE(Infer(router_grpc_).ok());
+}
+
 TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
   struct Case {
     std::vector<std::string> args;
@@ -381,6 +532,7 @@ TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
       {{"--assignment-file", dir + "/missing.yaml"}, "missing.yaml"},
       {{"--assignment-file", dir + "/bad.yaml"}, "replicas[0].state"},
       {{"--sysfs-root", "/nonexistent"}, "--sysfs-root"},
+      {{"--assignment-file", dir + "/bad.yaml", "--controller", "127.0.0.1:1"}, "--controller"},
   };
   for (const auto& c : cases) {
     std::string cmd = std::string(KILN_AGENT_BIN) + " --runtime-binary " + KILN_RUNTIME_BIN +

@@ -1,0 +1,141 @@
+#include "agent/controller_client.h"
+
+#include <grpcpp/create_channel.h>
+
+namespace kiln {
+
+ControllerClient::ControllerClient(std::string address, Hooks hooks, absl::Duration status_period)
+    : address_(std::move(address)), hooks_(std::move(hooks)), status_period_(status_period) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  args.SetMaxReceiveMessageSize(64 << 20);
+  stub_ = v1::ControlPlane::NewStub(
+      grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args));
+}
+
+ControllerClient::~ControllerClient() { Stop(); }
+
+void ControllerClient::Start() { thread_ = std::thread([this]() { Run(); }); }
+
+void ControllerClient::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    if (ctx_) ctx_->TryCancel();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+bool ControllerClient::connected() const {
+  absl::MutexLock lock(&mu_);
+  return connected_;
+}
+
+uint64_t ControllerClient::connects() const {
+  absl::MutexLock lock(&mu_);
+  return connects_;
+}
+
+void ControllerClient::Run() {
+  absl::Duration backoff = absl::Seconds(1);
+  for (;;) {
+    absl::Time started = absl::Now();
+    if (!Session()) return;
+    if (absl::Now() - started > absl::Seconds(30)) backoff = absl::Seconds(1);  // was healthy
+    hooks_.log("controller " + address_ + ": disconnected; retrying in " +
+               absl::FormatDuration(backoff) + " (serving the last assignment meanwhile)");
+    absl::MutexLock lock(&mu_);
+    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+    if (mu_.AwaitWithTimeout(absl::Condition(&stop), backoff)) return;
+    backoff = std::min(backoff * 2, absl::Seconds(30));
+  }
+}
+
+bool ControllerClient::Session() {
+  grpc::ClientContext ctx;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return false;
+    ctx_ = &ctx;
+  }
+  auto stream = stub_->Connect(&ctx);
+  v1::AgentMessage reg;
+  *reg.mutable_register_() = hooks_.make_register();
+  bool ok;
+  {
+    absl::MutexLock lock(&write_mu_);
+    ok = stream->Write(reg);
+  }
+  bool done = false;
+  std::thread status;
+  if (ok) {
+    {
+      absl::MutexLock lock(&mu_);
+      connected_ = true;
+      connects_++;
+    }
+    hooks_.log("controller " + address_ + ": connected and registered");
+    status = std::thread([&]() { StatusLoop(stream.get(), &done); });
+    v1::ControllerMessage msg;
+    while (stream->Read(&msg)) {
+      v1::AgentMessage reply;
+      if (msg.has_assignment()) {
+        absl::Status s = hooks_.apply_assignment(msg.assignment());
+        if (s.ok()) {
+          reply.mutable_ack()->set_generation(msg.assignment().generation());
+          reply.mutable_ack()->set_kind(v1::Ack::ASSIGNMENT);
+        } else {
+          reply.mutable_nack()->set_generation(msg.assignment().generation());
+          reply.mutable_nack()->set_kind(v1::Ack::ASSIGNMENT);
+          reply.mutable_nack()->set_reason(std::string(s.message()));
+        }
+      } else if (msg.has_routing_table()) {
+        absl::Status s = hooks_.apply_routing(msg.routing_table());
+        if (s.ok()) {
+          reply.mutable_ack()->set_generation(msg.routing_table().generation());
+          reply.mutable_ack()->set_kind(v1::Ack::ROUTING_TABLE);
+        } else {
+          reply.mutable_nack()->set_generation(msg.routing_table().generation());
+          reply.mutable_nack()->set_kind(v1::Ack::ROUTING_TABLE);
+          reply.mutable_nack()->set_reason(std::string(s.message()));
+        }
+      } else {
+        continue;  // a message this agent does not know: ignore it (forward compatible)
+      }
+      absl::MutexLock lock(&write_mu_);
+      if (!stream->Write(reply)) break;
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    connected_ = false;
+    done = true;
+  }
+  ctx.TryCancel();
+  if (status.joinable()) status.join();
+  grpc::Status s = stream->Finish();
+  {
+    absl::MutexLock lock(&mu_);
+    ctx_ = nullptr;
+    return !stopping_;
+  }
+}
+
+void ControllerClient::StatusLoop(
+    grpc::ClientReaderWriter<v1::AgentMessage, v1::ControllerMessage>* stream, bool* done) {
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(done), status_period_)) return;
+    }
+    v1::AgentMessage m;
+    *m.mutable_status() = hooks_.make_status();
+    absl::MutexLock lock(&write_mu_);
+    if (!stream->Write(m)) return;
+  }
+}
+
+}  // namespace kiln
