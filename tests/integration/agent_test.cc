@@ -357,7 +357,8 @@ TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {
       }
     });
   }
-  absl::SleepFor(absl::Milliseconds(300));
+  // Bounded poll until the load is flowing, then kill a replica under it.
+  for (int i = 0; i < 1000 && ok.load() < 20; ++i) absl::SleepFor(absl::Milliseconds(5));
   kill(victim, SIGKILL);
   j = WaitFor([&](const json& j) {
     auto r = Find(j, "b1");
@@ -491,7 +492,11 @@ TEST_F(AgentTest, ControllerAssignsAgentAcksReportsAndServesThroughOutages) {
   // The controller goes away: the node keeps serving what it had.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
   server.reset();
-  absl::SleepFor(absl::Milliseconds(300));
+  // Bounded poll until the agent has noticed.
+  for (int i = 0; i < 1000 && ReadAll(log_).find("disconnected; retrying") == std::string::npos; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_NE(ReadAll(log_).find("serving the last assignment meanwhile"), std::string::npos);
   EXPECT_TRUE(Infer(router_grpc_).ok());
   EXPECT_TRUE(Ready());
   // It comes back on the same port: the agent reconnects and re-registers with its replicas.
