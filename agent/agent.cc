@@ -1,7 +1,9 @@
 #include "agent/agent.h"
 
 #include <sched.h>
+#include <sys/stat.h>
 #include <systemd/sd-daemon.h>
+#include <systemd/sd-journal.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -35,6 +37,17 @@ std::string Escape(const std::string& v) {
     out += c;
   }
   return out;
+}
+
+// True when stderr is connected to the journal (systemd sets JOURNAL_STREAM to its
+// device:inode): replica events then go to journald with structured fields.
+bool StderrIsJournal() {
+  const char* js = getenv("JOURNAL_STREAM");
+  if (js == nullptr) return false;
+  struct stat st;
+  if (fstat(2, &st) != 0) return false;
+  std::string want = std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
+  return want == js;
 }
 
 std::vector<int> ProcessAffinity() {
@@ -164,9 +177,29 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   PowerPolicy policy;
   policy.park_warm_replicas = !t.fake_gpus && mode != PowerMode::kOff;
   so.park_warm_replicas = policy.park_warm_replicas;
+  const bool journal = StderrIsJournal();
+  auto log = [this, journal](const std::string& s) {
+    // "replica ID: ..." lines carry MODEL, VERSION, REPLICA and GPU_UUID fields in journald.
+    if (journal && s.rfind("replica ", 0) == 0 && s.find(':') != std::string::npos && supervisor_) {
+      std::string id = s.substr(8, s.find(':') - 8);
+      for (const auto& v : *supervisor_->Snapshot()) {
+        if (v.spec.replica_id() != id) continue;
+        std::string gpu = v.spec.gpu() >= 0 && v.spec.gpu() < static_cast<int>(topology_.gpus.size())
+                              ? topology_.gpus[v.spec.gpu()].identity.uuid
+                              : "";
+        if (sd_journal_send("MESSAGE=%s", s.c_str(), "PRIORITY=6", "SYSLOG_IDENTIFIER=kiln-agent",
+                            "REPLICA=%s", id.c_str(), "MODEL=%s", v.spec.model().c_str(),
+                            "VERSION=%s", v.spec.version().c_str(), "GPU_UUID=%s", gpu.c_str(),
+                            nullptr) >= 0) {
+          return;
+        }
+        break;  // the journal refused it: plain log below
+      }
+    }
+    Log()->info("{}", s);
+  };
   supervisor_ = std::make_unique<Supervisor>(so, topology_, launcher_.get(), clients_.get(), clock_,
-                                             [](const std::string& s) { Log()->info("{}", s); },
-                                             prober_.get());
+                                             log, prober_.get());
   // The default policy: persistence on; a GPU holding only WARM replicas (or none) is capped at
   // its minimum power limit; a serving GPU runs at its default limit.
   policy.idle.persistence = true;

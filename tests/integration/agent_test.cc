@@ -2,12 +2,16 @@
 // up, SIGHUP scales by promoting WARM replicas, a killed replica is restarted, a restarted
 // agent adopts the running replicas, a bad file keeps the old assignment.
 #include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cpprest/http_client.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <atomic>
@@ -62,7 +66,7 @@ class AgentTest : public ::testing::Test {
            ", gpu: " + std::to_string(gpu) + ", cpus: 1, state: " + state + "}\n";
   }
 
-  void StartAgent(const std::string& controller = "") {
+  void StartAgent(const std::string& controller = "", bool journal = false) {
     log_ = dir_ + "/agent" + std::to_string(++agents_) + ".log";
     std::vector<std::string> args = {KILN_AGENT_BIN,
                                      controller.empty() ? "--assignment-file" : "--controller",
@@ -86,6 +90,12 @@ class AgentTest : public ::testing::Test {
       int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 1);
       dup2(fd, 2);
+      if (journal) {  // as systemd does: stderr "is" the journal stream
+        struct stat st;
+        fstat(2, &st);
+        std::string js = std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
+        setenv("JOURNAL_STREAM", js.c_str(), 1);
+      }
       execv(argv[0], argv.data());
       _exit(127);
     }
@@ -519,6 +529,40 @@ TEST_F(AgentTest, ControllerAssignsAgentAcksReportsAndServesThroughOutages) {
   for (int i = 0; i < 200 && !Ready(); ++i) absl::SleepFor(absl::Milliseconds(20));
   EXPECT_TRUE(Ready());
   EXPECT_TRUE(Infer(router_grpc_).ok());
+}
+
+TEST_F(AgentTest, UnderSystemdReplicaEventsGoToTheJournalWithFields) {
+  // A stand-in journald: the datagram socket sd_journal_send writes to.
+  const std::string path = "/run/systemd/journal/socket";
+  if (fs::exists(path)) GTEST_SKIP() << "a real journald is running here";
+  fs::create_directories("/run/systemd/journal");
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  timeval tv{0, 200 * 1000};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  WriteAssignment("replicas:\n" + Replica("j0", "SERVING", 0));
+  StartAgent("", /*journal=*/true);
+  WaitFor([&](const json& j) { return Find(j, "j0")["state"] == "SERVING"; }, "SERVING");
+  std::string seen;
+  char buf[65536];
+  for (int i = 0; i < 100; ++i) {  // bounded: what has been sent is already queued
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    seen.append(buf, static_cast<size_t>(n));
+    if (seen.find("promoted to SERVING") != std::string::npos) break;
+  }
+  close(fd);
+  fs::remove(path);
+  EXPECT_NE(seen.find("REPLICA=j0\n"), std::string::npos) << seen;
+  EXPECT_NE(seen.find("MODEL=encoder\n"), std::string::npos) << seen;
+  EXPECT_NE(seen.find("VERSION=2\n"), std::string::npos) << seen;
+  EXPECT_NE(seen.find("GPU_UUID=GPU-fake"), std::string::npos) << seen;
+  EXPECT_NE(seen.find("SYSLOG_IDENTIFIER=kiln-agent"), std::string::npos) << seen;
+  // Not also written to stderr.
+  EXPECT_EQ(ReadAll(log_).find("replica j0: promoted to SERVING"), std::string::npos);
 }
 
 TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
