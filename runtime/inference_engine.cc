@@ -269,7 +269,7 @@ absl::StatusOr<InferResponse> InferenceEngine::InferSync(InferRequest request) {
   return future.get();
 }
 
-absl::Status InferenceEngine::Warmup() {
+absl::Status InferenceEngine::Warmup(bool once) {
   auto log = GetLogger("runtime.engine");
   for (const auto& w : config_.warmup) {
     std::vector<Tensor> inputs;
@@ -318,13 +318,14 @@ absl::Status InferenceEngine::Warmup() {
       }
       inputs.push_back(std::move(t));
     }
-    for (int64_t i = 0; i < w.iterations; ++i) {
+    for (int64_t i = 0; i < (once ? 1 : w.iterations); ++i) {
       absl::Time t0 = clock_->Now();
       auto out = backend_->Execute(inputs);
       if (!out.ok()) return Annotate(out.status(), "warmup '" + w.name + "'");
       log->debug("warmup '{}' iteration {}: {:.3f} ms", w.name, i,
                  absl::ToDoubleMilliseconds(clock_->Now() - t0));
     }
+    if (once) break;
   }
   return absl::OkStatus();
 }

@@ -68,8 +68,9 @@ class InferenceEngine {
   std::string device() const { return backend_->device(); }
   std::string backend_description() const { return backend_->Describe(); }
 
-  // Runs the config's warm-up samples straight on the backend.
-  absl::Status Warmup();
+  // Runs the config's warm-up samples straight on the backend; with `once`, only one
+  // iteration of the first sample (to wake a parked device before routing).
+  absl::Status Warmup(bool once = false);
 
   // Validates and queues `request`; `done` runs exactly once (maybe on this thread).
   void Infer(InferRequest request, Done done);

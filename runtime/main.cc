@@ -67,6 +67,11 @@ int main(int argc, char** argv) {
   app.add_option("--max-request-bytes", max_request, "Largest request payload (bytes, or 64Mi)")
       ->capture_default_str();
   app.add_option("--drain-timeout-ms", drain_ms, "Default drain deadline")->capture_default_str();
+  // Default on for a power-parked replica (the agent sets CUDA_DISABLE_PERF_BOOST=1).
+  const char* parked = getenv("CUDA_DISABLE_PERF_BOOST");
+  o.warmup_on_promote = parked != nullptr && std::string(parked) == "1";
+  app.add_flag("--warmup-on-promote,!--no-warmup-on-promote", o.warmup_on_promote,
+               "Run one warm-up inference before a promoted replica is routed");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
   try {
     app.parse(argc, argv);

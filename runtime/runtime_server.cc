@@ -240,6 +240,12 @@ absl::Status RuntimeServer::Promote() {
     return absl::FailedPreconditionError(std::string("cannot promote while ") +
                                          RuntimeStateName(s));
   }
+  if (options_.warmup_on_promote) {
+    absl::Time t0 = clock_->Now();
+    KILN_RETURN_IF_ERROR(Annotate(host_.engine()->Warmup(/*once=*/true), "promote"));
+    GetLogger("runtime.server")
+        ->info("warm-up on promote: {:.2f} ms", absl::ToDoubleMilliseconds(clock_->Now() - t0));
+  }
   return lifecycle_.Transition(RuntimeState::kServing, "promoted");
 }
 

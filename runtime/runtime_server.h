@@ -34,6 +34,9 @@ struct RuntimeOptions {
   int64_t max_request_bytes = 64LL * 1024 * 1024;
   absl::Duration drain_timeout = absl::Seconds(30);
   std::string server_version = "0.1.0";
+  // Run one warm-up inference before a promoted replica is routed: a power-parked device
+  // (CUDA_DISABLE_PERF_BOOST=1) pays its slow first kernel here, not on a client request.
+  bool warmup_on_promote = false;
 };
 
 // Checks flag values; errors name the flag.

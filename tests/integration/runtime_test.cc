@@ -459,6 +459,21 @@ TEST(RuntimeTest, WarmRefusesInferencePromoteServes) {
             grpc::StatusCode::UNAVAILABLE);
 }
 
+TEST(RuntimeTest, APowerParkedReplicaWarmsUpOnPromoteBeforeItServes) {
+  auto rt = StartRuntime("encoder", "", "warm", {"--warmup-on-promote"});
+  ASSERT_NE(rt, nullptr);
+  grpc::ClientContext ctx;
+  v1::RuntimeState promoted;
+  ASSERT_TRUE(rt->control()->Promote(&ctx, {}, &promoted).ok());
+  EXPECT_EQ(promoted.state(), v1::SERVING);
+  EXPECT_NE(rt->Log().find("warm-up on promote:"), std::string::npos) << rt->Log();
+  auto stub = Stub(*rt);
+  json c = References("2")[5];
+  inference::ModelInferResponse resp;
+  ASSERT_TRUE(Infer(stub.get(), GrpcEncoderRequest(c, true), &resp).ok());
+  EXPECT_LT(MaxDiff(GrpcFloats(resp), c["embedding"]), 1e-5);
+}
+
 TEST(RuntimeTest, DrainFinishesInFlightWorkAndRefusesNew) {
   auto rt = StartRuntime("slow");
   ASSERT_NE(rt, nullptr);
