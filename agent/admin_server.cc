@@ -67,20 +67,13 @@ class AdminServer::Impl {
 
 absl::StatusOr<std::unique_ptr<AdminServer>> AdminServer::Start(const std::string& bind, int port,
                                                                  Handlers handlers) {
-  const int attempts = port == 0 ? 5 : 1;
-  absl::Status last;
-  for (int i = 0; i < attempts; ++i) {
-    int p = port;
-    if (p == 0) {
-      auto picked = PickFreePort(bind);
-      if (!picked.ok()) return Annotate(picked.status(), "--admin-bind");
-      p = *picked;
-    }
-    auto impl = std::make_unique<Impl>("http://" + bind + ":" + std::to_string(p), handlers);
-    last = impl->Open();
-    if (last.ok()) return std::unique_ptr<AdminServer>(new AdminServer(std::move(impl), p));
-  }
-  return Annotate(last, "--admin-port");
+  std::unique_ptr<Impl> impl;
+  auto bound = OpenOnPort(bind, port, [&](int p) {
+    impl = std::make_unique<Impl>("http://" + bind + ":" + std::to_string(p), handlers);
+    return impl->Open();
+  });
+  if (!bound.ok()) return Annotate(bound.status(), "--admin-port/--admin-bind");
+  return std::unique_ptr<AdminServer>(new AdminServer(std::move(impl), *bound));
 }
 
 AdminServer::AdminServer(std::unique_ptr<Impl> impl, int port)

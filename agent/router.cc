@@ -315,27 +315,21 @@ class Router::Impl {
                                     std::to_string(o.grpc_port));
     }
     max_request_bytes_ = o.max_request_bytes;
-    absl::Status last;
-    for (int i = 0; i < (o.http_port == 0 ? 5 : 1); ++i) {
-      int port = o.http_port;
-      if (port == 0) {
-        auto picked = PickFreePort(o.bind_address);
-        if (!picked.ok()) return Annotate(picked.status(), "--bind-address");
-        port = *picked;
-      }
+    auto port = OpenOnPort(o.bind_address, o.http_port, [&](int p) -> absl::Status {
       auto l = std::make_unique<http::experimental::listener::http_listener>(
-          "http://" + o.bind_address + ":" + std::to_string(port));
+          "http://" + o.bind_address + ":" + std::to_string(p));
       l->support([this](http::http_request r) { Handle(std::move(r)); });
       try {
         l->open().wait();
-        listener_ = std::move(l);
-        http_port_ = port;
-        return absl::OkStatus();
       } catch (const std::exception& e) {
-        last = absl::UnavailableError(std::string("--http-port: cannot listen: ") + e.what());
+        return absl::UnavailableError(std::string("cannot listen: ") + e.what());
       }
-    }
-    return last;
+      listener_ = std::move(l);
+      return absl::OkStatus();
+    });
+    if (!port.ok()) return Annotate(port.status(), "--http-port/--ingress-bind");
+    http_port_ = *port;
+    return absl::OkStatus();
   }
 
   void Stop() {

@@ -30,4 +30,21 @@ absl::StatusOr<int> PickFreePort(const std::string& address) {
   return ntohs(addr.sin_port);
 }
 
+absl::StatusOr<int> OpenOnPort(const std::string& address, int port,
+                               const std::function<absl::Status(int port)>& open) {
+  const int attempts = port == 0 ? 5 : 1;
+  absl::Status last;
+  for (int i = 0; i < attempts; ++i) {
+    int p = port;
+    if (p == 0) {
+      auto picked = PickFreePort(address);
+      if (!picked.ok()) return picked.status();
+      p = *picked;
+    }
+    last = open(p);
+    if (last.ok()) return p;
+  }
+  return last;
+}
+
 }  // namespace kiln

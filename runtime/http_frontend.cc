@@ -282,21 +282,14 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(ModelHost* hos
     return absl::InvalidArgumentError("--http-port: must be in 0..65535, got " +
                                       std::to_string(options.port));
   }
-  const int attempts = options.port == 0 ? 5 : 1;
-  absl::Status last;
-  for (int i = 0; i < attempts; ++i) {
-    int port = options.port;
-    if (port == 0) {
-      auto picked = PickFreePort(options.bind_address);  // retried below if taken meanwhile
-      if (!picked.ok()) return Annotate(picked.status(), "--bind-address");
-      port = *picked;
-    }
-    std::string uri = "http://" + options.bind_address + ":" + std::to_string(port);
-    auto impl = std::make_unique<Impl>(host, options, uri);
-    last = impl->Open();
-    if (last.ok()) return std::unique_ptr<HttpFrontend>(new HttpFrontend(std::move(impl), port));
-  }
-  return Annotate(last, "--http-port");
+  std::unique_ptr<Impl> impl;
+  auto port = OpenOnPort(options.bind_address, options.port, [&](int p) {
+    impl = std::make_unique<Impl>(host, options,
+                                  "http://" + options.bind_address + ":" + std::to_string(p));
+    return impl->Open();
+  });
+  if (!port.ok()) return Annotate(port.status(), "--http-port/--bind-address");
+  return std::unique_ptr<HttpFrontend>(new HttpFrontend(std::move(impl), *port));
 }
 
 HttpFrontend::HttpFrontend(std::unique_ptr<Impl> impl, int port)
