@@ -590,7 +590,7 @@ std::string Agent::ReplicasJson() const {
   return out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-std::string Agent::MetricsText() const {
+std::string Agent::MetricsText() {
   std::ostringstream m;
   std::string node = "node=\"" + Escape(options_.node_name) + "\"";
   m << "# HELP kiln_agent_ready 1 when every assigned replica is in its assigned state.\n"
@@ -619,6 +619,34 @@ std::string Agent::MetricsText() const {
        "replicas are routed to).\n"
     << "# TYPE kiln_replica_healthy gauge\n";
   for (const auto& v : *snapshot) m << "kiln_replica_healthy{" << labels(v) << "} " << (v.healthy ? 1 : 0) << "\n";
+  // Load, read from each running replica's control socket at scrape time.
+  struct Load {
+    std::string labels;
+    v1::RuntimeStats stats;
+  };
+  std::vector<Load> loads;
+  for (const auto& v : *snapshot) {
+    if (v.pid <= 0 || v.socket.empty() || v.phase != "RUNNING") continue;
+    absl::MutexLock lock(&load_mu_);
+    auto& client = stat_clients_[v.socket];
+    if (!client) client = clients_->Connect(v.socket);
+    auto stats = client->Stats();
+    if (stats.ok()) loads.push_back({labels(v), *stats});
+  }
+  auto emit = [&](const char* name, const char* type, const char* help, auto value) {
+    m << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n";
+    for (const auto& l : loads) m << name << "{" << l.labels << "} " << value(l.stats) << "\n";
+  };
+  emit("kiln_replica_requests_total", "counter", "Inference requests the replica received.",
+       [](const v1::RuntimeStats& s) { return s.requests(); });
+  emit("kiln_replica_errors_total", "counter", "Inference requests that failed.",
+       [](const v1::RuntimeStats& s) { return s.errors(); });
+  emit("kiln_replica_in_flight", "gauge", "Requests accepted and not yet answered.",
+       [](const v1::RuntimeStats& s) { return s.in_flight(); });
+  emit("kiln_replica_queue_depth", "gauge", "Requests waiting in the batcher.",
+       [](const v1::RuntimeStats& s) { return s.queue_depth(); });
+  emit("kiln_replica_latency_p99_seconds", "gauge", "p99 request latency since start.",
+       [](const v1::RuntimeStats& s) { return s.latency_p99_micros() / 1e6; });
   m << "# HELP kiln_replica_crash_loop 1 while the replica is in a crash loop.\n"
     << "# TYPE kiln_replica_crash_loop gauge\n";
   for (const auto& v : *snapshot) m << "kiln_replica_crash_loop{" << labels(v) << "} " << (v.crash_loop ? 1 : 0) << "\n";

@@ -62,7 +62,7 @@ class Agent {
   int ingress_http_port() const;
   bool ready() const { return ready_.load(); }
   bool live() const;
-  std::string MetricsText() const;
+  std::string MetricsText();
   std::string ReplicasJson() const;
 
  private:

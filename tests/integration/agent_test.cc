@@ -242,6 +242,12 @@ TEST_F(AgentTest, AssignmentBringsUpReplicasAndScaleUpPromotesTheWarmOne) {
   EXPECT_NE(metrics.second.find("kiln_replica_state{node="), std::string::npos);
   EXPECT_NE(metrics.second.find("state=\"SERVING\"} 1"), std::string::npos);
   EXPECT_NE(metrics.second.find("fake=\"true\""), std::string::npos);
+  // Per-replica load: s0 has answered at least the one request above.
+  size_t at = metrics.second.find("kiln_replica_requests_total{node=");
+  at = metrics.second.find("replica=\"s0\"", at);
+  ASSERT_NE(at, std::string::npos) << metrics.second;
+  size_t value = metrics.second.find("} ", at);
+  EXPECT_GE(std::atoi(metrics.second.c_str() + value + 2), 1) << metrics.second;
   EXPECT_EQ(Get("/healthz").first, 200);
 }
 
