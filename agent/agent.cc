@@ -182,7 +182,8 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
     // "replica ID: ..." lines carry MODEL, VERSION, REPLICA and GPU_UUID fields in journald.
     if (journal && s.rfind("replica ", 0) == 0 && s.find(':') != std::string::npos && supervisor_) {
       std::string id = s.substr(8, s.find(':') - 8);
-      for (const auto& v : *supervisor_->Snapshot()) {
+      auto snapshot = supervisor_->Snapshot();
+      for (const auto& v : *snapshot) {
         if (v.spec.replica_id() != id) continue;
         std::string gpu = v.spec.gpu() >= 0 && v.spec.gpu() < static_cast<int>(topology_.gpus.size())
                               ? topology_.gpus[v.spec.gpu()].identity.uuid
@@ -360,7 +361,8 @@ v1::Register Agent::MakeRegister() {
     gi->set_power_limit_max_mw(g.identity.power_limit_max_mw);
     gi->set_fake(topology_.fake_gpus);
   }
-  for (const auto& v : *supervisor_->Snapshot()) *r.add_replicas() = ToStatus(v);
+  auto snapshot = supervisor_->Snapshot();
+  for (const auto& v : *snapshot) *r.add_replicas() = ToStatus(v);
   std::string host = options_.ingress_bind == "0.0.0.0" ? options_.node_name : options_.ingress_bind;
   r.set_ingress_grpc_address(host + ":" + std::to_string(ingress_grpc_port()));
   r.set_ingress_http_address(host + ":" + std::to_string(ingress_http_port()));
@@ -370,7 +372,8 @@ v1::Register Agent::MakeRegister() {
 v1::NodeStatus Agent::MakeStatus() {
   v1::NodeStatus st;
   absl::Time now = absl::Now();
-  for (const auto& v : *supervisor_->Snapshot()) {
+  auto snapshot = supervisor_->Snapshot();
+  for (const auto& v : *snapshot) {
     v1::ReplicaStatus* r = st.add_replicas();
     *r = ToStatus(v);
     if (v.pid <= 0 || v.socket.empty()) continue;
@@ -467,7 +470,8 @@ void Agent::UpdatePower() {
   if (!power_) return;
   std::map<int, GpuLoad> load;
   for (const auto& g : topology_.gpus) load[g.identity.index] = GpuLoad::kIdle;
-  for (const auto& v : *supervisor_->Snapshot()) {
+  auto snapshot = supervisor_->Snapshot();
+  for (const auto& v : *snapshot) {
     if (v.spec.gpu() < 0) continue;
     GpuLoad& l = load[v.spec.gpu()];
     if (v.spec.state() == v1::SERVING) {
@@ -567,7 +571,8 @@ void Agent::Stop() {
 
 std::string Agent::ReplicasJson() const {
   nlohmann::json out = {{"node", options_.node_name}, {"ready", ready()}, {"replicas", nlohmann::json::array()}};
-  for (const auto& v : *supervisor_->Snapshot()) {
+  auto snapshot = supervisor_->Snapshot();
+  for (const auto& v : *snapshot) {
     out["replicas"].push_back({{"id", v.spec.replica_id()},
                                {"model", v.spec.model()},
                                {"version", v.spec.version()},

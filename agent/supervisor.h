@@ -91,6 +91,8 @@ class Supervisor {
   // it is healthy again; they stay assigned and are reported with the reason.
   void SetGpuHealth(int gpu, bool healthy, const std::string& reason);
 
+  // The replicas as last published. Keep the returned pointer while reading: iterating
+  // `*Snapshot()` directly lets the vector be freed mid-loop when a newer one is published.
   std::shared_ptr<const std::vector<ReplicaView>> Snapshot() const;
   int64_t applied_generation() const { return applied_generation_; }
   // True once every assigned replica has reached its assigned state.
