@@ -369,6 +369,17 @@ v1::Register Agent::MakeRegister() {
   return r;
 }
 
+absl::StatusOr<v1::RuntimeStats> Agent::ReplicaStats(const std::string& socket) {
+  RuntimeClient* client;
+  {
+    absl::MutexLock lock(&load_mu_);
+    auto& c = stat_clients_[socket];
+    if (!c) c = clients_->Connect(socket);
+    client = c.get();  // entries are never erased: the pointer stays valid
+  }
+  return client->Stats();
+}
+
 v1::NodeStatus Agent::MakeStatus() {
   v1::NodeStatus st;
   absl::Time now = absl::Now();
@@ -377,11 +388,9 @@ v1::NodeStatus Agent::MakeStatus() {
     v1::ReplicaStatus* r = st.add_replicas();
     *r = ToStatus(v);
     if (v.pid <= 0 || v.socket.empty()) continue;
-    absl::MutexLock lock(&load_mu_);
-    auto& client = stat_clients_[v.socket];
-    if (!client) client = clients_->Connect(v.socket);
-    auto stats = client->Stats();
+    auto stats = ReplicaStats(v.socket);
     if (!stats.ok()) continue;
+    absl::MutexLock lock(&load_mu_);
     v1::ReplicaLoad* load = r->mutable_load();
     load->set_in_flight(stats->in_flight());
     load->set_queue_depth(stats->queue_depth());
@@ -632,10 +641,7 @@ std::string Agent::MetricsText() {
   std::vector<Load> loads;
   for (const auto& v : *snapshot) {
     if (v.pid <= 0 || v.socket.empty() || v.phase != "RUNNING") continue;
-    absl::MutexLock lock(&load_mu_);
-    auto& client = stat_clients_[v.socket];
-    if (!client) client = clients_->Connect(v.socket);
-    auto stats = client->Stats();
+    auto stats = ReplicaStats(v.socket);
     if (stats.ok()) loads.push_back({labels(v), *stats});
   }
   auto emit = [&](const char* name, const char* type, const char* help, auto value) {

@@ -74,6 +74,8 @@ class Agent {
   absl::Status ApplyRoutingFromController(const v1::RoutingTable& t);
   v1::Register MakeRegister();
   v1::NodeStatus MakeStatus();
+  // A replica's counters over its control socket (one cached client per socket).
+  absl::StatusOr<v1::RuntimeStats> ReplicaStats(const std::string& socket);
   absl::Status Persist(const std::string& name, const google::protobuf::Message& m);
   void Reload();
   void UpdatePower();
