@@ -545,7 +545,7 @@ int main(int argc, char** argv) {
   app.add_option("--model", opt.model, "Model name")->capture_default_str();
   app.add_option("--model-version", opt.model_version, "Model version (empty: server's choice)");
   app.add_option("--seq-len", opt.seq_len, "Tokens per sequence")
-      ->check(CLI::Range(1, 256))
+      ->check(CLI::Range(1, 8192))
       ->capture_default_str();
   app.add_option("--batch", opt.batch, "Sequences per request")
       ->check(CLI::Range(1, 4096))

@@ -25,6 +25,11 @@ class Backend {
   virtual std::string device() const = 0;
   // One line for the load log: backend, device, precision and what loading changed.
   virtual std::string Describe() const { return device(); }
+  // Runs after warm-up, before the model serves: device-side preparation such as capturing
+  // CUDA graphs. Returns one line for the load log (empty when there was nothing to do).
+  virtual absl::StatusOr<std::string> Prepare() { return std::string(); }
+  // Device memory this replica holds (weights, activations, graph pools); 0 on cpu.
+  virtual int64_t DeviceMemoryBytes() const { return 0; }
 };
 
 struct BackendOptions {

@@ -6,6 +6,7 @@
 
 #include "common/logging.h"
 #include "common/status.h"
+#include "runtime/buckets.h"
 
 namespace kiln {
 
@@ -195,6 +196,29 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
     return;
   }
   absl::Status valid = Validate(request);
+  int64_t seq_len = -1;
+  int64_t bucket = -1;
+  if (valid.ok() && config_.sequence_buckets) {
+    auto len = RequestSequenceLength(config_, request.inputs);
+    if (!len.ok()) {
+      valid = len.status();
+    } else if (*len >= 0) {
+      seq_len = *len;
+      std::string first;
+      for (size_t i = 0; i < config_.inputs.size(); ++i) {
+        if (SequenceAxis(config_.inputs[i], config_.max_batch_size > 0) >= 0) {
+          first = config_.inputs[i].name;
+          break;
+        }
+      }
+      auto b = BucketLength(*config_.sequence_buckets, seq_len, "input '" + first + "'");
+      if (b.ok()) {
+        bucket = *b;
+      } else {
+        valid = b.status();
+      }
+    }
+  }
   if (!valid.ok()) {
     fail(valid);
     return;
@@ -237,6 +261,14 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
     }
   }
 
+  if (bucket >= 0) {
+    absl::Status padded = PadToBucket(config_, bucket, &request.inputs);
+    if (!padded.ok()) {
+      fail(padded);
+      return;
+    }
+  }
+
   Batcher::Item item;
   item.rows = config_.max_batch_size > 0 ? request.inputs[0].shape[0] : 1;
   item.priority = request.priority;
@@ -249,7 +281,12 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
   }
   if (timeout > 0) item.deadline = start + absl::Microseconds(timeout);
   item.inputs = std::move(request.inputs);
-  item.done = [this, respond, cache_key](absl::StatusOr<std::vector<Tensor>> outputs) {
+  item.done = [this, respond, cache_key,
+               seq_len](absl::StatusOr<std::vector<Tensor>> outputs) {
+    if (outputs.ok() && seq_len >= 0) {
+      absl::Status trimmed = TrimToLength(config_, seq_len, &*outputs);
+      if (!trimmed.ok()) outputs = trimmed;
+    }
     if (outputs.ok() && cache_) cache_->Insert(cache_key, *outputs);
     respond(std::move(outputs), false);
   };
@@ -317,6 +354,15 @@ absl::Status InferenceEngine::Warmup(bool once) {
         }
       }
       inputs.push_back(std::move(t));
+    }
+    if (config_.sequence_buckets) {
+      // Warm the shapes serving will run: the sample padded to its bucket.
+      KILN_ASSIGN_OR_RETURN(int64_t len, RequestSequenceLength(config_, inputs));
+      if (len >= 0) {
+        KILN_ASSIGN_OR_RETURN(int64_t b, BucketLength(*config_.sequence_buckets, len,
+                                                      "warmup '" + w.name + "'"));
+        KILN_RETURN_IF_ERROR(PadToBucket(config_, b, &inputs));
+      }
     }
     for (int64_t i = 0; i < (once ? 1 : w.iterations); ++i) {
       absl::Time t0 = clock_->Now();

@@ -1,6 +1,7 @@
 #include "runtime/model_config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -106,6 +107,34 @@ absl::StatusOr<std::vector<WarmupSample>> ParseWarmup(const ConfigNode& node) {
   return out;
 }
 
+absl::StatusOr<CudaGraphsConfig> ParseCudaGraphs(const ConfigNode& node,
+                                                 int64_t max_batch_size) {
+  CudaGraphsConfig g;
+  g.enable = true;  // `cuda_graphs: {}` turns them on with defaults
+  if (node.IsNull()) return g;
+  KILN_RETURN_IF_ERROR(
+      node.CheckKeys({"enable", "batch_sizes", "max_tokens", "warmup_iterations"}));
+  KILN_ASSIGN_OR_RETURN(g.enable, node.GetBool("enable", true));
+  if (node.Has("batch_sizes")) {
+    KILN_ASSIGN_OR_RETURN(g.batch_sizes, node.GetIntList("batch_sizes"));
+  }
+  KILN_ASSIGN_OR_RETURN(g.max_tokens, node.GetInt("max_tokens", 0));
+  KILN_ASSIGN_OR_RETURN(g.warmup_iterations, node.GetInt("warmup_iterations", 3));
+  return g;
+}
+
+absl::StatusOr<SequenceBucketsConfig> ParseSequenceBuckets(const ConfigNode& node) {
+  SequenceBucketsConfig sb;
+  KILN_RETURN_IF_ERROR(node.CheckKeys({"lengths", "pad"}));
+  KILN_ASSIGN_OR_RETURN(sb.lengths, node.GetIntList("lengths"));
+  KILN_ASSIGN_OR_RETURN(ConfigNode pad, node.Child("pad"));
+  KILN_ASSIGN_OR_RETURN(auto entries, pad.Entries());
+  for (const auto& [name, value] : entries) {
+    KILN_ASSIGN_OR_RETURN(sb.pad[name], value.AsDouble());
+  }
+  return sb;
+}
+
 absl::Status ValidateTensorList(const std::vector<TensorSpec>& list, const std::string& key,
                                 int64_t max_batch_size) {
   if (list.empty()) return absl::InvalidArgumentError(key + ": must list at least one tensor");
@@ -142,6 +171,133 @@ absl::Status ValidateDevice(const std::string& device, const std::string& field)
   return absl::InvalidArgumentError(field + ": must be cpu or cuda:N, got '" + device + "'");
 }
 
+bool HasVariableDim(const TensorSpec& t) {
+  return std::find(t.dims.begin(), t.dims.end(), -1) != t.dims.end();
+}
+
+absl::Status ValidateBuckets(const ModelConfig& c) {
+  if (c.sequence_buckets) {
+    const auto& sb = *c.sequence_buckets;
+    if (sb.lengths.empty()) {
+      return absl::InvalidArgumentError("sequence_buckets.lengths: must list at least one length");
+    }
+    if (sb.lengths.size() > 64) {
+      return absl::InvalidArgumentError("sequence_buckets.lengths: at most 64 buckets, got " +
+                                        std::to_string(sb.lengths.size()));
+    }
+    for (size_t i = 0; i < sb.lengths.size(); ++i) {
+      std::string path = "sequence_buckets.lengths[" + std::to_string(i) + "]";
+      if (sb.lengths[i] < 1 || sb.lengths[i] > (1 << 24)) {
+        return absl::InvalidArgumentError(path + ": must be in 1..16777216, got " +
+                                          std::to_string(sb.lengths[i]));
+      }
+      if (i > 0 && sb.lengths[i] <= sb.lengths[i - 1]) {
+        return absl::InvalidArgumentError(path + ": lengths must be strictly ascending, got " +
+                                          ShapeString(sb.lengths));
+      }
+    }
+    for (const auto& [name, value] : sb.pad) {
+      int idx = c.InputIndex(name);
+      if (idx < 0) {
+        return absl::InvalidArgumentError("sequence_buckets.pad." + name + ": no such input");
+      }
+      const TensorSpec& in = c.inputs[idx];
+      if (std::count(in.dims.begin(), in.dims.end(), -1) != 1) {
+        return absl::InvalidArgumentError("sequence_buckets.pad." + name +
+                                          ": the input must have exactly one variable (-1) "
+                                          "dimension, its sequence axis; dims are " +
+                                          ShapeString(in.dims));
+      }
+      if (!std::isfinite(value)) {
+        return absl::InvalidArgumentError("sequence_buckets.pad." + name + ": must be finite");
+      }
+      double lo = 0, hi = 0;  // the datatype's integer range; lo == hi marks a float type
+      switch (in.dtype) {
+        case DataType::kBool: lo = 0, hi = 1; break;
+        case DataType::kUint8: lo = 0, hi = 255; break;
+        case DataType::kInt8: lo = -128, hi = 127; break;
+        case DataType::kUint16: lo = 0, hi = 65535; break;
+        case DataType::kInt16: lo = -32768, hi = 32767; break;
+        case DataType::kUint32: lo = 0, hi = 4294967295.0; break;
+        case DataType::kInt32: lo = -2147483648.0, hi = 2147483647.0; break;
+        // 2^63 and 2^64 are exact doubles; the ranges end just below them.
+        case DataType::kUint64: lo = 0, hi = 18446744073709549568.0; break;
+        case DataType::kInt64: lo = -9223372036854775808.0, hi = 9223372036854774784.0; break;
+        default: break;
+      }
+      if (lo != hi) {
+        if (std::floor(value) != value) {
+          return absl::InvalidArgumentError("sequence_buckets.pad." + name + ": " +
+                                            DataTypeName(in.dtype) +
+                                            " input needs an integer pad value");
+        }
+        if (value < lo || value > hi) {
+          return absl::InvalidArgumentError(
+              "sequence_buckets.pad." + name + ": " + std::to_string(value) + " is outside " +
+              DataTypeName(in.dtype) + "'s range");
+        }
+      }
+    }
+    for (const auto& in : c.inputs) {
+      if (HasVariableDim(in) && !sb.pad.count(in.name)) {
+        return absl::InvalidArgumentError("sequence_buckets.pad." + in.name +
+                                          ": required, the input has variable dims " +
+                                          ShapeString(in.dims));
+      }
+    }
+    if (sb.pad.empty()) {
+      return absl::InvalidArgumentError(
+          "sequence_buckets.pad: must name at least one input with a variable dimension");
+    }
+    for (size_t i = 0; i < c.outputs.size(); ++i) {
+      if (std::count(c.outputs[i].dims.begin(), c.outputs[i].dims.end(), -1) > 1) {
+        return absl::InvalidArgumentError(
+            "output[" + std::to_string(i) + "].dims: with sequence_buckets an output may have at "
+            "most one variable dimension (trimmed back to the request's length), got " +
+            ShapeString(c.outputs[i].dims));
+      }
+    }
+  }
+  const CudaGraphsConfig& g = c.instance.cuda_graphs;
+  if (g.enable) {
+    if (c.max_batch_size == 0) {
+      return absl::InvalidArgumentError(
+          "instance.cuda_graphs: needs max_batch_size > 0 (graphs are captured per batch size)");
+    }
+    for (const auto& in : c.inputs) {
+      if (HasVariableDim(in) && !c.sequence_buckets) {
+        return absl::InvalidArgumentError(
+            "instance.cuda_graphs: input '" + in.name + "' has variable dims " +
+            ShapeString(in.dims) + "; graphs need fixed shapes, so configure sequence_buckets");
+      }
+    }
+    for (size_t i = 0; i < g.batch_sizes.size(); ++i) {
+      std::string path = "instance.cuda_graphs.batch_sizes[" + std::to_string(i) + "]";
+      if (g.batch_sizes[i] < 1 || g.batch_sizes[i] > c.max_batch_size) {
+        return absl::InvalidArgumentError(path + ": must be in 1.." +
+                                          std::to_string(c.max_batch_size) +
+                                          " (max_batch_size), got " +
+                                          std::to_string(g.batch_sizes[i]));
+      }
+      if (i > 0 && g.batch_sizes[i] <= g.batch_sizes[i - 1]) {
+        return absl::InvalidArgumentError(path + ": batch sizes must be strictly ascending, got " +
+                                          ShapeString(g.batch_sizes));
+      }
+    }
+    if (g.max_tokens < 0) {
+      return absl::InvalidArgumentError(
+          "instance.cuda_graphs.max_tokens: must be >= 0 (0 = no limit), got " +
+          std::to_string(g.max_tokens));
+    }
+    if (g.warmup_iterations < 1 || g.warmup_iterations > 100) {
+      return absl::InvalidArgumentError(
+          "instance.cuda_graphs.warmup_iterations: must be in 1..100, got " +
+          std::to_string(g.warmup_iterations));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
@@ -150,7 +306,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
   auto in_source = [&](absl::Status s) { return Annotate(s, source); };
   absl::Status keys = root.CheckKeys({"name", "backend", "platform", "max_batch_size", "input",
                                       "output", "dynamic_batching", "response_cache", "instance",
-                                      "warmup"});
+                                      "sequence_buckets", "warmup"});
   if (!keys.ok()) return in_source(keys);
 
   ModelConfig c;
@@ -186,7 +342,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
       }
     }
     if (auto inst = root.OptionalChild("instance")) {
-      KILN_RETURN_IF_ERROR(inst->CheckKeys({"device", "threads", "precision"}));
+      KILN_RETURN_IF_ERROR(inst->CheckKeys({"device", "threads", "precision", "cuda_graphs"}));
       KILN_ASSIGN_OR_RETURN(c.instance.device, inst->GetString("device", "cpu"));
       KILN_ASSIGN_OR_RETURN(c.instance.threads, inst->GetInt("threads", 0));
       KILN_ASSIGN_OR_RETURN(std::string p, inst->GetString("precision", "fp32"));
@@ -200,6 +356,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
         return absl::InvalidArgumentError("instance.precision: must be fp32, fp16 or bf16, got '" +
                                           p + "'");
       }
+      if (auto g = inst->OptionalChild("cuda_graphs")) {
+        KILN_ASSIGN_OR_RETURN(c.instance.cuda_graphs, ParseCudaGraphs(*g, c.max_batch_size));
+      }
+    }
+    if (auto sb = root.OptionalChild("sequence_buckets")) {
+      KILN_ASSIGN_OR_RETURN(c.sequence_buckets, ParseSequenceBuckets(*sb));
     }
     if (auto w = root.OptionalChild("warmup")) {
       KILN_ASSIGN_OR_RETURN(c.warmup, ParseWarmup(*w));
@@ -273,6 +435,7 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
     return absl::InvalidArgumentError("instance.threads: must be in 0..1024, got " +
                                       std::to_string(c.instance.threads));
   }
+  KILN_RETURN_IF_ERROR(ValidateBuckets(c));
   for (size_t i = 0; i < c.warmup.size(); ++i) {
     const auto& w = c.warmup[i];
     std::string path = "warmup[" + std::to_string(i) + "]";
@@ -307,6 +470,16 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
     for (const auto& in : c.inputs) {
       auto it = w.dims.find(in.name);
       std::vector<int64_t> shape = it != w.dims.end() ? it->second : in.dims;
+      if (c.sequence_buckets && it != w.dims.end()) {
+        for (size_t d = 0; d < in.dims.size() && d < shape.size(); ++d) {
+          if (in.dims[d] == -1 && shape[d] > c.sequence_buckets->lengths.back()) {
+            return absl::InvalidArgumentError(
+                path + ".inputs." + in.name + ".dims: length " + std::to_string(shape[d]) +
+                " exceeds the longest bucket " +
+                std::to_string(c.sequence_buckets->lengths.back()) + " (sequence_buckets.lengths)");
+          }
+        }
+      }
       bool concrete = std::find(shape.begin(), shape.end(), -1) == shape.end();
       if (concrete) {
         shape.insert(shape.begin(), std::max<int64_t>(w.batch_size, 1));

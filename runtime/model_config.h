@@ -38,10 +38,27 @@ struct ResponseCacheConfig {
 enum class Precision { kFp32, kFp16, kBf16 };
 const char* PrecisionName(Precision p);
 
+// CUDA graphs, captured per (batch size, sequence bucket) after warm-up and replayed when
+// serving. Ignored on cpu.
+struct CudaGraphsConfig {
+  bool enable = false;
+  std::vector<int64_t> batch_sizes;  // ascending; default: powers of two up to max_batch_size
+  int64_t max_tokens = 0;            // skip shapes over batch x length tokens; 0 = no limit
+  int64_t warmup_iterations = 3;     // runs of each shape before its capture
+};
+
 struct InstanceConfig {
   std::string device = "cpu";  // cpu | cuda:N
   int64_t threads = 0;         // 0 = the backend's default
   Precision precision = Precision::kFp32;
+  CudaGraphsConfig cuda_graphs;
+};
+
+// Requests are padded along their variable (sequence) dimension to the next of `lengths`, so
+// similar lengths batch together; outputs with a variable dimension are trimmed back.
+struct SequenceBucketsConfig {
+  std::vector<int64_t> lengths;       // strictly ascending; the last is the longest accepted
+  std::map<std::string, double> pad;  // every variable input -> its pad value
 };
 
 struct WarmupSample {
@@ -63,6 +80,7 @@ struct ModelConfig {
   std::optional<DynamicBatchingConfig> dynamic_batching;
   ResponseCacheConfig response_cache;
   InstanceConfig instance;
+  std::optional<SequenceBucketsConfig> sequence_buckets;
   std::vector<WarmupSample> warmup;
 
   int InputIndex(const std::string& name) const;   // -1 when absent

@@ -203,11 +203,19 @@ absl::Status RuntimeServer::Load() {
                                                          std::move(backend), &lifecycle_, clock_));
   KILN_RETURN_IF_ERROR(engine_->Warmup());
   absl::Time t2 = clock_->Now();
+  KILN_ASSIGN_OR_RETURN(std::string prepared, engine_->Prepare());
+  absl::Time t3 = clock_->Now();
   host_.SetEngine(engine_.get());
-  load_time_micros_ = absl::ToInt64Microseconds(t2 - process_start_);
-  log->info("loaded {} ({}): load {:.1f} ms, warmup {:.1f} ms, since process start {:.1f} ms",
-            model_.model_file, engine_->backend_description(), absl::ToDoubleMilliseconds(t1 - t0),
-            absl::ToDoubleMilliseconds(t2 - t1), absl::ToDoubleMilliseconds(t2 - process_start_));
+  device_memory_bytes_ = engine_->device_memory_bytes();
+  load_time_micros_ = absl::ToInt64Microseconds(t3 - process_start_);
+  log->info(
+      "loaded {} ({}): process start to load {:.1f} ms, load {:.1f} ms, warmup {:.1f} ms, "
+      "prepare {:.1f} ms{}{}, since process start {:.1f} ms, device memory {:.1f} MiB",
+      model_.model_file, engine_->backend_description(),
+      absl::ToDoubleMilliseconds(t0 - process_start_), absl::ToDoubleMilliseconds(t1 - t0),
+      absl::ToDoubleMilliseconds(t2 - t1), absl::ToDoubleMilliseconds(t3 - t2),
+      prepared.empty() ? "" : ": ", prepared, absl::ToDoubleMilliseconds(t3 - process_start_),
+      device_memory_bytes_.load() / 1048576.0);
   KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kWarm, "loaded and warmed up"));
   if (options_.initial_state == "serving") {
     KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kServing, "--initial-state=serving"));
@@ -230,6 +238,7 @@ v1::RuntimeState RuntimeServer::GetState() {
   s.set_load_time_micros(load_time_micros_.load());
   s.set_failure_reason(lifecycle_.failure_reason());
   s.set_state_since_unix_micros(absl::ToUnixMicros(lifecycle_.since()));
+  s.set_device_memory_bytes(device_memory_bytes_.load());
   return s;
 }
 

@@ -95,6 +95,7 @@ class RuntimeServer : public ControlTarget {
   int grpc_port_ = 0;
   int http_port_ = 0;
   std::atomic<int64_t> load_time_micros_{0};
+  std::atomic<int64_t> device_memory_bytes_{0};
 
   absl::Mutex mu_;
   bool shutdown_requested_ ABSL_GUARDED_BY(mu_) = false;

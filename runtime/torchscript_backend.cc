@@ -5,9 +5,13 @@
 #include <torch/cuda.h>
 #include <torch/script.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
+
+#include "runtime/torch_runner.h"
 
 namespace kiln {
 
@@ -93,95 +97,167 @@ void UpcastSensitiveOps(torch::jit::Block* block, at::ScalarType reduced, int* r
   }
 }
 
+// The model's return value -> output tensors in config order and config datatypes, still on
+// the model's device.
+absl::StatusOr<std::vector<at::Tensor>> UnpackOutputs(const ModelConfig& config,
+                                                      const c10::IValue& result) {
+  std::vector<at::Tensor> outs;
+  const size_t n = config.outputs.size();
+  auto shape_error = [n](const std::string& got) {
+    return absl::InternalError("the model returned " + got + " but the config lists " +
+                               std::to_string(n) + " outputs");
+  };
+  if (result.isTensor()) {
+    if (n != 1) return shape_error("a single tensor");
+    outs.push_back(result.toTensor());
+  } else if (result.isTuple() || result.isTensorList() || result.isList()) {
+    std::vector<c10::IValue> elems;
+    if (result.isTuple()) {
+      for (const auto& e : result.toTupleRef().elements()) elems.push_back(e);
+    } else {
+      for (const auto& e : result.toListRef()) elems.push_back(e);
+    }
+    if (elems.size() != n) return shape_error(std::to_string(elems.size()) + " values");
+    for (size_t i = 0; i < n; ++i) {
+      if (!elems[i].isTensor()) {
+        return absl::InternalError("the model's output " + std::to_string(i) +
+                                   " is not a tensor");
+      }
+      outs.push_back(elems[i].toTensor());
+    }
+  } else if (result.isGenericDict()) {
+    auto dict = result.toGenericDict();
+    for (const auto& spec : config.outputs) {
+      auto it = dict.find(c10::IValue(spec.name));
+      if (it == dict.end() || !it->value().isTensor()) {
+        return absl::InternalError("the model's output dict has no tensor '" + spec.name + "'");
+      }
+      outs.push_back(it->value().toTensor());
+    }
+  } else {
+    return absl::InternalError("the model returned " + result.tagKind() +
+                               "; expected a tensor, a tuple or a dict keyed by output name");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const TensorSpec& spec = config.outputs[i];
+    auto want = ToTorchType(spec.dtype, "output '" + spec.name + "'");
+    if (!want.ok()) return want.status();
+    at::Tensor& y = outs[i];
+    if (y.scalar_type() != *want) {
+      if (IsFloating(y.scalar_type()) && IsFloating(*want)) {
+        y = y.to(*want);
+      } else {
+        return absl::InternalError("output '" + spec.name + "': the model returned " +
+                                   std::string(c10::toString(y.scalar_type())) +
+                                   " but the config says " + DataTypeName(spec.dtype));
+      }
+    }
+    if (!y.is_contiguous()) y = y.contiguous();
+  }
+  return outs;
+}
+
 class TorchScriptBackend : public Backend {
  public:
   TorchScriptBackend(const ModelConfig& config, torch::jit::Module module, torch::Device device,
-                     at::ScalarType compute_type, int upcast_ops)
+                     at::ScalarType compute_type, std::string precision_note,
+                     double context_ms)
       : config_(config),
         module_(std::move(module)),
         device_(device),
         compute_type_(compute_type),
-        upcast_ops_(upcast_ops) {}
+        precision_note_(std::move(precision_note)),
+        context_ms_(context_ms) {}
+
+  // Picks the runner: the CUDA runner on a cuda device, the direct one on cpu.
+  absl::Status Start() {
+    RunnerOptions ro;
+    ro.device = device_;
+    ro.compute_type = compute_type_;
+    for (const auto& spec : config_.inputs) {
+      RunnerInput in;
+      auto st = ToTorchType(spec.dtype, "input '" + spec.name + "'");
+      if (!st.ok()) return st.status();
+      in.dtype = *st;
+      in.dims = spec.dims;
+      in.fill = 1.0;
+      if (config_.sequence_buckets) {
+        // Capture with real tokens (the pad id) but an all-ones mask, so no row is all padding.
+        auto it = config_.sequence_buckets->pad.find(spec.name);
+        if (it != config_.sequence_buckets->pad.end() && it->second != 0) in.fill = it->second;
+      }
+      ro.inputs.push_back(std::move(in));
+    }
+    ro.graph_warmup_iterations = config_.instance.cuda_graphs.warmup_iterations;
+    UnpackFn unpack = [this](const c10::IValue& v) { return UnpackOutputs(config_, v); };
+    if (device_.is_cuda()) {
+      ro.graphs = PlanGraphs(config_);
+      auto runner = MakeCudaRunner(&module_, unpack, std::move(ro));
+      if (!runner.ok()) return runner.status();
+      runner_ = std::move(*runner);
+    } else {
+      runner_ = MakeDirectRunner(&module_, unpack, std::move(ro));
+    }
+    return absl::OkStatus();
+  }
 
   std::string device() const override { return device_.str(); }
 
   std::string Describe() const override {
-    std::string d = "torchscript on " + device_.str() + ", " + PrecisionName(config_.instance.precision);
-    if (compute_type_ != at::kFloat) {
-      d += " (" + std::to_string(upcast_ops_) + " layer_norm/softmax ops kept in fp32)";
+    std::string d = "torchscript on " + device_.str() + ", " +
+                    PrecisionName(config_.instance.precision);
+    if (!precision_note_.empty()) d += " (" + precision_note_ + ")";
+    if (device_.is_cpu()) {
+      d += ", " + std::to_string(at::get_num_threads()) + " intra-op threads";
+    } else {
+      char ctx[64];
+      std::snprintf(ctx, sizeof(ctx), "%.1f", context_ms_);
+      d += ", cuda context " + std::string(ctx) + " ms, " + runner_->Describe();
     }
-    return d + ", " + std::to_string(at::get_num_threads()) + " intra-op threads";
+    if (config_.sequence_buckets) {
+      d += ", " + std::to_string(config_.sequence_buckets->lengths.size()) +
+           " sequence buckets up to " + std::to_string(config_.sequence_buckets->lengths.back());
+    }
+    return d;
   }
+
+  absl::StatusOr<std::string> Prepare() override {
+    try {
+      c10::InferenceMode guard;
+      std::lock_guard<std::mutex> lock(mu_);
+      return runner_->Prepare();
+    } catch (const c10::Error& e) {
+      return absl::InternalError("device preparation failed: " +
+                                 FirstLine(e.what_without_backtrace()));
+    } catch (const std::exception& e) {
+      return absl::InternalError(std::string("device preparation failed: ") +
+                                 FirstLine(e.what()));
+    }
+  }
+
+  int64_t DeviceMemoryBytes() const override { return runner_->DeviceMemoryBytes(); }
 
   absl::StatusOr<std::vector<Tensor>> Execute(std::vector<Tensor> inputs) override {
     try {
       c10::InferenceMode guard;
-      std::vector<c10::IValue> args;
+      std::vector<at::Tensor> args;
       args.reserve(inputs.size());
       for (size_t i = 0; i < inputs.size(); ++i) {
         Tensor& t = inputs[i];
         auto st = ToTorchType(t.dtype, "input '" + t.name + "'");
         if (!st.ok()) return st.status();
-        at::Tensor x = torch::from_blob(t.data.data(), t.shape, torch::TensorOptions().dtype(*st));
-        if (IsFloating(*st) && *st != compute_type_ && compute_type_ != at::kFloat) {
-          x = x.to(compute_type_);
-        }
-        // from_blob borrows the request's bytes; they outlive forward(), and outputs are
-        // copied out below, so a model that returns a view of its input stays safe.
-        if (!device_.is_cpu()) x = x.to(device_, /*non_blocking=*/false);
-        args.emplace_back(std::move(x));
+        // from_blob borrows the request's bytes; they outlive Run(), and outputs are copied
+        // out below, so a model that returns a view of its input stays safe.
+        args.push_back(torch::from_blob(t.data.data(), t.shape, torch::TensorOptions().dtype(*st)));
       }
-      c10::IValue result = module_.forward(std::move(args));
-      std::vector<at::Tensor> outs;
+      std::lock_guard<std::mutex> lock(mu_);
+      auto outs = runner_->Run(args);
+      if (!outs.ok()) return outs.status();
       const size_t n = config_.outputs.size();
-      if (result.isTensor()) {
-        if (n != 1) return ShapeError("a single tensor", n);
-        outs.push_back(result.toTensor());
-      } else if (result.isTuple() || result.isTensorList() || result.isList()) {
-        std::vector<c10::IValue> elems;
-        if (result.isTuple()) {
-          for (const auto& e : result.toTupleRef().elements()) elems.push_back(e);
-        } else {
-          for (const auto& e : result.toListRef()) elems.push_back(e);
-        }
-        if (elems.size() != n) return ShapeError(std::to_string(elems.size()) + " values", n);
-        for (size_t i = 0; i < n; ++i) {
-          if (!elems[i].isTensor()) {
-            return absl::InternalError("the model's output " + std::to_string(i) +
-                                       " is not a tensor");
-          }
-          outs.push_back(elems[i].toTensor());
-        }
-      } else if (result.isGenericDict()) {
-        auto dict = result.toGenericDict();
-        for (const auto& spec : config_.outputs) {
-          auto it = dict.find(c10::IValue(spec.name));
-          if (it == dict.end() || !it->value().isTensor()) {
-            return absl::InternalError("the model's output dict has no tensor '" + spec.name +
-                                       "'");
-          }
-          outs.push_back(it->value().toTensor());
-        }
-      } else {
-        return absl::InternalError("the model returned " + result.tagKind() +
-                                   "; expected a tensor, a tuple or a dict keyed by output name");
-      }
       std::vector<Tensor> out(n);
-      for (size_t i = 0; i < n; ++i) {
+      for (size_t i = 0; i < n && i < outs->size(); ++i) {
         const TensorSpec& spec = config_.outputs[i];
-        auto want = ToTorchType(spec.dtype, "output '" + spec.name + "'");
-        if (!want.ok()) return want.status();
-        at::Tensor y = outs[i];
-        if (y.scalar_type() != *want) {
-          if (IsFloating(y.scalar_type()) && IsFloating(*want)) {
-            y = y.to(*want);
-          } else {
-            return absl::InternalError("output '" + spec.name + "': the model returned " +
-                                       std::string(c10::toString(y.scalar_type())) +
-                                       " but the config says " + DataTypeName(spec.dtype));
-          }
-        }
-        y = y.to(torch::kCPU).contiguous();
+        const at::Tensor& y = (*outs)[i];
         Tensor& o = out[i];
         o.name = spec.name;
         o.dtype = spec.dtype;
@@ -198,16 +274,14 @@ class TorchScriptBackend : public Backend {
   }
 
  private:
-  absl::Status ShapeError(const std::string& got, size_t want) {
-    return absl::InternalError("the model returned " + got + " but the config lists " +
-                               std::to_string(want) + " outputs");
-  }
-
   const ModelConfig config_;
   torch::jit::Module module_;
   torch::Device device_;
   at::ScalarType compute_type_;
-  int upcast_ops_;
+  std::string precision_note_;
+  double context_ms_;
+  std::mutex mu_;  // one Run() at a time: its returned tensors are reused buffers
+  std::unique_ptr<TorchRunner> runner_;
 };
 
 }  // namespace
@@ -242,6 +316,10 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateTorchScriptBackend(const ModelCon
   }
   try {
     torch::Device device(dev);
+    if (device.is_cuda() && !CudaRunnerBuiltIn()) {
+      return absl::FailedPreconditionError(
+          "device " + dev + ": this kiln-runtime was built against a LibTorch without CUDA");
+    }
     if (device.is_cuda()) {
       int count = TorchCudaDeviceCount();
       if (count == 0) {
@@ -266,6 +344,15 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateTorchScriptBackend(const ModelCon
     int64_t threads = options.threads > 0 ? options.threads : config.instance.threads;
     if (threads > 0) at::set_num_threads(static_cast<int>(threads));
 
+    double context_ms = 0;
+    if (device.is_cuda()) {
+      // Creates the CUDA context before the load, so the log tells the two apart.
+      auto t0 = std::chrono::steady_clock::now();
+      at::empty({1}, at::TensorOptions().device(device)).zero_();
+      torch::cuda::synchronize(device.index());
+      context_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                       .count();
+    }
     torch::jit::Module module;
     try {
       module = torch::jit::load(model_file, device);
@@ -291,17 +378,30 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateTorchScriptBackend(const ModelCon
           (required == total ? "" : ".." + std::to_string(total)));
     }
     module.eval();
-    int rewritten = 0;
-    if (compute != at::kFloat) {
-      // Weights and floating inputs go to the reduced type; freezing inlines the graph so
-      // LayerNorm and Softmax can be found and kept in fp32.
-      module.to(compute);
+    std::string note;
+    if (compute != at::kFloat || device.is_cuda()) {
+      // Weights and floating inputs go to the reduced type; freezing inlines the graph (so
+      // LayerNorm and Softmax can be found) and folds the weights in.
+      if (compute != at::kFloat) module.to(compute);
       module = torch::jit::freeze(module);
-      auto graph = module.get_method("forward").graph();
-      UpcastSensitiveOps(graph->block(), compute, &rewritten);
     }
-    return std::unique_ptr<Backend>(
-        new TorchScriptBackend(config, std::move(module), device, compute, rewritten));
+    if (compute != at::kFloat) {
+      if (device.is_cpu()) {
+        int rewritten = 0;
+        auto graph = module.get_method("forward").graph();
+        UpcastSensitiveOps(graph->block(), compute, &rewritten);
+        note = std::to_string(rewritten) + " layer_norm/softmax ops kept in fp32";
+      } else {
+        // CUDA's LayerNorm, Softmax and fused attention kernels read half inputs but
+        // accumulate in fp32 already; explicit casts would only add kernels.
+        note = "layer_norm/softmax accumulate in fp32 in their CUDA kernels";
+      }
+    }
+    auto backend = std::make_unique<TorchScriptBackend>(config, std::move(module), device,
+                                                        compute, note, context_ms);
+    absl::Status started = backend->Start();
+    if (!started.ok()) return started;
+    return std::unique_ptr<Backend>(std::move(backend));
   } catch (const c10::Error& e) {
     return absl::InvalidArgumentError(model_file + ": " + FirstLine(e.what_without_backtrace()));
   } catch (const std::exception& e) {

@@ -9,6 +9,7 @@ Writes a Triton-layout model repository:
     addsub/       two FP32 vectors -> (sum, difference) as a tuple
     dictout/      no batch dimension, INT32 -> dict of outputs
     slow/         a model whose run time grows with its `work` input (drain and queue tests)
+    tokens/       token ids + mask -> per-token and pooled outputs, with sequence buckets
 and reference outputs for fixed inputs under encoder/reference/.
 """
 import argparse
@@ -97,6 +98,17 @@ class Slow(nn.Module):
         return x + m[0, 0] * 0.0
 
 
+class Tokens(nn.Module):
+    """Exact, mask-respecting arithmetic for the sequence-bucket tests: per token
+    hidden = [id * mask, mask] and pooled = the sum of hidden over the sequence, so padding
+    (mask 0) changes neither the kept positions nor the pooled value, whatever the pad id."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        m = attention_mask.to(torch.float32)
+        hidden = torch.stack([input_ids.to(torch.float32) * m, m], dim=-1)
+        return hidden, hidden.sum(dim=1)
+
+
 ENCODER_CONFIG = """name: encoder
 backend: torchscript
 max_batch_size: 32
@@ -166,6 +178,24 @@ dynamic_batching:
   max_queue_size: 4
 """
 
+TOKENS_CONFIG = """name: tokens
+backend: torchscript
+max_batch_size: 8
+input:
+  - {name: input_ids, datatype: INT64, dims: [-1]}
+  - {name: attention_mask, datatype: INT64, dims: [-1]}
+output:
+  - {name: hidden, datatype: FP32, dims: [-1, 2]}
+  - {name: pooled, datatype: FP32, dims: [2]}
+dynamic_batching:
+  max_queue_delay_microseconds: 1000
+sequence_buckets:
+  lengths: [4, 8, 16]
+  pad: {input_ids: 99, attention_mask: 0}
+warmup:
+  - {name: short, batch_size: 2, inputs: {input_ids: {dims: [3]}, attention_mask: {dims: [3]}}}
+"""
+
 
 def write(path, text):
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -222,6 +252,9 @@ def main():
 
     write(os.path.join(out, "slow/config.yaml"), SLOW_CONFIG)
     save(Slow(), os.path.join(out, "slow/1/model.pt"))
+
+    write(os.path.join(out, "tokens/config.yaml"), TOKENS_CONFIG)
+    save(Tokens(), os.path.join(out, "tokens/1/model.pt"))
     print(f"models written to {out}")
 
 

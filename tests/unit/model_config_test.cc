@@ -127,6 +127,209 @@ TEST(ModelConfigTest, NotYamlIsAClearError) {
   EXPECT_NE(c.status().message().find("not valid YAML"), std::string::npos);
 }
 
+// ---- sequence_buckets and instance.cuda_graphs ----
+
+const char* kBucketed = R"(name: tok
+backend: torchscript
+max_batch_size: 8
+input:
+  - {name: ids, datatype: INT64, dims: [-1]}
+  - {name: mask, datatype: INT64, dims: [-1]}
+  - {name: scale, datatype: FP32, dims: [1]}
+output:
+  - {name: hidden, datatype: FP32, dims: [-1, 2]}
+  - {name: pooled, datatype: FP32, dims: [2]}
+sequence_buckets:
+  lengths: [4, 8, 16]
+  pad: {ids: 3, mask: 0}
+instance:
+  device: cpu
+  cuda_graphs: {batch_sizes: [1, 2, 8], max_tokens: 64, warmup_iterations: 2}
+)";
+
+TEST(ModelConfigTest, ParsesSequenceBucketsAndCudaGraphs) {
+  auto c = ParseModelConfig(kBucketed, "config.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(c->sequence_buckets.has_value());
+  EXPECT_EQ(c->sequence_buckets->lengths, (std::vector<int64_t>{4, 8, 16}));
+  EXPECT_EQ(c->sequence_buckets->pad, (std::map<std::string, double>{{"ids", 3}, {"mask", 0}}));
+  const CudaGraphsConfig& g = c->instance.cuda_graphs;
+  EXPECT_TRUE(g.enable);
+  EXPECT_EQ(g.batch_sizes, (std::vector<int64_t>{1, 2, 8}));
+  EXPECT_EQ(g.max_tokens, 64);
+  EXPECT_EQ(g.warmup_iterations, 2);
+}
+
+TEST(ModelConfigTest, BucketsAndGraphsAreOffUnlessConfigured) {
+  auto c = ParseModelConfig(kValid, "config.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->sequence_buckets.has_value());
+  EXPECT_FALSE(c->instance.cuda_graphs.enable);
+}
+
+TEST(ModelConfigTest, EmptyCudaGraphsTurnsThemOnWithDefaults) {
+  auto c = ParseModelConfig(
+      Replace(kBucketed, "{batch_sizes: [1, 2, 8], max_tokens: 64, warmup_iterations: 2}", "{}"),
+      "config.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const CudaGraphsConfig& g = c->instance.cuda_graphs;
+  EXPECT_TRUE(g.enable);
+  EXPECT_TRUE(g.batch_sizes.empty());
+  EXPECT_EQ(g.max_tokens, 0);
+  EXPECT_EQ(g.warmup_iterations, 3);
+}
+
+TEST(ModelConfigTest, CudaGraphsEnableFalseParsesOff) {
+  auto c = ParseModelConfig(
+      Replace(kBucketed, "{batch_sizes: [1, 2, 8], max_tokens: 64, warmup_iterations: 2}",
+              "{enable: false}"),
+      "config.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->instance.cuda_graphs.enable);
+  // Off, graphs do not need fixed shapes: no sequence_buckets is fine.
+  auto d = ParseModelConfig(
+      Replace(Replace(kBucketed, "{batch_sizes: [1, 2, 8], max_tokens: 64, warmup_iterations: 2}",
+                      "{enable: false}"),
+              "sequence_buckets:\n  lengths: [4, 8, 16]\n  pad: {ids: 3, mask: 0}\n", ""),
+      "config.yaml");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(d->sequence_buckets.has_value());
+}
+
+TEST(ModelConfigTest, CudaGraphsOnAFixedShapeModelNeedNoBuckets) {
+  auto c = ParseModelConfig(
+      "name: m\nbackend: torchscript\nmax_batch_size: 4\n"
+      "input: [{name: x, datatype: FP32, dims: [3]}]\n"
+      "output: [{name: y, datatype: FP32, dims: [3]}]\n"
+      "instance: {cuda_graphs: {max_tokens: 2}}\n",
+      "config.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->instance.cuda_graphs.enable);
+  EXPECT_EQ(c->instance.cuda_graphs.max_tokens, 2);
+}
+
+TEST(ModelConfigTest, FloatInputsTakeFractionalPads) {
+  auto c = ParseModelConfig(
+      Replace(Replace(kBucketed, "{name: mask, datatype: INT64", "{name: mask, datatype: FP16"),
+              "mask: 0}", "mask: -0.5}"),
+      "config.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sequence_buckets->pad.at("mask"), -0.5);
+}
+
+TEST(ModelConfigTest, PadValuesMustFitTheInputsDatatype) {
+  for (const auto& [type, pad] : std::vector<std::pair<std::string, std::string>>{
+           {"UINT8", "-1"}, {"UINT8", "300"}, {"INT8", "200"}, {"INT32", "3000000000"},
+           {"UINT64", "-5"}, {"BOOL", "2"}}) {
+    auto c = ParseModelConfig(
+        Replace(Replace(kBucketed, "{name: mask, datatype: INT64", "{name: mask, datatype: " + type),
+                "mask: 0}", "mask: " + pad + "}"),
+        "config.yaml");
+    ASSERT_FALSE(c.ok()) << type << " pad " << pad;
+    EXPECT_NE(c.status().message().find("sequence_buckets.pad.mask"), std::string::npos)
+        << c.status();
+  }
+  auto ok = ParseModelConfig(
+      Replace(Replace(kBucketed, "{name: mask, datatype: INT64", "{name: mask, datatype: UINT8"),
+              "mask: 0}", "mask: 255}"),
+      "config.yaml");
+  EXPECT_TRUE(ok.ok()) << ok.status();
+}
+
+TEST(ModelConfigTest, WarmupLongerThanTheLongestBucketIsRefused) {
+  auto c = ParseModelConfig(
+      std::string(kBucketed) +
+          "warmup:\n  - {name: long, inputs: {ids: {dims: [32]}, mask: {dims: [32]}}}\n",
+      "config.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("warmup[0].inputs.ids.dims: length 32 exceeds the longest "
+                                      "bucket 16"),
+            std::string::npos)
+      << c.status();
+}
+
+TEST(ModelConfigTest, AtMost64Buckets) {
+  std::string lengths;
+  for (int i = 1; i <= 65; ++i) lengths += (i > 1 ? ", " : "") + std::to_string(i);
+  auto c = ParseModelConfig(Replace(kBucketed, "lengths: [4, 8, 16]", "lengths: [" + lengths + "]"),
+                            "config.yaml");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("sequence_buckets.lengths"), std::string::npos)
+      << c.status();
+}
+
+class BucketFieldTest : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(BucketFieldTest, ErrorNamesTheField) {
+  const BadCase& b = GetParam();
+  auto c = ParseModelConfig(Replace(kBucketed, b.from, b.to), "config.yaml");
+  ASSERT_FALSE(c.ok()) << "accepted: " << b.to;
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find(b.expect), std::string::npos) << c.status().message();
+  EXPECT_NE(c.status().message().find("config.yaml"), std::string::npos);
+}
+
+const char* kGraphs = "{batch_sizes: [1, 2, 8], max_tokens: 64, warmup_iterations: 2}";
+const char* kBucketSection = "sequence_buckets:\n  lengths: [4, 8, 16]\n  pad: {ids: 3, mask: 0}\n";
+
+INSTANTIATE_TEST_SUITE_P(
+    Fields, BucketFieldTest,
+    ::testing::Values(
+        // sequence_buckets.lengths
+        BadCase{"lengths: [4, 8, 16]", "lengths: [4, 16, 8]", "sequence_buckets.lengths[2]: lengths must be strictly ascending"},
+        BadCase{"lengths: [4, 8, 16]", "lengths: [4, 4, 16]", "sequence_buckets.lengths[1]: lengths must be strictly ascending"},
+        BadCase{"lengths: [4, 8, 16]", "lengths: [0, 8, 16]", "sequence_buckets.lengths[0]: must be in 1.."},
+        BadCase{"lengths: [4, 8, 16]", "lengths: [4, -8, 16]", "sequence_buckets.lengths[1]"},
+        BadCase{"lengths: [4, 8, 16]", "lengths: [4, 8, 33554432]", "sequence_buckets.lengths[2]: must be in 1..16777216"},
+        BadCase{"lengths: [4, 8, 16]", "lengths: []", "sequence_buckets.lengths: must list at least one length"},
+        BadCase{"  lengths: [4, 8, 16]\n", "", "sequence_buckets.lengths: must list at least one length"},
+        BadCase{"lengths: [4, 8, 16]", "lengths: [4, eight]", "sequence_buckets.lengths[1]"},
+        BadCase{"lengths: [4, 8, 16]", "lengths: 16", "sequence_buckets.lengths"},
+        // sequence_buckets.pad
+        BadCase{"pad: {ids: 3, mask: 0}", "pad: {ids: 3, mask: 0, tokens: 0}", "sequence_buckets.pad.tokens: no such input"},
+        BadCase{"pad: {ids: 3, mask: 0}", "pad: {ids: 3, mask: 0, scale: 0}", "sequence_buckets.pad.scale: the input must have exactly one variable (-1) dimension"},
+        BadCase{"{name: ids, datatype: INT64, dims: [-1]}", "{name: ids, datatype: INT64, dims: [-1, -1]}", "sequence_buckets.pad.ids: the input must have exactly one variable (-1) dimension"},
+        BadCase{"pad: {ids: 3, mask: 0}", "pad: {ids: 3}", "sequence_buckets.pad.mask: required"},
+        BadCase{"pad: {ids: 3, mask: 0}", "pad: {}", "sequence_buckets.pad.ids: required"},
+        BadCase{"  pad: {ids: 3, mask: 0}\n", "", "sequence_buckets.pad: required"},
+        BadCase{"pad: {ids: 3, mask: 0}", "pad: {ids: 0.5, mask: 0}", "sequence_buckets.pad.ids: INT64 input needs an integer pad value"},
+        BadCase{"pad: {ids: 3, mask: 0}", "pad: {ids: pad, mask: 0}", "sequence_buckets.pad.ids: must be a number"},
+        BadCase{"pad: {ids: 3, mask: 0}", "pad: {ids: 1e19, mask: 0}", "sequence_buckets.pad.ids: 10000000000000000000.000000 is outside INT64's range"},
+        BadCase{"pad: {ids: 3, mask: 0}", "pad: {ids: 3, mask: .nan}", "sequence_buckets.pad.mask: must be a number"},
+        BadCase{"pad: {ids: 3, mask: 0}", "pad: [ids, mask]", "sequence_buckets.pad: must be a mapping"},
+        // outputs
+        BadCase{"{name: hidden, datatype: FP32, dims: [-1, 2]}", "{name: hidden, datatype: FP32, dims: [-1, -1]}", "output[0].dims: with sequence_buckets an output may have at most one variable dimension"},
+        // unknown keys
+        BadCase{"  pad: {ids: 3, mask: 0}\n", "  pad: {ids: 3, mask: 0}\n  side: right\n", "sequence_buckets.side: unknown field"},
+        BadCase{kBucketSection, "sequence_buckets: [4, 8, 16]\n", "sequence_buckets: must be a mapping"},
+        // instance.cuda_graphs
+        BadCase{"max_batch_size: 8", "max_batch_size: 0", "instance.cuda_graphs: needs max_batch_size > 0"},
+        BadCase{kGraphs, "{batch_sizes: [1, 2, 9]}", "instance.cuda_graphs.batch_sizes[2]: must be in 1..8 (max_batch_size), got 9"},
+        BadCase{kGraphs, "{batch_sizes: [0, 2]}", "instance.cuda_graphs.batch_sizes[0]: must be in 1..8"},
+        BadCase{kGraphs, "{batch_sizes: [2, 1, 8]}", "instance.cuda_graphs.batch_sizes[1]: batch sizes must be strictly ascending"},
+        BadCase{kGraphs, "{batch_sizes: [2, 2]}", "instance.cuda_graphs.batch_sizes[1]: batch sizes must be strictly ascending"},
+        BadCase{kGraphs, "{max_tokens: -1}", "instance.cuda_graphs.max_tokens: must be >= 0"},
+        BadCase{kGraphs, "{max_tokens: lots}", "instance.cuda_graphs.max_tokens"},
+        BadCase{kGraphs, "{warmup_iterations: 0}", "instance.cuda_graphs.warmup_iterations: must be in 1..100"},
+        BadCase{kGraphs, "{warmup_iterations: 101}", "instance.cuda_graphs.warmup_iterations: must be in 1..100"},
+        BadCase{kGraphs, "{enable: maybe}", "instance.cuda_graphs.enable"},
+        BadCase{kGraphs, "{capture: all}", "instance.cuda_graphs.capture: unknown field"},
+        BadCase{kGraphs, "[1, 2]", "instance.cuda_graphs: must be a mapping"},
+        BadCase{kBucketSection, "", "instance.cuda_graphs: input 'ids' has variable dims [-1]; graphs need fixed shapes, so configure sequence_buckets"}));
+
+TEST(ModelConfigTest, BoolPadMustBeZeroOrOne) {
+  std::string bool_mask = Replace(kBucketed, "{name: mask, datatype: INT64", "{name: mask, datatype: BOOL");
+  auto zero = ParseModelConfig(bool_mask, "config.yaml");
+  EXPECT_TRUE(zero.ok()) << zero.status();
+  auto one = ParseModelConfig(Replace(bool_mask, "mask: 0}", "mask: 1}"), "config.yaml");
+  EXPECT_TRUE(one.ok()) << one.status();
+  auto two = ParseModelConfig(Replace(bool_mask, "mask: 0}", "mask: 2}"), "config.yaml");
+  ASSERT_FALSE(two.ok());
+  EXPECT_NE(two.status().message().find("sequence_buckets.pad.mask: 2.000000 is outside BOOL's range"),
+            std::string::npos)
+      << two.status();
+}
+
 class ResolveModelTest : public ::testing::Test {
  protected:
   void SetUp() override {

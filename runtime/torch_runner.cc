@@ -1,0 +1,50 @@
+#include "runtime/torch_runner.h"
+
+namespace kiln {
+
+namespace {
+
+bool IsFloatingType(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
+}
+
+// Forward on the module's device with plain (synchronous) copies.
+class DirectRunner : public TorchRunner {
+ public:
+  DirectRunner(torch::jit::Module* module, UnpackFn unpack, RunnerOptions options)
+      : module_(module), unpack_(std::move(unpack)), options_(std::move(options)) {}
+
+  absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& inputs) override {
+    std::vector<c10::IValue> args;
+    args.reserve(inputs.size());
+    for (const at::Tensor& in : inputs) {
+      at::Tensor x = in;
+      if (IsFloatingType(x.scalar_type()) && options_.compute_type != at::kFloat &&
+          x.scalar_type() != options_.compute_type) {
+        x = x.to(options_.compute_type);
+      }
+      if (!options_.device.is_cpu()) x = x.to(options_.device, /*non_blocking=*/false);
+      args.emplace_back(std::move(x));
+    }
+    auto outs = unpack_(module_->forward(std::move(args)));
+    if (!outs.ok()) return outs.status();
+    for (at::Tensor& y : *outs) y = y.to(torch::kCPU).contiguous();
+    return outs;
+  }
+
+  std::string Describe() const override { return "direct"; }
+
+ private:
+  torch::jit::Module* module_;
+  UnpackFn unpack_;
+  RunnerOptions options_;
+};
+
+}  // namespace
+
+std::unique_ptr<TorchRunner> MakeDirectRunner(torch::jit::Module* module, UnpackFn unpack,
+                                              RunnerOptions options) {
+  return std::make_unique<DirectRunner>(module, std::move(unpack), std::move(options));
+}
+
+}  // namespace kiln

@@ -1,0 +1,62 @@
+#pragma once
+
+// How a loaded TorchScript module is driven on its device. Included only by the LibTorch
+// targets (never together with spdlog or fmt).
+//
+// Two runners: the direct one (any device, plain copies, used on cpu) and the CUDA one (its
+// own stream, pinned reused staging buffers, async copies, CUDA graphs per batch x length
+// bucket). The CUDA runner lives in its own target, built only where LibTorch has CUDA; the
+// default (CPU) build links a stand-in whose factory says CUDA is not built in.
+
+#include <torch/script.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/buckets.h"
+
+namespace kiln {
+
+// Turns the module's return value into the output tensors, in config order and config
+// datatypes, still on the module's device.
+using UnpackFn = std::function<absl::StatusOr<std::vector<at::Tensor>>(const c10::IValue&)>;
+
+struct RunnerInput {
+  at::ScalarType dtype = at::kFloat;  // the request's datatype
+  std::vector<int64_t> dims;          // without the batch dimension; -1 = the sequence axis
+  double fill = 1.0;                  // what the static inputs hold while graphs are captured
+};
+
+struct RunnerOptions {
+  torch::Device device{torch::kCPU};
+  at::ScalarType compute_type = at::kFloat;  // floating inputs are cast to this on the device
+  std::vector<RunnerInput> inputs;            // config order
+  std::vector<GraphShape> graphs;             // CUDA graphs to capture (largest first)
+  int64_t graph_warmup_iterations = 3;
+};
+
+class TorchRunner {
+ public:
+  virtual ~TorchRunner() = default;
+  // `inputs` are host tensors in config order (they may borrow request memory). The returned
+  // host tensors stay valid until the next Run(); callers serialise Run() and copy out.
+  virtual absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& inputs) = 0;
+  // Device-side preparation after warm-up (graph capture); a line for the load log.
+  virtual absl::StatusOr<std::string> Prepare() { return std::string(); }
+  virtual int64_t DeviceMemoryBytes() const { return 0; }
+  virtual std::string Describe() const = 0;
+};
+
+std::unique_ptr<TorchRunner> MakeDirectRunner(torch::jit::Module* module, UnpackFn unpack,
+                                              RunnerOptions options);
+
+// FAILED_PRECONDITION in a build whose LibTorch has no CUDA.
+absl::StatusOr<std::unique_ptr<TorchRunner>> MakeCudaRunner(torch::jit::Module* module,
+                                                            UnpackFn unpack,
+                                                            RunnerOptions options);
+bool CudaRunnerBuiltIn();
+
+}  // namespace kiln

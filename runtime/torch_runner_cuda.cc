@@ -1,0 +1,270 @@
+// The CUDA runner: built only where LibTorch has CUDA (runtime/CMakeLists.txt picks this file
+// or torch_runner_nocuda.cc by target).
+//
+// - Every copy and kernel runs on the replica's own stream from the pool, never the default
+//   stream, so the replica overlaps nothing it should not wait for.
+// - Inputs are staged through pinned host buffers that grow to the largest request seen and
+//   are reused; host-to-device and device-to-host copies are async on that stream, with one
+//   synchronisation per batch.
+// - With graphs planned, each (batch size, sequence bucket) is run until the TorchScript
+//   executor has settled, then captured into a CUDA graph over static input tensors; all
+//   graphs share one memory pool, the largest captured first. Serving copies a batch into the
+//   static inputs of the smallest graph that holds it (extra rows keep earlier, valid data
+//   and are never read back) and replays it. Shapes without a graph run eagerly.
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "runtime/torch_runner.h"
+
+namespace kiln {
+
+namespace {
+
+bool IsFloatingType(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
+}
+
+double MillisSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string Fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+class CudaRunner : public TorchRunner {
+ public:
+  CudaRunner(torch::jit::Module* module, UnpackFn unpack, RunnerOptions options)
+      : module_(module),
+        unpack_(std::move(unpack)),
+        options_(std::move(options)),
+        stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false,
+                                             options_.device.index())) {
+    for (size_t i = 0; i < options_.inputs.size(); ++i) {
+      const auto& dims = options_.inputs[i].dims;
+      for (size_t d = 0; d < dims.size(); ++d) {
+        if (dims[d] == -1 && seq_input_ < 0) {
+          seq_input_ = static_cast<int>(i);
+          seq_axis_ = static_cast<int>(d) + 1;
+        }
+      }
+    }
+    in_staging_.resize(options_.inputs.size());
+  }
+
+  absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& inputs) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    c10::cuda::CUDAGuard device_guard(options_.device);
+    c10::cuda::CUDAStreamGuard stream_guard(stream_);
+    const int64_t rows = inputs.empty() ? 0 : inputs[0].size(0);
+    int64_t length = -1;
+    if (seq_input_ >= 0 && seq_input_ < static_cast<int>(inputs.size())) {
+      length = inputs[seq_input_].size(seq_axis_);
+    }
+    std::vector<at::Tensor> device_outs;
+    auto graph_shape = GraphFor(captured_shapes_, rows, length);
+    if (graph_shape) {
+      Graph& g = graphs_.at({graph_shape->batch, graph_shape->length});
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        at::Tensor staged = Stage(i, inputs[i]);
+        g.inputs[i].narrow(0, 0, rows).copy_(staged, /*non_blocking=*/true);
+      }
+      g.graph->replay();
+      for (const at::Tensor& out : g.outputs) device_outs.push_back(out.narrow(0, 0, rows));
+      graph_runs_++;
+    } else {
+      std::vector<c10::IValue> args;
+      args.reserve(inputs.size());
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        at::Tensor x = Stage(i, inputs[i]).to(options_.device, /*non_blocking=*/true);
+        if (IsFloatingType(x.scalar_type()) && options_.compute_type != at::kFloat &&
+            x.scalar_type() != options_.compute_type) {
+          x = x.to(options_.compute_type);
+        }
+        args.emplace_back(std::move(x));
+      }
+      auto outs = unpack_(module_->forward(std::move(args)));
+      if (!outs.ok()) return outs.status();
+      device_outs = std::move(*outs);
+      eager_runs_++;
+    }
+    std::vector<at::Tensor> host(device_outs.size());
+    for (size_t i = 0; i < device_outs.size(); ++i) {
+      const at::Tensor& d = device_outs[i];
+      host[i] = OutStaging(i, d.nbytes()).view(d.scalar_type()).view(d.sizes());
+      host[i].copy_(d, /*non_blocking=*/true);
+    }
+    stream_.synchronize();
+    return host;
+  }
+
+  absl::StatusOr<std::string> Prepare() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (options_.graphs.empty()) {
+      memory_bytes_ = ReservedBytes();
+      return std::string("cuda stream, pinned staging, no graphs");
+    }
+    c10::cuda::CUDAGuard device_guard(options_.device);
+    c10::cuda::CUDAStreamGuard stream_guard(stream_);
+    const int64_t before = ReservedBytes();
+    auto t0 = std::chrono::steady_clock::now();
+    pool_ = at::cuda::graph_pool_handle();
+    double warm_ms = 0;
+    double capture_ms = 0;
+    double slowest_ms = 0;
+    GraphShape slowest;
+    for (const GraphShape& shape : options_.graphs) {
+      Graph g;
+      for (const RunnerInput& in : options_.inputs) {
+        std::vector<int64_t> sizes = {shape.batch};
+        for (int64_t d : in.dims) sizes.push_back(d == -1 ? shape.length : d);
+        at::ScalarType type = in.dtype;
+        if (IsFloatingType(type) && options_.compute_type != at::kFloat) {
+          type = options_.compute_type;
+        }
+        g.inputs.push_back(at::full(sizes, in.fill,
+                                    at::TensorOptions().dtype(type).device(options_.device)));
+      }
+      std::vector<c10::IValue> args(g.inputs.begin(), g.inputs.end());
+      auto tw = std::chrono::steady_clock::now();
+      auto t_shape = tw;
+      for (int64_t k = 0; k < options_.graph_warmup_iterations; ++k) {
+        auto outs = unpack_(module_->forward(args));
+        if (!outs.ok()) return Shape(shape, outs.status());
+      }
+      stream_.synchronize();
+      warm_ms += MillisSince(tw);
+      auto tc = std::chrono::steady_clock::now();
+      g.graph = std::make_unique<at::cuda::CUDAGraph>();
+      g.graph->capture_begin(pool_, cudaStreamCaptureModeThreadLocal);
+      absl::StatusOr<std::vector<at::Tensor>> outs;
+      try {
+        outs = unpack_(module_->forward(args));
+      } catch (...) {
+        try {
+          g.graph->capture_end();
+        } catch (...) {
+        }
+        throw;
+      }
+      g.graph->capture_end();
+      if (!outs.ok()) return Shape(shape, outs.status());
+      for (at::Tensor& o : *outs) {
+        if (!o.is_contiguous()) {
+          return Shape(shape, absl::InternalError("the captured output is not contiguous"));
+        }
+      }
+      g.outputs = std::move(*outs);
+      g.graph->replay();
+      stream_.synchronize();
+      capture_ms += MillisSince(tc);
+      if (MillisSince(t_shape) > slowest_ms) {
+        slowest_ms = MillisSince(t_shape);
+        slowest = shape;
+      }
+      graphs_[{shape.batch, shape.length}] = std::move(g);
+      captured_shapes_.push_back(shape);
+    }
+    memory_bytes_ = ReservedBytes();
+    return std::to_string(captured_shapes_.size()) + " cuda graphs in " +
+           Fixed(MillisSince(t0), 1) + " ms (warm-up " + Fixed(warm_ms, 1) + " ms, capture " +
+           Fixed(capture_ms, 1) + " ms; slowest " + std::to_string(slowest.batch) + "x" +
+           std::to_string(slowest.length) + " " + Fixed(slowest_ms, 1) + " ms), graph memory " +
+           Fixed((memory_bytes_ - before) / 1048576.0, 1) + " MiB";
+  }
+
+  int64_t DeviceMemoryBytes() const override { return memory_bytes_; }
+
+  std::string Describe() const override {
+    return "cuda stream " + std::to_string(stream_.id()) + ", pinned staging" +
+           (options_.graphs.empty() ? ", no graphs"
+                                    : ", " + std::to_string(options_.graphs.size()) +
+                                          " cuda graphs planned");
+  }
+
+ private:
+  struct Graph {
+    std::unique_ptr<at::cuda::CUDAGraph> graph;
+    std::vector<at::Tensor> inputs;   // static, on the device
+    std::vector<at::Tensor> outputs;  // static, in the graph pool
+  };
+
+  absl::Status Shape(const GraphShape& s, absl::Status st) {
+    return absl::Status(st.code(), "instance.cuda_graphs: batch " + std::to_string(s.batch) +
+                                       " x length " + std::to_string(s.length) + ": " +
+                                       std::string(st.message()));
+  }
+
+  int64_t ReservedBytes() const {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(options_.device.index());
+    return stats.reserved_bytes[0].current;  // [0] = the aggregate over all pools
+  }
+
+  static at::Tensor Grow(at::Tensor& buf, size_t bytes) {
+    if (!buf.defined() || static_cast<size_t>(buf.numel()) < bytes) {
+      size_t cap = std::max<size_t>(bytes, buf.defined() ? 2 * buf.numel() : 4096);
+      buf = at::empty({static_cast<int64_t>(cap)},
+                      at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    }
+    return buf.narrow(0, 0, static_cast<int64_t>(bytes));
+  }
+
+  // The request's bytes, copied into this input's pinned buffer (the previous batch's copies
+  // finished at its synchronisation, so the buffer is free).
+  at::Tensor Stage(size_t i, const at::Tensor& host) {
+    at::Tensor src = host.contiguous();
+    at::Tensor bytes = Grow(in_staging_[i], src.nbytes());
+    std::memcpy(bytes.data_ptr(), src.data_ptr(), src.nbytes());
+    return bytes.view(src.scalar_type()).view(src.sizes());
+  }
+
+  at::Tensor OutStaging(size_t i, size_t bytes) {
+    if (out_staging_.size() <= i) out_staging_.resize(i + 1);
+    return Grow(out_staging_[i], bytes);
+  }
+
+  torch::jit::Module* module_;
+  UnpackFn unpack_;
+  RunnerOptions options_;
+  c10::cuda::CUDAStream stream_;
+  int seq_input_ = -1;
+  int seq_axis_ = -1;
+
+  std::mutex mu_;
+  std::vector<at::Tensor> in_staging_;
+  std::vector<at::Tensor> out_staging_;
+  decltype(at::cuda::graph_pool_handle()) pool_{0, 0};
+  std::map<std::pair<int64_t, int64_t>, Graph> graphs_;
+  std::vector<GraphShape> captured_shapes_;
+  int64_t memory_bytes_ = 0;
+  uint64_t graph_runs_ = 0;
+  uint64_t eager_runs_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TorchRunner>> MakeCudaRunner(torch::jit::Module* module,
+                                                            UnpackFn unpack,
+                                                            RunnerOptions options) {
+  if (!options.device.is_cuda()) {
+    return absl::InvalidArgumentError("the cuda runner needs a cuda device, got " +
+                                      options.device.str());
+  }
+  return std::unique_ptr<TorchRunner>(
+      new CudaRunner(module, std::move(unpack), std::move(options)));
+}
+
+bool CudaRunnerBuiltIn() { return true; }
+
+}  // namespace kiln
