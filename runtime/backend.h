@@ -25,9 +25,13 @@ class Backend {
   virtual std::string device() const = 0;
   // One line for the load log: backend, device, precision and what loading changed.
   virtual std::string Describe() const { return device(); }
-  // Runs after warm-up, before the model serves: device-side preparation such as capturing
-  // CUDA graphs. Returns one line for the load log (empty when there was nothing to do).
-  virtual absl::StatusOr<std::string> Prepare() { return std::string(); }
+  // Device-side preparation after warm-up, such as capturing CUDA graphs. It runs in the
+  // background while the replica is WARM or SERVING (Execute() keeps working meanwhile, on
+  // whatever is prepared so far) and stops early once `cancelled` returns true. Returns one
+  // line for the log (empty when there was nothing to do).
+  virtual absl::StatusOr<std::string> Prepare(const std::function<bool()>& cancelled) {
+    return std::string();
+  }
   // Device memory this replica holds (weights, activations, graph pools); 0 on cpu.
   virtual int64_t DeviceMemoryBytes() const { return 0; }
 };

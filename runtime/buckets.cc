@@ -205,4 +205,32 @@ std::optional<GraphShape> GraphFor(const std::vector<GraphShape>& plan, int64_t 
   return best;
 }
 
+std::vector<GraphShape> PlanChunks(const std::vector<GraphShape>& captured, int64_t rows,
+                                   int64_t length) {
+  std::vector<int64_t> sizes;
+  for (const GraphShape& s : captured) {
+    if (s.length == length) sizes.push_back(s.batch);
+  }
+  std::vector<GraphShape> chunks;
+  if (sizes.empty() || rows <= 0) return chunks;
+  std::sort(sizes.begin(), sizes.end());
+  int64_t left = rows;
+  while (left > 0) {
+    auto cover = std::lower_bound(sizes.begin(), sizes.end(), left);  // smallest >= left
+    if (cover != sizes.end() && (*cover - left) * 4 <= *cover) {
+      chunks.push_back({*cover, length});
+      break;
+    }
+    if (cover == sizes.begin()) {  // fewer rows left than the smallest graph holds
+      chunks.push_back({*cover, length});
+      break;
+    }
+    int64_t fit = *std::prev(cover);  // largest < left (or the largest of all)
+    if (cover != sizes.end() && *cover == left) fit = left;
+    chunks.push_back({fit, length});
+    left -= fit;
+  }
+  return chunks;
+}
+
 }  // namespace kiln

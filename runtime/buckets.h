@@ -65,4 +65,11 @@ std::vector<GraphShape> PlanGraphs(const ModelConfig& config);
 std::optional<GraphShape> GraphFor(const std::vector<GraphShape>& plan, int64_t rows,
                                    int64_t length);
 
+// Splits a batch of `rows` rows at `length` into captured graph shapes, in order: each piece
+// is the largest captured batch size that fits in the rows left, except that the rest goes
+// into one padded graph when at most a quarter of that graph is padding. Empty when no graph
+// has this length (the batch runs without graphs).
+std::vector<GraphShape> PlanChunks(const std::vector<GraphShape>& captured, int64_t rows,
+                                   int64_t length);
+
 }  // namespace kiln

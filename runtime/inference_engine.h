@@ -71,9 +71,11 @@ class InferenceEngine {
   // Runs the config's warm-up samples straight on the backend; with `once`, only one
   // iteration of the first sample (to wake a parked device before routing).
   absl::Status Warmup(bool once = false);
-  // The backend's device-side preparation (CUDA graph capture), after Warmup(); returns a
-  // line for the load log.
-  absl::StatusOr<std::string> Prepare() { return backend_->Prepare(); }
+  // The backend's device-side preparation (CUDA graph capture), after Warmup(); see
+  // Backend::Prepare.
+  absl::StatusOr<std::string> Prepare(const std::function<bool()>& cancelled) {
+    return backend_->Prepare(cancelled);
+  }
   int64_t device_memory_bytes() const { return backend_->DeviceMemoryBytes(); }
 
   // Validates and queues `request`; `done` runs exactly once (maybe on this thread).

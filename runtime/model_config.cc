@@ -342,7 +342,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
       }
     }
     if (auto inst = root.OptionalChild("instance")) {
-      KILN_RETURN_IF_ERROR(inst->CheckKeys({"device", "threads", "precision", "cuda_graphs"}));
+      KILN_RETURN_IF_ERROR(
+          inst->CheckKeys({"device", "threads", "precision", "cuda_graphs", "jit_optimize",
+                           "freeze"}));
+      KILN_ASSIGN_OR_RETURN(c.instance.jit_optimize, inst->GetBool("jit_optimize", true));
+      KILN_ASSIGN_OR_RETURN(c.instance.freeze, inst->GetBool("freeze", true));
       KILN_ASSIGN_OR_RETURN(c.instance.device, inst->GetString("device", "cpu"));
       KILN_ASSIGN_OR_RETURN(c.instance.threads, inst->GetInt("threads", 0));
       KILN_ASSIGN_OR_RETURN(std::string p, inst->GetString("precision", "fp32"));

@@ -203,23 +203,38 @@ absl::Status RuntimeServer::Load() {
                                                          std::move(backend), &lifecycle_, clock_));
   KILN_RETURN_IF_ERROR(engine_->Warmup());
   absl::Time t2 = clock_->Now();
-  KILN_ASSIGN_OR_RETURN(std::string prepared, engine_->Prepare());
-  absl::Time t3 = clock_->Now();
   host_.SetEngine(engine_.get());
   device_memory_bytes_ = engine_->device_memory_bytes();
-  load_time_micros_ = absl::ToInt64Microseconds(t3 - process_start_);
+  load_time_micros_ = absl::ToInt64Microseconds(t2 - process_start_);
   log->info(
       "loaded {} ({}): process start to load {:.1f} ms, load {:.1f} ms, warmup {:.1f} ms, "
-      "prepare {:.1f} ms{}{}, since process start {:.1f} ms, device memory {:.1f} MiB",
+      "since process start {:.1f} ms, device memory {:.1f} MiB",
       model_.model_file, engine_->backend_description(),
       absl::ToDoubleMilliseconds(t0 - process_start_), absl::ToDoubleMilliseconds(t1 - t0),
-      absl::ToDoubleMilliseconds(t2 - t1), absl::ToDoubleMilliseconds(t3 - t2),
-      prepared.empty() ? "" : ": ", prepared, absl::ToDoubleMilliseconds(t3 - process_start_),
+      absl::ToDoubleMilliseconds(t2 - t1), absl::ToDoubleMilliseconds(t2 - process_start_),
       device_memory_bytes_.load() / 1048576.0);
   KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kWarm, "loaded and warmed up"));
   if (options_.initial_state == "serving") {
     KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kServing, "--initial-state=serving"));
   }
+  // CUDA graphs are captured while the replica already counts as WARM (and may be promoted):
+  // shapes not captured yet run eagerly until their graph exists.
+  prepare_thread_ = std::thread([this]() {
+    auto log = GetLogger("runtime.server");
+    absl::Time start = clock_->Now();
+    auto prepared = engine_->Prepare([this]() { return prepare_cancel_.load(); });
+    device_memory_bytes_ = engine_->device_memory_bytes();
+    if (!prepared.ok()) {
+      log->warn("device preparation stopped: {}; shapes without a graph run eagerly",
+                prepared.status().ToString());
+    } else if (!prepared->empty()) {
+      log->info("device preparation: {} ({:.1f} ms, ready {:.1f} ms after process start), "
+                "device memory {:.1f} MiB",
+                *prepared, absl::ToDoubleMilliseconds(clock_->Now() - start),
+                absl::ToDoubleMilliseconds(clock_->Now() - process_start_),
+                device_memory_bytes_.load() / 1048576.0);
+    }
+  });
   return absl::OkStatus();
 }
 
@@ -338,10 +353,12 @@ void RuntimeServer::Stop() {
     if (stopped_) return;
     stopped_ = true;
   }
+  prepare_cancel_ = true;
   RuntimeState s = lifecycle_.state();
   if (s == RuntimeState::kWarm || s == RuntimeState::kServing) {
     (void)Drain(options_.drain_timeout);
   }
+  if (prepare_thread_.joinable()) prepare_thread_.join();
   if (lifecycle_.state() == RuntimeState::kDraining) {
     (void)lifecycle_.Transition(RuntimeState::kStopped, "shut down");
   }

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include <grpcpp/server.h>
 
@@ -96,6 +97,9 @@ class RuntimeServer : public ControlTarget {
   int http_port_ = 0;
   std::atomic<int64_t> load_time_micros_{0};
   std::atomic<int64_t> device_memory_bytes_{0};
+  // Device preparation (CUDA graph capture) after loading, in the background.
+  std::thread prepare_thread_;
+  std::atomic<bool> prepare_cancel_{false};
 
   absl::Mutex mu_;
   bool shutdown_requested_ ABSL_GUARDED_BY(mu_) = false;

@@ -44,8 +44,11 @@ class TorchRunner {
   // `inputs` are host tensors in config order (they may borrow request memory). The returned
   // host tensors stay valid until the next Run(); callers serialise Run() and copy out.
   virtual absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& inputs) = 0;
-  // Device-side preparation after warm-up (graph capture); a line for the load log.
-  virtual absl::StatusOr<std::string> Prepare() { return std::string(); }
+  // Device-side preparation after warm-up (graph capture), concurrent with Run(); stops early
+  // once `cancelled` returns true. A line for the log.
+  virtual absl::StatusOr<std::string> Prepare(const std::function<bool()>& cancelled) {
+    return std::string();
+  }
   virtual int64_t DeviceMemoryBytes() const { return 0; }
   virtual std::string Describe() const = 0;
 };

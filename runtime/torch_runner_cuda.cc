@@ -17,11 +17,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "runtime/torch_runner.h"
 
@@ -64,7 +66,9 @@ class CudaRunner : public TorchRunner {
   }
 
   absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& inputs) override {
+    runs_waiting_++;
     std::lock_guard<std::mutex> lock(mu_);
+    runs_waiting_--;
     c10::cuda::CUDAGuard device_guard(options_.device);
     c10::cuda::CUDAStreamGuard stream_guard(stream_);
     const int64_t rows = inputs.empty() ? 0 : inputs[0].size(0);
@@ -72,59 +76,89 @@ class CudaRunner : public TorchRunner {
     if (seq_input_ >= 0 && seq_input_ < static_cast<int>(inputs.size())) {
       length = inputs[seq_input_].size(seq_axis_);
     }
-    std::vector<at::Tensor> device_outs;
-    auto graph_shape = GraphFor(captured_shapes_, rows, length);
-    if (graph_shape) {
-      Graph& g = graphs_.at({graph_shape->batch, graph_shape->length});
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        at::Tensor staged = Stage(i, inputs[i]);
-        g.inputs[i].narrow(0, 0, rows).copy_(staged, /*non_blocking=*/true);
-      }
-      g.graph->replay();
-      for (const at::Tensor& out : g.outputs) device_outs.push_back(out.narrow(0, 0, rows));
-      graph_runs_++;
-    } else {
-      std::vector<c10::IValue> args;
-      args.reserve(inputs.size());
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        at::Tensor x = Stage(i, inputs[i]).to(options_.device, /*non_blocking=*/true);
-        if (IsFloatingType(x.scalar_type()) && options_.compute_type != at::kFloat &&
-            x.scalar_type() != options_.compute_type) {
-          x = x.to(options_.compute_type);
+    std::vector<at::Tensor> staged(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) staged[i] = Stage(i, inputs[i]);
+    std::vector<GraphShape> chunks = PlanChunks(captured_shapes_, rows, length);
+    if (!chunks.empty()) {
+      // The batch in graph-sized pieces, all queued on the stream, one synchronisation.
+      std::vector<at::Tensor> host;
+      int64_t offset = 0;
+      for (const GraphShape& c : chunks) {
+        Graph& g = graphs_.at({c.batch, c.length});
+        const int64_t n = std::min(c.batch, rows - offset);
+        for (size_t i = 0; i < staged.size(); ++i) {
+          g.inputs[i].narrow(0, 0, n).copy_(staged[i].narrow(0, offset, n), /*non_blocking=*/true);
         }
-        args.emplace_back(std::move(x));
+        g.graph->replay();
+        if (host.empty()) {
+          for (size_t i = 0; i < g.outputs.size(); ++i) {
+            std::vector<int64_t> sizes(g.outputs[i].sizes().begin(), g.outputs[i].sizes().end());
+            sizes[0] = rows;
+            int64_t bytes = g.outputs[i].element_size();
+            for (int64_t d : sizes) bytes *= d;
+            host.push_back(OutStaging(i, static_cast<size_t>(bytes))
+                               .view(g.outputs[i].scalar_type())
+                               .view(sizes));
+          }
+        }
+        for (size_t i = 0; i < g.outputs.size(); ++i) {
+          host[i].narrow(0, offset, n).copy_(g.outputs[i].narrow(0, 0, n), /*non_blocking=*/true);
+        }
+        offset += n;
       }
-      auto outs = unpack_(module_->forward(std::move(args)));
-      if (!outs.ok()) return outs.status();
-      device_outs = std::move(*outs);
-      eager_runs_++;
+      stream_.synchronize();
+      graph_runs_++;
+      return host;
     }
-    std::vector<at::Tensor> host(device_outs.size());
-    for (size_t i = 0; i < device_outs.size(); ++i) {
-      const at::Tensor& d = device_outs[i];
+    std::vector<c10::IValue> args;
+    args.reserve(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      at::Tensor x = staged[i].to(options_.device, /*non_blocking=*/true);
+      if (IsFloatingType(x.scalar_type()) && options_.compute_type != at::kFloat &&
+          x.scalar_type() != options_.compute_type) {
+        x = x.to(options_.compute_type);
+      }
+      args.emplace_back(std::move(x));
+    }
+    auto outs = unpack_(module_->forward(std::move(args)));
+    if (!outs.ok()) return outs.status();
+    std::vector<at::Tensor> host(outs->size());
+    for (size_t i = 0; i < outs->size(); ++i) {
+      const at::Tensor& d = (*outs)[i];
       host[i] = OutStaging(i, d.nbytes()).view(d.scalar_type()).view(d.sizes());
       host[i].copy_(d, /*non_blocking=*/true);
     }
     stream_.synchronize();
+    eager_runs_++;
     return host;
   }
 
-  absl::StatusOr<std::string> Prepare() override {
-    std::lock_guard<std::mutex> lock(mu_);
+  absl::StatusOr<std::string> Prepare(const std::function<bool()>& cancelled) override {
     if (options_.graphs.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
       memory_bytes_ = ReservedBytes();
       return std::string("cuda stream, pinned staging, no graphs");
     }
-    c10::cuda::CUDAGuard device_guard(options_.device);
-    c10::cuda::CUDAStreamGuard stream_guard(stream_);
-    const int64_t before = ReservedBytes();
+    int64_t before = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      before = ReservedBytes();
+      pool_ = at::cuda::graph_pool_handle();
+    }
     auto t0 = std::chrono::steady_clock::now();
-    pool_ = at::cuda::graph_pool_handle();
     double warm_ms = 0;
     double capture_ms = 0;
     double slowest_ms = 0;
     GraphShape slowest;
     for (const GraphShape& shape : options_.graphs) {
+      if (cancelled && cancelled()) return absl::CancelledError("cancelled");
+      // One shape at a time under the lock, and never ahead of a batch that waits for it
+      // (std::mutex is not fair: relocking at once would starve serving).
+      while (runs_waiting_.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      std::lock_guard<std::mutex> lock(mu_);
+      c10::cuda::CUDAGuard device_guard(options_.device);
+      c10::cuda::CUDAStreamGuard stream_guard(stream_);
+      auto t_shape = std::chrono::steady_clock::now();
       Graph g;
       for (const RunnerInput& in : options_.inputs) {
         std::vector<int64_t> sizes = {shape.batch};
@@ -137,14 +171,12 @@ class CudaRunner : public TorchRunner {
                                     at::TensorOptions().dtype(type).device(options_.device)));
       }
       std::vector<c10::IValue> args(g.inputs.begin(), g.inputs.end());
-      auto tw = std::chrono::steady_clock::now();
-      auto t_shape = tw;
       for (int64_t k = 0; k < options_.graph_warmup_iterations; ++k) {
         auto outs = unpack_(module_->forward(args));
         if (!outs.ok()) return Shape(shape, outs.status());
       }
       stream_.synchronize();
-      warm_ms += MillisSince(tw);
+      warm_ms += MillisSince(t_shape);
       auto tc = std::chrono::steady_clock::now();
       g.graph = std::make_unique<at::cuda::CUDAGraph>();
       g.graph->capture_begin(pool_, cudaStreamCaptureModeThreadLocal);
@@ -175,8 +207,9 @@ class CudaRunner : public TorchRunner {
       }
       graphs_[{shape.batch, shape.length}] = std::move(g);
       captured_shapes_.push_back(shape);
+      memory_bytes_ = ReservedBytes();
     }
-    memory_bytes_ = ReservedBytes();
+    std::lock_guard<std::mutex> lock(mu_);
     return std::to_string(captured_shapes_.size()) + " cuda graphs in " +
            Fixed(MillisSince(t0), 1) + " ms (warm-up " + Fixed(warm_ms, 1) + " ms, capture " +
            Fixed(capture_ms, 1) + " ms; slowest " + std::to_string(slowest.batch) + "x" +
@@ -184,7 +217,7 @@ class CudaRunner : public TorchRunner {
            Fixed((memory_bytes_ - before) / 1048576.0, 1) + " MiB";
   }
 
-  int64_t DeviceMemoryBytes() const override { return memory_bytes_; }
+  int64_t DeviceMemoryBytes() const override { return memory_bytes_.load(); }
 
   std::string Describe() const override {
     return "cuda stream " + std::to_string(stream_.id()) + ", pinned staging" +
@@ -242,12 +275,13 @@ class CudaRunner : public TorchRunner {
   int seq_axis_ = -1;
 
   std::mutex mu_;
+  std::atomic<int> runs_waiting_{0};
   std::vector<at::Tensor> in_staging_;
   std::vector<at::Tensor> out_staging_;
   decltype(at::cuda::graph_pool_handle()) pool_{0, 0};
   std::map<std::pair<int64_t, int64_t>, Graph> graphs_;
   std::vector<GraphShape> captured_shapes_;
-  int64_t memory_bytes_ = 0;
+  std::atomic<int64_t> memory_bytes_{0};
   uint64_t graph_runs_ = 0;
   uint64_t eager_runs_ = 0;
 };

@@ -1,6 +1,7 @@
 #include "runtime/torchscript_backend.h"
 
 #include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
 #include <torch/script.h>
@@ -221,11 +222,10 @@ class TorchScriptBackend : public Backend {
     return d;
   }
 
-  absl::StatusOr<std::string> Prepare() override {
+  absl::StatusOr<std::string> Prepare(const std::function<bool()>& cancelled) override {
     try {
       c10::InferenceMode guard;
-      std::lock_guard<std::mutex> lock(mu_);
-      return runner_->Prepare();
+      return runner_->Prepare(cancelled);
     } catch (const c10::Error& e) {
       return absl::InternalError("device preparation failed: " +
                                  FirstLine(e.what_without_backtrace()));
@@ -283,6 +283,10 @@ class TorchScriptBackend : public Backend {
   std::mutex mu_;  // one Run() at a time: its returned tensors are reused buffers
   std::unique_ptr<TorchRunner> runner_;
 };
+
+double MillisSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
 
 }  // namespace
 
@@ -350,10 +354,10 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateTorchScriptBackend(const ModelCon
       auto t0 = std::chrono::steady_clock::now();
       at::empty({1}, at::TensorOptions().device(device)).zero_();
       torch::cuda::synchronize(device.index());
-      context_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                       .count();
+      context_ms = MillisSince(t0);
     }
     torch::jit::Module module;
+    auto t_load = std::chrono::steady_clock::now();
     try {
       module = torch::jit::load(model_file, device);
     } catch (const c10::Error& e) {
@@ -379,10 +383,13 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateTorchScriptBackend(const ModelCon
     }
     module.eval();
     std::string note;
-    if (compute != at::kFloat || device.is_cuda()) {
-      // Weights and floating inputs go to the reduced type; freezing inlines the graph (so
-      // LayerNorm and Softmax can be found) and folds the weights in.
-      if (compute != at::kFloat) module.to(compute);
+    double load_ms = MillisSince(t_load);
+    auto t_freeze = std::chrono::steady_clock::now();
+    const bool reduced_cpu = compute != at::kFloat && device.is_cpu();
+    if (compute != at::kFloat) module.to(compute);
+    if (reduced_cpu || (device.is_cuda() && config.instance.freeze)) {
+      // Freezing inlines the graph (so LayerNorm and Softmax can be found) and folds the
+      // weights in.
       module = torch::jit::freeze(module);
     }
     if (compute != at::kFloat) {
@@ -397,6 +404,19 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateTorchScriptBackend(const ModelCon
         note = "layer_norm/softmax accumulate in fp32 in their CUDA kernels";
       }
     }
+    double freeze_ms = MillisSince(t_freeze);
+    if (!config.instance.jit_optimize) {
+      // Process-wide, after freezing (which needs the optimiser); one model per process.
+      torch::jit::setGraphExecutorOptimize(false);
+    }
+    char timing[160];
+    std::snprintf(timing, sizeof(timing), "deserialise %.1f ms, freeze %.1f ms%s", load_ms,
+                  freeze_ms, config.instance.jit_optimize ? "" : ", jit optimiser off");
+    if (device.is_cuda() && !config.instance.freeze) {
+      std::snprintf(timing, sizeof(timing), "deserialise %.1f ms, not frozen%s", load_ms,
+                    config.instance.jit_optimize ? "" : ", jit optimiser off");
+    }
+    note += std::string(note.empty() ? "" : "; ") + timing;
     auto backend = std::make_unique<TorchScriptBackend>(config, std::move(module), device,
                                                         compute, note, context_ms);
     absl::Status started = backend->Start();

@@ -75,12 +75,14 @@ sequence_buckets:
 instance:
   device: cuda:0
   precision: fp16
+  jit_optimize: false
+  freeze: false
   cuda_graphs:
-    batch_sizes: [1, 2, 4, 8, 16, 32, 64, 128]
+    batch_sizes: [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
     max_tokens: 16384
-    warmup_iterations: 3
+    warmup_iterations: 2
 warmup:
-  - {name: short, batch_size: 1, iterations: 3, inputs: {input_ids: {dims: [128]}, attention_mask: {dims: [128]}}, data: one}
+  - {name: short, batch_size: 1, iterations: 1, inputs: {input_ids: {dims: [128]}, attention_mask: {dims: [128]}}, data: one}
 """
 
 

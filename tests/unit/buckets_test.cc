@@ -550,3 +550,67 @@ TEST(GraphForTest, NothingWhenNoGraphFits) {
 
 }  // namespace
 }  // namespace kiln
+
+namespace chunks {
+
+std::vector<kiln::GraphShape> Shapes(std::vector<int64_t> batches, int64_t length) {
+  std::vector<kiln::GraphShape> out;
+  for (int64_t b : batches) out.push_back({b, length});
+  return out;
+}
+
+std::vector<int64_t> Batches(const std::vector<kiln::GraphShape>& chunks, int64_t length) {
+  std::vector<int64_t> out;
+  for (const auto& c : chunks) {
+    EXPECT_EQ(c.length, length);
+    out.push_back(c.batch);
+  }
+  return out;
+}
+
+TEST(PlanChunksTest, ExactSizesRunAsOneGraph) {
+  auto captured = Shapes({1, 2, 4, 8, 16, 32, 48, 64}, 128);
+  EXPECT_EQ(Batches(kiln::PlanChunks(captured, 32, 128), 128), (std::vector<int64_t>{32}));
+  EXPECT_EQ(Batches(kiln::PlanChunks(captured, 1, 128), 128), (std::vector<int64_t>{1}));
+}
+
+TEST(PlanChunksTest, PadsOnlyWhenAtMostAQuarterIsPadding) {
+  auto captured = Shapes({1, 2, 4, 8, 16, 32, 48, 64}, 128);
+  // 40 -> 48 wastes 8/48: one padded graph.
+  EXPECT_EQ(Batches(kiln::PlanChunks(captured, 40, 128), 128), (std::vector<int64_t>{48}));
+  // 35 -> 48 would waste 13/48: 32 then 3 padded into 4.
+  EXPECT_EQ(Batches(kiln::PlanChunks(captured, 35, 128), 128), (std::vector<int64_t>{32, 4}));
+  // 5 -> 8 would waste 3/8: 4 then 1.
+  EXPECT_EQ(Batches(kiln::PlanChunks(captured, 5, 128), 128), (std::vector<int64_t>{4, 1}));
+}
+
+TEST(PlanChunksTest, MoreRowsThanTheLargestGraphRunAsSeveral) {
+  auto captured = Shapes({2, 4}, 4096);
+  EXPECT_EQ(Batches(kiln::PlanChunks(captured, 11, 4096), 4096), (std::vector<int64_t>{4, 4, 4}));  // 3 left: 4 is a quarter padding
+  // Fewer rows left than the smallest graph: padded into it.
+  EXPECT_EQ(Batches(kiln::PlanChunks(captured, 1, 4096), 4096), (std::vector<int64_t>{2}));
+}
+
+TEST(PlanChunksTest, EveryRowIsCoveredExactlyOnce) {
+  auto captured = Shapes({1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128}, 64);
+  for (int64_t rows = 1; rows <= 300; ++rows) {
+    auto plan = kiln::PlanChunks(captured, rows, 64);
+    ASSERT_FALSE(plan.empty()) << rows;
+    int64_t covered = 0;
+    for (size_t i = 0; i < plan.size(); ++i) {
+      int64_t take = std::min(plan[i].batch, rows - covered);
+      ASSERT_GT(take, 0) << "rows " << rows << ": chunk " << i << " takes nothing";
+      covered += take;
+    }
+    EXPECT_EQ(covered, rows);
+  }
+}
+
+TEST(PlanChunksTest, NoGraphAtThisLengthMeansNoPlan) {
+  auto captured = Shapes({1, 2, 4}, 128);
+  EXPECT_TRUE(kiln::PlanChunks(captured, 3, 256).empty());
+  EXPECT_TRUE(kiln::PlanChunks({}, 3, 128).empty());
+  EXPECT_TRUE(kiln::PlanChunks(captured, 0, 128).empty());
+}
+
+}  // namespace chunks
