@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -150,64 +151,80 @@ class CudaRunner : public TorchRunner {
     double capture_ms = 0;
     double slowest_ms = 0;
     GraphShape slowest;
+    // Largest first (the plan's order), so smaller graphs reuse the pool memory the largest
+    // one sized; no single step below holds the device for more than one forward.
     for (const GraphShape& shape : options_.graphs) {
-      if (cancelled && cancelled()) return absl::CancelledError("cancelled");
-      // One shape at a time under the lock, and never ahead of a batch that waits for it
-      // (std::mutex is not fair: relocking at once would starve serving).
-      while (runs_waiting_.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
-      std::lock_guard<std::mutex> lock(mu_);
-      c10::cuda::CUDAGuard device_guard(options_.device);
-      c10::cuda::CUDAStreamGuard stream_guard(stream_);
       auto t_shape = std::chrono::steady_clock::now();
       Graph g;
-      for (const RunnerInput& in : options_.inputs) {
-        std::vector<int64_t> sizes = {shape.batch};
-        for (int64_t d : in.dims) sizes.push_back(d == -1 ? shape.length : d);
-        at::ScalarType type = in.dtype;
-        if (IsFloatingType(type) && options_.compute_type != at::kFloat) {
-          type = options_.compute_type;
+      std::vector<c10::IValue> args;
+      // Every forward and the capture take the lock on their own, never ahead of a batch that
+      // waits for it (std::mutex is not fair: relocking at once would starve serving), so a
+      // request waits at most one forward of the shape being captured.
+      auto step = [&](const std::function<absl::Status()>& fn) -> absl::Status {
+        if (cancelled && cancelled()) return absl::CancelledError("cancelled");
+        while (runs_waiting_.load() > 0) {
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
         }
-        g.inputs.push_back(at::full(sizes, in.fill,
-                                    at::TensorOptions().dtype(type).device(options_.device)));
-      }
-      std::vector<c10::IValue> args(g.inputs.begin(), g.inputs.end());
+        std::lock_guard<std::mutex> lock(mu_);
+        c10::cuda::CUDAGuard device_guard(options_.device);
+        c10::cuda::CUDAStreamGuard stream_guard(stream_);
+        absl::Status st = fn();
+        stream_.synchronize();
+        return st;
+      };
+      absl::Status st = step([&]() {
+        for (const RunnerInput& in : options_.inputs) {
+          std::vector<int64_t> sizes = {shape.batch};
+          for (int64_t d : in.dims) sizes.push_back(d == -1 ? shape.length : d);
+          at::ScalarType type = in.dtype;
+          if (IsFloatingType(type) && options_.compute_type != at::kFloat) {
+            type = options_.compute_type;
+          }
+          g.inputs.push_back(at::full(sizes, in.fill,
+                                      at::TensorOptions().dtype(type).device(options_.device)));
+        }
+        args.assign(g.inputs.begin(), g.inputs.end());
+        return absl::OkStatus();
+      });
+      if (!st.ok()) return st.code() == absl::StatusCode::kCancelled ? st : Shape(shape, st);
       for (int64_t k = 0; k < options_.graph_warmup_iterations; ++k) {
-        auto outs = unpack_(module_->forward(args));
-        if (!outs.ok()) return Shape(shape, outs.status());
+        st = step([&]() { return unpack_(module_->forward(args)).status(); });
+        if (!st.ok()) return st.code() == absl::StatusCode::kCancelled ? st : Shape(shape, st);
       }
-      stream_.synchronize();
       warm_ms += MillisSince(t_shape);
       auto tc = std::chrono::steady_clock::now();
-      g.graph = std::make_unique<at::cuda::CUDAGraph>();
-      g.graph->capture_begin(pool_, cudaStreamCaptureModeThreadLocal);
-      absl::StatusOr<std::vector<at::Tensor>> outs;
-      try {
-        outs = unpack_(module_->forward(args));
-      } catch (...) {
+      st = step([&]() -> absl::Status {
+        g.graph = std::make_unique<at::cuda::CUDAGraph>();
+        g.graph->capture_begin(pool_, cudaStreamCaptureModeThreadLocal);
+        absl::StatusOr<std::vector<at::Tensor>> outs;
         try {
-          g.graph->capture_end();
+          outs = unpack_(module_->forward(args));
         } catch (...) {
+          try {
+            g.graph->capture_end();
+          } catch (...) {
+          }
+          throw;
         }
-        throw;
-      }
-      g.graph->capture_end();
-      if (!outs.ok()) return Shape(shape, outs.status());
-      for (at::Tensor& o : *outs) {
-        if (!o.is_contiguous()) {
-          return Shape(shape, absl::InternalError("the captured output is not contiguous"));
+        g.graph->capture_end();
+        if (!outs.ok()) return outs.status();
+        for (at::Tensor& o : *outs) {
+          if (!o.is_contiguous()) return absl::InternalError("the captured output is not contiguous");
         }
-      }
-      g.outputs = std::move(*outs);
-      g.graph->replay();
-      stream_.synchronize();
+        g.outputs = std::move(*outs);
+        g.graph->replay();
+        stream_.synchronize();
+        graphs_[{shape.batch, shape.length}] = std::move(g);
+        captured_shapes_.push_back(shape);
+        memory_bytes_ = ReservedBytes();
+        return absl::OkStatus();
+      });
+      if (!st.ok()) return st.code() == absl::StatusCode::kCancelled ? st : Shape(shape, st);
       capture_ms += MillisSince(tc);
       if (MillisSince(t_shape) > slowest_ms) {
         slowest_ms = MillisSince(t_shape);
         slowest = shape;
       }
-      graphs_[{shape.batch, shape.length}] = std::move(g);
-      captured_shapes_.push_back(shape);
-      memory_bytes_ = ReservedBytes();
     }
     std::lock_guard<std::mutex> lock(mu_);
     return std::to_string(captured_shapes_.size()) + " cuda graphs in " +
