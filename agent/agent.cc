@@ -330,6 +330,7 @@ v1::ReplicaStatus ToStatus(const ReplicaView& v) {
   s.set_crash_loop(v.crash_loop);
   s.set_cpus(v.cpus);
   s.set_gpu_memory_bytes(v.spec.gpu_memory_bytes());
+  s.set_measured_gpu_memory_bytes(v.device_memory_bytes);
   return s;
 }
 }  // namespace
@@ -599,6 +600,7 @@ std::string Agent::ReplicasJson() const {
                                {"health_reason", v.health_reason},
                                {"adopted", v.adopted},
                                {"cpus", v.cpus},
+                               {"device_memory_bytes", v.device_memory_bytes},
                                {"last_error", v.last_error}});
   }
   return out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);

@@ -64,6 +64,11 @@ void FakeRuntimeClientFactory::Set(const std::string& socket, v1::LifecycleState
   if (grpc_port) r.state.set_grpc_port(grpc_port);
 }
 
+void FakeRuntimeClientFactory::SetDeviceMemory(const std::string& socket, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  runtimes_[socket].state.set_device_memory_bytes(bytes);
+}
+
 void FakeRuntimeClientFactory::SetReachable(const std::string& socket, bool reachable) {
   absl::MutexLock lock(&mu_);
   runtimes_[socket].reachable = reachable;

@@ -26,6 +26,7 @@ class FakeRuntimeClientFactory : public RuntimeClientFactory {
   void Set(const std::string& socket, v1::LifecycleState state, const std::string& model = "",
            const std::string& version = "", int grpc_port = 0);
   void SetReachable(const std::string& socket, bool reachable);
+  void SetDeviceMemory(const std::string& socket, int64_t bytes);
   Runtime Get(const std::string& socket) const;
 
  private:

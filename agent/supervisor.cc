@@ -297,6 +297,7 @@ void Supervisor::Observe(Replica& r) {
   r.observed = st->state();
   r.grpc_port = st->grpc_port();
   r.http_port = st->http_port();
+  r.device_memory_bytes = st->device_memory_bytes();
   if (r.observed == v1::FAILED) r.last_error = st->failure_reason();
   if (r.phase == Phase::kStarting && (r.observed == v1::WARM || r.observed == v1::SERVING)) {
     r.phase = Phase::kRunning;
@@ -464,6 +465,7 @@ absl::Status Supervisor::Recover() {
     r.observed = st->state();
     r.grpc_port = st->grpc_port();
     r.http_port = st->http_port();
+    r.device_memory_bytes = st->device_memory_bytes();
     r.restarts = e.value("restarts", 0);
     r.adopted = true;
     r.control_ok = true;
@@ -506,6 +508,7 @@ void Supervisor::Publish() {
     v.cpus = FormatCpuList(r.cpus.cpus);
     v.socket = r.socket;
     v.device = Device(r.spec);
+    v.device_memory_bytes = r.device_memory_bytes;
     views->push_back(std::move(v));
   }
   absl::MutexLock lock(&snapshot_mu_);

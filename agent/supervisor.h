@@ -64,6 +64,9 @@ struct ReplicaView {
   std::string cpus;
   std::string socket;
   std::string device;
+  // Device memory the runtime reports holding (weights, activations, CUDA graph pools);
+  // 0 until it reports, and on cpu.
+  int64_t device_memory_bytes = 0;
 };
 
 // Owns every kiln-runtime process on the node: starts replicas with their CPU set and memory
@@ -103,6 +106,7 @@ class Supervisor {
   struct Replica {
     v1::ReplicaSpec spec;
     CpuAssignment cpus;
+    int64_t device_memory_bytes = 0;
     Phase phase = Phase::kPending;
     pid_t pid = 0;
     std::string socket;

@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "gtest/gtest.h"
+#include "runtime/buckets.h"
 #include "runtime/inference_engine.h"
 #include "runtime/model_config.h"
 #include "runtime/torchscript_backend.h"
@@ -299,6 +300,35 @@ TEST_F(BucketEngineTest, WarmupRunsTheSampleAtItsBucket) {
     EXPECT_EQ(Int64s(call[0]), (std::vector<int64_t>{0, 0, 0, kPadId, 0, 0, 0, kPadId}));
     EXPECT_EQ(Int64s(call[1]), (std::vector<int64_t>(8, 0)));
   }
+}
+
+}  // namespace
+}  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// A config written for a GPU (cuda_graphs on) still loads and serves on cpu: graphs are a
+// device concern, so the cpu runner ignores them and device preparation has nothing to do.
+TEST(CudaGraphsConfigOnCpuTest, LoadsServesAndPreparesNothing) {
+  auto m = ResolveModel(kRepo, "tokens", "");
+  ASSERT_TRUE(m.ok()) << m.status();
+  ModelConfig config = m->config;
+  config.instance.cuda_graphs.enable = true;
+  config.instance.cuda_graphs.batch_sizes = {1, 2, 4};
+  ASSERT_TRUE(ValidateModelConfig(config).ok());
+  ASSERT_EQ(PlanGraphs(config).size(), 9u);  // 3 batch sizes x 3 buckets
+  BackendOptions options;
+  auto backend = CreateTorchScriptBackend(config, m->model_file, options);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto prepared = (*backend)->Prepare([] { return false; });
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  EXPECT_EQ(*prepared, "");
+  EXPECT_EQ((*backend)->DeviceMemoryBytes(), 0);
+  auto out = (*backend)->Execute({Int64Rows("input_ids", {{5, 6, 7, 8}}),
+                                  Int64Rows("attention_mask", {{1, 1, 1, 0}})});
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->at(0).shape, (std::vector<int64_t>{1, 4, 2}));
 }
 
 }  // namespace

@@ -132,6 +132,20 @@ TEST_F(SupervisorTest, StartsReplicasPinnedAndPromotesToTheirState) {
   EXPECT_EQ(launcher_.launches().size(), 2u);
 }
 
+TEST_F(SupervisorTest, TheDeviceMemoryARuntimeReportsIsKeptPerReplica) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)})).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("a")->device_memory_bytes, 0);  // not reported yet
+  runtimes_.Set(Socket("a"), v1::WARM, "enc", "1", 5001);
+  runtimes_.SetDeviceMemory(Socket("a"), 1200LL << 20);
+  sup_->Tick();
+  EXPECT_EQ(View("a")->device_memory_bytes, 1200LL << 20);
+  // Graph capture finishes later and the figure grows: the next observation has it.
+  runtimes_.SetDeviceMemory(Socket("a"), 2830LL << 20);
+  sup_->Tick();
+  EXPECT_EQ(View("a")->device_memory_bytes, 2830LL << 20);
+}
+
 TEST_F(SupervisorTest, CrashesRestartWithBackoffAndCrashLoopsAreReported) {
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
   sup_->Tick();
