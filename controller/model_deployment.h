@@ -1,0 +1,107 @@
+#pragma once
+
+// ModelDeployment: the desired state of one served model (../shared/DESIGN.md). The same
+// schema arrives as YAML (`kilnctl apply -f`), REST JSON and, later, the Kubernetes CRD
+// `modeldeployments.serving.kiln.dev`. Parsing maps the document onto typed structs and
+// validation names the field and the reason for every error; unknown fields are errors.
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "nlohmann/json.hpp"
+
+namespace kiln {
+
+inline constexpr char kModelDeploymentApiVersion[] = "serving.kiln.dev/v1alpha1";
+inline constexpr char kModelDeploymentKind[] = "ModelDeployment";
+
+struct ModelRef {
+  std::string name;
+  std::string version;
+  std::string uri;                    // file:///models/NAME/V/model.pt
+  std::string format = "torchscript";  // torchscript | aotinductor
+  std::string sha256;                 // optional: 64 hex digits
+};
+
+struct Autoscale {
+  int64_t min = 1;
+  int64_t max = 1;
+  double target_in_flight = 1;
+};
+
+struct Resources {
+  int64_t gpus = 0;  // 0 = a CPU replica
+  int64_t gpu_memory_bytes = 0;
+  int64_t cpus = 1;
+};
+
+struct RuntimeSettings {
+  std::string precision = "fp32";  // fp32 | fp16 | bf16
+  int64_t max_batch_size = 0;      // 0 = the model's config
+  std::vector<int64_t> preferred_batch_sizes;
+  int64_t max_queue_delay_micros = 0;
+  int64_t priority_levels = 1;
+  int64_t response_cache_max_bytes = 0;  // 0 = off
+};
+
+struct RolloutStep {
+  int64_t weight = 0;                               // percent of traffic to the new version
+  absl::Duration pause = absl::ZeroDuration();      // how long to hold this step
+  bool pause_until_resumed = false;                 // `pause: {}`: wait for `rollout resume`
+};
+
+struct Analysis {
+  double max_error_rate = 0.01;
+  double max_latency_p99_ratio = 1.25;
+  int64_t min_requests = 200;
+};
+
+struct RolloutSpec {
+  std::string strategy = "Canary";  // Canary | BlueGreen | ABTest
+  std::vector<RolloutStep> steps;
+  Analysis analysis;
+  std::string sticky_key;  // header:NAME (ABTest)
+  int64_t max_surge = 1;
+  int64_t max_unavailable = 0;
+  absl::Duration scale_down_delay = absl::Seconds(30);  // BlueGreen: old set drained after
+};
+
+struct ModelDeploymentSpec {
+  ModelRef model;
+  int64_t replicas = 1;
+  std::optional<Autoscale> autoscale;
+  int64_t warm_pool = 0;
+  Resources resources;
+  RuntimeSettings runtime;
+  RolloutSpec rollout;
+};
+
+struct ModelDeployment {
+  std::string name;
+  std::map<std::string, std::string> labels;
+  ModelDeploymentSpec spec;
+};
+
+// Parses one ModelDeployment from YAML or JSON text (JSON is YAML). `source` names the
+// document in errors ("embedder.yaml", "request body").
+absl::StatusOr<ModelDeployment> ParseModelDeployment(const std::string& text,
+                                                     const std::string& source);
+// Every document of a multi-document YAML stream ("---" separated).
+absl::StatusOr<std::vector<ModelDeployment>> ParseModelDeployments(const std::string& text,
+                                                                   const std::string& source);
+absl::Status ValidateModelDeployment(const ModelDeployment& d);
+
+// The spec as stored and served: canonical JSON with every default filled in, so that two
+// documents meaning the same thing store the same bytes.
+nlohmann::json SpecToJson(const ModelDeploymentSpec& spec);
+// "30s", "1m30s", "500ms", "2h" (Argo Rollouts' duration strings) and their formatting.
+absl::StatusOr<absl::Duration> ParseDurationString(const std::string& text,
+                                                   const std::string& field);
+std::string FormatDurationString(absl::Duration d);
+
+}  // namespace kiln

@@ -1,0 +1,66 @@
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "controller/store.h"
+
+struct sqlite3;
+
+namespace kiln {
+
+// The embedded store: one SQLite database (`DIR/kiln.db`) in WAL mode with synchronous
+// commits, so a write that returned survives the controller being killed at any moment. Each
+// write is one transaction (object row, resourceVersion counter and event together). The
+// newest `event_retention` events are kept for watchers. Thread-safe.
+class SqliteStore : public Store {
+ public:
+  struct Options {
+    std::string state_dir;
+    int64_t event_retention = 10000;
+  };
+  static absl::StatusOr<std::unique_ptr<SqliteStore>> Open(Options options, Clock* clock);
+  ~SqliteStore() override;
+
+  absl::StatusOr<StoredObject> Get(const std::string& kind, const std::string& name) override;
+  absl::StatusOr<std::vector<StoredObject>> List(const std::string& kind) override;
+  absl::StatusOr<StoredObject> Create(const std::string& kind, const std::string& name,
+                                      const std::string& spec) override;
+  absl::StatusOr<StoredObject> Update(const std::string& kind, const std::string& name,
+                                      const std::string& spec,
+                                      int64_t expected_resource_version) override;
+  absl::StatusOr<StoredObject> UpdateStatus(const std::string& kind, const std::string& name,
+                                            const std::string& status,
+                                            int64_t expected_resource_version) override;
+  absl::Status Delete(const std::string& kind, const std::string& name,
+                      int64_t expected_resource_version) override;
+  absl::StatusOr<int64_t> CurrentResourceVersion() override;
+  absl::StatusOr<std::vector<WatchEvent>> EventsSince(int64_t resource_version,
+                                                      int limit) override;
+  bool WaitForChange(int64_t resource_version, absl::Duration timeout) override;
+
+  const std::string& path() const { return path_; }
+
+ private:
+  SqliteStore(Options options, Clock* clock, sqlite3* db, std::string path);
+  absl::Status Exec(const std::string& sql) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<StoredObject> GetLocked(const std::string& kind, const std::string& name)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<int64_t> MetaLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes `object` (or removes it when `deleted`) with the next resourceVersion and its event,
+  // in one transaction.
+  absl::StatusOr<StoredObject> CommitLocked(StoredObject object, WatchEvent::Type type)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckVersion(const StoredObject& current, int64_t expected) const;
+
+  const Options options_;
+  Clock* clock_;
+  const std::string path_;
+  absl::Mutex mu_;
+  sqlite3* db_ ABSL_GUARDED_BY(mu_);
+  int64_t current_rv_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kiln
