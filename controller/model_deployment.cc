@@ -82,7 +82,18 @@ absl::StatusOr<ModelDeployment> FromNode(const ConfigNode& root) {
   ModelDeployment d;
   KILN_ASSIGN_OR_RETURN(ConfigNode meta, root.Child("metadata"));
   KILN_RETURN_IF_ERROR(meta.ExpectMap());
-  KILN_RETURN_IF_ERROR(meta.CheckKeys({"name", "labels", "annotations"}));
+  // The server-set fields may come back from a client that edits what it read; only
+  // resourceVersion is used (for optimistic concurrency), the others are ignored.
+  KILN_RETURN_IF_ERROR(meta.CheckKeys({"name", "labels", "annotations", "resourceVersion", "uid",
+                                       "generation", "creationTimestamp"}));
+  if (auto rv = meta.OptionalChild("resourceVersion")) {
+    KILN_ASSIGN_OR_RETURN(std::string text, rv->AsString());
+    if (text.empty() || text.size() > 18 ||
+        !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      return rv->Error("must be a resourceVersion this server returned, got '" + text + "'");
+    }
+    d.resource_version = std::stoll(text);
+  }
   KILN_ASSIGN_OR_RETURN(ConfigNode name, meta.Child("name"));
   KILN_ASSIGN_OR_RETURN(d.name, name.AsString());
   if (auto labels = meta.OptionalChild("labels")) {

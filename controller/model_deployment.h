@@ -85,6 +85,9 @@ struct ModelDeployment {
   std::string name;
   std::map<std::string, std::string> labels;
   ModelDeploymentSpec spec;
+  // metadata.resourceVersion as sent back by a client that read the object first (0 when
+  // absent): an update then succeeds only if nobody wrote in between.
+  int64_t resource_version = 0;
 };
 
 // Parses one ModelDeployment from YAML or JSON text (JSON is YAML). `source` names the

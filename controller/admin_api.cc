@@ -1,0 +1,230 @@
+#include "controller/admin_api.h"
+
+#include "absl/time/time.h"
+#include "controller/model_deployment.h"
+
+namespace kiln {
+
+namespace {
+
+// The stored "spec" column: the user's part of the object (labels and spec).
+std::string Envelope(const ModelDeployment& d) {
+  nlohmann::json labels = nlohmann::json::object();
+  for (const auto& [k, v] : d.labels) labels[k] = v;
+  return nlohmann::json{{"labels", labels}, {"spec", SpecToJson(d.spec)}}.dump();
+}
+
+nlohmann::json ParseOr(const std::string& text, nlohmann::json def) {
+  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  return j.is_discarded() ? def : j;
+}
+
+// The stored object back as a ModelDeployment (for edits such as scale).
+absl::StatusOr<ModelDeployment> Decode(const StoredObject& o) {
+  nlohmann::json env = ParseOr(o.spec, nlohmann::json::object());
+  nlohmann::json doc = {{"apiVersion", kModelDeploymentApiVersion},
+                        {"kind", kModelDeploymentKind},
+                        {"metadata", {{"name", o.name}, {"labels", env.value("labels", nlohmann::json::object())}}},
+                        {"spec", env.value("spec", nlohmann::json::object())}};
+  return ParseModelDeployment(doc.dump(), "stored " + o.name);
+}
+
+ApiResponse Json(int code, const nlohmann::json& j) {
+  ApiResponse r;
+  r.code = code;
+  r.body = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return r;
+}
+
+const char* ReasonFor(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInvalidArgument:
+      return "Invalid";
+    case absl::StatusCode::kNotFound:
+      return "NotFound";
+    case absl::StatusCode::kAlreadyExists:
+      return "AlreadyExists";
+    case absl::StatusCode::kAborted:
+      return "Conflict";
+    case absl::StatusCode::kUnauthenticated:
+      return "Unauthorized";
+    case absl::StatusCode::kOutOfRange:
+      return "Gone";
+    case absl::StatusCode::kUnimplemented:
+      return "MethodNotAllowed";
+    default:
+      return "InternalError";
+  }
+}
+
+}  // namespace
+
+int HttpCodeFor(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInvalidArgument:
+      return 400;
+    case absl::StatusCode::kUnauthenticated:
+      return 401;
+    case absl::StatusCode::kNotFound:
+      return 404;
+    case absl::StatusCode::kUnimplemented:
+      return 405;
+    case absl::StatusCode::kAlreadyExists:
+    case absl::StatusCode::kAborted:
+      return 409;
+    case absl::StatusCode::kOutOfRange:
+      return 410;
+    case absl::StatusCode::kUnavailable:
+      return 503;
+    default:
+      return 500;
+  }
+}
+
+ApiResponse ErrorResponse(const absl::Status& status) {
+  int code = HttpCodeFor(status.code());
+  return Json(code, {{"apiVersion", "v1"},
+                     {"kind", "Status"},
+                     {"status", "Failure"},
+                     {"message", std::string(status.message())},
+                     {"reason", ReasonFor(status.code())},
+                     {"code", code}});
+}
+
+AdminApi::AdminApi(Store* store, std::string token) : store_(store), token_(std::move(token)) {}
+
+nlohmann::json AdminApi::Render(const StoredObject& o) {
+  nlohmann::json env = ParseOr(o.spec, nlohmann::json::object());
+  nlohmann::json meta = {{"name", o.name},
+                         {"uid", o.uid},
+                         {"generation", o.generation},
+                         {"resourceVersion", std::to_string(o.resource_version)},
+                         {"creationTimestamp",
+                          absl::FormatTime("%Y-%m-%dT%H:%M:%SZ",
+                                           absl::FromUnixMicros(o.created_unix_micros),
+                                           absl::UTCTimeZone())}};
+  if (env.contains("labels") && !env["labels"].empty()) meta["labels"] = env["labels"];
+  return {{"apiVersion", kModelDeploymentApiVersion},
+          {"kind", kModelDeploymentKind},
+          {"metadata", meta},
+          {"spec", env.value("spec", nlohmann::json::object())},
+          {"status", ParseOr(o.status, nlohmann::json::object())}};
+}
+
+ApiResponse AdminApi::Handle(const ApiRequest& r) {
+  if (r.path == "/healthz") {
+    ApiResponse ok;
+    ok.body = "ok\n";
+    ok.content_type = "text/plain";
+    return ok;
+  }
+  if (!token_.empty() && r.authorization != "Bearer " + token_) {
+    return ErrorResponse(absl::UnauthenticatedError(
+        r.authorization.empty() ? "this server needs Authorization: Bearer <token>"
+                                : "the bearer token is not valid"));
+  }
+  const std::string prefix = kDeploymentsPath;
+  if (r.path.rfind(prefix, 0) != 0) {
+    return ErrorResponse(absl::NotFoundError("no such path: " + r.path));
+  }
+  std::string rest = r.path.substr(prefix.size());
+  if (rest.empty() || rest == "/") {
+    if (r.method == "GET") {
+      auto list = store_->List(kModelDeploymentKind);
+      if (!list.ok()) return ErrorResponse(list.status());
+      auto rv = store_->CurrentResourceVersion();
+      nlohmann::json items = nlohmann::json::array();
+      for (const auto& o : *list) items.push_back(Render(o));
+      return Json(200, {{"apiVersion", kModelDeploymentApiVersion},
+                        {"kind", "ModelDeploymentList"},
+                        {"metadata", {{"resourceVersion", std::to_string(rv.ok() ? *rv : 0)}}},
+                        {"items", items}});
+    }
+    if (r.method == "POST") return Create(r.body);
+    return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
+  }
+  if (rest[0] != '/') return ErrorResponse(absl::NotFoundError("no such path: " + r.path));
+  rest = rest.substr(1);
+  std::string name = rest;
+  std::string sub;
+  if (size_t slash = rest.find('/'); slash != std::string::npos) {
+    name = rest.substr(0, slash);
+    sub = rest.substr(slash + 1);
+  }
+  if (name.empty()) return ErrorResponse(absl::NotFoundError("no such path: " + r.path));
+  if (sub == "scale") {
+    if (r.method == "PUT") return Scale(name, r.body);
+    if (r.method != "GET") {
+      return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
+    }
+    auto o = store_->Get(kModelDeploymentKind, name);
+    if (!o.ok()) return ErrorResponse(o.status());
+    nlohmann::json obj = Render(*o);
+    return Json(200, {{"kind", "Scale"},
+                      {"metadata", {{"name", name}, {"resourceVersion", obj["metadata"]["resourceVersion"]}}},
+                      {"spec", {{"replicas", obj["spec"].value("replicas", 0)}}},
+                      {"status", {{"replicas", obj["status"].value("replicas", 0)}}}});
+  }
+  if (!sub.empty()) return ErrorResponse(absl::NotFoundError("no such path: " + r.path));
+  if (r.method == "GET") {
+    auto o = store_->Get(kModelDeploymentKind, name);
+    if (!o.ok()) return ErrorResponse(o.status());
+    return Json(200, Render(*o));
+  }
+  if (r.method == "PUT") return Replace(name, r.body);
+  if (r.method == "DELETE") {
+    auto o = store_->Get(kModelDeploymentKind, name);
+    if (!o.ok()) return ErrorResponse(o.status());
+    absl::Status s = store_->Delete(kModelDeploymentKind, name, o->resource_version);
+    if (!s.ok()) return ErrorResponse(s);
+    return Json(200, {{"apiVersion", "v1"}, {"kind", "Status"}, {"status", "Success"},
+                      {"details", {{"name", name}, {"kind", "modeldeployments"}}}});
+  }
+  return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
+}
+
+ApiResponse AdminApi::Create(const std::string& body) {
+  auto d = ParseModelDeployment(body, "request body");
+  if (!d.ok()) return ErrorResponse(d.status());
+  auto o = store_->Create(kModelDeploymentKind, d->name, Envelope(*d));
+  if (!o.ok()) return ErrorResponse(o.status());
+  return Json(201, Render(*o));
+}
+
+ApiResponse AdminApi::Replace(const std::string& name, const std::string& body) {
+  auto d = ParseModelDeployment(body, "request body");
+  if (!d.ok()) return ErrorResponse(d.status());
+  if (d->name != name) {
+    return ErrorResponse(absl::InvalidArgumentError(
+        "metadata.name: '" + d->name + "' does not match the name in the path '" + name + "'"));
+  }
+  auto o = store_->Update(kModelDeploymentKind, name, Envelope(*d), d->resource_version);
+  if (!o.ok()) return ErrorResponse(o.status());
+  return Json(200, Render(*o));
+}
+
+ApiResponse AdminApi::Scale(const std::string& name, const std::string& body) {
+  auto j = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("spec") || !j["spec"].is_object() ||
+      !j["spec"].contains("replicas") || !j["spec"]["replicas"].is_number_integer()) {
+    return ErrorResponse(absl::InvalidArgumentError(
+        "spec.replicas: the body must be {\"spec\": {\"replicas\": N}} with an integer N"));
+  }
+  auto o = store_->Get(kModelDeploymentKind, name);
+  if (!o.ok()) return ErrorResponse(o.status());
+  auto d = Decode(*o);
+  if (!d.ok()) return ErrorResponse(d.status());
+  if (d->spec.autoscale) {
+    return ErrorResponse(absl::InvalidArgumentError(
+        "spec.replicas: '" + name + "' autoscales (spec.autoscale); change its min and max instead"));
+  }
+  d->spec.replicas = j["spec"]["replicas"].get<int64_t>();
+  if (absl::Status s = ValidateModelDeployment(*d); !s.ok()) return ErrorResponse(s);
+  auto updated = store_->Update(kModelDeploymentKind, name, Envelope(*d), o->resource_version);
+  if (!updated.ok()) return ErrorResponse(updated.status());
+  return Json(200, {{"kind", "Scale"},
+                    {"metadata", {{"name", name}, {"resourceVersion", std::to_string(updated->resource_version)}}},
+                    {"spec", {{"replicas", d->spec.replicas}}}});
+}
+
+}  // namespace kiln

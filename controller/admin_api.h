@@ -1,0 +1,64 @@
+#pragma once
+
+// The controller's admin API over the Store, Kubernetes-shaped so kubectl habits carry over:
+//
+//   GET    /apis/serving.kiln.dev/v1alpha1/modeldeployments            list
+//   POST   /apis/serving.kiln.dev/v1alpha1/modeldeployments            create (YAML or JSON)
+//   GET    /apis/serving.kiln.dev/v1alpha1/modeldeployments/NAME       get
+//   PUT    /apis/serving.kiln.dev/v1alpha1/modeldeployments/NAME       replace (optimistic when
+//                                                                     metadata.resourceVersion
+//                                                                     is given)
+//   DELETE /apis/serving.kiln.dev/v1alpha1/modeldeployments/NAME       delete
+//   GET|PUT .../modeldeployments/NAME/scale                            {"spec": {"replicas": N}}
+//   GET    /healthz
+//
+// Errors are Kubernetes Status objects: 400 Invalid (the field named), 401 Unauthorized, 404
+// NotFound, 409 AlreadyExists / Conflict, 410 Gone. The HTTP listener (admin_server) only
+// moves bytes; everything here is testable without a socket.
+
+#include <string>
+
+#include "controller/store.h"
+#include "nlohmann/json.hpp"
+
+namespace kiln {
+
+inline constexpr char kDeploymentsPath[] = "/apis/serving.kiln.dev/v1alpha1/modeldeployments";
+
+struct ApiRequest {
+  std::string method;         // GET, POST, PUT, DELETE
+  std::string path;           // without the query
+  std::string body;
+  std::string authorization;  // the Authorization header
+};
+
+struct ApiResponse {
+  int code = 200;
+  std::string body;
+  std::string content_type = "application/json";
+};
+
+class AdminApi {
+ public:
+  // `token` empty: no authentication; otherwise every request but /healthz needs
+  // `Authorization: Bearer <token>`.
+  AdminApi(Store* store, std::string token);
+  ApiResponse Handle(const ApiRequest& request);
+
+  // The object as the API shows it (apiVersion, kind, metadata, spec, status).
+  static nlohmann::json Render(const StoredObject& o);
+
+ private:
+  ApiResponse Create(const std::string& body);
+  ApiResponse Replace(const std::string& name, const std::string& body);
+  ApiResponse Scale(const std::string& name, const std::string& body);
+
+  Store* store_;
+  const std::string token_;
+};
+
+// A Kubernetes Status object for an error; `code` is the HTTP status it maps to.
+ApiResponse ErrorResponse(const absl::Status& status);
+int HttpCodeFor(absl::StatusCode code);
+
+}  // namespace kiln

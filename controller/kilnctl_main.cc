@@ -1,0 +1,332 @@
+// kilnctl: the command line for kiln-controller's admin API (kubectl-like).
+#include <cpprest/http_client.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "controller/admin_api.h"
+#include "controller/model_deployment.h"
+#include "nlohmann/json.hpp"
+#include "yaml-cpp/yaml.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace http = web::http;
+using nlohmann::json;
+
+constexpr char kResource[] = "modeldeployment.serving.kiln.dev";
+
+struct Reply {
+  int code = 0;  // 0: no answer
+  json body;
+  std::string error;  // transport error
+};
+
+class Client {
+ public:
+  Client(std::string server, std::string token) : server_(std::move(server)), token_(std::move(token)) {}
+
+  Reply Call(const http::method& method, const std::string& path, const std::string& body = "") {
+    Reply out;
+    try {
+      http::client::http_client_config cfg;
+      cfg.set_timeout(std::chrono::seconds(30));
+      http::client::http_client client(server_, cfg);
+      http::http_request req(method);
+      req.set_request_uri(path);
+      if (!token_.empty()) req.headers().add(http::header_names::authorization, "Bearer " + token_);
+      if (!body.empty()) req.set_body(body, "application/json");
+      http::http_response resp = client.request(req).get();
+      out.code = resp.status_code();
+      std::string text = resp.extract_utf8string(true).get();
+      out.body = json::parse(text, nullptr, false);
+      if (out.body.is_discarded()) out.body = json{{"message", text}};
+    } catch (const std::exception& e) {
+      out.error = e.what();
+    }
+    return out;
+  }
+  const std::string& server() const { return server_; }
+
+ private:
+  std::string server_;
+  std::string token_;
+};
+
+// kubectl's shape: "Error from server (NotFound): ..." and exit 1.
+int ServerError(const Reply& r, const Client& c) {
+  if (r.code == 0) {
+    std::cerr << "error: cannot reach kiln-controller at " << c.server() << ": " << r.error << "\n";
+    return 1;
+  }
+  std::cerr << "Error from server (" << r.body.value("reason", std::to_string(r.code))
+            << "): " << r.body.value("message", r.body.dump()) << "\n";
+  return 1;
+}
+
+YAML::Node ToYaml(const json& j) {
+  YAML::Node n;
+  if (j.is_object()) {
+    n = YAML::Node(YAML::NodeType::Map);
+    for (auto it = j.begin(); it != j.end(); ++it) n[it.key()] = ToYaml(it.value());
+  } else if (j.is_array()) {
+    n = YAML::Node(YAML::NodeType::Sequence);
+    for (const auto& e : j) n.push_back(ToYaml(e));
+  } else if (j.is_string()) {
+    n = j.get<std::string>();
+  } else if (j.is_boolean()) {
+    n = j.get<bool>();
+  } else if (j.is_number_integer()) {
+    n = j.get<int64_t>();
+  } else if (j.is_number()) {
+    n = j.get<double>();
+  }
+  return n;
+}
+
+std::string Age(const std::string& created) {
+  absl::Time t;
+  std::string err;
+  if (!absl::ParseTime("%Y-%m-%dT%H:%M:%SZ", created, &t, &err)) return "?";
+  int64_t s = absl::ToInt64Seconds(absl::Now() - t);
+  if (s < 0) s = 0;
+  if (s < 120) return std::to_string(s) + "s";
+  if (s < 7200) return std::to_string(s / 60) + "m";
+  if (s < 172800) return std::to_string(s / 3600) + "h";
+  return std::to_string(s / 86400) + "d";
+}
+
+void PrintTable(const std::vector<json>& items, bool wide) {
+  std::vector<std::vector<std::string>> rows;
+  std::vector<std::string> head = {"NAME", "MODEL", "VERSION", "REPLICAS", "READY", "AGE"};
+  if (wide) {
+    head.insert(head.end(), {"WARM", "GPUS", "STRATEGY", "GENERATION"});
+  }
+  rows.push_back(head);
+  for (const auto& o : items) {
+    const json& spec = o.value("spec", json::object());
+    const json& status = o.value("status", json::object());
+    const json& model = spec.value("model", json::object());
+    std::string replicas = spec.contains("autoscale")
+                               ? std::to_string(spec["autoscale"].value("min", 0)) + "-" +
+                                     std::to_string(spec["autoscale"].value("max", 0))
+                               : std::to_string(spec.value("replicas", 0));
+    std::vector<std::string> row = {o["metadata"].value("name", ""),
+                                    model.value("name", ""),
+                                    model.value("version", ""),
+                                    replicas,
+                                    std::to_string(status.value("readyReplicas", 0)) + "/" +
+                                        std::to_string(spec.value("replicas", 0)),
+                                    Age(o["metadata"].value("creationTimestamp", ""))};
+    if (wide) {
+      row.push_back(std::to_string(spec.value("warmPool", 0)));
+      row.push_back(std::to_string(spec.value("resources", json::object()).value("gpus", 0)));
+      row.push_back(spec.value("rollout", json::object()).value("strategy", ""));
+      row.push_back(std::to_string(o["metadata"].value("generation", 0)));
+    }
+    rows.push_back(row);
+  }
+  std::vector<size_t> width(head.size(), 0);
+  for (const auto& r : rows) {
+    for (size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
+  }
+  for (const auto& r : rows) {
+    std::string line;
+    for (size_t i = 0; i < r.size(); ++i) {
+      line += r[i];
+      if (i + 1 < r.size()) line += std::string(width[i] - r[i].size() + 3, ' ');
+    }
+    std::cout << line << "\n";
+  }
+}
+
+bool IsDeploymentType(const std::string& t) {
+  return t == "deployments" || t == "deployment" || t == "deploy" || t == "md" ||
+         t == "modeldeployment" || t == "modeldeployments" || t == kResource;
+}
+
+// The files `apply -f` reads: the path itself, or a directory's *.yaml, *.yml and *.json.
+std::vector<std::string> ApplyFiles(const std::string& path, std::string* error) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    std::vector<std::string> files;
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      std::string ext = e.path().extension().string();
+      if (e.is_regular_file() && (ext == ".yaml" || ext == ".yml" || ext == ".json")) {
+        files.push_back(e.path().string());
+      }
+    }
+    std::sort(files.begin(), files.end());
+    if (files.empty()) *error = path + ": no .yaml, .yml or .json files in it";
+    return files;
+  }
+  if (!fs::is_regular_file(path, ec)) {
+    *error = path + ": no such file or directory";
+    return {};
+  }
+  return {path};
+}
+
+int Apply(Client& c, const std::string& path) {
+  std::string error;
+  auto files = ApplyFiles(path, &error);
+  if (!error.empty()) {
+    std::cerr << "error: " << error << "\n";
+    return 1;
+  }
+  // Everything is parsed and validated before anything is sent.
+  std::vector<kiln::ModelDeployment> all;
+  for (const auto& f : files) {
+    std::ifstream in(f);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (!in) {
+      std::cerr << "error: " << f << ": cannot be read\n";
+      return 1;
+    }
+    auto ds = kiln::ParseModelDeployments(text.str(), f);
+    if (!ds.ok()) {
+      std::cerr << "error: " << ds.status().message() << "\n";
+      return 1;
+    }
+    all.insert(all.end(), ds->begin(), ds->end());
+  }
+  int rc = 0;
+  for (const auto& d : all) {
+    json labels = json::object();
+    for (const auto& [k, v] : d.labels) labels[k] = v;
+    json doc = {{"apiVersion", kiln::kModelDeploymentApiVersion},
+                {"kind", kiln::kModelDeploymentKind},
+                {"metadata", {{"name", d.name}, {"labels", labels}}},
+                {"spec", kiln::SpecToJson(d.spec)}};
+    std::string path_one = std::string(kiln::kDeploymentsPath) + "/" + d.name;
+    Reply current = c.Call(http::methods::GET, path_one);
+    Reply r;
+    std::string verb;
+    if (current.code == 404) {
+      r = c.Call(http::methods::POST, kiln::kDeploymentsPath, doc.dump());
+      verb = "created";
+    } else if (current.code == 200) {
+      doc["metadata"]["resourceVersion"] = current.body["metadata"].value("resourceVersion", "0");
+      r = c.Call(http::methods::PUT, path_one, doc.dump());
+      verb = r.code == 200 && r.body["metadata"].value("resourceVersion", "") ==
+                                  current.body["metadata"].value("resourceVersion", "")
+                 ? "unchanged"
+                 : "configured";
+    } else {
+      rc = ServerError(current, c);
+      continue;
+    }
+    if (r.code != 200 && r.code != 201) {
+      rc = ServerError(r, c);
+      continue;
+    }
+    std::cout << kResource << "/" << d.name << " " << verb << "\n";
+  }
+  return rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string server = std::getenv("KILN_SERVER") ? std::getenv("KILN_SERVER") : "http://127.0.0.1:7070";
+  std::string token_file;
+  CLI::App app{"kilnctl: manage ModelDeployments on a kiln-controller"};
+  app.require_subcommand(1);
+  app.add_option("--server", server, "The controller's admin URL (env KILN_SERVER)")->capture_default_str();
+  app.add_option("--token-file", token_file, "File holding the bearer token");
+
+  std::string file;
+  auto* apply = app.add_subcommand("apply", "Create or update ModelDeployments from YAML/JSON");
+  apply->add_option("-f,--filename", file, "A file or a directory of them")->required();
+
+  std::string type, name, output;
+  auto* get = app.add_subcommand("get", "List or show ModelDeployments");
+  get->add_option("type", type, "deployments")->required();
+  get->add_option("name", name, "One deployment");
+  get->add_option("-o,--output", output, "wide, yaml or json")
+      ->check(CLI::IsMember({"wide", "yaml", "json"}));
+
+  auto* del = app.add_subcommand("delete", "Delete a ModelDeployment");
+  del->add_option("type", type, "deployment")->required();
+  del->add_option("name", name, "Its name")->required();
+
+  int64_t replicas = -1;
+  auto* scale = app.add_subcommand("scale", "Set a ModelDeployment's replicas");
+  scale->add_option("name", name, "Its name")->required();
+  scale->add_option("--replicas", replicas, "The new count")->required()->check(CLI::Range(0, 10000));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return 2;
+  }
+  std::string token;
+  if (!token_file.empty()) {
+    std::ifstream in(token_file);
+    if (!in || !std::getline(in, token) || token.empty()) {
+      std::cerr << "error: --token-file: cannot read a token from " << token_file << "\n";
+      return 2;
+    }
+  }
+  Client c(server, token);
+
+  if (apply->parsed()) return Apply(c, file);
+  if (get->parsed() || del->parsed()) {
+    if (!IsDeploymentType(type)) {
+      std::cerr << "error: the server doesn't have a resource type \"" << type
+                << "\" (kilnctl knows: deployments)\n";
+      return 1;
+    }
+  }
+  if (get->parsed()) {
+    std::string path = std::string(kiln::kDeploymentsPath) + (name.empty() ? "" : "/" + name);
+    Reply r = c.Call(http::methods::GET, path);
+    if (r.code != 200) return ServerError(r, c);
+    if (output == "json") {
+      std::cout << r.body.dump(2) << "\n";
+    } else if (output == "yaml") {
+      YAML::Emitter e;
+      e << ToYaml(r.body);
+      std::cout << e.c_str() << "\n";
+    } else {
+      std::vector<json> items;
+      if (name.empty()) {
+        for (const auto& o : r.body["items"]) items.push_back(o);
+        if (items.empty()) {
+          std::cerr << "No resources found.\n";
+          return 0;
+        }
+      } else {
+        items.push_back(r.body);
+      }
+      PrintTable(items, output == "wide");
+    }
+    return 0;
+  }
+  if (del->parsed()) {
+    Reply r = c.Call(http::methods::DEL, std::string(kiln::kDeploymentsPath) + "/" + name);
+    if (r.code != 200) return ServerError(r, c);
+    std::cout << kResource << " \"" << name << "\" deleted\n";
+    return 0;
+  }
+  if (scale->parsed()) {
+    json body = {{"spec", {{"replicas", replicas}}}};
+    Reply r = c.Call(http::methods::PUT, std::string(kiln::kDeploymentsPath) + "/" + name + "/scale",
+                     body.dump());
+    if (r.code != 200) return ServerError(r, c);
+    std::cout << kResource << "/" << name << " scaled\n";
+    return 0;
+  }
+  return 2;
+}

@@ -1,0 +1,150 @@
+// The controller's admin API over a real SQLite store, without a socket.
+#include "controller/admin_api.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "common/clock.h"
+#include "controller/sqlite_store.h"
+#include "gtest/gtest.h"
+
+namespace kiln {
+namespace {
+
+const char* kDoc = R"({"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "ModelDeployment",
+  "metadata": {"name": "emb", "labels": {"team": "search"}},
+  "spec": {"model": {"name": "encoder", "version": "1", "uri": "file:///m/encoder/1/model.pt"},
+           "replicas": 2}})";
+
+class AdminApiTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (std::filesystem::temp_directory_path() /
+            ("kiln-api-" + std::to_string(getpid()) + "-" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name()))
+               .string();
+    std::filesystem::remove_all(dir_);
+    SqliteStore::Options o;
+    o.state_dir = dir_;
+    store_ = std::move(*SqliteStore::Open(o, &clock_));
+    api_ = std::make_unique<AdminApi>(store_.get(), "");
+  }
+  void TearDown() override {
+    api_.reset();
+    store_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  ApiResponse Call(const std::string& method, const std::string& path, const std::string& body = "",
+                   const std::string& auth = "") {
+    return api_->Handle({method, path, body, auth});
+  }
+  static nlohmann::json Body(const ApiResponse& r) { return nlohmann::json::parse(r.body); }
+  std::string One(const std::string& name) { return std::string(kDeploymentsPath) + "/" + name; }
+
+  SimulatedClock clock_{absl::FromUnixSeconds(1800000000)};
+  std::string dir_;
+  std::unique_ptr<SqliteStore> store_;
+  std::unique_ptr<AdminApi> api_;
+};
+
+TEST_F(AdminApiTest, CreateGetListReplaceDelete) {
+  auto created = Call("POST", kDeploymentsPath, kDoc);
+  ASSERT_EQ(created.code, 201) << created.body;
+  auto obj = Body(created);
+  EXPECT_EQ(obj["kind"], "ModelDeployment");
+  EXPECT_EQ(obj["metadata"]["name"], "emb");
+  EXPECT_EQ(obj["metadata"]["generation"], 1);
+  EXPECT_EQ(obj["metadata"]["labels"]["team"], "search");
+  EXPECT_EQ(obj["metadata"]["creationTimestamp"], "2027-01-15T08:00:00Z");
+  EXPECT_EQ(obj["spec"]["replicas"], 2);
+  EXPECT_EQ(obj["spec"]["warmPool"], 0);  // defaults filled in
+  EXPECT_EQ(Call("POST", kDeploymentsPath, kDoc).code, 409);
+
+  auto got = Call("GET", One("emb"));
+  ASSERT_EQ(got.code, 200);
+  EXPECT_EQ(Body(got)["spec"], obj["spec"]);
+  auto list = Body(Call("GET", kDeploymentsPath));
+  EXPECT_EQ(list["kind"], "ModelDeploymentList");
+  ASSERT_EQ(list["items"].size(), 1u);
+
+  // Replace with the version read: accepted, generation 2. With the old one again: 409.
+  nlohmann::json edit = nlohmann::json::parse(kDoc);
+  edit["spec"]["replicas"] = 4;
+  edit["metadata"]["resourceVersion"] = obj["metadata"]["resourceVersion"];
+  auto replaced = Call("PUT", One("emb"), edit.dump());
+  ASSERT_EQ(replaced.code, 200) << replaced.body;
+  EXPECT_EQ(Body(replaced)["metadata"]["generation"], 2);
+  auto conflict = Call("PUT", One("emb"), edit.dump());
+  EXPECT_EQ(conflict.code, 409);
+  EXPECT_EQ(Body(conflict)["reason"], "Conflict");
+  // YAML bodies work too.
+  auto yaml = Call("PUT", One("emb"),
+                   "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\n"
+                   "metadata: {name: emb}\nspec:\n  model: {name: encoder, version: '2', uri: "
+                   "'file:///m/encoder/2/model.pt'}\n");
+  ASSERT_EQ(yaml.code, 200) << yaml.body;
+  EXPECT_EQ(Body(yaml)["spec"]["model"]["version"], "2");
+
+  ASSERT_EQ(Call("DELETE", One("emb")).code, 200);
+  EXPECT_EQ(Call("GET", One("emb")).code, 404);
+  EXPECT_EQ(Call("DELETE", One("emb")).code, 404);
+}
+
+TEST_F(AdminApiTest, BadInputNamesTheField) {
+  nlohmann::json bad = nlohmann::json::parse(kDoc);
+  bad["spec"]["replicas"] = -3;
+  auto r = Call("POST", kDeploymentsPath, bad.dump());
+  EXPECT_EQ(r.code, 400);
+  auto status = Body(r);
+  EXPECT_EQ(status["kind"], "Status");
+  EXPECT_EQ(status["reason"], "Invalid");
+  EXPECT_NE(status["message"].get<std::string>().find("request body: spec.replicas"),
+            std::string::npos)
+      << r.body;
+  EXPECT_EQ(Call("POST", kDeploymentsPath, "{not json").code, 400);
+  EXPECT_EQ(Call("POST", kDeploymentsPath, "").code, 400);
+  ASSERT_EQ(Call("POST", kDeploymentsPath, kDoc).code, 201);
+  auto other = nlohmann::json::parse(kDoc);
+  other["metadata"]["name"] = "other";
+  auto mismatch = Call("PUT", One("emb"), other.dump());
+  EXPECT_EQ(mismatch.code, 400);
+  EXPECT_NE(mismatch.body.find("metadata.name"), std::string::npos);
+  auto bad_rv = nlohmann::json::parse(kDoc);
+  bad_rv["metadata"]["resourceVersion"] = "abc";
+  EXPECT_EQ(Call("PUT", One("emb"), bad_rv.dump()).code, 400);
+  EXPECT_EQ(Call("PATCH", One("emb"), kDoc).code, 405);
+  EXPECT_EQ(Call("GET", "/apis/other").code, 404);
+  EXPECT_EQ(Call("GET", One("emb") + "/status/x").code, 404);
+  EXPECT_EQ(Call("PUT", One("nope"), kDoc).code, 400);  // name mismatch comes first
+}
+
+TEST_F(AdminApiTest, ScaleSubresource) {
+  ASSERT_EQ(Call("POST", kDeploymentsPath, kDoc).code, 201);
+  auto s = Call("PUT", One("emb") + "/scale", R"({"spec": {"replicas": 7}})");
+  ASSERT_EQ(s.code, 200) << s.body;
+  EXPECT_EQ(Body(Call("GET", One("emb")))["spec"]["replicas"], 7);
+  EXPECT_EQ(Body(Call("GET", One("emb") + "/scale"))["spec"]["replicas"], 7);
+  EXPECT_EQ(Call("PUT", One("emb") + "/scale", R"({"spec": {"replicas": -1}})").code, 400);
+  EXPECT_EQ(Call("PUT", One("emb") + "/scale", R"({"replicas": 3})").code, 400);
+  EXPECT_EQ(Call("PUT", One("nope") + "/scale", R"({"spec": {"replicas": 3}})").code, 404);
+  auto as = nlohmann::json::parse(kDoc);
+  as["metadata"]["name"] = "auto";
+  as["spec"].erase("replicas");
+  as["spec"]["autoscale"] = {{"min", 1}, {"max", 4}};
+  ASSERT_EQ(Call("POST", kDeploymentsPath, as.dump()).code, 201);
+  auto refused = Call("PUT", One("auto") + "/scale", R"({"spec": {"replicas": 3}})");
+  EXPECT_EQ(refused.code, 400);
+  EXPECT_NE(refused.body.find("autoscale"), std::string::npos);
+}
+
+TEST_F(AdminApiTest, BearerTokenWhenConfigured) {
+  AdminApi secured(store_.get(), "s3cret");
+  EXPECT_EQ(secured.Handle({"GET", kDeploymentsPath, "", ""}).code, 401);
+  EXPECT_EQ(secured.Handle({"GET", kDeploymentsPath, "", "Bearer wrong"}).code, 401);
+  EXPECT_EQ(secured.Handle({"GET", kDeploymentsPath, "", "Bearer s3cret"}).code, 200);
+  EXPECT_EQ(secured.Handle({"GET", "/healthz", "", ""}).code, 200);  // probes need no token
+}
+
+}  // namespace
+}  // namespace kiln
