@@ -1,6 +1,7 @@
 #include "controller/admin_api.h"
 
 #include "absl/time/time.h"
+#include "common/status.h"
 #include "controller/model_deployment.h"
 
 namespace kiln {
@@ -60,25 +61,11 @@ const char* ReasonFor(absl::StatusCode code) {
 }  // namespace
 
 int HttpCodeFor(absl::StatusCode code) {
-  switch (code) {
-    case absl::StatusCode::kInvalidArgument:
-      return 400;
-    case absl::StatusCode::kUnauthenticated:
-      return 401;
-    case absl::StatusCode::kNotFound:
-      return 404;
-    case absl::StatusCode::kUnimplemented:
-      return 405;
-    case absl::StatusCode::kAlreadyExists:
-    case absl::StatusCode::kAborted:
-      return 409;
-    case absl::StatusCode::kOutOfRange:
-      return 410;
-    case absl::StatusCode::kUnavailable:
-      return 503;
-    default:
-      return 500;
-  }
+  // Kubernetes' choices where they differ from the REST frontends' mapping: a watch too far
+  // behind is 410 Gone, an unsupported method 405.
+  if (code == absl::StatusCode::kOutOfRange) return 410;
+  if (code == absl::StatusCode::kUnimplemented) return 405;
+  return HttpStatusFromCode(code);
 }
 
 ApiResponse ErrorResponse(const absl::Status& status) {
