@@ -1,5 +1,7 @@
 #include "controller/model_deployment.h"
 
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -194,6 +196,25 @@ TEST(ModelDeploymentTest, AbTestNeedsOneStepAndAStickyHeader) {
   EXPECT_NE(no_key.status().message().find("spec.rollout.stickyKey: ABTest needs a sticky key"),
             std::string::npos)
       << no_key.status();
+}
+
+}  // namespace
+}  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// The shipped examples stay valid.
+TEST(ModelDeploymentTest, ExamplesParse) {
+  for (const char* name : {"encoder.yaml", "embedder-gpu.yaml"}) {
+    std::string path = std::string(KILN_SOURCE_DIR) + "/examples/deployments/" + name;
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    ASSERT_TRUE(in.good() || in.eof()) << path;
+    auto d = ParseModelDeployments(text.str(), path);
+    EXPECT_TRUE(d.ok()) << d.status();
+  }
 }
 
 }  // namespace
