@@ -1,0 +1,254 @@
+#include "controller/placement.h"
+
+#include <algorithm>
+#include <optional>
+#include <set>
+#include <tuple>
+
+namespace kiln {
+
+std::string DeploymentOfReplica(const std::string& replica_id) {
+  size_t dot = replica_id.find('.');
+  if (dot == std::string::npos || dot == 0) return "";
+  return replica_id.substr(0, dot);
+}
+
+namespace {
+
+// One replica as the placement sees it: the union of the assignment and the report.
+struct Existing {
+  std::string node;
+  v1::ReplicaSpec spec;  // model, version, gpu, cpus, state as assigned (or as reported)
+  v1::LifecycleState reported = v1::LIFECYCLE_STATE_UNSPECIFIED;
+  bool healthy = true;
+  int64_t gpu_memory = 0;  // max(reservation, reported use)
+};
+
+struct NodeState {
+  const PlacementNode* node = nullptr;
+  int cpu_used = 0;
+  std::map<int, int64_t> gpu_used;
+  std::map<std::string, int> per_deployment;
+  std::vector<v1::ReplicaSpec> specs;
+};
+
+// CPUs in a cpulist ("0-3,8" -> 5); 0 when it does not parse.
+int CountCpus(const std::string& list) {
+  int n = 0;
+  size_t pos = 0;
+  while (pos < list.size()) {
+    size_t comma = list.find(',', pos);
+    std::string part = list.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    try {
+      size_t dash = part.find('-');
+      if (dash == std::string::npos) {
+        (void)std::stoi(part);
+        n += 1;
+      } else {
+        n += std::stoi(part.substr(dash + 1)) - std::stoi(part.substr(0, dash)) + 1;
+      }
+    } catch (...) {
+      return 0;
+    }
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  return n;
+}
+
+int GpuFromDevice(const std::string& device) {
+  if (device.rfind("cuda:", 0) != 0) return -1;
+  try {
+    return std::stoi(device.substr(5));
+  } catch (...) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
+                      const std::vector<PlacementNode>& nodes) {
+  PlacementResult out;
+  std::vector<PlacementDemand> demands = demands_in;
+  std::sort(demands.begin(), demands.end(),
+            [](const auto& a, const auto& b) { return a.deployment < b.deployment; });
+  std::map<std::string, NodeState> state;
+  std::map<std::string, std::vector<Existing>> by_deployment;
+  for (const PlacementNode& n : nodes) {
+    NodeState& ns = state[n.name];
+    ns.node = &n;
+    out.nodes[n.name];  // every ready node gets an assignment, maybe empty
+    std::map<std::string, Existing> seen;
+    for (const auto& spec : n.assigned) {
+      Existing e;
+      e.node = n.name;
+      e.spec = spec;
+      e.gpu_memory = spec.gpu_memory_bytes();
+      seen[spec.replica_id()] = e;
+    }
+    for (const auto& rs : n.reported) {
+      auto it = seen.find(rs.replica_id());
+      if (it == seen.end()) {
+        Existing e;
+        e.node = n.name;
+        e.spec.set_replica_id(rs.replica_id());
+        e.spec.set_model(rs.model());
+        e.spec.set_version(rs.version());
+        e.spec.set_gpu(GpuFromDevice(rs.device()));
+        e.spec.set_state(rs.state());
+        e.spec.set_cpus(CountCpus(rs.cpus()));
+        e.spec.set_gpu_memory_bytes(rs.gpu_memory_bytes());
+        e.gpu_memory = rs.gpu_memory_bytes();
+        it = seen.emplace(rs.replica_id(), e).first;
+      }
+      it->second.reported = rs.state();
+      it->second.healthy = rs.healthy() && !rs.crash_loop();
+      it->second.gpu_memory = std::max(it->second.gpu_memory, rs.measured_gpu_memory_bytes());
+    }
+    for (auto& [id, e] : seen) {
+      std::string dep = DeploymentOfReplica(id);
+      if (!dep.empty()) by_deployment[dep].push_back(std::move(e));
+    }
+  }
+  auto zone_of = [&](const std::string& node) {
+    const PlacementNode* n = state[node].node;
+    return n->zone.empty() ? "node:" + n->name : n->zone;
+  };
+  auto add = [&](const std::string& node, v1::ReplicaSpec spec, int64_t gpu_memory,
+                 const std::string& dep) {
+    NodeState& ns = state[node];
+    ns.cpu_used += spec.cpus();
+    if (spec.gpu() >= 0) ns.gpu_used[spec.gpu()] += gpu_memory;
+    ns.per_deployment[dep]++;
+    out.nodes[node].push_back(std::move(spec));
+  };
+
+  // Pass 1: every deployment keeps what it has, so pass 2 sees all the room already taken.
+  struct Kept {
+    int64_t serving = 0, warm = 0;
+    std::set<int> used_ids;
+  };
+  std::map<std::string, Kept> kept;
+  for (const PlacementDemand& d : demands) {
+    std::vector<Existing> mine;
+    std::set<int>& used_ids = kept[d.deployment].used_ids;
+    for (const Existing& e : by_deployment[d.deployment]) {
+      const std::string& id = e.spec.replica_id();
+      try {
+        used_ids.insert(std::stoi(id.substr(id.find('.') + 1)));
+      } catch (...) {
+      }
+      // A replica whose CPUs or GPU kind no longer fit the spec is replaced (the agent
+      // refuses to change a running replica's shape under the same id).
+      bool same_shape = e.spec.cpus() == d.cpus && (e.spec.gpu() >= 0) == (d.gpus > 0);
+      if (e.healthy && same_shape && e.spec.model() == d.model && e.spec.version() == d.version &&
+          state.count(e.node)) {
+        mine.push_back(e);
+      }
+    }
+    // SERVING first (as reported, else as assigned), then by id for determinism.
+    auto serving_now = [](const Existing& e) {
+      v1::LifecycleState s = e.reported != v1::LIFECYCLE_STATE_UNSPECIFIED ? e.reported
+                                                                            : e.spec.state();
+      return s == v1::SERVING;
+    };
+    std::sort(mine.begin(), mine.end(), [&](const Existing& a, const Existing& b) {
+      return std::make_tuple(!serving_now(a), a.spec.replica_id()) <
+             std::make_tuple(!serving_now(b), b.spec.replica_id());
+    });
+    int64_t serving = 0, warm = 0;
+    for (Existing& e : mine) {
+      if (serving < d.serving) {
+        e.spec.set_state(v1::SERVING);
+        serving++;
+      } else if (warm < d.warm) {
+        e.spec.set_state(v1::WARM);
+        warm++;
+      } else {
+        continue;  // beyond what is wanted: dropped (the agent drains it)
+      }
+      e.spec.set_repository(d.repository);
+      e.spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
+      add(e.node, e.spec, std::max(e.gpu_memory, d.gpu_memory_bytes), d.deployment);
+    }
+    kept[d.deployment].serving = serving;
+    kept[d.deployment].warm = warm;
+  }
+  // Pass 2: new replicas.
+  for (const PlacementDemand& d : demands) {
+    int64_t serving = kept[d.deployment].serving;
+    int64_t warm = kept[d.deployment].warm;
+    std::set<int>& used_ids = kept[d.deployment].used_ids;
+    int next_id = 0;
+    auto fresh_id = [&]() {
+      while (used_ids.count(next_id)) next_id++;
+      used_ids.insert(next_id);
+      return d.deployment + "." + std::to_string(next_id);
+    };
+    int64_t missing = (d.serving - serving) + (d.warm - warm);
+    int64_t unplaced = 0;
+    for (int64_t k = 0; k < missing; ++k) {
+      bool as_serving = serving < d.serving;
+      // The best (node, gpu) by the documented order; lower tuples win.
+      std::optional<std::tuple<int, int, int64_t, double, std::string, int>> best;
+      for (auto& [name, ns] : state) {
+        const PlacementNode& n = *ns.node;
+        if (ns.cpu_used + d.cpus > n.cpu_capacity) continue;
+        int zone_count = 0;
+        for (auto& [other, os] : state) {
+          if (zone_of(other) == zone_of(name)) zone_count += os.per_deployment[d.deployment];
+        }
+        int here = ns.per_deployment[d.deployment];
+        if (d.gpus == 0) {
+          int64_t left = n.cpu_capacity - ns.cpu_used - d.cpus;
+          auto cand = std::make_tuple(here, zone_count, left, n.load, name, -1);
+          if (!best || cand < *best) best = cand;
+          continue;
+        }
+        for (const auto& g : n.gpus) {
+          if (!g.healthy) continue;
+          int64_t left = g.memory_bytes - ns.gpu_used[g.index] - d.gpu_memory_bytes;
+          if (left < 0) continue;
+          auto cand = std::make_tuple(here, zone_count, left, n.load, name, g.index);
+          if (!best || cand < *best) best = cand;
+        }
+      }
+      if (!best) {
+        unplaced++;
+        continue;
+      }
+      v1::ReplicaSpec spec;
+      spec.set_replica_id(fresh_id());
+      spec.set_model(d.model);
+      spec.set_version(d.version);
+      spec.set_repository(d.repository);
+      spec.set_gpu(std::get<5>(*best));
+      spec.set_cpus(static_cast<int32_t>(d.cpus));
+      spec.set_state(as_serving ? v1::SERVING : v1::WARM);
+      spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
+      add(std::get<4>(*best), spec, d.gpu_memory_bytes, d.deployment);
+      if (as_serving) {
+        serving++;
+      } else {
+        warm++;
+      }
+    }
+    if (unplaced > 0) {
+      out.unplaced.push_back(
+          d.deployment + ": " + std::to_string(unplaced) + " of " +
+          std::to_string(d.serving + d.warm) + " replicas have no node with room (" +
+          (d.gpus > 0 ? std::to_string(d.gpu_memory_bytes) + " bytes of free GPU memory and "
+                      : std::string()) +
+          std::to_string(d.cpus) + " free CPUs needed)");
+    }
+  }
+  for (auto& [name, specs] : out.nodes) {
+    std::sort(specs.begin(), specs.end(), [](const auto& a, const auto& b) {
+      return a.replica_id() < b.replica_id();
+    });
+  }
+  return out;
+}
+
+}  // namespace kiln

@@ -1,0 +1,69 @@
+#pragma once
+
+// Placement: a pure, deterministic function from what is wanted (per deployment: how many
+// SERVING and WARM replicas of which version, with what resources) and what is observed (the
+// ready nodes, their capacity and the replicas they report) to each node's whole assignment.
+//
+// - Healthy replicas stay where they are. Of a deployment's existing replicas of the wanted
+//   version, SERVING ones are kept SERVING first, then WARM ones are promoted to fill the
+//   SERVING count (a promote beats a cold start), then the rest stay WARM up to the warm pool;
+//   extra replicas are dropped (WARM first).
+// - New replicas go to a ready node with room (CPUs; for GPU replicas a healthy GPU with
+//   enough free memory, counting each replica at the larger of its reservation and what it
+//   reports using), preferring, in order: fewer replicas of the deployment on the node, then
+//   in the node's zone (spread), then the best fit (least memory or CPUs left), then low load,
+//   then the node name and GPU index (determinism).
+// - Replica ids are `<deployment>.<n>`, n the smallest number not in use by the deployment.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kiln/v1/control_plane.pb.h"
+
+namespace kiln {
+
+struct PlacementNode {
+  std::string name;
+  std::string zone;  // from the node's labels; empty = its own zone
+  int cpu_capacity = 0;
+  struct Gpu {
+    int index = 0;
+    int64_t memory_bytes = 0;
+    bool healthy = true;
+  };
+  std::vector<Gpu> gpus;
+  // What the controller last assigned to the node (replicas it may not report yet) and what
+  // the node reports running (after a controller restart, the only source).
+  std::vector<v1::ReplicaSpec> assigned;
+  std::vector<v1::ReplicaStatus> reported;
+  double load = 0;                          // requests in flight on the node
+};
+
+struct PlacementDemand {
+  std::string deployment;  // the ModelDeployment's name (a DNS label: no '.')
+  std::string model;
+  std::string version;
+  std::string repository;  // the model repository on the nodes
+  int64_t serving = 0;
+  int64_t warm = 0;
+  int64_t gpus = 0;  // 0 or 1
+  int64_t gpu_memory_bytes = 0;
+  int64_t cpus = 1;
+};
+
+struct PlacementResult {
+  // Every ready node's whole assignment (nodes with nothing to run get an empty list).
+  std::map<std::string, std::vector<v1::ReplicaSpec>> nodes;
+  // One line per deployment that could not get all its replicas: how many and why.
+  std::vector<std::string> unplaced;
+};
+
+PlacementResult Place(const std::vector<PlacementDemand>& demands,
+                      const std::vector<PlacementNode>& ready_nodes);
+
+// The deployment a replica id belongs to ("encoder.3" -> "encoder"); empty if not ours.
+std::string DeploymentOfReplica(const std::string& replica_id);
+
+}  // namespace kiln

@@ -1,0 +1,219 @@
+// The controller's pure decisions: node leases and placement.
+#include "controller/placement.h"
+
+#include "controller/node_registry.h"
+#include "gtest/gtest.h"
+
+namespace kiln {
+namespace {
+
+const absl::Time kT0 = absl::FromUnixSeconds(1800000000);
+
+TEST(NodeRegistryTest, LeasesGoNotReadyThenLost) {
+  NodeRegistry reg({absl::Seconds(10), absl::Seconds(30)});
+  v1::Register r;
+  r.set_node_name("n1");
+  r.set_cpu_capacity(8);
+  ASSERT_TRUE(reg.Register(r, kT0).ok());
+  EXPECT_EQ(reg.Health("n1", kT0 + absl::Seconds(9)), NodeHealth::kReady);
+  EXPECT_EQ(reg.Health("n1", kT0 + absl::Seconds(10)), NodeHealth::kNotReady);
+  ASSERT_TRUE(reg.ReportStatus("n1", v1::NodeStatus(), kT0 + absl::Seconds(12)).ok());
+  EXPECT_EQ(reg.Health("n1", kT0 + absl::Seconds(13)), NodeHealth::kReady);
+  EXPECT_EQ(reg.Health("n1", kT0 + absl::Seconds(42)), NodeHealth::kLost);
+  EXPECT_EQ(reg.Health("never", kT0), NodeHealth::kLost);
+  EXPECT_EQ(reg.ReportStatus("never", v1::NodeStatus(), kT0).code(), absl::StatusCode::kNotFound);
+  reg.Forget(kT0 + absl::Seconds(100), absl::Seconds(60));
+  EXPECT_EQ(reg.nodes().size(), 1u);
+  reg.Forget(kT0 + absl::Seconds(103), absl::Seconds(60));
+  EXPECT_TRUE(reg.nodes().empty());
+  EXPECT_STREQ(NodeHealthName(NodeHealth::kNotReady), "NotReady");
+}
+
+TEST(NodeRegistryTest, BadRegistrationsNameTheField) {
+  NodeRegistry reg({});
+  v1::Register r;
+  EXPECT_NE(reg.Register(r, kT0).message().find("register.node_name"), std::string::npos);
+  r.set_node_name("n1");
+  r.add_gpus()->set_index(0);
+  r.add_gpus()->set_index(0);
+  EXPECT_NE(reg.Register(r, kT0).message().find("register.gpus[1].index"), std::string::npos);
+}
+
+TEST(NodeRegistryTest, ReRegisteringReportsTheAdoptedReplicas) {
+  NodeRegistry reg({});
+  v1::Register r;
+  r.set_node_name("n1");
+  auto* rep = r.add_replicas();
+  rep->set_replica_id("enc.0");
+  rep->set_state(v1::SERVING);
+  ASSERT_TRUE(reg.Register(r, kT0).ok());
+  const NodeRecord& n = reg.nodes().at("n1");
+  EXPECT_TRUE(n.has_status);
+  ASSERT_EQ(n.status.replicas_size(), 1);
+  EXPECT_EQ(n.status.replicas(0).replica_id(), "enc.0");
+}
+
+PlacementNode CpuNode(const std::string& name, int cpus, const std::string& zone = "") {
+  PlacementNode n;
+  n.name = name;
+  n.cpu_capacity = cpus;
+  n.zone = zone;
+  return n;
+}
+
+PlacementNode GpuNode(const std::string& name, std::vector<int64_t> gpu_memory, int cpus = 32) {
+  PlacementNode n = CpuNode(name, cpus);
+  for (size_t i = 0; i < gpu_memory.size(); ++i) {
+    n.gpus.push_back({static_cast<int>(i), gpu_memory[i], true});
+  }
+  return n;
+}
+
+PlacementDemand Cpu(const std::string& dep, int64_t serving, int64_t warm, int64_t cpus = 1) {
+  PlacementDemand d;
+  d.deployment = dep;
+  d.model = "encoder";
+  d.version = "1";
+  d.repository = "/models";
+  d.serving = serving;
+  d.warm = warm;
+  d.cpus = cpus;
+  return d;
+}
+
+v1::ReplicaStatus Reported(const std::string& id, v1::LifecycleState state,
+                           const std::string& version = "1", bool healthy = true) {
+  v1::ReplicaStatus s;
+  s.set_replica_id(id);
+  s.set_model("encoder");
+  s.set_version(version);
+  s.set_state(state);
+  s.set_healthy(healthy);
+  s.set_device("cpu");
+  s.set_cpus("3");  // one CPU
+  return s;
+}
+
+std::vector<std::string> Ids(const std::vector<v1::ReplicaSpec>& specs) {
+  std::vector<std::string> out;
+  for (const auto& s : specs) out.push_back(s.replica_id() + ":" + v1::LifecycleState_Name(s.state()));
+  return out;
+}
+
+TEST(PlacementTest, SpreadsNewReplicasAcrossNodesAndZones) {
+  std::vector<PlacementNode> nodes = {CpuNode("a", 4, "z1"), CpuNode("b", 4, "z1"),
+                                      CpuNode("c", 4, "z2")};
+  auto p = Place({Cpu("enc", 3, 0)}, nodes);
+  EXPECT_TRUE(p.unplaced.empty());
+  // One per node; the second goes to the other zone first.
+  EXPECT_EQ(p.nodes["a"].size(), 1u);
+  EXPECT_EQ(p.nodes["b"].size(), 1u);
+  EXPECT_EQ(p.nodes["c"].size(), 1u);
+  EXPECT_EQ(p.nodes["c"][0].replica_id(), "enc.1");
+  EXPECT_EQ(p.nodes["a"][0].repository(), "/models");
+  // Deterministic: the same input, the same output.
+  auto again = Place({Cpu("enc", 3, 0)}, nodes);
+  for (const auto& [n, specs] : p.nodes) EXPECT_EQ(Ids(specs), Ids(again.nodes[n]));
+}
+
+TEST(PlacementTest, HealthyReplicasStayAndWarmOnesArePromotedFirst) {
+  PlacementNode a = CpuNode("a", 8);
+  a.reported = {Reported("enc.0", v1::SERVING), Reported("enc.1", v1::WARM)};
+  PlacementNode b = CpuNode("b", 8);
+  // Scale 1 -> 2 serving with a warm pool of 1: enc.1 (warm) is promoted in place, and a new
+  // warm replica refills the pool on the other node.
+  auto p = Place({Cpu("enc", 2, 1)}, {a, b});
+  EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING", "enc.1:SERVING"}));
+  EXPECT_EQ(Ids(p.nodes["b"]), (std::vector<std::string>{"enc.2:WARM"}));
+}
+
+TEST(PlacementTest, ScaleDownDropsWarmThenExtraServing) {
+  PlacementNode a = CpuNode("a", 8);
+  a.reported = {Reported("enc.0", v1::SERVING), Reported("enc.1", v1::SERVING),
+                Reported("enc.2", v1::WARM)};
+  auto p = Place({Cpu("enc", 1, 0)}, {a});
+  EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING"}));
+  auto none = Place({}, {a});
+  EXPECT_TRUE(none.nodes["a"].empty());
+}
+
+TEST(PlacementTest, UnhealthyOrOtherVersionReplicasAreReplacedWithNewIds) {
+  PlacementNode a = CpuNode("a", 8);
+  a.reported = {Reported("enc.0", v1::SERVING, "1", /*healthy=*/false),
+                Reported("enc.1", v1::SERVING, "0")};
+  auto p = Place({Cpu("enc", 1, 0)}, {a});
+  EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.2:SERVING"}));
+}
+
+TEST(PlacementTest, AssignedButNotYetReportedReplicasAreNotPlacedTwice) {
+  PlacementNode a = CpuNode("a", 8);
+  v1::ReplicaSpec spec;
+  spec.set_replica_id("enc.0");
+  spec.set_model("encoder");
+  spec.set_version("1");
+  spec.set_gpu(-1);
+  spec.set_cpus(1);
+  spec.set_state(v1::SERVING);
+  a.assigned = {spec};
+  auto p = Place({Cpu("enc", 1, 0)}, {a, CpuNode("b", 8)});
+  EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING"}));
+  EXPECT_TRUE(p.nodes["b"].empty());
+}
+
+TEST(PlacementTest, CpuCapacityAndUnplacedReasons) {
+  auto p = Place({Cpu("big", 3, 0, /*cpus=*/3)}, {CpuNode("a", 4), CpuNode("b", 4)});
+  EXPECT_EQ(p.nodes["a"].size() + p.nodes["b"].size(), 2u);
+  ASSERT_EQ(p.unplaced.size(), 1u);
+  EXPECT_NE(p.unplaced[0].find("big: 1 of 3 replicas have no node with room"), std::string::npos)
+      << p.unplaced[0];
+}
+
+TEST(PlacementTest, GpuReplicasBestFitByFreeMemoryAndSkipUnhealthyGpus) {
+  PlacementDemand d = Cpu("emb", 1, 0, 2);
+  d.gpus = 1;
+  d.gpu_memory_bytes = 10LL << 30;
+  PlacementNode n = GpuNode("g", {80LL << 30, 24LL << 30, 16LL << 30});
+  n.gpus[2].healthy = false;
+  auto p = Place({d}, {n});
+  ASSERT_EQ(p.nodes["g"].size(), 1u);
+  EXPECT_EQ(p.nodes["g"][0].gpu(), 1);  // 24 GiB leaves the least; GPU 2 is unhealthy
+  EXPECT_EQ(p.nodes["g"][0].gpu_memory_bytes(), 10LL << 30);
+  // Memory already used counts the larger of reservation and measured use.
+  PlacementNode used = GpuNode("g", {24LL << 30});
+  v1::ReplicaStatus r = Reported("other.0", v1::SERVING);
+  r.set_device("cuda:0");
+  r.set_gpu_memory_bytes(4LL << 30);
+  r.set_measured_gpu_memory_bytes(20LL << 30);
+  used.reported = {r};
+  auto full = Place({d, [] {
+                       PlacementDemand o = Cpu("other", 1, 0);
+                       o.gpus = 1;
+                       o.gpu_memory_bytes = 4LL << 30;
+                       return o;
+                     }()},
+                    {used});
+  ASSERT_EQ(full.unplaced.size(), 1u);
+  EXPECT_NE(full.unplaced[0].find("emb:"), std::string::npos) << full.unplaced[0];
+}
+
+TEST(PlacementTest, AReplicaWhoseShapeChangedIsReplacedNotReshaped) {
+  PlacementNode a = CpuNode("a", 8);
+  v1::ReplicaStatus r = Reported("enc.0", v1::SERVING);
+  r.set_cpus("4-5");  // two CPUs, the spec now wants one
+  a.reported = {r};
+  auto p = Place({Cpu("enc", 1, 0)}, {a});
+  EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.1:SERVING"}));
+  r.set_cpus("4-5,9");
+  a.reported = {r};
+  auto three = Place({Cpu("enc", 1, 0, 3)}, {a});
+  EXPECT_EQ(Ids(three.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING"}));
+}
+
+TEST(PlacementTest, ReplicaIdsNameTheirDeployment) {
+  EXPECT_EQ(DeploymentOfReplica("encoder.12"), "encoder");
+  EXPECT_EQ(DeploymentOfReplica("legacy"), "");
+  EXPECT_EQ(DeploymentOfReplica(".3"), "");
+}
+
+}  // namespace
+}  // namespace kiln
