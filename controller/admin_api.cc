@@ -8,26 +8,9 @@ namespace kiln {
 
 namespace {
 
-// The stored "spec" column: the user's part of the object (labels and spec).
-std::string Envelope(const ModelDeployment& d) {
-  nlohmann::json labels = nlohmann::json::object();
-  for (const auto& [k, v] : d.labels) labels[k] = v;
-  return nlohmann::json{{"labels", labels}, {"spec", SpecToJson(d.spec)}}.dump();
-}
-
 nlohmann::json ParseOr(const std::string& text, nlohmann::json def) {
   auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   return j.is_discarded() ? def : j;
-}
-
-// The stored object back as a ModelDeployment (for edits such as scale).
-absl::StatusOr<ModelDeployment> Decode(const StoredObject& o) {
-  nlohmann::json env = ParseOr(o.spec, nlohmann::json::object());
-  nlohmann::json doc = {{"apiVersion", kModelDeploymentApiVersion},
-                        {"kind", kModelDeploymentKind},
-                        {"metadata", {{"name", o.name}, {"labels", env.value("labels", nlohmann::json::object())}}},
-                        {"spec", env.value("spec", nlohmann::json::object())}};
-  return ParseModelDeployment(doc.dump(), "stored " + o.name);
 }
 
 ApiResponse Json(int code, const nlohmann::json& j) {
@@ -110,6 +93,14 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
         r.authorization.empty() ? "this server needs Authorization: Bearer <token>"
                                 : "the bearer token is not valid"));
   }
+  if (r.path == kNodesPath && nodes_) {
+    if (r.method != "GET") {
+      return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
+    }
+    ApiResponse out;
+    out.body = nodes_();
+    return out;
+  }
   const std::string prefix = kDeploymentsPath;
   if (r.path.rfind(prefix, 0) != 0) {
     return ErrorResponse(absl::NotFoundError("no such path: " + r.path));
@@ -173,7 +164,7 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
 ApiResponse AdminApi::Create(const std::string& body) {
   auto d = ParseModelDeployment(body, "request body");
   if (!d.ok()) return ErrorResponse(d.status());
-  auto o = store_->Create(kModelDeploymentKind, d->name, Envelope(*d));
+  auto o = store_->Create(kModelDeploymentKind, d->name, EncodeForStore(*d));
   if (!o.ok()) return ErrorResponse(o.status());
   return Json(201, Render(*o));
 }
@@ -185,7 +176,7 @@ ApiResponse AdminApi::Replace(const std::string& name, const std::string& body) 
     return ErrorResponse(absl::InvalidArgumentError(
         "metadata.name: '" + d->name + "' does not match the name in the path '" + name + "'"));
   }
-  auto o = store_->Update(kModelDeploymentKind, name, Envelope(*d), d->resource_version);
+  auto o = store_->Update(kModelDeploymentKind, name, EncodeForStore(*d), d->resource_version);
   if (!o.ok()) return ErrorResponse(o.status());
   return Json(200, Render(*o));
 }
@@ -199,7 +190,7 @@ ApiResponse AdminApi::Scale(const std::string& name, const std::string& body) {
   }
   auto o = store_->Get(kModelDeploymentKind, name);
   if (!o.ok()) return ErrorResponse(o.status());
-  auto d = Decode(*o);
+  auto d = DecodeFromStore(o->name, o->spec);
   if (!d.ok()) return ErrorResponse(d.status());
   if (d->spec.autoscale) {
     return ErrorResponse(absl::InvalidArgumentError(
@@ -207,7 +198,7 @@ ApiResponse AdminApi::Scale(const std::string& name, const std::string& body) {
   }
   d->spec.replicas = j["spec"]["replicas"].get<int64_t>();
   if (absl::Status s = ValidateModelDeployment(*d); !s.ok()) return ErrorResponse(s);
-  auto updated = store_->Update(kModelDeploymentKind, name, Envelope(*d), o->resource_version);
+  auto updated = store_->Update(kModelDeploymentKind, name, EncodeForStore(*d), o->resource_version);
   if (!updated.ok()) return ErrorResponse(updated.status());
   return Json(200, {{"kind", "Scale"},
                     {"metadata", {{"name", name}, {"resourceVersion", std::to_string(updated->resource_version)}}},

@@ -16,6 +16,7 @@
 // NotFound, 409 AlreadyExists / Conflict, 410 Gone. The HTTP listener (admin_server) only
 // moves bytes; everything here is testable without a socket.
 
+#include <functional>
 #include <string>
 
 #include "controller/store.h"
@@ -24,6 +25,7 @@
 namespace kiln {
 
 inline constexpr char kDeploymentsPath[] = "/apis/serving.kiln.dev/v1alpha1/modeldeployments";
+inline constexpr char kNodesPath[] = "/apis/serving.kiln.dev/v1alpha1/nodes";
 
 struct ApiRequest {
   std::string method;         // GET, POST, PUT, DELETE
@@ -44,6 +46,8 @@ class AdminApi {
   // `Authorization: Bearer <token>`.
   AdminApi(Store* store, std::string token);
   ApiResponse Handle(const ApiRequest& request);
+  // GET /apis/serving.kiln.dev/v1alpha1/nodes answers with this (the controller's view).
+  void SetNodesSource(std::function<std::string()> nodes) { nodes_ = std::move(nodes); }
 
   // The object as the API shows it (apiVersion, kind, metadata, spec, status).
   static nlohmann::json Render(const StoredObject& o);
@@ -55,6 +59,7 @@ class AdminApi {
 
   Store* store_;
   const std::string token_;
+  std::function<std::string()> nodes_;
 };
 
 // A Kubernetes Status object for an error; `code` is the HTTP status it maps to.

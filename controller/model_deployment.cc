@@ -204,6 +204,16 @@ std::string Num(int64_t v) { return std::to_string(v); }
 
 }  // namespace
 
+std::string RepositoryOf(const ModelRef& m) {
+  if (m.uri.rfind("file://", 0) != 0) return "";
+  std::string path = m.uri.substr(7);
+  std::string tail = "/" + m.name + "/" + m.version + "/model.pt";
+  if (path.size() <= tail.size() + 1 || path.compare(path.size() - tail.size(), tail.size(), tail) != 0) {
+    return "";
+  }
+  return path.substr(0, path.size() - tail.size());
+}
+
 absl::StatusOr<absl::Duration> ParseDurationString(const std::string& text,
                                                    const std::string& field) {
   auto bad = [&]() {
@@ -244,6 +254,11 @@ absl::Status ValidateModelDeployment(const ModelDeployment& d) {
     return Bad("spec.model.uri", "'" + s.model.uri +
                                      "' must be a file:/// path on the nodes (the only scheme "
                                      "supported)");
+  }
+  if (RepositoryOf(s.model).empty()) {
+    return Bad("spec.model.uri", "'" + s.model.uri + "' must name REPOSITORY/" + s.model.name +
+                                     "/" + s.model.version +
+                                     "/model.pt (the runtime's model repository layout)");
   }
   if (s.model.format != "torchscript" && s.model.format != "aotinductor") {
     return Bad("spec.model.format", "must be torchscript or aotinductor, got '" + s.model.format + "'");
@@ -424,6 +439,25 @@ nlohmann::json SpecToJson(const ModelDeploymentSpec& s) {
                   {"scaleDownDelay", FormatDurationString(s.rollout.scale_down_delay)}};
   if (!s.rollout.sticky_key.empty()) j["rollout"]["stickyKey"] = s.rollout.sticky_key;
   return j;
+}
+
+std::string EncodeForStore(const ModelDeployment& d) {
+  nlohmann::json labels = nlohmann::json::object();
+  for (const auto& [k, v] : d.labels) labels[k] = v;
+  return nlohmann::json{{"labels", labels}, {"spec", SpecToJson(d.spec)}}.dump();
+}
+
+absl::StatusOr<ModelDeployment> DecodeFromStore(const std::string& name, const std::string& text) {
+  auto env = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (env.is_discarded() || !env.is_object()) {
+    return absl::DataLossError("stored " + name + ": not a JSON object");
+  }
+  nlohmann::json doc = {{"apiVersion", kModelDeploymentApiVersion},
+                        {"kind", kModelDeploymentKind},
+                        {"metadata",
+                         {{"name", name}, {"labels", env.value("labels", nlohmann::json::object())}}},
+                        {"spec", env.value("spec", nlohmann::json::object())}};
+  return ParseModelDeployment(doc.dump(), "stored " + name);
 }
 
 }  // namespace kiln

@@ -102,6 +102,13 @@ absl::Status ValidateModelDeployment(const ModelDeployment& d);
 // The spec as stored and served: canonical JSON with every default filled in, so that two
 // documents meaning the same thing store the same bytes.
 nlohmann::json SpecToJson(const ModelDeploymentSpec& spec);
+// What the store keeps of a ModelDeployment (labels and canonical spec, as JSON text) and back.
+std::string EncodeForStore(const ModelDeployment& d);
+absl::StatusOr<ModelDeployment> DecodeFromStore(const std::string& name, const std::string& text);
+
+// The model repository on the nodes a file:///REPO/NAME/VERSION/model.pt uri names ("" when the
+// uri does not have that shape).
+std::string RepositoryOf(const ModelRef& m);
 // "30s", "1m30s", "500ms", "2h" (Argo Rollouts' duration strings) and their formatting.
 absl::StatusOr<absl::Duration> ParseDurationString(const std::string& text,
                                                    const std::string& field);

@@ -103,7 +103,10 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         it = seen.emplace(rs.replica_id(), e).first;
       }
       it->second.reported = rs.state();
-      it->second.healthy = rs.healthy() && !rs.crash_loop();
+      // Replaced only when it cannot recover where it is: a crash loop or FAILED. A replica
+      // that is starting, or briefly failing its probe, is the agent's to restart, not ours
+      // to move (it reports healthy=false while it loads).
+      it->second.healthy = !rs.crash_loop() && rs.state() != v1::FAILED;
       it->second.gpu_memory = std::max(it->second.gpu_memory, rs.measured_gpu_memory_bytes());
     }
     for (auto& [id, e] : seen) {

@@ -4,7 +4,8 @@
 // SERVING and WARM replicas of which version, with what resources) and what is observed (the
 // ready nodes, their capacity and the replicas they report) to each node's whole assignment.
 //
-// - Healthy replicas stay where they are. Of a deployment's existing replicas of the wanted
+// - Replicas stay where they are unless they crash-loop or FAILED (a loading or briefly
+//   unhealthy replica is the agent's to restart). Of a deployment's existing replicas of the wanted
 //   version, SERVING ones are kept SERVING first, then WARM ones are promoted to fill the
 //   SERVING count (a promote beats a cold start), then the rest stay WARM up to the warm pool;
 //   extra replicas are dropped (WARM first).

@@ -146,6 +146,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"model: {name: embedder,", "model: {name: '',", "spec.model.name: must not be empty"},
         BadCase{"version: \"2\"", "version: \"2/3\"", "spec.model.version"},
         BadCase{"uri: \"file:///models/embedder/2/model.pt\"", "uri: \"s3://bucket/model.pt\"", "spec.model.uri"},
+        BadCase{"uri: \"file:///models/embedder/2/model.pt\"", "uri: \"file:///models/embedder/3/model.pt\"", "spec.model.uri: 'file:///models/embedder/3/model.pt' must name REPOSITORY/embedder/2/model.pt"},
         BadCase{"format: torchscript", "format: onnx", "spec.model.format: must be torchscript or aotinductor"},
         BadCase{"sha256: \"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef\"", "sha256: \"xyz\"", "spec.model.sha256: must be 64 hex digits"},
         BadCase{"replicas: 3", "replicas: -1", "spec.replicas: must be in 0..10000"},

@@ -82,13 +82,14 @@ PlacementDemand Cpu(const std::string& dep, int64_t serving, int64_t warm, int64
 }
 
 v1::ReplicaStatus Reported(const std::string& id, v1::LifecycleState state,
-                           const std::string& version = "1", bool healthy = true) {
+                           const std::string& version = "1", bool crash_loop = false) {
   v1::ReplicaStatus s;
   s.set_replica_id(id);
   s.set_model("encoder");
   s.set_version(version);
   s.set_state(state);
-  s.set_healthy(healthy);
+  s.set_healthy(!crash_loop);
+  s.set_crash_loop(crash_loop);
   s.set_device("cpu");
   s.set_cpus("3");  // one CPU
   return s;
@@ -137,12 +138,21 @@ TEST(PlacementTest, ScaleDownDropsWarmThenExtraServing) {
   EXPECT_TRUE(none.nodes["a"].empty());
 }
 
-TEST(PlacementTest, UnhealthyOrOtherVersionReplicasAreReplacedWithNewIds) {
+TEST(PlacementTest, CrashLoopingFailedOrOtherVersionReplicasAreReplacedWithNewIds) {
   PlacementNode a = CpuNode("a", 8);
-  a.reported = {Reported("enc.0", v1::SERVING, "1", /*healthy=*/false),
-                Reported("enc.1", v1::SERVING, "0")};
+  a.reported = {Reported("enc.0", v1::SERVING, "1", /*crash_loop=*/true),
+                Reported("enc.1", v1::SERVING, "0"), Reported("enc.2", v1::FAILED)};
   auto p = Place({Cpu("enc", 1, 0)}, {a});
-  EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.2:SERVING"}));
+  EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.3:SERVING"}));
+}
+
+TEST(PlacementTest, AReplicaStillLoadingIsKeptNotReplaced) {
+  PlacementNode a = CpuNode("a", 2);
+  v1::ReplicaStatus loading = Reported("enc.1", v1::LOADING);
+  loading.set_healthy(false);  // not routable yet
+  a.reported = {Reported("enc.0", v1::SERVING), loading};
+  auto p = Place({Cpu("enc", 1, 1)}, {a});
+  EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING", "enc.1:WARM"}));
 }
 
 TEST(PlacementTest, AssignedButNotYetReportedReplicasAreNotPlacedTwice) {

@@ -1,0 +1,342 @@
+#include "controller/controller.h"
+
+#include <algorithm>
+
+#include "common/logging.h"
+#include "controller/model_deployment.h"
+#include "controller/placement.h"
+#include "nlohmann/json.hpp"
+
+namespace kiln {
+
+namespace {
+
+std::string Serialize(const std::vector<v1::ReplicaSpec>& specs) {
+  std::string out;
+  for (const auto& s : specs) out += s.SerializeAsString() + "|";
+  return out;
+}
+
+std::string ZoneOf(const v1::Register& r) {
+  for (const char* key : {"topology.kubernetes.io/zone", "zone"}) {
+    auto it = r.labels().find(key);
+    if (it != r.labels().end()) return it->second;
+  }
+  return "";
+}
+
+}  // namespace
+
+Controller::Controller(ControllerOptions options, Store* store, Clock* clock)
+    : options_(options),
+      store_(store),
+      clock_(clock),
+      started_(clock->Now()),
+      registry_(options.leases) {}
+
+Controller::~Controller() { Stop(); }
+
+void Controller::Start() {
+  loop_ = std::thread([this]() {
+    for (;;) {
+      {
+        absl::MutexLock lock(&mu_);
+        auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+        if (mu_.AwaitWithTimeout(absl::Condition(&stop), options_.tick)) return;
+      }
+      Tick();
+    }
+  });
+}
+
+void Controller::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (loop_.joinable()) loop_.join();
+}
+
+grpc::Status Controller::Connect(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::ControllerMessage, v1::AgentMessage>* stream) {
+  auto log = GetLogger("controller");
+  v1::AgentMessage msg;
+  if (!stream->Read(&msg) || msg.message_case() != v1::AgentMessage::kRegister) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the first message on the stream must be Register");
+  }
+  const std::string node = msg.register_().node_name();
+  auto session = std::make_shared<Session>();
+  session->stream = stream;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "shutting down");
+    absl::Status s = registry_.Register(msg.register_(), clock_->Now());
+    if (!s.ok()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(s.message()));
+    sessions_[node] = session;
+    // What this node was sent before is unknown to it now (or it is new): send it all again.
+    int64_t gen = sent_[node].assignment_generation;
+    int64_t rgen = sent_[node].routing_generation;
+    sent_[node] = Sent();
+    sent_[node].assignment_generation = gen;
+    sent_[node].routing_generation = rgen;
+  }
+  log->info("node {} registered: {} cpus, {} gpus, {} replica(s) running", node,
+            msg.register_().cpu_capacity(), msg.register_().gpus_size(),
+            msg.register_().replicas_size());
+  while (stream->Read(&msg)) {
+    absl::MutexLock lock(&mu_);
+    switch (msg.message_case()) {
+      case v1::AgentMessage::kStatus:
+        (void)registry_.ReportStatus(node, msg.status(), clock_->Now());
+        break;
+      case v1::AgentMessage::kRegister:
+        (void)registry_.Register(msg.register_(), clock_->Now());
+        break;
+      case v1::AgentMessage::kAck:
+        if (msg.ack().kind() == v1::Ack::ASSIGNMENT &&
+            msg.ack().generation() == sent_[node].assignment_generation) {
+          sent_[node].nack.clear();
+        }
+        break;
+      case v1::AgentMessage::kNack:
+        if (msg.nack().kind() == v1::Ack::ASSIGNMENT) sent_[node].nack = msg.nack().reason();
+        log->warn("node {} refused generation {}: {}", node, msg.nack().generation(),
+                  msg.nack().reason());
+        break;
+      default:
+        break;
+    }
+    if (stopping_) break;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(node);
+    if (it != sessions_.end() && it->second == session) {
+      absl::MutexLock w(&session->write_mu);  // no write into a stream that is going away
+      sessions_.erase(it);
+      registry_.Disconnected(node);
+    }
+  }
+  log->info("node {} disconnected", node);
+  (void)context;
+  return grpc::Status::OK;
+}
+
+void Controller::Send(const std::string& node, const v1::ControllerMessage& m) {
+  auto it = sessions_.find(node);
+  if (it == sessions_.end()) return;
+  absl::MutexLock w(&it->second->write_mu);
+  it->second->stream->Write(m);
+}
+
+void Controller::Tick() {
+  auto log = GetLogger("controller");
+  const absl::Time now = clock_->Now();
+  if (now - started_ < options_.observe_for) return;  // agents are still re-registering
+  auto objects = store_->List(kModelDeploymentKind);
+  if (!objects.ok()) {
+    log->error("store: {}", objects.status().ToString());
+    return;
+  }
+  struct Dep {
+    StoredObject object;
+    ModelDeployment d;
+  };
+  std::vector<Dep> deps;
+  std::vector<PlacementDemand> demands;
+  for (const auto& o : *objects) {
+    auto d = DecodeFromStore(o.name, o.spec);
+    if (!d.ok()) {
+      log->error("{}", d.status().ToString());
+      continue;
+    }
+    PlacementDemand pd;
+    pd.deployment = d->name;
+    pd.model = d->spec.model.name;
+    pd.version = d->spec.model.version;
+    pd.repository = RepositoryOf(d->spec.model);
+    pd.serving = d->spec.replicas;
+    pd.warm = d->spec.warm_pool;
+    pd.gpus = d->spec.resources.gpus;
+    pd.gpu_memory_bytes = d->spec.resources.gpu_memory_bytes;
+    pd.cpus = d->spec.resources.cpus;
+    demands.push_back(pd);
+    deps.push_back({o, *d});
+  }
+
+  std::vector<std::pair<std::string, nlohmann::json>> statuses;
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<PlacementNode> nodes;
+    for (const auto& [name, rec] : registry_.nodes()) {
+      if (registry_.Health(name, now) != NodeHealth::kReady) continue;
+      PlacementNode n;
+      n.name = name;
+      n.zone = ZoneOf(rec.registration);
+      n.cpu_capacity = rec.registration.cpu_capacity();
+      for (const auto& g : rec.registration.gpus()) {
+        PlacementNode::Gpu pg{g.index(), g.memory_bytes(), true};
+        for (const auto& gs : rec.status.gpus()) {
+          if (gs.index() == g.index() && !gs.healthy()) pg.healthy = false;
+        }
+        n.gpus.push_back(pg);
+      }
+      n.assigned = sent_[name].replicas;
+      for (const auto& r : rec.status.replicas()) {
+        n.reported.push_back(r);
+        n.load += static_cast<double>(r.load().in_flight());
+      }
+      nodes.push_back(std::move(n));
+    }
+    PlacementResult placed = Place(demands, nodes);
+    if (placed.unplaced != last_unplaced_) {  // said once per change, not every tick
+      for (const auto& line : placed.unplaced) log->warn("unplaced: {}", line);
+      last_unplaced_ = placed.unplaced;
+    }
+
+    for (const auto& [node, specs] : placed.nodes) {
+      Sent& s = sent_[node];
+      std::string ser = Serialize(specs);
+      if (ser == s.assignment && s.assignment_generation != 0) continue;
+      if (!sessions_.count(node)) continue;  // sent once it reconnects
+      const auto& rec = registry_.nodes().at(node);
+      int64_t gen = std::max({s.assignment_generation + 1, rec.status.assignment_generation() + 1,
+                              absl::ToUnixMicros(now)});
+      v1::ControllerMessage m;
+      m.mutable_assignment()->set_generation(gen);
+      for (const auto& spec : specs) *m.mutable_assignment()->add_replicas() = spec;
+      s.assignment = ser;
+      s.replicas = specs;
+      s.assignment_generation = gen;
+      log->info("node {}: assignment generation {}: {} replica(s)", node, gen, specs.size());
+      Send(node, m);
+    }
+
+    // Routing: each node learns the SERVING replicas elsewhere, reached through their
+    // node's router; its own replicas it routes to itself.
+    for (const auto& n : nodes) {
+      v1::RoutingTable t;
+      for (const auto& dep : deps) {
+        v1::Route* route = t.add_routes();
+        route->set_model(dep.d.spec.model.name);
+        auto* v = route->add_versions();
+        v->set_version(dep.d.spec.model.version);
+        v->set_weight(100);
+        route->set_sticky_key(dep.d.spec.rollout.sticky_key);
+        for (const auto& other : nodes) {
+          if (other.name == n.name) continue;
+          const auto& reg = registry_.nodes().at(other.name).registration;
+          if (reg.ingress_grpc_address().empty()) continue;
+          for (const auto& r : other.reported) {
+            if (DeploymentOfReplica(r.replica_id()) != dep.d.name || r.state() != v1::SERVING ||
+                !r.healthy() || r.version() != dep.d.spec.model.version) {
+              continue;
+            }
+            auto* e = route->add_endpoints();
+            e->set_replica_id(r.replica_id());
+            e->set_version(r.version());
+            e->set_node_name(other.name);
+            e->set_grpc_address(reg.ingress_grpc_address());
+            e->set_http_address(reg.ingress_http_address());
+          }
+        }
+      }
+      Sent& s = sent_[n.name];
+      std::string ser;
+      for (const auto& r : t.routes()) ser += r.SerializeAsString() + "|";
+      if (ser == s.routing && s.routing_generation != 0) continue;
+      if (!sessions_.count(n.name)) continue;
+      const auto& rec = registry_.nodes().at(n.name);
+      int64_t gen = std::max({s.routing_generation + 1, rec.status.routing_generation() + 1,
+                              absl::ToUnixMicros(now)});
+      t.set_generation(gen);
+      v1::ControllerMessage m;
+      *m.mutable_routing_table() = t;
+      s.routing = ser;
+      s.routing_generation = gen;
+      Send(n.name, m);
+    }
+
+    // Status per deployment, from what the nodes report.
+    for (const auto& dep : deps) {
+      int64_t ready = 0, warm = 0, assigned = 0;
+      for (const auto& n : nodes) {
+        for (const auto& spec : sent_[n.name].replicas) {
+          if (DeploymentOfReplica(spec.replica_id()) == dep.d.name) assigned++;
+        }
+        for (const auto& r : n.reported) {
+          if (DeploymentOfReplica(r.replica_id()) != dep.d.name || !r.healthy()) continue;
+          if (r.state() == v1::SERVING) ready++;
+          if (r.state() == v1::WARM) warm++;
+        }
+      }
+      std::string unplaced;
+      for (const auto& line : placed.unplaced) {
+        if (line.rfind(dep.d.name + ":", 0) == 0) unplaced = line;
+      }
+      bool available = ready >= dep.d.spec.replicas;
+      nlohmann::json conditions = nlohmann::json::array();
+      conditions.push_back({{"type", "Available"},
+                            {"status", available ? "True" : "False"},
+                            {"reason", available ? "ReplicasReady" : "ReplicasNotReady"},
+                            {"message", std::to_string(ready) + " of " +
+                                            std::to_string(dep.d.spec.replicas) +
+                                            " replicas serving"}});
+      if (!unplaced.empty()) {
+        conditions.push_back({{"type", "Schedulable"},
+                              {"status", "False"},
+                              {"reason", "NoRoom"},
+                              {"message", unplaced}});
+      }
+      nlohmann::json st = {{"observedGeneration", dep.object.generation},
+                           {"replicas", assigned},
+                           {"readyReplicas", ready},
+                           {"warmReplicas", warm},
+                           {"conditions", conditions}};
+      statuses.emplace_back(dep.object.name, st);
+    }
+  }
+  for (const auto& dep : deps) {
+    for (const auto& [name, st] : statuses) {
+      if (name != dep.object.name) continue;
+      std::string text = st.dump();
+      if (text == dep.object.status) continue;
+      absl::Status s =
+          store_->UpdateStatus(kModelDeploymentKind, name, text, dep.object.resource_version)
+              .status();
+      if (!s.ok() && s.code() != absl::StatusCode::kAborted) {
+        log->warn("status of {}: {}", name, s.ToString());
+      }
+    }
+  }
+}
+
+std::string Controller::NodesJson() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  nlohmann::json nodes = nlohmann::json::array();
+  for (const auto& [name, rec] : registry_.nodes()) {
+    nlohmann::json replicas = nlohmann::json::array();
+    for (const auto& r : rec.status.replicas()) {
+      replicas.push_back({{"id", r.replica_id()},
+                          {"model", r.model()},
+                          {"version", r.version()},
+                          {"state", v1::LifecycleState_Name(r.state())},
+                          {"healthy", r.healthy()}});
+    }
+    nodes.push_back({{"name", name},
+                     {"health", NodeHealthName(registry_.Health(name, now))},
+                     {"connected", rec.connected},
+                     {"cpus", rec.registration.cpu_capacity()},
+                     {"gpus", rec.registration.gpus_size()},
+                     {"lastHeardSecondsAgo", absl::ToInt64Seconds(now - rec.last_heard)},
+                     {"assignmentGeneration", rec.status.assignment_generation()},
+                     {"refused", sent_.count(name) ? sent_.at(name).nack : ""},
+                     {"replicas", replicas}});
+  }
+  return nlohmann::json{{"kind", "NodeList"}, {"items", nodes}}.dump();
+}
+
+}  // namespace kiln

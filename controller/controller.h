@@ -1,0 +1,85 @@
+#pragma once
+
+// The controller's loop and the agents' side of kiln.v1.ControlPlane.
+//
+// Each agent keeps one Connect stream open: Register first, then NodeStatus every second,
+// Ack/Nack for what it is sent. Every tick the controller reads the ModelDeployments from the
+// store, places their replicas on the Ready nodes (placement.h), and sends each node whose
+// assignment or routing table changed the whole new one. Generations only grow, also across
+// controller restarts (they start above what the node reports and above the wall clock in
+// microseconds), so an agent never mistakes a new assignment for one it applied. After a
+// start the controller observes for `observe_for` (agents re-register with the replicas they
+// run) before it sends anything, so a controller restart does not churn replicas. A Nack'd
+// generation is reported in the log and in the deployment's status, not re-sent in a loop:
+// the next change makes a new one. Deployment status (replicas, ready, warm, conditions) is
+// written back to the store.
+
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "controller/node_registry.h"
+#include "controller/store.h"
+#include "kiln/v1/control_plane.grpc.pb.h"
+
+namespace kiln {
+
+struct ControllerOptions {
+  absl::Duration tick = absl::Milliseconds(200);
+  absl::Duration observe_for = absl::Seconds(5);
+  NodeRegistry::Options leases;
+};
+
+class Controller : public v1::ControlPlane::Service {
+ public:
+  Controller(ControllerOptions options, Store* store, Clock* clock);
+  ~Controller() override;
+
+  void Start();  // the loop thread
+  void Stop();   // ends the loop and every agent stream
+
+  grpc::Status Connect(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::ControllerMessage, v1::AgentMessage>* stream) override;
+
+  // One pass of the loop (public for tests).
+  void Tick();
+  // Nodes with their health, for the admin API ({"nodes": [...]}).
+  std::string NodesJson();
+
+ private:
+  struct Session {
+    grpc::ServerReaderWriter<v1::ControllerMessage, v1::AgentMessage>* stream = nullptr;
+    absl::Mutex write_mu;
+  };
+  struct Sent {
+    int64_t assignment_generation = 0;
+    std::string assignment;  // serialised replicas of the last assignment sent
+    std::vector<v1::ReplicaSpec> replicas;
+    int64_t routing_generation = 0;
+    std::string routing;
+    std::string nack;  // the last Nack's reason, if the last assignment was refused
+  };
+
+  void Send(const std::string& node, const v1::ControllerMessage& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const ControllerOptions options_;
+  Store* store_;
+  Clock* clock_;
+  const absl::Time started_;
+
+  absl::Mutex mu_;
+  NodeRegistry registry_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Sent> sent_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::string> last_unplaced_ ABSL_GUARDED_BY(mu_);
+  std::thread loop_;
+};
+
+}  // namespace kiln
