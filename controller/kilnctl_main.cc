@@ -282,10 +282,55 @@ int main(int argc, char** argv) {
   Client c(server, token);
 
   if (apply->parsed()) return Apply(c, file);
+  if (get->parsed() && (type == "nodes" || type == "node" || type == "no")) {
+    Reply r = c.Call(http::methods::GET, kiln::kNodesPath);
+    if (r.code != 200) return ServerError(r, c);
+    if (output == "json") {
+      std::cout << r.body.dump(2) << "\n";
+      return 0;
+    }
+    if (output == "yaml") {
+      YAML::Emitter e;
+      e << ToYaml(r.body);
+      std::cout << e.c_str() << "\n";
+      return 0;
+    }
+    std::vector<std::vector<std::string>> rows = {
+        {"NAME", "STATUS", "CPUS", "GPUS", "REPLICAS", "LAST-SEEN"}};
+    for (const auto& n : r.body["items"]) {
+      if (!name.empty() && n.value("name", "") != name) continue;
+      int serving = 0, warm = 0;
+      for (const auto& rep : n["replicas"]) {
+        if (rep.value("state", "") == "SERVING") serving++;
+        if (rep.value("state", "") == "WARM") warm++;
+      }
+      rows.push_back({n.value("name", ""), n.value("health", ""),
+                      std::to_string(n.value("cpus", 0)), std::to_string(n.value("gpus", 0)),
+                      std::to_string(serving) + " serving, " + std::to_string(warm) + " warm",
+                      std::to_string(n.value("lastHeardSecondsAgo", 0)) + "s ago"});
+    }
+    if (rows.size() == 1) {
+      std::cerr << (name.empty() ? "No resources found.\n" : "Error from server (NotFound): node '" + name + "' not found\n");
+      return name.empty() ? 0 : 1;
+    }
+    std::vector<size_t> width(rows[0].size(), 0);
+    for (const auto& row : rows) {
+      for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+    }
+    for (const auto& row : rows) {
+      std::string line;
+      for (size_t i = 0; i < row.size(); ++i) {
+        line += row[i];
+        if (i + 1 < row.size()) line += std::string(width[i] - row[i].size() + 3, ' ');
+      }
+      std::cout << line << "\n";
+    }
+    return 0;
+  }
   if (get->parsed() || del->parsed()) {
     if (!IsDeploymentType(type)) {
       std::cerr << "error: the server doesn't have a resource type \"" << type
-                << "\" (kilnctl knows: deployments)\n";
+                << "\" (kilnctl knows: deployments, nodes)\n";
       return 1;
     }
   }

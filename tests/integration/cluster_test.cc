@@ -204,6 +204,10 @@ TEST_F(ClusterTest, DeployServeScaleFromWarmPoolAndSurviveAControllerKill) {
   ASSERT_TRUE(s.ok()) << s.error_message();
   auto before = Pids();
   ASSERT_EQ(before.size(), 2u);
+  out = Ctl("get nodes");
+  EXPECT_EQ(last_rc_, 0) << out;
+  EXPECT_NE(out.find("n1     Ready    "), std::string::npos) << out;
+  EXPECT_NE(out.find("1 serving, 1 warm"), std::string::npos) << out;
 
   // Scale 1 -> 2: the warm replica is promoted in place (same process).
   out = Ctl("scale enc --replicas 2");
