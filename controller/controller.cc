@@ -170,10 +170,17 @@ void Controller::Tick() {
   {
     absl::MutexLock lock(&mu_);
     std::vector<PlacementNode> nodes;
+    std::set<std::string> retired;
     for (const auto& [name, rec] : registry_.nodes()) {
-      if (registry_.Health(name, now) != NodeHealth::kReady) continue;
+      NodeHealth health = registry_.Health(name, now);
+      if (health == NodeHealth::kLost) {  // its replicas are placed again elsewhere
+        for (const auto& r : rec.status.replicas()) retired.insert(r.replica_id());
+        for (const auto& r : sent_[name].replicas) retired.insert(r.replica_id());
+        continue;
+      }
       PlacementNode n;
       n.name = name;
+      n.schedulable = health == NodeHealth::kReady;
       n.zone = ZoneOf(rec.registration);
       n.cpu_capacity = rec.registration.cpu_capacity();
       for (const auto& g : rec.registration.gpus()) {
@@ -190,7 +197,35 @@ void Controller::Tick() {
       }
       nodes.push_back(std::move(n));
     }
-    PlacementResult placed = Place(demands, nodes);
+    // Autoscaled deployments: SERVING count from the in-flight requests their replicas report.
+    for (size_t i = 0; i < deps.size(); ++i) {
+      const ModelDeployment& d = deps[i].d;
+      if (!d.spec.autoscale) {
+        autoscale_.erase(d.name);
+        autoscaled_to_.erase(d.name);
+        continue;
+      }
+      double in_flight = 0;
+      bool reports = false;
+      for (const auto& n : nodes) {
+        for (const auto& r : n.reported) {
+          if (DeploymentOfReplica(r.replica_id()) != d.name || r.state() != v1::SERVING) continue;
+          in_flight += static_cast<double>(r.load().in_flight());
+          reports = true;
+        }
+      }
+      auto current = autoscaled_to_.find(d.name);
+      int64_t now_count = current == autoscaled_to_.end() ? d.spec.autoscale->min : current->second;
+      int64_t next = autoscale_[d.name].Recommend(*d.spec.autoscale, in_flight, reports, now_count,
+                                                  now, options_.scale_down_stabilization);
+      if (next != now_count) {
+        log->info("autoscale {}: {} -> {} replicas ({} requests in flight, target {} each)", d.name,
+                  now_count, next, in_flight, d.spec.autoscale->target_in_flight);
+      }
+      autoscaled_to_[d.name] = next;
+      demands[i].serving = next;
+    }
+    PlacementResult placed = Place(demands, nodes, retired);
     if (placed.unplaced != last_unplaced_) {  // said once per change, not every tick
       for (const auto& line : placed.unplaced) log->warn("unplaced: {}", line);
       last_unplaced_ = placed.unplaced;
@@ -226,7 +261,7 @@ void Controller::Tick() {
         v->set_weight(100);
         route->set_sticky_key(dep.d.spec.rollout.sticky_key);
         for (const auto& other : nodes) {
-          if (other.name == n.name) continue;
+          if (other.name == n.name || !other.schedulable) continue;  // NotReady: not routed to
           const auto& reg = registry_.nodes().at(other.name).registration;
           if (reg.ingress_grpc_address().empty()) continue;
           for (const auto& r : other.reported) {
@@ -276,14 +311,15 @@ void Controller::Tick() {
       for (const auto& line : placed.unplaced) {
         if (line.rfind(dep.d.name + ":", 0) == 0) unplaced = line;
       }
-      bool available = ready >= dep.d.spec.replicas;
+      int64_t desired = dep.d.spec.replicas;
+      if (auto it = autoscaled_to_.find(dep.d.name); it != autoscaled_to_.end()) desired = it->second;
+      bool available = ready >= desired;
       nlohmann::json conditions = nlohmann::json::array();
       conditions.push_back({{"type", "Available"},
                             {"status", available ? "True" : "False"},
                             {"reason", available ? "ReplicasReady" : "ReplicasNotReady"},
                             {"message", std::to_string(ready) + " of " +
-                                            std::to_string(dep.d.spec.replicas) +
-                                            " replicas serving"}});
+                                            std::to_string(desired) + " replicas serving"}});
       if (!unplaced.empty()) {
         conditions.push_back({{"type", "Schedulable"},
                               {"status", "False"},
@@ -291,6 +327,7 @@ void Controller::Tick() {
                               {"message", unplaced}});
       }
       nlohmann::json st = {{"observedGeneration", dep.object.generation},
+                           {"desiredReplicas", desired},
                            {"replicas", assigned},
                            {"readyReplicas", ready},
                            {"warmReplicas", warm},

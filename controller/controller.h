@@ -22,6 +22,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
+#include "controller/autoscale.h"
 #include "controller/node_registry.h"
 #include "controller/store.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
@@ -31,6 +32,8 @@ namespace kiln {
 struct ControllerOptions {
   absl::Duration tick = absl::Milliseconds(200);
   absl::Duration observe_for = absl::Seconds(5);
+  // Autoscaled deployments scale down only after their load has stayed low this long.
+  absl::Duration scale_down_stabilization = absl::Minutes(5);
   NodeRegistry::Options leases;
 };
 
@@ -79,6 +82,8 @@ class Controller : public v1::ControlPlane::Service {
   std::map<std::string, Sent> sent_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::string> last_unplaced_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, AutoscaleHistory> autoscale_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> autoscaled_to_ ABSL_GUARDED_BY(mu_);
   std::thread loop_;
 };
 

@@ -21,7 +21,7 @@ int main(int argc, char** argv) {
   std::string token_file;
   std::string log_level = "info";
   std::string listen = "127.0.0.1:7071";
-  double observe_s = 5, not_ready_s = 10, lost_s = 30;
+  double observe_s = 5, not_ready_s = 10, lost_s = 30, stabilization_s = 300;
   CLI::App app{"kiln-controller: desired state and decisions for a fleet of kiln agents"};
   app.add_option("--state-dir", state_dir, "Directory of the embedded store (kiln.db)")->required();
   app.add_option("--admin-bind", bind, "IPv4 address of the admin API")->capture_default_str();
@@ -43,6 +43,10 @@ int main(int argc, char** argv) {
   app.add_option("--node-lost-seconds", lost_s,
                  "A silent node is Lost (its replicas placed elsewhere) after this")
       ->check(CLI::Range(0.1, 86400.0))
+      ->capture_default_str();
+  app.add_option("--scale-down-stabilization-seconds", stabilization_s,
+                 "Autoscaled deployments scale down only after load stayed low this long")
+      ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
   try {
@@ -93,6 +97,7 @@ int main(int argc, char** argv) {
   co.observe_for = absl::Seconds(observe_s);
   co.leases.not_ready_after = absl::Seconds(not_ready_s);
   co.leases.lost_after = absl::Seconds(lost_s);
+  co.scale_down_stabilization = absl::Seconds(stabilization_s);
   kiln::Controller controller(co, store->get(), &clock);
   int control_port = 0;
   grpc::ServerBuilder builder;

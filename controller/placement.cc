@@ -68,7 +68,8 @@ int GpuFromDevice(const std::string& device) {
 }  // namespace
 
 PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
-                      const std::vector<PlacementNode>& nodes) {
+                      const std::vector<PlacementNode>& nodes,
+                      const std::set<std::string>& retired_ids) {
   PlacementResult out;
   std::vector<PlacementDemand> demands = demands_in;
   std::sort(demands.begin(), demands.end(),
@@ -136,6 +137,13 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   for (const PlacementDemand& d : demands) {
     std::vector<Existing> mine;
     std::set<int>& used_ids = kept[d.deployment].used_ids;
+    for (const std::string& id : retired_ids) {
+      if (DeploymentOfReplica(id) != d.deployment) continue;
+      try {
+        used_ids.insert(std::stoi(id.substr(id.find('.') + 1)));
+      } catch (...) {
+      }
+    }
     for (const Existing& e : by_deployment[d.deployment]) {
       const std::string& id = e.spec.replica_id();
       try {
@@ -197,6 +205,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       std::optional<std::tuple<int, int, int64_t, double, std::string, int>> best;
       for (auto& [name, ns] : state) {
         const PlacementNode& n = *ns.node;
+        if (!n.schedulable) continue;
         if (ns.cpu_used + d.cpus > n.cpu_capacity) continue;
         int zone_count = 0;
         for (auto& [other, os] : state) {

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,9 @@ struct PlacementNode {
   std::vector<v1::ReplicaSpec> assigned;
   std::vector<v1::ReplicaStatus> reported;
   double load = 0;                          // requests in flight on the node
+  // False for a NotReady node: its replicas still count (the node may come back within the
+  // grace), but nothing new goes there. Lost nodes are left out altogether.
+  bool schedulable = true;
 };
 
 struct PlacementDemand {
@@ -61,8 +65,10 @@ struct PlacementResult {
   std::vector<std::string> unplaced;
 };
 
+// `retired_ids`: ids not to give to new replicas (those on Lost nodes, which may come back).
 PlacementResult Place(const std::vector<PlacementDemand>& demands,
-                      const std::vector<PlacementNode>& ready_nodes);
+                      const std::vector<PlacementNode>& ready_nodes,
+                      const std::set<std::string>& retired_ids = {});
 
 // The deployment a replica id belongs to ("encoder.3" -> "encoder"); empty if not ours.
 std::string DeploymentOfReplica(const std::string& replica_id);

@@ -99,14 +99,36 @@ class ClusterTest : public ::testing::Test {
     *pid = -1;
   }
 
-  void StartController(const std::string& listen) {
+  void StartController(const std::string& listen, std::vector<std::string> extra = {}) {
     clog_ = dir_ + "/controller" + std::to_string(++controllers_) + ".log";
-    controller_ = Spawn({KILN_CONTROLLER_BIN, "--state-dir", dir_ + "/state", "--admin-port", "0",
-                         "--listen", listen, "--observe-seconds", "0.3"},
-                        clog_);
+    std::vector<std::string> args = {KILN_CONTROLLER_BIN, "--state-dir", dir_ + "/state",
+                                     "--admin-port", "0", "--listen", listen,
+                                     "--observe-seconds", "0.3"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    controller_ = Spawn(args, clog_);
     admin_ = WaitForNumber(clog_, "admin=http://127.0.0.1:");
     control_ = WaitForNumber(clog_, "control=127.0.0.1:");
     ASSERT_GT(admin_, 0) << ReadAll(clog_);
+  }
+  struct Agent {
+    pid_t pid = -1;
+    std::string log;
+    int admin = 0, router_grpc = 0;
+  };
+  // A second node on the same machine (its own state, ports and replicas).
+  Agent StartAnotherAgent(const std::string& name) {
+    Agent a;
+    a.log = dir_ + "/agent-" + name + ".log";
+    a.pid = Spawn({KILN_AGENT_BIN, "--controller", "127.0.0.1:" + std::to_string(control_),
+                   "--node-name", name, "--state-dir", dir_ + "/agent-" + name,
+                   "--runtime-binary", KILN_RUNTIME_BIN, "--admin-bind", "127.0.0.1",
+                   "--admin-port", "0", "--reserved-cpus", "0", "--tick-ms", "50",
+                   "--ingress-bind", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
+                   "--stop-timeout-ms", "5000", "--stop-replicas-on-exit"},
+                  a.log);
+    a.admin = WaitForNumber(a.log, "admin_port=");
+    a.router_grpc = WaitForNumber(a.log, "router listening grpc_port=");
+    return a;
   }
   void StartAgent() {
     alog_ = dir_ + "/agent.log";
@@ -152,17 +174,18 @@ class ClusterTest : public ::testing::Test {
                   << Deployment(name).dump() << "\n" << ReadAll(alog_) << ReadAll(clog_);
     return false;
   }
-  std::map<std::string, int> Pids() {
+  std::map<std::string, int> Pids(int admin = 0) {
     std::map<std::string, int> out;
-    auto [code, text] = Http("GET", agent_admin_, "/v1/replicas");
+    auto [code, text] = Http("GET", admin ? admin : agent_admin_, "/v1/replicas");
     json j = json::parse(text, nullptr, false);
     if (code != 200 || j.is_discarded()) return out;
     for (const auto& r : j["replicas"]) out[r["id"].get<std::string>()] = r["pid"].get<int>();
     return out;
   }
-  grpc::Status Infer() {
+  grpc::Status Infer(int router = 0) {
     auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
-        "127.0.0.1:" + std::to_string(router_grpc_), grpc::InsecureChannelCredentials()));
+        "127.0.0.1:" + std::to_string(router ? router : router_grpc_),
+        grpc::InsecureChannelCredentials()));
     inference::ModelInferRequest req;
     req.set_model_name("encoder");
     for (const char* name : {"input_ids", "attention_mask"}) {
@@ -233,6 +256,45 @@ TEST_F(ClusterTest, DeployServeScaleFromWarmPoolAndSurviveAControllerKill) {
   std::this_thread::sleep_for(std::chrono::milliseconds(600));  // a few more ticks
   EXPECT_EQ(Pids(), scaled);
   EXPECT_TRUE(Infer().ok());
+}
+
+// Two nodes; one is killed outright (agent and its runtime): after the NotReady and Lost
+// graces its replica is placed again on the other node, under a new id, and serving goes on.
+TEST_F(ClusterTest, ALostNodesReplicasComeBackElsewhere) {
+  StartController("127.0.0.1:0", {"--node-not-ready-seconds", "2", "--node-lost-seconds", "3"});
+  StartAgent();
+  Agent n2 = StartAnotherAgent("n2");
+  ASSERT_GT(n2.router_grpc, 0) << ReadAll(n2.log);
+  std::ofstream(dir_ + "/enc.yaml")
+      << "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
+         "spec:\n  model: {name: encoder, version: \"1\", uri: \"file://"
+      << KILN_MODEL_REPO << "/encoder/1/model.pt\"}\n  replicas: 2\n";
+  std::string out = Ctl("apply -f " + dir_ + "/enc.yaml");
+  ASSERT_EQ(last_rc_, 0) << out;
+  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+  auto on_n1 = Pids();
+  auto on_n2 = Pids(n2.admin);
+  ASSERT_EQ(on_n1.size(), 1u);  // spread: one per node
+  ASSERT_EQ(on_n2.size(), 1u);
+  EXPECT_TRUE(Infer().ok());
+  EXPECT_TRUE(Infer(n2.router_grpc).ok());
+
+  // n2 dies with its replica.
+  kill(n2.pid, SIGKILL);
+  waitpid(n2.pid, nullptr, 0);
+  for (const auto& [id, pid] : on_n2) kill(pid, SIGKILL);
+  // NotReady after 2 s of silence (agents report every second), Lost after 3 s: then n1
+  // runs both.
+  for (int i = 0; i < 1200 && Pids().size() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  auto after = Pids();
+  ASSERT_EQ(after.size(), 2u) << ReadAll(clog_);
+  EXPECT_EQ(after.count(on_n2.begin()->first), 0u) << "a lost node's id was reused";
+  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+  EXPECT_TRUE(Infer().ok());
+  out = Ctl("get nodes");
+  EXPECT_NE(out.find("Lost"), std::string::npos) << out;
 }
 
 }  // namespace

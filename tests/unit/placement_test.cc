@@ -219,6 +219,20 @@ TEST(PlacementTest, AReplicaWhoseShapeChangedIsReplacedNotReshaped) {
   EXPECT_EQ(Ids(three.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING"}));
 }
 
+TEST(PlacementTest, ANotReadyNodeKeepsItsReplicasButTakesNoNewOnes) {
+  PlacementNode a = CpuNode("a", 8);
+  a.reported = {Reported("enc.0", v1::SERVING)};
+  a.schedulable = false;
+  auto p = Place({Cpu("enc", 3, 0)}, {a, CpuNode("b", 8)});
+  EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING"}));
+  EXPECT_EQ(Ids(p.nodes["b"]), (std::vector<std::string>{"enc.1:SERVING", "enc.2:SERVING"}));
+  // Once it is Lost (left out), its replica is placed again on the others.
+  // Its id is not reused: the lost node may come back with it.
+  auto lost = Place({Cpu("enc", 3, 0)}, {CpuNode("b", 8)}, {"enc.0"});
+  EXPECT_EQ(Ids(lost.nodes["b"]),
+            (std::vector<std::string>{"enc.1:SERVING", "enc.2:SERVING", "enc.3:SERVING"}));
+}
+
 TEST(PlacementTest, ReplicaIdsNameTheirDeployment) {
   EXPECT_EQ(DeploymentOfReplica("encoder.12"), "encoder");
   EXPECT_EQ(DeploymentOfReplica("legacy"), "");

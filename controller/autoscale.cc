@@ -1,0 +1,33 @@
+#include "controller/autoscale.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace kiln {
+
+int64_t RawRecommendation(const Autoscale& spec, double in_flight) {
+  double want = spec.target_in_flight > 0 ? std::ceil(std::max(0.0, in_flight) / spec.target_in_flight)
+                                          : static_cast<double>(spec.max);
+  if (!(want < 1e9)) want = 1e9;
+  return std::clamp(static_cast<int64_t>(want), spec.min, spec.max);
+}
+
+int64_t AutoscaleHistory::Recommend(const Autoscale& spec, double in_flight, bool have_reports,
+                                    int64_t current, absl::Time now,
+                                    absl::Duration stabilization) {
+  current = std::clamp(current, spec.min, spec.max);
+  if (!have_reports) return current;
+  int64_t raw = RawRecommendation(spec, in_flight);
+  // The first look counts the present count as a recommendation: a controller that just
+  // started (or a deployment just switched to autoscaling) does not scale down for a window.
+  if (recent_.empty()) recent_.emplace_back(now, current);
+  recent_.emplace_back(now, raw);
+  while (!recent_.empty() && recent_.front().first < now - stabilization) recent_.pop_front();
+  if (raw >= current) return raw;  // up (or steady) at once
+  int64_t highest = raw;
+  for (const auto& [when, r] : recent_) highest = std::max(highest, r);
+  // The count never rises on the way down: the window only holds scale-downs back.
+  return std::min(current, highest);
+}
+
+}  // namespace kiln

@@ -1,0 +1,36 @@
+#pragma once
+
+// Autoscaling on requests in flight, a pure function of the reports and the time.
+//
+// The raw recommendation is ceil(in-flight across the deployment's SERVING replicas /
+// targetInFlight), clamped to [min, max]. Up at once: a higher recommendation is taken on the
+// tick it appears. Down only after `stabilization`: the replica count is the highest
+// recommendation seen within the window, so a dip shorter than the window changes nothing
+// (the same rule as Kubernetes' HPA scale-down stabilisation). The count in place when the
+// history starts counts as a recommendation, so nothing scales down in the first window after
+// a controller start.
+
+#include <cstdint>
+#include <deque>
+#include <utility>
+
+#include "absl/time/time.h"
+#include "controller/model_deployment.h"
+
+namespace kiln {
+
+class AutoscaleHistory {
+ public:
+  // The replica count to run now. `in_flight` is the sum over the deployment's SERVING
+  // replicas; `have_reports` false (no replica has reported yet) keeps the current count.
+  int64_t Recommend(const Autoscale& spec, double in_flight, bool have_reports, int64_t current,
+                    absl::Time now, absl::Duration stabilization);
+
+ private:
+  std::deque<std::pair<absl::Time, int64_t>> recent_;  // (when, raw recommendation)
+};
+
+// ceil(in_flight / target) clamped to [min, max].
+int64_t RawRecommendation(const Autoscale& spec, double in_flight);
+
+}  // namespace kiln

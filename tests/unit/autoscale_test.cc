@@ -1,0 +1,72 @@
+#include "controller/autoscale.h"
+
+#include "gtest/gtest.h"
+
+namespace kiln {
+namespace {
+
+const absl::Time kT0 = absl::FromUnixSeconds(1800000000);
+
+Autoscale Spec(int64_t min, int64_t max, double target) {
+  Autoscale a;
+  a.min = min;
+  a.max = max;
+  a.target_in_flight = target;
+  return a;
+}
+
+TEST(AutoscaleTest, RawRecommendationIsCeilOfLoadOverTargetWithinBounds) {
+  EXPECT_EQ(RawRecommendation(Spec(1, 8, 4), 0), 1);
+  EXPECT_EQ(RawRecommendation(Spec(1, 8, 4), 4), 1);
+  EXPECT_EQ(RawRecommendation(Spec(1, 8, 4), 4.5), 2);
+  EXPECT_EQ(RawRecommendation(Spec(1, 8, 4), 1000), 8);
+  EXPECT_EQ(RawRecommendation(Spec(0, 8, 4), 0), 0);
+  EXPECT_EQ(RawRecommendation(Spec(2, 8, 4), -3), 2);
+}
+
+TEST(AutoscaleTest, UpAtOnceDownOnlyAfterTheWindow) {
+  AutoscaleHistory h;
+  const absl::Duration window = absl::Minutes(5);
+  auto spec = Spec(1, 10, 4);
+  int64_t n = h.Recommend(spec, 4, true, 1, kT0, window);
+  EXPECT_EQ(n, 1);
+  n = h.Recommend(spec, 20, true, n, kT0 + absl::Seconds(1), window);  // spike: up at once
+  EXPECT_EQ(n, 5);
+  // Load falls: held at 5 for the whole window.
+  n = h.Recommend(spec, 4, true, n, kT0 + absl::Seconds(2), window);
+  EXPECT_EQ(n, 5);
+  n = h.Recommend(spec, 4, true, n, kT0 + absl::Seconds(1) + window - absl::Seconds(1), window);
+  EXPECT_EQ(n, 5);
+  // The spike leaves the window: down to what the window still holds.
+  n = h.Recommend(spec, 4, true, n, kT0 + absl::Seconds(2) + window, window);
+  EXPECT_EQ(n, 1);
+}
+
+TEST(AutoscaleTest, NothingScalesDownInTheFirstWindow) {
+  AutoscaleHistory h;
+  auto spec = Spec(1, 10, 4);
+  EXPECT_EQ(h.Recommend(spec, 0, true, 6, kT0, absl::Minutes(5)), 6);
+  EXPECT_EQ(h.Recommend(spec, 0, true, 6, kT0 + absl::Minutes(4), absl::Minutes(5)), 6);
+  EXPECT_EQ(h.Recommend(spec, 0, true, 6, kT0 + absl::Minutes(6), absl::Minutes(5)), 1);
+}
+
+TEST(AutoscaleTest, AShortDipChangesNothing) {
+  AutoscaleHistory h;
+  const absl::Duration window = absl::Seconds(60);
+  auto spec = Spec(1, 10, 1);
+  int64_t n = 3;
+  for (int s = 0; s < 120; ++s) {
+    double load = (s % 30 == 0) ? 0 : 3;  // a one-tick dip every 30 s
+    n = h.Recommend(spec, load, true, n, kT0 + absl::Seconds(s), window);
+    ASSERT_EQ(n, 3) << "at " << s << " s";
+  }
+}
+
+TEST(AutoscaleTest, NoReportsKeepsTheCountWithinBounds) {
+  AutoscaleHistory h;
+  EXPECT_EQ(h.Recommend(Spec(2, 4, 1), 0, false, 7, kT0, absl::Minutes(5)), 4);
+  EXPECT_EQ(h.Recommend(Spec(2, 4, 1), 0, false, 0, kT0, absl::Minutes(5)), 2);
+}
+
+}  // namespace
+}  // namespace kiln
