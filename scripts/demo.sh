@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The kiln demo: installs what is missing, builds, generates the demo model, starts
 # kiln-runtime on it (gRPC and REST on free loopback ports, a control socket), and sends
-# real requests through both protocols, printing results and latencies.
+# real requests through both protocols, printing results and latencies. Then a local cluster:
+# kiln-controller (SQLite store), two kiln-agents with fake GPUs, a ModelDeployment applied
+# with kilnctl, requests through a node's router, and a scale-up served from the warm pool.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -9,11 +11,15 @@ scripts/build.sh
 
 work=$(mktemp -d /tmp/kiln-demo.XXXXXX)
 runtime_pid=""
+cluster_pids=()
 cleanup() {
   if [ -n "$runtime_pid" ] && kill -0 "$runtime_pid" 2>/dev/null; then
     kill -TERM "$runtime_pid" 2>/dev/null || true
     wait "$runtime_pid" 2>/dev/null || true
   fi
+  # Agents first (they drain and stop their replicas), the controller last.
+  for pid in "${cluster_pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${cluster_pids[@]}"; do wait "$pid" 2>/dev/null || true; done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -48,3 +54,73 @@ echo
 echo "== stopping (SIGTERM drains, then exits)"
 kill -TERM "$runtime_pid"; wait "$runtime_pid" || true; runtime_pid=""
 tail -3 "$work/runtime.log"
+
+echo
+echo "== a local cluster: kiln-controller, two kiln-agents (fake GPUs), kilnctl"
+ctl() { build/controller/kilnctl --server "http://127.0.0.1:$admin_port" "$@"; }
+# Bounded wait for "KEY<number>" in a log; prints the number.
+wait_number() {
+  local n
+  for _ in $(seq 1 300); do
+    n=$(grep -o "$2[0-9]*" "$1" 2>/dev/null | head -1 | grep -o '[0-9]*$' || true)
+    if [ -n "$n" ]; then echo "$n"; return 0; fi
+    sleep 0.1
+  done
+  cat "$1" >&2; echo "timed out waiting for '$2' in $1" >&2; return 1
+}
+build/controller/kiln-controller --state-dir "$work/controller" --admin-port 0 \
+  --listen 127.0.0.1:0 --observe-seconds 0.5 >"$work/controller.log" 2>&1 &
+cluster_pids+=($!)
+admin_port=$(wait_number "$work/controller.log" "admin=http://127.0.0.1:")
+control_port=$(wait_number "$work/controller.log" "control=127.0.0.1:")
+for node in n1 n2; do
+  build/agent/kiln-agent --controller "127.0.0.1:$control_port" --node-name "$node" \
+    --state-dir "$work/$node" --runtime-binary "$PWD/build/runtime/kiln-runtime" \
+    --admin-bind 127.0.0.1 --admin-port 0 --fake-gpus 1:16Gi --reserved-cpus 0 \
+    --ingress-bind 127.0.0.1 --grpc-port 0 --http-port 0 --stop-replicas-on-exit \
+    >"$work/$node.log" 2>&1 &
+  cluster_pids=($! "${cluster_pids[@]}")
+done
+router_grpc=$(wait_number "$work/n1.log" "router listening grpc_port=")
+router_http=$(wait_number "$work/n1.log" "router listening grpc_port=[0-9]* http_port=")
+printf '%s\n' "apiVersion: serving.kiln.dev/v1alpha1" "kind: ModelDeployment" \
+  "metadata: {name: encoder}" "spec:" \
+  "  model: {name: encoder, version: \"1\", uri: \"file://$PWD/build/models/encoder/1/model.pt\"}" \
+  "  replicas: 1" "  warmPool: 1" >"$work/encoder.yaml"
+echo "\$ kilnctl apply -f encoder.yaml"
+ctl apply -f "$work/encoder.yaml"
+# Bounded wait until N replicas serve; prints how long it took.
+wait_ready() {
+  local t0 t1
+  t0=$(date +%s%N)
+  for _ in $(seq 1 600); do
+    if ctl get deploy encoder -o json | grep -q "\"readyReplicas\": $1,"; then
+      t1=$(date +%s%N)
+      echo "$(( (t1 - t0) / 1000000 )) ms"
+      return 0
+    fi
+    sleep 0.05
+  done
+  echo "timed out waiting for $1 ready replica(s)" >&2; return 1
+}
+echo "cold start: $(wait_ready 1) from apply to 1 ready replica as the controller sees it"
+echo "  (spawn, load, warm-up and promote, plus up to a second for the agent's next report)"
+sleep 1  # the warm-pool replica finishes loading
+echo "\$ kilnctl get nodes"
+ctl get nodes
+echo
+echo "== requests through node n1's router (to a replica on either node)"
+build/examples/kiln-demo-client --grpc "127.0.0.1:$router_grpc" --http "127.0.0.1:$router_http" \
+  --model encoder
+echo
+echo "\$ kilnctl scale encoder --replicas 2    (the warm replica is promoted)"
+ctl scale encoder --replicas 2
+echo "scale-up from the warm pool: $(wait_ready 2) from scale to 2 ready as the controller sees it"
+grep -h "promoted to SERVING" "$work"/n*.log | tail -1
+echo "  (the promote itself is milliseconds; the rest is the agent's 1 s report period)"
+echo "\$ kilnctl get deployments -o wide"
+ctl get deployments -o wide
+echo "\$ kilnctl get nodes"
+ctl get nodes
+echo
+echo "== stopping the cluster (agents drain their replicas, then the controller stops)"
