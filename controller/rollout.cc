@@ -1,0 +1,203 @@
+#include "controller/rollout.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace kiln {
+
+namespace {
+
+uint64_t Since(uint64_t now, uint64_t then) {
+  return now >= then ? now - then : now;  // a counter that went back: the replica restarted
+}
+
+std::string Percent(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f%%", v * 100);
+  return buf;
+}
+
+std::string Ratio(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f", v);
+  return buf;
+}
+
+}  // namespace
+
+nlohmann::json RolloutState::ToJson() const {
+  nlohmann::json j = {{"phase", phase},
+                      {"stableVersion", stable_version},
+                      {"canaryVersion", canary_version},
+                      {"canaryWeight", weight},
+                      {"step", step},
+                      {"message", message}};
+  if (!failed_version.empty()) j["failedVersion"] = failed_version;
+  if (step_started != absl::InfinitePast()) {
+    j["stepStartedMicros"] = absl::ToUnixMicros(step_started);
+    j["counters"] = {stable_requests0, stable_errors0, canary_requests0, canary_errors0};
+  }
+  return j;
+}
+
+RolloutState RolloutState::FromJson(const nlohmann::json& j) {
+  RolloutState s;
+  if (!j.is_object()) return s;
+  s.phase = j.value("phase", "");
+  s.stable_version = j.value("stableVersion", "");
+  s.canary_version = j.value("canaryVersion", "");
+  s.failed_version = j.value("failedVersion", "");
+  s.weight = j.value("canaryWeight", int64_t{0});
+  s.step = j.value("step", int64_t{0});
+  s.message = j.value("message", "");
+  if (j.contains("stepStartedMicros") && j["stepStartedMicros"].is_number_integer()) {
+    s.step_started = absl::FromUnixMicros(j["stepStartedMicros"].get<int64_t>());
+    const auto& c = j.value("counters", nlohmann::json::array());
+    if (c.is_array() && c.size() == 4) {
+      s.stable_requests0 = c[0].get<uint64_t>();
+      s.stable_errors0 = c[1].get<uint64_t>();
+      s.canary_requests0 = c[2].get<uint64_t>();
+      s.canary_errors0 = c[3].get<uint64_t>();
+    }
+  }
+  return s;
+}
+
+int64_t CanaryReplicasFor(int64_t replicas, int64_t weight) {
+  return std::max<int64_t>(1, (replicas * weight + 99) / 100);
+}
+
+RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& state,
+                        const VersionStats& stable, const VersionStats& canary, absl::Time now) {
+  RolloutPlan p;
+  p.state = state;
+  RolloutState& s = p.state;
+  const std::string& want = spec.model.version;
+  const int64_t replicas = spec.replicas;
+  auto stable_only = [&]() {
+    p.stable_version = s.stable_version;
+    p.stable_replicas = replicas;
+    p.canary_version.clear();
+    p.canary_replicas = 0;
+    p.canary_weight = 0;
+  };
+  if (s.stable_version.empty()) {  // the first version is stable at once
+    s.stable_version = want;
+    s.phase = "Stable";
+    s.message = "serving version " + want;
+    stable_only();
+    return p;
+  }
+  if (want == s.stable_version) {
+    if (!s.canary_version.empty()) {
+      p.events.push_back("rollout of version " + s.canary_version + " aborted: the spec is back at " +
+                         want);
+    }
+    s = RolloutState{"Stable", want, "", "", 0, 0, absl::InfinitePast(), 0, 0, 0, 0,
+                     "serving version " + want};
+    stable_only();
+    return p;
+  }
+  if (want == s.failed_version) {  // rolled back: held until the spec names another version
+    s.phase = "Degraded";
+    stable_only();
+    return p;
+  }
+  if (s.canary_version != want) {
+    p.events.push_back(s.canary_version.empty()
+                           ? "rollout " + s.stable_version + " -> " + want + " started (" +
+                                 spec.rollout.strategy + ")"
+                           : "canary " + s.canary_version + " superseded by " + want);
+    s.canary_version = want;
+    s.failed_version.clear();
+    s.step = 0;
+    s.weight = 0;
+    s.step_started = absl::InfinitePast();
+    s.phase = "Progressing";
+  }
+
+  std::vector<RolloutStep> steps = spec.rollout.steps;
+  const std::string& strategy = spec.rollout.strategy;
+  if (strategy == "BlueGreen" || steps.empty()) steps = {RolloutStep{100, absl::ZeroDuration(), false}};
+  if (strategy == "ABTest") {
+    for (auto& st : steps) st.pause_until_resumed = true;  // held until promote or abort
+  }
+  s.step = std::clamp<int64_t>(s.step, 0, static_cast<int64_t>(steps.size()) - 1);
+  const RolloutStep& step = steps[s.step];
+  const int64_t need = strategy == "BlueGreen" ? replicas : CanaryReplicasFor(replicas, step.weight);
+  p.stable_version = s.stable_version;
+  p.stable_replicas = replicas;
+  p.canary_version = want;
+  p.canary_replicas = need;
+  const std::string where = "canary " + want + " step " + std::to_string(s.step + 1) + "/" +
+                            std::to_string(steps.size());
+
+  if (s.step_started == absl::InfinitePast()) {
+    if (canary.ready < need) {  // pre-warm: the step's replicas serve before it takes traffic
+      s.message = where + ": waiting for " + std::to_string(need) + " canary replica(s) (" +
+                  std::to_string(canary.ready) + " ready)";
+      p.canary_weight = s.weight;
+      return p;
+    }
+    s.weight = step.weight;
+    s.step_started = now;
+    s.stable_requests0 = stable.requests;
+    s.stable_errors0 = stable.errors;
+    s.canary_requests0 = canary.requests;
+    s.canary_errors0 = canary.errors;
+    p.events.push_back(where + ": weight " + std::to_string(s.weight) + "%");
+  }
+  p.canary_weight = s.weight;
+
+  // Analysis over the requests since the step began.
+  const Analysis& a = spec.rollout.analysis;
+  const uint64_t creq = Since(canary.requests, s.canary_requests0);
+  const uint64_t cerr = Since(canary.errors, s.canary_errors0);
+  const bool enough = static_cast<int64_t>(creq) >= a.min_requests;
+  const double error_rate = creq > 0 ? static_cast<double>(cerr) / static_cast<double>(creq) : 0;
+  const double p99_ratio = stable.p99_micros > 0 ? canary.p99_micros / stable.p99_micros : 1.0;
+  std::string numbers = std::to_string(creq) + " requests, error rate " + Percent(error_rate) +
+                        " (max " + Percent(a.max_error_rate) + "), p99 ratio " + Ratio(p99_ratio) +
+                        " (max " + Ratio(a.max_latency_p99_ratio) + ")";
+  if (enough && creq > 0 &&
+      (error_rate > a.max_error_rate || p99_ratio > a.max_latency_p99_ratio)) {
+    std::string why = where + " failed analysis: " + numbers + "; rolled back to " +
+                      s.stable_version;
+    p.events.push_back(why);
+    s.failed_version = want;
+    s.canary_version.clear();
+    s.weight = 0;
+    s.step = 0;
+    s.step_started = absl::InfinitePast();
+    s.phase = "Degraded";
+    s.message = why;
+    stable_only();
+    return p;
+  }
+  s.message = where + " at " + std::to_string(s.weight) + "%: " + numbers;
+  if (step.pause_until_resumed) {
+    s.message += strategy == "ABTest" ? "; A/B test running" : "; paused until resumed";
+    return p;
+  }
+  if (now - s.step_started < step.pause) return p;
+  if (!enough) {
+    s.message += "; waiting for " + std::to_string(a.min_requests) + " requests";
+    return p;
+  }
+  if (s.step + 1 < static_cast<int64_t>(steps.size())) {
+    p.events.push_back(where + " passed: " + numbers);
+    s.step++;
+    s.step_started = absl::InfinitePast();  // the next step begins once its replicas serve
+    p.canary_replicas = strategy == "BlueGreen"
+                            ? replicas
+                            : CanaryReplicasFor(replicas, steps[s.step].weight);
+    return p;
+  }
+  p.events.push_back("canary " + want + " promoted: " + numbers);
+  s = RolloutState{"Stable", want, "", "", 0, 0, absl::InfinitePast(), 0, 0, 0, 0,
+                   "promoted version " + want + " (was " + state.stable_version + ")"};
+  stable_only();
+  return p;
+}
+
+}  // namespace kiln

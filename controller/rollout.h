@@ -1,0 +1,69 @@
+#pragma once
+
+// Canary rollouts as a pure state machine over (spec, state, per-version reports, now).
+//
+// A version change in the spec starts a rollout: the new version (the canary) is placed beside
+// the stable one (pre-warmed, at weight 0); when enough canary replicas serve, each step sets
+// the canary's traffic weight and holds it for the step's pause. Throughout the step the
+// analysis compares the canary with the stable version from the agents' reports, over the
+// requests since the step began: once at least `minRequests` reached the canary, an error
+// rate over `maxErrorRate` or a p99 latency over `maxLatencyP99Ratio` times the stable one
+// fails the rollout at once (weight back to 0, canary drained, condition Degraded, and the
+// same version is not tried again until the spec changes). At the end of a step's pause,
+// with enough requests and no failure, it passes to the next step; after the last the canary
+// is promoted (it becomes stable, the old version is drained). A spec that changes version
+// again mid-rollout supersedes the canary; a spec set back to the stable version aborts it.
+// Steps with `pause: {}` wait for a resume by hand (not yet exposed).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "controller/model_deployment.h"
+#include "nlohmann/json.hpp"
+
+namespace kiln {
+
+// Sums over a version's SERVING replicas (counters are cumulative since each replica started).
+struct VersionStats {
+  int64_t ready = 0;
+  uint64_t requests = 0;
+  uint64_t errors = 0;
+  double p99_micros = 0;  // the worst replica's
+};
+
+struct RolloutState {
+  std::string phase;           // "", Stable, Progressing, Degraded
+  std::string stable_version;
+  std::string canary_version;  // empty when no rollout runs
+  std::string failed_version;  // not tried again until the spec names another version
+  int64_t step = 0;            // the step being held (index into spec.rollout.steps)
+  int64_t weight = 0;          // the canary's traffic share now, percent
+  absl::Time step_started = absl::InfinitePast();
+  uint64_t stable_requests0 = 0, stable_errors0 = 0;  // counters when the step began
+  uint64_t canary_requests0 = 0, canary_errors0 = 0;
+  std::string message;  // the last analysis or transition, for status and `kilnctl`
+
+  nlohmann::json ToJson() const;
+  static RolloutState FromJson(const nlohmann::json& j);
+};
+
+struct RolloutPlan {
+  RolloutState state;
+  // Replicas to run per version (the stable one first) and the traffic split.
+  std::string stable_version;
+  int64_t stable_replicas = 0;
+  std::string canary_version;  // empty: none
+  int64_t canary_replicas = 0;
+  int64_t canary_weight = 0;
+  std::vector<std::string> events;  // transitions to log ("canary 2 step 1: weight 10")
+};
+
+RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& state,
+                        const VersionStats& stable, const VersionStats& canary, absl::Time now);
+
+// Canary replicas a step of `weight` percent needs: ceil(replicas * weight / 100), at least 1.
+int64_t CanaryReplicasFor(int64_t replicas, int64_t weight);
+
+}  // namespace kiln

@@ -1,0 +1,167 @@
+#include "controller/rollout.h"
+
+#include "gtest/gtest.h"
+
+namespace kiln {
+namespace {
+
+const absl::Time kT0 = absl::FromUnixSeconds(1800000000);
+
+ModelDeploymentSpec Spec(const std::string& version, std::vector<RolloutStep> steps,
+                         int64_t replicas = 4) {
+  ModelDeploymentSpec s;
+  s.model.name = "encoder";
+  s.model.version = version;
+  s.replicas = replicas;
+  s.rollout.steps = std::move(steps);
+  s.rollout.analysis = {0.01, 1.25, 100};
+  return s;
+}
+
+VersionStats Stats(int64_t ready, uint64_t requests, uint64_t errors, double p99 = 1000) {
+  return {ready, requests, errors, p99};
+}
+
+const std::vector<RolloutStep> kTwoSteps = {{25, absl::Seconds(30), false},
+                                            {50, absl::Seconds(30), false}};
+
+TEST(RolloutTest, TheFirstVersionIsStableAtOnce) {
+  auto p = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0);
+  EXPECT_EQ(p.state.phase, "Stable");
+  EXPECT_EQ(p.stable_version, "1");
+  EXPECT_EQ(p.stable_replicas, 4);
+  EXPECT_TRUE(p.canary_version.empty());
+}
+
+TEST(RolloutTest, AGoodCanaryWalksTheStepsAndIsPromoted) {
+  auto spec1 = Spec("1", kTwoSteps);
+  RolloutState s = PlanRollout(spec1, {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", kTwoSteps);
+  // Pre-warm: one canary replica (25% of 4) placed at weight 0 until it serves.
+  auto p = PlanRollout(spec2, s, Stats(4, 1000, 0), Stats(0, 0, 0), kT0);
+  EXPECT_EQ(p.state.phase, "Progressing");
+  EXPECT_EQ(p.canary_version, "2");
+  EXPECT_EQ(p.canary_replicas, 1);
+  EXPECT_EQ(p.canary_weight, 0);
+  EXPECT_EQ(p.stable_replicas, 4);  // the stable set stays whole during the rollout
+  ASSERT_EQ(p.events.size(), 1u);
+  // It serves: step 1 takes 25%.
+  p = PlanRollout(spec2, p.state, Stats(4, 1000, 0), Stats(1, 0, 0), kT0 + absl::Seconds(1));
+  EXPECT_EQ(p.canary_weight, 25);
+  // Within the pause: held even with clean traffic.
+  p = PlanRollout(spec2, p.state, Stats(4, 2000, 0), Stats(1, 300, 1), kT0 + absl::Seconds(20));
+  EXPECT_EQ(p.canary_weight, 25);
+  EXPECT_EQ(p.state.step, 0);
+  // Pause over, analysis passes: step 2 needs 2 canary replicas first.
+  p = PlanRollout(spec2, p.state, Stats(4, 3000, 0), Stats(1, 400, 1), kT0 + absl::Seconds(31));
+  EXPECT_EQ(p.state.step, 1);
+  EXPECT_EQ(p.canary_replicas, 2);
+  p = PlanRollout(spec2, p.state, Stats(4, 3000, 0), Stats(1, 400, 1), kT0 + absl::Seconds(32));
+  EXPECT_EQ(p.canary_weight, 25);  // not ready yet
+  p = PlanRollout(spec2, p.state, Stats(4, 3000, 0), Stats(2, 400, 1), kT0 + absl::Seconds(33));
+  EXPECT_EQ(p.canary_weight, 50);
+  p = PlanRollout(spec2, p.state, Stats(4, 4000, 0), Stats(2, 900, 2), kT0 + absl::Seconds(64));
+  EXPECT_EQ(p.state.phase, "Stable");
+  EXPECT_EQ(p.state.stable_version, "2");
+  EXPECT_EQ(p.stable_version, "2");
+  EXPECT_TRUE(p.canary_version.empty());
+  EXPECT_NE(p.events.back().find("promoted"), std::string::npos);
+}
+
+TEST(RolloutTest, ABadCanaryIsRolledBackAssoonAsTheNumbersSaySo) {
+  RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", kTwoSteps);
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(1, 0, 0), kT0);
+  ASSERT_EQ(p.canary_weight, 25);
+  // Too few requests to judge: nothing happens yet.
+  p = PlanRollout(spec2, p.state, Stats(4, 500, 0), Stats(1, 50, 25), kT0 + absl::Seconds(1));
+  EXPECT_EQ(p.state.phase, "Progressing");
+  // Enough: 5% errors over the 1% limit, mid-pause -> rolled back at once.
+  p = PlanRollout(spec2, p.state, Stats(4, 1000, 0), Stats(1, 200, 10), kT0 + absl::Seconds(2));
+  EXPECT_EQ(p.state.phase, "Degraded");
+  EXPECT_EQ(p.canary_weight, 0);
+  EXPECT_TRUE(p.canary_version.empty());
+  EXPECT_EQ(p.stable_version, "1");
+  EXPECT_NE(p.state.message.find("failed analysis"), std::string::npos) << p.state.message;
+  // Not retried while the spec still names it; a new version starts a new rollout.
+  p = PlanRollout(spec2, p.state, Stats(4, 1000, 0), Stats(0, 0, 0), kT0 + absl::Seconds(60));
+  EXPECT_EQ(p.state.phase, "Degraded");
+  EXPECT_TRUE(p.canary_version.empty());
+  p = PlanRollout(Spec("3", kTwoSteps), p.state, Stats(4, 1000, 0), Stats(0, 0, 0),
+                  kT0 + absl::Seconds(61));
+  EXPECT_EQ(p.state.phase, "Progressing");
+  EXPECT_EQ(p.canary_version, "3");
+}
+
+TEST(RolloutTest, SlowCanaryFailsOnTheLatencyRatio) {
+  RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", kTwoSteps);
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0, 1000), Stats(1, 0, 0, 1000), kT0);
+  p = PlanRollout(spec2, p.state, Stats(4, 900, 0, 1000), Stats(1, 150, 0, 1400),
+                  kT0 + absl::Seconds(5));
+  EXPECT_EQ(p.state.phase, "Degraded");
+  EXPECT_NE(p.state.message.find("p99 ratio 1.40"), std::string::npos) << p.state.message;
+}
+
+TEST(RolloutTest, SupersededAndAbortedBySpecChanges) {
+  RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
+  auto p = PlanRollout(Spec("2", kTwoSteps), s, {}, Stats(1, 0, 0), kT0);
+  ASSERT_EQ(p.canary_version, "2");
+  p = PlanRollout(Spec("3", kTwoSteps), p.state, {}, Stats(0, 0, 0), kT0 + absl::Seconds(1));
+  EXPECT_EQ(p.canary_version, "3");
+  EXPECT_EQ(p.canary_weight, 0);  // starts over, pre-warming
+  EXPECT_NE(p.events[0].find("superseded"), std::string::npos);
+  p = PlanRollout(Spec("1", kTwoSteps), p.state, {}, {}, kT0 + absl::Seconds(2));
+  EXPECT_EQ(p.state.phase, "Stable");
+  EXPECT_TRUE(p.canary_version.empty());
+  EXPECT_NE(p.events[0].find("aborted"), std::string::npos);
+}
+
+TEST(RolloutTest, BlueGreenSwitchesOnceTheWholeNewSetServes) {
+  auto spec1 = Spec("1", {});
+  spec1.rollout.strategy = "BlueGreen";
+  RolloutState s = PlanRollout(spec1, {}, {}, {}, kT0).state;
+  auto spec2 = spec1;
+  spec2.model.version = "2";
+  spec2.rollout.analysis.min_requests = 0;
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(3, 0, 0), kT0);
+  EXPECT_EQ(p.canary_replicas, 4);
+  EXPECT_EQ(p.canary_weight, 0);
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(4, 0, 0), kT0 + absl::Seconds(1));
+  EXPECT_EQ(p.state.phase, "Stable");
+  EXPECT_EQ(p.stable_version, "2");
+}
+
+TEST(RolloutTest, AbTestHoldsItsSplit) {
+  auto spec1 = Spec("1", {{30, absl::ZeroDuration(), false}});
+  spec1.rollout.strategy = "ABTest";
+  RolloutState s = PlanRollout(spec1, {}, {}, {}, kT0).state;
+  auto spec2 = spec1;
+  spec2.model.version = "2";
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(2, 0, 0), kT0);
+  p = PlanRollout(spec2, p.state, Stats(4, 5000, 0), Stats(2, 2000, 0), kT0 + absl::Hours(5));
+  EXPECT_EQ(p.canary_weight, 30);
+  EXPECT_EQ(p.state.phase, "Progressing");
+  EXPECT_NE(p.state.message.find("A/B test running"), std::string::npos);
+}
+
+TEST(RolloutTest, StateRoundTripsThroughJson) {
+  RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
+  auto p = PlanRollout(Spec("2", kTwoSteps), s, Stats(4, 77, 1), Stats(1, 5, 0), kT0);
+  RolloutState back = RolloutState::FromJson(p.state.ToJson());
+  EXPECT_EQ(back.ToJson(), p.state.ToJson());
+  EXPECT_EQ(back.step_started, kT0);
+  EXPECT_EQ(back.stable_requests0, 77u);
+  EXPECT_EQ(RolloutState::FromJson(nlohmann::json("junk")).phase, "");
+}
+
+TEST(RolloutTest, CanaryReplicaCounts) {
+  EXPECT_EQ(CanaryReplicasFor(4, 25), 1);
+  EXPECT_EQ(CanaryReplicasFor(4, 26), 2);
+  EXPECT_EQ(CanaryReplicasFor(10, 5), 1);
+  EXPECT_EQ(CanaryReplicasFor(0, 50), 1);
+  EXPECT_EQ(CanaryReplicasFor(3, 100), 3);
+}
+
+}  // namespace
+}  // namespace kiln
