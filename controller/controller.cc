@@ -5,6 +5,7 @@
 #include "common/logging.h"
 #include "controller/model_deployment.h"
 #include "controller/placement.h"
+#include "controller/rollout.h"
 #include "nlohmann/json.hpp"
 
 namespace kiln {
@@ -225,7 +226,55 @@ void Controller::Tick() {
       autoscaled_to_[d.name] = next;
       demands[i].serving = next;
     }
-    PlacementResult placed = Place(demands, nodes, retired);
+
+    // Rollouts: per deployment, the versions to run and the split, from the reports.
+    std::map<std::string, RolloutPlan> plans;
+    std::vector<PlacementDemand> all_demands;
+    for (size_t i = 0; i < deps.size(); ++i) {
+      const ModelDeployment& d = deps[i].d;
+      auto known = rollouts_.find(d.name);
+      if (known == rollouts_.end()) {
+        auto status = nlohmann::json::parse(deps[i].object.status, nullptr, false);
+        RolloutState seeded;
+        if (!status.is_discarded() && status.is_object() && status.contains("rollout")) {
+          seeded = RolloutState::FromJson(status["rollout"]);
+        }
+        known = rollouts_.emplace(d.name, seeded).first;
+      }
+      std::map<std::string, VersionStats> stats;
+      for (const auto& n : nodes) {
+        for (const auto& r : n.reported) {
+          if (DeploymentOfReplica(r.replica_id()) != d.name || r.state() != v1::SERVING) continue;
+          VersionStats& v = stats[r.version()];
+          if (r.healthy()) v.ready++;
+          v.requests += r.load().requests();
+          v.errors += r.load().errors();
+          v.p99_micros = std::max(v.p99_micros, r.load().latency_p99_micros());
+        }
+      }
+      ModelDeploymentSpec spec = d.spec;
+      spec.replicas = demands[i].serving;
+      const RolloutState& st = known->second;
+      RolloutPlan plan = PlanRollout(spec, st, stats[st.stable_version],
+                                     stats[st.canary_version.empty() ? spec.model.version
+                                                                     : st.canary_version],
+                                     now);
+      for (const auto& e : plan.events) log->info("rollout {}: {}", d.name, e);
+      known->second = plan.state;
+      PlacementDemand stable = demands[i];
+      stable.version = plan.stable_version;
+      stable.serving = plan.stable_replicas;
+      all_demands.push_back(stable);
+      if (!plan.canary_version.empty()) {
+        PlacementDemand canary = demands[i];
+        canary.version = plan.canary_version;
+        canary.serving = plan.canary_replicas;
+        canary.warm = 0;
+        all_demands.push_back(canary);
+      }
+      plans[d.name] = plan;
+    }
+    PlacementResult placed = Place(all_demands, nodes, retired);
     if (placed.unplaced != last_unplaced_) {  // said once per change, not every tick
       for (const auto& line : placed.unplaced) log->warn("unplaced: {}", line);
       last_unplaced_ = placed.unplaced;
@@ -256,9 +305,15 @@ void Controller::Tick() {
       for (const auto& dep : deps) {
         v1::Route* route = t.add_routes();
         route->set_model(dep.d.spec.model.name);
+        const RolloutPlan& plan = plans[dep.d.name];
         auto* v = route->add_versions();
-        v->set_version(dep.d.spec.model.version);
-        v->set_weight(100);
+        v->set_version(plan.stable_version);
+        v->set_weight(static_cast<int32_t>(100 - plan.canary_weight));
+        if (!plan.canary_version.empty() && plan.canary_weight > 0) {
+          auto* c = route->add_versions();
+          c->set_version(plan.canary_version);
+          c->set_weight(static_cast<int32_t>(plan.canary_weight));
+        }
         route->set_sticky_key(dep.d.spec.rollout.sticky_key);
         for (const auto& other : nodes) {
           if (other.name == n.name || !other.schedulable) continue;  // NotReady: not routed to
@@ -266,7 +321,8 @@ void Controller::Tick() {
           if (reg.ingress_grpc_address().empty()) continue;
           for (const auto& r : other.reported) {
             if (DeploymentOfReplica(r.replica_id()) != dep.d.name || r.state() != v1::SERVING ||
-                !r.healthy() || r.version() != dep.d.spec.model.version) {
+                !r.healthy() ||
+                (r.version() != plan.stable_version && r.version() != plan.canary_version)) {
               continue;
             }
             auto* e = route->add_endpoints();
@@ -320,6 +376,17 @@ void Controller::Tick() {
                             {"reason", available ? "ReplicasReady" : "ReplicasNotReady"},
                             {"message", std::to_string(ready) + " of " +
                                             std::to_string(desired) + " replicas serving"}});
+      const RolloutPlan& plan = plans[dep.d.name];
+      conditions.push_back({{"type", "Progressing"},
+                            {"status", plan.state.canary_version.empty() ? "False" : "True"},
+                            {"reason", plan.state.canary_version.empty() ? "Stable" : "Rollout"},
+                            {"message", plan.state.message}});
+      if (plan.state.phase == "Degraded") {
+        conditions.push_back({{"type", "Degraded"},
+                              {"status", "True"},
+                              {"reason", "RolledBack"},
+                              {"message", plan.state.message}});
+      }
       if (!unplaced.empty()) {
         conditions.push_back({{"type", "Schedulable"},
                               {"status", "False"},
@@ -331,7 +398,8 @@ void Controller::Tick() {
                            {"replicas", assigned},
                            {"readyReplicas", ready},
                            {"warmReplicas", warm},
-                           {"conditions", conditions}};
+                           {"conditions", conditions},
+                           {"rollout", plan.state.ToJson()}};
       statuses.emplace_back(dep.object.name, st);
     }
   }

@@ -24,6 +24,7 @@
 #include "common/clock.h"
 #include "controller/autoscale.h"
 #include "controller/node_registry.h"
+#include "controller/rollout.h"
 #include "controller/store.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
 
@@ -84,6 +85,8 @@ class Controller : public v1::ControlPlane::Service {
   std::vector<std::string> last_unplaced_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, AutoscaleHistory> autoscale_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> autoscaled_to_ ABSL_GUARDED_BY(mu_);
+  // Rollout state per deployment; seeded from the stored status after a restart.
+  std::map<std::string, RolloutState> rollouts_ ABSL_GUARDED_BY(mu_);
   std::thread loop_;
 };
 

@@ -72,8 +72,9 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
                       const std::set<std::string>& retired_ids) {
   PlacementResult out;
   std::vector<PlacementDemand> demands = demands_in;
-  std::sort(demands.begin(), demands.end(),
-            [](const auto& a, const auto& b) { return a.deployment < b.deployment; });
+  // By deployment; a deployment's demands (stable, then canary) keep their order.
+  std::stable_sort(demands.begin(), demands.end(),
+                   [](const auto& a, const auto& b) { return a.deployment < b.deployment; });
   std::map<std::string, NodeState> state;
   std::map<std::string, std::vector<Existing>> by_deployment;
   for (const PlacementNode& n : nodes) {
@@ -129,14 +130,16 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   };
 
   // Pass 1: every deployment keeps what it has, so pass 2 sees all the room already taken.
+  // Per (deployment, version); ids are unique per deployment across its versions.
   struct Kept {
     int64_t serving = 0, warm = 0;
-    std::set<int> used_ids;
   };
   std::map<std::string, Kept> kept;
+  std::map<std::string, std::set<int>> ids_in_use;
+  auto key = [](const PlacementDemand& d) { return d.deployment + "\n" + d.version; };
   for (const PlacementDemand& d : demands) {
     std::vector<Existing> mine;
-    std::set<int>& used_ids = kept[d.deployment].used_ids;
+    std::set<int>& used_ids = ids_in_use[d.deployment];
     for (const std::string& id : retired_ids) {
       if (DeploymentOfReplica(id) != d.deployment) continue;
       try {
@@ -183,14 +186,14 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       e.spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
       add(e.node, e.spec, std::max(e.gpu_memory, d.gpu_memory_bytes), d.deployment);
     }
-    kept[d.deployment].serving = serving;
-    kept[d.deployment].warm = warm;
+    kept[key(d)].serving = serving;
+    kept[key(d)].warm = warm;
   }
   // Pass 2: new replicas.
   for (const PlacementDemand& d : demands) {
-    int64_t serving = kept[d.deployment].serving;
-    int64_t warm = kept[d.deployment].warm;
-    std::set<int>& used_ids = kept[d.deployment].used_ids;
+    int64_t serving = kept[key(d)].serving;
+    int64_t warm = kept[key(d)].warm;
+    std::set<int>& used_ids = ids_in_use[d.deployment];
     int next_id = 0;
     auto fresh_id = [&]() {
       while (used_ids.count(next_id)) next_id++;

@@ -18,6 +18,8 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <atomic>
+#include <mutex>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -182,7 +184,7 @@ class ClusterTest : public ::testing::Test {
     for (const auto& r : j["replicas"]) out[r["id"].get<std::string>()] = r["pid"].get<int>();
     return out;
   }
-  grpc::Status Infer(int router = 0) {
+  grpc::Status Infer(int router = 0, std::string* version = nullptr) {
     auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
         "127.0.0.1:" + std::to_string(router ? router : router_grpc_),
         grpc::InsecureChannelCredentials()));
@@ -203,6 +205,7 @@ class ClusterTest : public ::testing::Test {
     if (s.ok() && (resp.outputs_size() != 1 || resp.outputs(0).name() != "embedding")) {
       return grpc::Status(grpc::StatusCode::INTERNAL, "unexpected response");
     }
+    if (version) *version = resp.model_version();
     return s;
   }
 
@@ -295,6 +298,78 @@ TEST_F(ClusterTest, ALostNodesReplicasComeBackElsewhere) {
   EXPECT_TRUE(Infer().ok());
   out = Ctl("get nodes");
   EXPECT_NE(out.find("Lost"), std::string::npos) << out;
+}
+
+// A canary under steady traffic: version 2 is pre-warmed beside version 1, takes 50% after its
+// replica serves, passes the analysis and is promoted; version 1 is drained. No request fails.
+TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
+  StartController("127.0.0.1:0");
+  StartAgent();
+  Agent n2 = StartAnotherAgent("n2");
+  ASSERT_GT(n2.router_grpc, 0) << ReadAll(n2.log);
+  auto spec = [&](const std::string& version) {
+    return "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
+           "spec:\n  model: {name: encoder, version: \"" + version + "\", uri: \"file://" +
+           std::string(KILN_MODEL_REPO) + "/encoder/" + version + "/model.pt\"}\n  replicas: 2\n"
+           "  rollout:\n    steps: [{weight: 50, pause: 1s}]\n"
+           "    analysis: {minRequests: 20, maxErrorRate: 0.01, maxLatencyP99Ratio: 100}\n";
+  };
+  std::ofstream(dir_ + "/v1.yaml") << spec("1");
+  std::ofstream(dir_ + "/v2.yaml") << spec("2");
+  std::string out = Ctl("apply -f " + dir_ + "/v1.yaml");
+  ASSERT_EQ(last_rc_, 0) << out;
+  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, failed{0}, served_by_2{0};
+  std::string first_error;
+  std::mutex mu;
+  std::thread traffic([&]() {
+    while (!stop) {
+      std::string version;
+      grpc::Status s = Infer(0, &version);
+      if (s.ok()) {
+        ok++;
+        if (version == "2") served_by_2++;
+      } else {
+        failed++;
+        std::lock_guard<std::mutex> lock(mu);
+        if (first_error.empty()) first_error = s.error_message();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  });
+  out = Ctl("apply -f " + dir_ + "/v2.yaml");
+  EXPECT_EQ(last_rc_, 0) << out;
+  // Bounded poll until version 2 is stable.
+  json d;
+  for (int i = 0; i < 1600; ++i) {
+    d = Deployment("enc");
+    if (d.contains("status") && d["status"].contains("rollout") &&
+        d["status"]["rollout"].value("stableVersion", "") == "2") {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_EQ(d["status"]["rollout"].value("stableVersion", ""), "2")
+      << d.dump() << "\n" << ReadAll(clog_);
+  // Version 1 drains away; traffic goes on.
+  for (int i = 0; i < 800; ++i) {
+    auto all = Pids();
+    auto more = Pids(n2.admin);
+    all.insert(more.begin(), more.end());
+    if (all.size() == 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  stop = true;
+  traffic.join();
+  EXPECT_EQ(failed.load(), 0) << first_error;
+  EXPECT_GT(ok.load(), 20);
+  EXPECT_GT(served_by_2.load(), 0);
+  std::string log = ReadAll(clog_);
+  EXPECT_NE(log.find("rollout enc: canary 2 step 1/1: weight 50%"), std::string::npos) << log;
+  EXPECT_NE(log.find("rollout enc: canary 2 promoted"), std::string::npos) << log;
 }
 
 }  // namespace

@@ -233,6 +233,23 @@ TEST(PlacementTest, ANotReadyNodeKeepsItsReplicasButTakesNoNewOnes) {
             (std::vector<std::string>{"enc.1:SERVING", "enc.2:SERVING", "enc.3:SERVING"}));
 }
 
+TEST(PlacementTest, TwoVersionsOfADeploymentDuringARollout) {
+  PlacementNode a = CpuNode("a", 8);
+  a.reported = {Reported("enc.0", v1::SERVING), Reported("enc.1", v1::SERVING)};
+  PlacementDemand canary = Cpu("enc", 1, 0);
+  canary.version = "2";
+  auto p = Place({Cpu("enc", 2, 0), canary}, {a});
+  EXPECT_EQ(Ids(p.nodes["a"]),
+            (std::vector<std::string>{"enc.0:SERVING", "enc.1:SERVING", "enc.2:SERVING"}));
+  EXPECT_EQ(p.nodes["a"][2].version(), "2");
+  // Promoted: version 2 at full count, version 1 drained; the canary replica stays.
+  a.reported.push_back(Reported("enc.2", v1::SERVING, "2"));
+  PlacementDemand promoted = Cpu("enc", 2, 0);
+  promoted.version = "2";
+  auto q = Place({promoted}, {a});
+  EXPECT_EQ(Ids(q.nodes["a"]), (std::vector<std::string>{"enc.2:SERVING", "enc.3:SERVING"}));
+}
+
 TEST(PlacementTest, ReplicaIdsNameTheirDeployment) {
   EXPECT_EQ(DeploymentOfReplica("encoder.12"), "encoder");
   EXPECT_EQ(DeploymentOfReplica("legacy"), "");
