@@ -84,6 +84,19 @@ absl::StatusOr<Router::Choice> Router::Choose(const std::string& model, const st
     eps.push_back({e.id, e.version, e.local, true, o == outstanding_.end() ? 0 : o->second});
   }
   auto idx = PickEndpoint(eps, chosen, exclude);
+  if (!idx.ok() && version.empty()) {
+    // The weighted version has no serving replica here (a canary being drained while the
+    // new routing table is on its way, say): serve from another routed version, heaviest
+    // first, rather than fail the request.
+    std::vector<WeightedVersion> others = route.versions;
+    std::stable_sort(others.begin(), others.end(),
+                     [](const auto& a, const auto& b) { return a.weight > b.weight; });
+    for (const auto& o : others) {
+      if (o.version == chosen || o.weight <= 0) continue;
+      auto alt = PickEndpoint(eps, o.version, exclude);
+      if (alt.ok()) return Choice{route.endpoints[*alt], o.version};
+    }
+  }
   if (!idx.ok()) {
     return absl::UnavailableError("model '" + model + "' version " + chosen +
                                   ": no serving replica");

@@ -6,6 +6,7 @@ Run with a Python that has torch (Debian's python3-torch at /usr/bin/python3):
 
 Writes a Triton-layout model repository:
     encoder/      a small BERT-like encoder, versions 1 and 2 (token ids + mask -> embedding)
+    (OUT-faulty/encoder/3: the encoder failing requests that hold token 13, for canaries)
     addsub/       two FP32 vectors -> (sum, difference) as a tuple
     dictout/      no batch dimension, INT32 -> dict of outputs
     slow/         a model whose run time grows with its `work` input (drain and queue tests)
@@ -197,6 +198,20 @@ warmup:
 """
 
 
+class FaultyEncoder(nn.Module):
+    """The encoder, but it fails every request holding token 13: a bad release for canary
+    tests (it lives in its own repository, OUT-faulty, so no test serves it by accident)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if bool((input_ids == 13).any()):
+            raise RuntimeError("faulty release: token 13")
+        return self.inner(input_ids, attention_mask)
+
+
 def write(path, text):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
@@ -255,6 +270,11 @@ def main():
 
     write(os.path.join(out, "tokens/config.yaml"), TOKENS_CONFIG)
     save(Tokens(), os.path.join(out, "tokens/1/model.pt"))
+
+    faulty = out.rstrip("/") + "-faulty"
+    write(os.path.join(faulty, "encoder/config.yaml"), ENCODER_CONFIG)
+    torch.manual_seed(1)
+    save(FaultyEncoder(Encoder().eval()), os.path.join(faulty, "encoder/3/model.pt"))
     print(f"models written to {out}")
 
 

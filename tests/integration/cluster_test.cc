@@ -184,7 +184,7 @@ class ClusterTest : public ::testing::Test {
     for (const auto& r : j["replicas"]) out[r["id"].get<std::string>()] = r["pid"].get<int>();
     return out;
   }
-  grpc::Status Infer(int router = 0, std::string* version = nullptr) {
+  grpc::Status Infer(int router = 0, std::string* version = nullptr, int64_t first_token = 1) {
     auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
         "127.0.0.1:" + std::to_string(router ? router : router_grpc_),
         grpc::InsecureChannelCredentials()));
@@ -196,7 +196,10 @@ class ClusterTest : public ::testing::Test {
       in->set_datatype("INT64");
       in->add_shape(1);
       in->add_shape(4);
-      for (int k = 0; k < 4; ++k) in->mutable_contents()->add_int64_contents(1 + k);
+      for (int k = 0; k < 4; ++k) {
+        in->mutable_contents()->add_int64_contents(
+            std::string(name) == "input_ids" && k == 0 ? first_token : 1 + k);
+      }
     }
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -370,6 +373,83 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   std::string log = ReadAll(clog_);
   EXPECT_NE(log.find("rollout enc: canary 2 step 1/1: weight 50%"), std::string::npos) << log;
   EXPECT_NE(log.find("rollout enc: canary 2 promoted"), std::string::npos) << log;
+}
+
+// A bad canary under steady traffic: version 3 fails every request holding token 13 (a third
+// of the traffic). As soon as the analysis has its minimum of requests the rollout is rolled
+// back (weight 0, canary drained, Degraded); no request that version 1 served failed, and
+// after the rollback nothing fails at all.
+TEST_F(ClusterTest, ABadCanaryIsRolledBackByItself) {
+  StartController("127.0.0.1:0");
+  StartAgent();
+  Agent n2 = StartAnotherAgent("n2");
+  ASSERT_GT(n2.router_grpc, 0) << ReadAll(n2.log);
+  auto spec = [&](const std::string& version, const std::string& repo) {
+    return "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
+           "spec:\n  model: {name: encoder, version: \"" + version + "\", uri: \"file://" + repo +
+           "/encoder/" + version + "/model.pt\"}\n  replicas: 2\n"
+           "  rollout:\n    steps: [{weight: 50, pause: 1m}]\n"
+           "    analysis: {minRequests: 15, maxErrorRate: 0.05, maxLatencyP99Ratio: 100}\n";
+  };
+  std::ofstream(dir_ + "/v1.yaml") << spec("1", KILN_MODEL_REPO);
+  std::ofstream(dir_ + "/v3.yaml") << spec("3", std::string(KILN_MODEL_REPO) + "-faulty");
+  std::string out = Ctl("apply -f " + dir_ + "/v1.yaml");
+  ASSERT_EQ(last_rc_, 0) << out;
+  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, canary_failed{0}, other_failed{0};
+  std::string other_error;
+  std::mutex mu;
+  std::thread traffic([&]() {
+    for (int i = 0; !stop; ++i) {
+      grpc::Status s = Infer(0, nullptr, i % 3 == 0 ? 13 : 1);
+      if (s.ok()) {
+        ok++;
+      } else if (s.error_message().find("faulty release") != std::string::npos) {
+        canary_failed++;
+      } else {
+        other_failed++;
+        std::lock_guard<std::mutex> lock(mu);
+        if (other_error.empty()) other_error = s.error_message();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  });
+  out = Ctl("apply -f " + dir_ + "/v3.yaml");
+  EXPECT_EQ(last_rc_, 0) << out;
+  json d;
+  for (int i = 0; i < 1600; ++i) {
+    d = Deployment("enc");
+    if (d.contains("status") && d["status"].contains("rollout") &&
+        d["status"]["rollout"].value("phase", "") == "Degraded") {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_EQ(d["status"]["rollout"].value("phase", ""), "Degraded") << d.dump() << ReadAll(clog_);
+  EXPECT_EQ(d["status"]["rollout"].value("failedVersion", ""), "3");
+  EXPECT_EQ(d["status"]["rollout"].value("stableVersion", ""), "1");
+  // The canary replica drains; then nothing fails any more.
+  for (int i = 0; i < 800; ++i) {
+    auto all = Pids();
+    auto more = Pids(n2.admin);
+    all.insert(more.begin(), more.end());
+    if (all.size() == 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  int failed_before = canary_failed.load();
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  stop = true;
+  traffic.join();
+  EXPECT_GT(failed_before, 0);  // the canary did take traffic, and failed it
+  EXPECT_EQ(canary_failed.load(), failed_before) << "requests still reach the rolled-back canary";
+  EXPECT_EQ(other_failed.load(), 0) << other_error;
+  EXPECT_GT(ok.load(), 30);
+  EXPECT_NE(ReadAll(clog_).find("failed analysis"), std::string::npos);
+  // Still rolled back on later ticks (the spec names version 3 still).
+  EXPECT_EQ(Deployment("enc")["status"]["rollout"].value("phase", ""), "Degraded");
 }
 
 }  // namespace
