@@ -230,10 +230,26 @@ void Controller::Tick() {
     // Rollouts: per deployment, the versions to run and the split, from the reports.
     std::map<std::string, RolloutPlan> plans;
     std::vector<PlacementDemand> all_demands;
+    // Forget deployments that are gone (or were deleted and created again under the name).
+    for (auto it = rollouts_.begin(); it != rollouts_.end();) {
+      bool live = false;
+      for (const auto& dep : deps) {
+        live |= dep.object.name == it->first && dep.object.uid == rollout_uids_[it->first];
+      }
+      if (live) {
+        ++it;
+      } else {
+        rollout_uids_.erase(it->first);
+        autoscale_.erase(it->first);
+        autoscaled_to_.erase(it->first);
+        it = rollouts_.erase(it);
+      }
+    }
     for (size_t i = 0; i < deps.size(); ++i) {
       const ModelDeployment& d = deps[i].d;
       auto known = rollouts_.find(d.name);
       if (known == rollouts_.end()) {
+        rollout_uids_[d.name] = deps[i].object.uid;
         auto status = nlohmann::json::parse(deps[i].object.status, nullptr, false);
         RolloutState seeded;
         if (!status.is_discarded() && status.is_object() && status.contains("rollout")) {
@@ -265,6 +281,13 @@ void Controller::Tick() {
       stable.version = plan.stable_version;
       stable.serving = plan.stable_replicas;
       all_demands.push_back(stable);
+      if (!plan.old_version.empty() && plan.old_version != plan.stable_version) {
+        PlacementDemand old = demands[i];  // BlueGreen's previous set, ready but unrouted
+        old.version = plan.old_version;
+        old.serving = plan.old_replicas;
+        old.warm = 0;
+        all_demands.push_back(old);
+      }
       if (!plan.canary_version.empty()) {
         PlacementDemand canary = demands[i];
         canary.version = plan.canary_version;

@@ -87,6 +87,7 @@ class Controller : public v1::ControlPlane::Service {
   std::map<std::string, int64_t> autoscaled_to_ ABSL_GUARDED_BY(mu_);
   // Rollout state per deployment; seeded from the stored status after a restart.
   std::map<std::string, RolloutState> rollouts_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> rollout_uids_ ABSL_GUARDED_BY(mu_);
   std::thread loop_;
 };
 

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <thread>
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -263,6 +264,18 @@ int main(int argc, char** argv) {
   scale->add_option("name", name, "Its name")->required();
   scale->add_option("--replicas", replicas, "The new count")->required()->check(CLI::Range(0, 10000));
 
+  std::string rollout_name;
+  bool watch = false;
+  double watch_timeout_s = 600;
+  auto* rollout = app.add_subcommand("rollout", "Follow a deployment's rollout");
+  rollout->require_subcommand(1);
+  auto* rollout_status = rollout->add_subcommand("status", "Where the rollout stands");
+  rollout_status->add_option("name", rollout_name, "The deployment")->required();
+  rollout_status->add_flag("-w,--watch", watch, "Follow it until it is done or fails");
+  rollout_status->add_option("--timeout-seconds", watch_timeout_s, "Give up watching after this")
+      ->check(CLI::Range(0.1, 86400.0))
+      ->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -282,6 +295,43 @@ int main(int argc, char** argv) {
   Client c(server, token);
 
   if (apply->parsed()) return Apply(c, file);
+  if (rollout_status->parsed()) {
+    // Prints each new state of the rollout; with -w until it is promoted (0) or rolled back
+    // (1), like `kubectl rollout status -w`.
+    std::string last;
+    auto deadline = std::chrono::steady_clock::now() +
+                    std::chrono::milliseconds(static_cast<int64_t>(watch_timeout_s * 1000));
+    for (;;) {
+      Reply r = c.Call(http::methods::GET, std::string(kiln::kDeploymentsPath) + "/" + rollout_name);
+      if (r.code != 200) return ServerError(r, c);
+      const json& ro = r.body.value("status", json::object()).value("rollout", json::object());
+      std::string want = r.body["spec"]["model"].value("version", "");
+      std::string phase = ro.value("phase", "");
+      std::string line = phase.empty() ? "waiting for the controller to observe the deployment"
+                                       : phase + ": " + ro.value("message", "");
+      if (line != last) {
+        std::cout << line << std::endl;
+        last = line;
+      }
+      bool done = phase == "Stable" && ro.value("stableVersion", "") == want &&
+                  ro.value("canaryVersion", "").empty();
+      if (done) {
+        std::cout << "deployment \"" << rollout_name << "\" serves version " << want << "\n";
+        return 0;
+      }
+      if (phase == "Degraded") {
+        std::cerr << "error: rollout of version " << ro.value("failedVersion", want)
+                  << " failed and was rolled back\n";
+        return 1;
+      }
+      if (!watch) return 0;
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::cerr << "error: timed out waiting for the rollout to finish\n";
+        return 1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    }
+  }
   if (get->parsed() && (type == "nodes" || type == "node" || type == "no")) {
     Reply r = c.Call(http::methods::GET, kiln::kNodesPath);
     if (r.code != 200) return ServerError(r, c);

@@ -33,6 +33,10 @@ nlohmann::json RolloutState::ToJson() const {
                       {"step", step},
                       {"message", message}};
   if (!failed_version.empty()) j["failedVersion"] = failed_version;
+  if (!draining_version.empty()) {
+    j["drainingVersion"] = draining_version;
+    j["drainUntilMicros"] = absl::ToUnixMicros(drain_until);
+  }
   if (step_started != absl::InfinitePast()) {
     j["stepStartedMicros"] = absl::ToUnixMicros(step_started);
     j["counters"] = {stable_requests0, stable_errors0, canary_requests0, canary_errors0};
@@ -50,6 +54,10 @@ RolloutState RolloutState::FromJson(const nlohmann::json& j) {
   s.weight = j.value("canaryWeight", int64_t{0});
   s.step = j.value("step", int64_t{0});
   s.message = j.value("message", "");
+  s.draining_version = j.value("drainingVersion", "");
+  if (j.contains("drainUntilMicros") && j["drainUntilMicros"].is_number_integer()) {
+    s.drain_until = absl::FromUnixMicros(j["drainUntilMicros"].get<int64_t>());
+  }
   if (j.contains("stepStartedMicros") && j["stepStartedMicros"].is_number_integer()) {
     s.step_started = absl::FromUnixMicros(j["stepStartedMicros"].get<int64_t>());
     const auto& c = j.value("counters", nlohmann::json::array());
@@ -80,6 +88,14 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     p.canary_version.clear();
     p.canary_replicas = 0;
     p.canary_weight = 0;
+    if (!s.draining_version.empty() && now < s.drain_until) {
+      p.old_version = s.draining_version;
+      p.old_replicas = replicas;
+    } else if (!s.draining_version.empty()) {
+      p.events.push_back("version " + s.draining_version + " drained");
+      s.draining_version.clear();
+      s.drain_until = absl::InfinitePast();
+    }
   };
   if (s.stable_version.empty()) {  // the first version is stable at once
     s.stable_version = want;
@@ -93,8 +109,10 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
       p.events.push_back("rollout of version " + s.canary_version + " aborted: the spec is back at " +
                          want);
     }
+    std::string draining = s.draining_version;
+    absl::Time until = s.drain_until;
     s = RolloutState{"Stable", want, "", "", 0, 0, absl::InfinitePast(), 0, 0, 0, 0,
-                     "serving version " + want};
+                     "serving version " + want, draining, until};
     stable_only();
     return p;
   }
@@ -194,8 +212,11 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     return p;
   }
   p.events.push_back("canary " + want + " promoted: " + numbers);
+  const bool keep_old = strategy == "BlueGreen" && spec.rollout.scale_down_delay > absl::ZeroDuration();
   s = RolloutState{"Stable", want, "", "", 0, 0, absl::InfinitePast(), 0, 0, 0, 0,
-                   "promoted version " + want + " (was " + state.stable_version + ")"};
+                   "promoted version " + want + " (was " + state.stable_version + ")",
+                   keep_old ? state.stable_version : "",
+                   keep_old ? now + spec.rollout.scale_down_delay : absl::InfinitePast()};
   stable_only();
   return p;
 }

@@ -44,6 +44,9 @@ struct RolloutState {
   uint64_t stable_requests0 = 0, stable_errors0 = 0;  // counters when the step began
   uint64_t canary_requests0 = 0, canary_errors0 = 0;
   std::string message;  // the last analysis or transition, for status and `kilnctl`
+  // BlueGreen keeps the old set (at weight 0) for spec.rollout.scaleDownDelay after the switch.
+  std::string draining_version;
+  absl::Time drain_until = absl::InfinitePast();
 
   nlohmann::json ToJson() const;
   static RolloutState FromJson(const nlohmann::json& j);
@@ -57,6 +60,8 @@ struct RolloutPlan {
   std::string canary_version;  // empty: none
   int64_t canary_replicas = 0;
   int64_t canary_weight = 0;
+  std::string old_version;  // BlueGreen's previous set, kept ready for a while; empty: none
+  int64_t old_replicas = 0;
   std::vector<std::string> events;  // transitions to log ("canary 2 step 1: weight 10")
 };
 

@@ -55,11 +55,11 @@ pid_t Spawn(std::vector<std::string> args, const std::string& log) {
 }
 
 // Bounded poll (30 s) of a log for `key` followed by a number; -1 when it never shows.
-int WaitForNumber(const std::string& log, const std::string& key, size_t from = 0) {
+int64_t WaitForNumber(const std::string& log, const std::string& key, size_t from = 0) {
   for (int i = 0; i < 1500; ++i) {
     std::string text = ReadAll(log);
     size_t at = text.find(key, from);
-    if (at != std::string::npos) return std::atoi(text.c_str() + at + key.size());
+    if (at != std::string::npos) return std::strtoll(text.c_str() + at + key.size(), nullptr, 10);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return -1;
@@ -370,6 +370,9 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   EXPECT_EQ(failed.load(), 0) << first_error;
   EXPECT_GT(ok.load(), 20);
   EXPECT_GT(served_by_2.load(), 0);
+  out = Ctl("rollout status enc -w --timeout-seconds 30");
+  EXPECT_EQ(last_rc_, 0) << out;
+  EXPECT_NE(out.find("deployment \"enc\" serves version 2"), std::string::npos) << out;
   std::string log = ReadAll(clog_);
   EXPECT_NE(log.find("rollout enc: canary 2 step 1/1: weight 50%"), std::string::npos) << log;
   EXPECT_NE(log.find("rollout enc: canary 2 promoted"), std::string::npos) << log;
@@ -448,6 +451,9 @@ TEST_F(ClusterTest, ABadCanaryIsRolledBackByItself) {
   EXPECT_EQ(other_failed.load(), 0) << other_error;
   EXPECT_GT(ok.load(), 30);
   EXPECT_NE(ReadAll(clog_).find("failed analysis"), std::string::npos);
+  out = Ctl("rollout status enc -w");
+  EXPECT_EQ(last_rc_, 1) << out;
+  EXPECT_NE(out.find("rollout of version 3 failed and was rolled back"), std::string::npos) << out;
   // Still rolled back on later ticks (the spec names version 3 still).
   EXPECT_EQ(Deployment("enc")["status"]["rollout"].value("phase", ""), "Degraded");
 }

@@ -130,6 +130,16 @@ TEST(RolloutTest, BlueGreenSwitchesOnceTheWholeNewSetServes) {
   p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(4, 0, 0), kT0 + absl::Seconds(1));
   EXPECT_EQ(p.state.phase, "Stable");
   EXPECT_EQ(p.stable_version, "2");
+  // The old set stays ready (no traffic) for scaleDownDelay (30 s by default), then drains.
+  EXPECT_EQ(p.old_version, "1");
+  EXPECT_EQ(p.old_replicas, 4);
+  p = PlanRollout(spec2, RolloutState::FromJson(p.state.ToJson()), Stats(4, 0, 0), {},
+                  kT0 + absl::Seconds(20));
+  EXPECT_EQ(p.old_version, "1");
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), {}, kT0 + absl::Seconds(32));
+  EXPECT_TRUE(p.old_version.empty());
+  EXPECT_TRUE(p.state.draining_version.empty());
+  EXPECT_NE(p.events.back().find("version 1 drained"), std::string::npos);
 }
 
 TEST(RolloutTest, AbTestHoldsItsSplit) {
