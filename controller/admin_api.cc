@@ -143,6 +143,21 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
                       {"spec", {{"replicas", obj["spec"].value("replicas", 0)}}},
                       {"status", {{"replicas", obj["status"].value("replicas", 0)}}}});
   }
+  if (sub == "rollout" && rollout_action_) {
+    if (r.method != "POST") {
+      return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
+    }
+    auto j = nlohmann::json::parse(r.body, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("action") || !j["action"].is_string()) {
+      return ErrorResponse(absl::InvalidArgumentError(
+          "action: the body must be {\"action\": \"pause|resume|abort|promote\"}"));
+    }
+    if (auto o = store_->Get(kModelDeploymentKind, name); !o.ok()) return ErrorResponse(o.status());
+    absl::Status s = rollout_action_(name, j["action"].get<std::string>());
+    if (!s.ok()) return ErrorResponse(s);
+    return Json(202, {{"kind", "Status"}, {"status", "Success"},
+                      {"message", j["action"].get<std::string>() + " requested"}});
+  }
   if (!sub.empty()) return ErrorResponse(absl::NotFoundError("no such path: " + r.path));
   if (r.method == "GET") {
     auto o = store_->Get(kModelDeploymentKind, name);

@@ -48,6 +48,10 @@ class AdminApi {
   ApiResponse Handle(const ApiRequest& request);
   // GET /apis/serving.kiln.dev/v1alpha1/nodes answers with this (the controller's view).
   void SetNodesSource(std::function<std::string()> nodes) { nodes_ = std::move(nodes); }
+  // POST .../modeldeployments/NAME/rollout {"action": "pause|resume|abort|promote"}.
+  void SetRolloutActions(std::function<absl::Status(const std::string&, const std::string&)> f) {
+    rollout_action_ = std::move(f);
+  }
 
   // The object as the API shows it (apiVersion, kind, metadata, spec, status).
   static nlohmann::json Render(const StoredObject& o);
@@ -60,6 +64,7 @@ class AdminApi {
   Store* store_;
   const std::string token_;
   std::function<std::string()> nodes_;
+  std::function<absl::Status(const std::string&, const std::string&)> rollout_action_;
 };
 
 // A Kubernetes Status object for an error; `code` is the HTTP status it maps to.

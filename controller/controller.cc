@@ -271,10 +271,15 @@ void Controller::Tick() {
       ModelDeploymentSpec spec = d.spec;
       spec.replicas = demands[i].serving;
       const RolloutState& st = known->second;
+      RolloutAction action = RolloutAction::kNone;
+      if (auto pa = pending_actions_.find(d.name); pa != pending_actions_.end()) {
+        action = pa->second;
+        pending_actions_.erase(pa);
+      }
       RolloutPlan plan = PlanRollout(spec, st, stats[st.stable_version],
                                      stats[st.canary_version.empty() ? spec.model.version
                                                                      : st.canary_version],
-                                     now);
+                                     now, action);
       for (const auto& e : plan.events) log->info("rollout {}: {}", d.name, e);
       known->second = plan.state;
       PlacementDemand stable = demands[i];
@@ -439,6 +444,23 @@ void Controller::Tick() {
       }
     }
   }
+}
+
+absl::Status Controller::RequestRolloutAction(const std::string& name, const std::string& action) {
+  auto a = ParseRolloutAction(action);
+  if (!a.ok()) return a.status();
+  absl::MutexLock lock(&mu_);
+  auto it = rollouts_.find(name);
+  if (it == rollouts_.end()) {
+    return absl::NotFoundError("deployment '" + name + "' is not known to the controller yet");
+  }
+  if (it->second.canary_version.empty()) {
+    return absl::FailedPreconditionError("deployment '" + name + "' has no rollout in progress (" +
+                                         it->second.phase + ": " + it->second.message + ")");
+  }
+  pending_actions_[name] = *a;
+  GetLogger("controller")->info("rollout {}: {} requested", name, action);
+  return absl::OkStatus();
 }
 
 std::string Controller::NodesJson() {

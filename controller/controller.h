@@ -54,6 +54,9 @@ class Controller : public v1::ControlPlane::Service {
   void Tick();
   // Nodes with their health, for the admin API ({"nodes": [...]}).
   std::string NodesJson();
+  // pause | resume | abort | promote the deployment's rollout on the next tick. NOT_FOUND for
+  // an unknown deployment, FAILED_PRECONDITION when no rollout is in progress.
+  absl::Status RequestRolloutAction(const std::string& name, const std::string& action);
 
  private:
   struct Session {
@@ -88,6 +91,7 @@ class Controller : public v1::ControlPlane::Service {
   // Rollout state per deployment; seeded from the stored status after a restart.
   std::map<std::string, RolloutState> rollouts_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> rollout_uids_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, RolloutAction> pending_actions_ ABSL_GUARDED_BY(mu_);
   std::thread loop_;
 };
 

@@ -111,6 +111,9 @@ int main(int argc, char** argv) {
   controller.Start();
   kiln::AdminApi api(store->get(), token);
   api.SetNodesSource([&controller]() { return controller.NodesJson(); });
+  api.SetRolloutActions([&controller](const std::string& name, const std::string& action) {
+    return controller.RequestRolloutAction(name, action);
+  });
   auto server = kiln::AdminHttpServer::Start(bind, port, &api);
   if (!server.ok()) {
     log->error("{}", std::string(server.status().message()));

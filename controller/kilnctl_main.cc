@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -275,6 +276,13 @@ int main(int argc, char** argv) {
   rollout_status->add_option("--timeout-seconds", watch_timeout_s, "Give up watching after this")
       ->check(CLI::Range(0.1, 86400.0))
       ->capture_default_str();
+  std::map<std::string, CLI::App*> rollout_actions;
+  for (const char* action : {"pause", "resume", "abort", "promote"}) {
+    auto* a = rollout->add_subcommand(action, std::string("Ask the controller to ") + action +
+                                                  " the rollout");
+    a->add_option("name", rollout_name, "The deployment")->required();
+    rollout_actions[action] = a;
+  }
 
   try {
     app.parse(argc, argv);
@@ -295,6 +303,16 @@ int main(int argc, char** argv) {
   Client c(server, token);
 
   if (apply->parsed()) return Apply(c, file);
+  for (const auto& [action, sub] : rollout_actions) {
+    if (!sub->parsed()) continue;
+    json body = {{"action", action}};
+    Reply r = c.Call(http::methods::POST,
+                     std::string(kiln::kDeploymentsPath) + "/" + rollout_name + "/rollout",
+                     body.dump());
+    if (r.code != 202) return ServerError(r, c);
+    std::cout << kResource << "/" << rollout_name << " " << action << " requested\n";
+    return 0;
+  }
   if (rollout_status->parsed()) {
     // Prints each new state of the rollout; with -w until it is promoted (0) or rolled back
     // (1), like `kubectl rollout status -w`.

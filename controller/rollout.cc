@@ -33,6 +33,7 @@ nlohmann::json RolloutState::ToJson() const {
                       {"step", step},
                       {"message", message}};
   if (!failed_version.empty()) j["failedVersion"] = failed_version;
+  if (paused) j["paused"] = true;
   if (!draining_version.empty()) {
     j["drainingVersion"] = draining_version;
     j["drainUntilMicros"] = absl::ToUnixMicros(drain_until);
@@ -55,6 +56,7 @@ RolloutState RolloutState::FromJson(const nlohmann::json& j) {
   s.step = j.value("step", int64_t{0});
   s.message = j.value("message", "");
   s.draining_version = j.value("drainingVersion", "");
+  s.paused = j.value("paused", false);
   if (j.contains("drainUntilMicros") && j["drainUntilMicros"].is_number_integer()) {
     s.drain_until = absl::FromUnixMicros(j["drainUntilMicros"].get<int64_t>());
   }
@@ -71,12 +73,22 @@ RolloutState RolloutState::FromJson(const nlohmann::json& j) {
   return s;
 }
 
+absl::StatusOr<RolloutAction> ParseRolloutAction(const std::string& text) {
+  if (text == "pause") return RolloutAction::kPause;
+  if (text == "resume") return RolloutAction::kResume;
+  if (text == "abort") return RolloutAction::kAbort;
+  if (text == "promote") return RolloutAction::kPromote;
+  return absl::InvalidArgumentError("action: must be pause, resume, abort or promote, got '" +
+                                    text + "'");
+}
+
 int64_t CanaryReplicasFor(int64_t replicas, int64_t weight) {
   return std::max<int64_t>(1, (replicas * weight + 99) / 100);
 }
 
 RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& state,
-                        const VersionStats& stable, const VersionStats& canary, absl::Time now) {
+                        const VersionStats& stable, const VersionStats& canary, absl::Time now,
+                        RolloutAction action) {
   RolloutPlan p;
   p.state = state;
   RolloutState& s = p.state;
@@ -141,6 +153,46 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     for (auto& st : steps) st.pause_until_resumed = true;  // held until promote or abort
   }
   s.step = std::clamp<int64_t>(s.step, 0, static_cast<int64_t>(steps.size()) - 1);
+  auto promote = [&](const std::string& why) {
+    p.events.push_back("canary " + want + " promoted: " + why);
+    const bool keep_old =
+        strategy == "BlueGreen" && spec.rollout.scale_down_delay > absl::ZeroDuration();
+    s = RolloutState{"Stable", want, "", "", 0, 0, absl::InfinitePast(), 0, 0, 0, 0,
+                     "promoted version " + want + " (was " + state.stable_version + ")",
+                     keep_old ? state.stable_version : "",
+                     keep_old ? now + spec.rollout.scale_down_delay : absl::InfinitePast()};
+    stable_only();
+  };
+  auto roll_back = [&](const std::string& why) {
+    p.events.push_back(why);
+    s.failed_version = want;
+    s.canary_version.clear();
+    s.weight = 0;
+    s.step = 0;
+    s.step_started = absl::InfinitePast();
+    s.paused = false;
+    s.phase = "Degraded";
+    s.message = why;
+    stable_only();
+  };
+  switch (action) {
+    case RolloutAction::kAbort:
+      roll_back("rollout of version " + want + " aborted by hand; back to " + s.stable_version);
+      return p;
+    case RolloutAction::kPromote:
+      promote("by hand");
+      return p;
+    case RolloutAction::kPause:
+      if (!s.paused) p.events.push_back("paused by hand at step " + std::to_string(s.step + 1));
+      s.paused = true;
+      break;
+    case RolloutAction::kResume:
+      if (s.paused) p.events.push_back("resumed by hand");
+      s.paused = false;
+      break;
+    case RolloutAction::kNone:
+      break;
+  }
   const RolloutStep& step = steps[s.step];
   const int64_t need = strategy == "BlueGreen" ? replicas : CanaryReplicasFor(replicas, step.weight);
   p.stable_version = s.stable_version;
@@ -179,22 +231,28 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
                         " (max " + Ratio(a.max_latency_p99_ratio) + ")";
   if (enough && creq > 0 &&
       (error_rate > a.max_error_rate || p99_ratio > a.max_latency_p99_ratio)) {
-    std::string why = where + " failed analysis: " + numbers + "; rolled back to " +
-                      s.stable_version;
-    p.events.push_back(why);
-    s.failed_version = want;
-    s.canary_version.clear();
-    s.weight = 0;
-    s.step = 0;
-    s.step_started = absl::InfinitePast();
-    s.phase = "Degraded";
-    s.message = why;
-    stable_only();
+    roll_back(where + " failed analysis: " + numbers + "; rolled back to " + s.stable_version);
     return p;
   }
   s.message = where + " at " + std::to_string(s.weight) + "%: " + numbers;
-  if (step.pause_until_resumed) {
+  if (s.paused) {
+    s.message += "; paused by hand";
+    return p;
+  }
+  const bool resumed = action == RolloutAction::kResume;
+  if (step.pause_until_resumed && !resumed) {
     s.message += strategy == "ABTest" ? "; A/B test running" : "; paused until resumed";
+    return p;
+  }
+  if (step.pause_until_resumed && resumed && s.step + 1 >= static_cast<int64_t>(steps.size())) {
+    promote("resumed at the last step: " + numbers);
+    return p;
+  }
+  if (step.pause_until_resumed && resumed) {
+    p.events.push_back(where + " resumed: " + numbers);
+    s.step++;
+    s.step_started = absl::InfinitePast();
+    p.canary_replicas = CanaryReplicasFor(replicas, steps[s.step].weight);
     return p;
   }
   if (now - s.step_started < step.pause) return p;
@@ -211,13 +269,7 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
                             : CanaryReplicasFor(replicas, steps[s.step].weight);
     return p;
   }
-  p.events.push_back("canary " + want + " promoted: " + numbers);
-  const bool keep_old = strategy == "BlueGreen" && spec.rollout.scale_down_delay > absl::ZeroDuration();
-  s = RolloutState{"Stable", want, "", "", 0, 0, absl::InfinitePast(), 0, 0, 0, 0,
-                   "promoted version " + want + " (was " + state.stable_version + ")",
-                   keep_old ? state.stable_version : "",
-                   keep_old ? now + spec.rollout.scale_down_delay : absl::InfinitePast()};
-  stable_only();
+  promote(numbers);
   return p;
 }
 

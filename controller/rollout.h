@@ -13,12 +13,15 @@
 // with enough requests and no failure, it passes to the next step; after the last the canary
 // is promoted (it becomes stable, the old version is drained). A spec that changes version
 // again mid-rollout supersedes the canary; a spec set back to the stable version aborts it.
-// Steps with `pause: {}` wait for a resume by hand (not yet exposed).
+// By hand (`kilnctl rollout ...`): pause holds the current step (failures still roll back),
+// resume continues (and passes a `pause: {}` step), abort rolls back as a failure would,
+// promote makes the canary stable at once.
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "controller/model_deployment.h"
 #include "nlohmann/json.hpp"
@@ -47,6 +50,7 @@ struct RolloutState {
   // BlueGreen keeps the old set (at weight 0) for spec.rollout.scaleDownDelay after the switch.
   std::string draining_version;
   absl::Time drain_until = absl::InfinitePast();
+  bool paused = false;  // held by hand
 
   nlohmann::json ToJson() const;
   static RolloutState FromJson(const nlohmann::json& j);
@@ -65,8 +69,13 @@ struct RolloutPlan {
   std::vector<std::string> events;  // transitions to log ("canary 2 step 1: weight 10")
 };
 
+enum class RolloutAction { kNone, kPause, kResume, kAbort, kPromote };
+// "pause" -> kPause ...; INVALID_ARGUMENT naming the action otherwise.
+absl::StatusOr<RolloutAction> ParseRolloutAction(const std::string& text);
+
 RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& state,
-                        const VersionStats& stable, const VersionStats& canary, absl::Time now);
+                        const VersionStats& stable, const VersionStats& canary, absl::Time now,
+                        RolloutAction action = RolloutAction::kNone);
 
 // Canary replicas a step of `weight` percent needs: ceil(replicas * weight / 100), at least 1.
 int64_t CanaryReplicasFor(int64_t replicas, int64_t weight);

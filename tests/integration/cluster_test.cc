@@ -378,6 +378,42 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   EXPECT_NE(log.find("rollout enc: canary 2 promoted"), std::string::npos) << log;
 }
 
+// By hand: a rollout whose step waits for a resume is promoted with `kilnctl rollout promote`;
+// actions on a deployment without a rollout say so.
+TEST_F(ClusterTest, ARolloutIsPromotedByHand) {
+  StartController("127.0.0.1:0");
+  StartAgent();
+  Agent n2 = StartAnotherAgent("n2");
+  ASSERT_GT(n2.router_grpc, 0) << ReadAll(n2.log);
+  auto spec = [&](const std::string& version) {
+    return "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
+           "spec:\n  model: {name: encoder, version: \"" + version + "\", uri: \"file://" +
+           std::string(KILN_MODEL_REPO) + "/encoder/" + version + "/model.pt\"}\n  replicas: 2\n"
+           "  rollout:\n    steps: [{weight: 50, pause: {}}]\n";
+  };
+  std::ofstream(dir_ + "/v1.yaml") << spec("1");
+  std::ofstream(dir_ + "/v2.yaml") << spec("2");
+  ASSERT_EQ((Ctl("apply -f " + dir_ + "/v1.yaml"), last_rc_), 0);
+  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+  std::string out = Ctl("rollout promote enc");
+  EXPECT_EQ(last_rc_, 1) << out;
+  EXPECT_NE(out.find("no rollout in progress"), std::string::npos) << out;
+  ASSERT_EQ((Ctl("apply -f " + dir_ + "/v2.yaml"), last_rc_), 0);
+  json d;
+  for (int i = 0; i < 1200; ++i) {  // bounded: the canary serves and takes its 50%
+    d = Deployment("enc");
+    if (d["status"].value("rollout", json::object()).value("canaryWeight", 0) == 50) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_EQ(d["status"]["rollout"].value("canaryWeight", 0), 50) << d.dump();
+  out = Ctl("rollout promote enc");
+  EXPECT_EQ(last_rc_, 0) << out;
+  out = Ctl("rollout status enc -w --timeout-seconds 30");
+  EXPECT_EQ(last_rc_, 0) << out;
+  EXPECT_NE(out.find("serves version 2"), std::string::npos) << out;
+  EXPECT_NE(ReadAll(clog_).find("promoted: by hand"), std::string::npos);
+}
+
 // A bad canary under steady traffic: version 3 fails every request holding token 13 (a third
 // of the traffic). As soon as the analysis has its minimum of requests the rollout is rolled
 // back (weight 0, canary drained, Degraded); no request that version 1 served failed, and

@@ -138,6 +138,24 @@ TEST_F(AdminApiTest, ScaleSubresource) {
   EXPECT_NE(refused.body.find("autoscale"), std::string::npos);
 }
 
+TEST_F(AdminApiTest, RolloutActionsGoToTheController) {
+  std::vector<std::pair<std::string, std::string>> asked;
+  api_->SetRolloutActions([&](const std::string& name, const std::string& action) {
+    asked.emplace_back(name, action);
+    if (action == "resume") return absl::FailedPreconditionError("no rollout in progress");
+    return absl::OkStatus();
+  });
+  ASSERT_EQ(Call("POST", kDeploymentsPath, kDoc).code, 201);
+  auto r = Call("POST", One("emb") + "/rollout", R"({"action": "promote"})");
+  EXPECT_EQ(r.code, 202) << r.body;
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0], std::make_pair(std::string("emb"), std::string("promote")));
+  EXPECT_EQ(Call("POST", One("emb") + "/rollout", R"({"action": "resume"})").code, 400);
+  EXPECT_EQ(Call("POST", One("emb") + "/rollout", R"({"do": "promote"})").code, 400);
+  EXPECT_EQ(Call("POST", One("nope") + "/rollout", R"({"action": "promote"})").code, 404);
+  EXPECT_EQ(Call("GET", One("emb") + "/rollout").code, 405);
+}
+
 TEST_F(AdminApiTest, BearerTokenWhenConfigured) {
   AdminApi secured(store_.get(), "s3cret");
   EXPECT_EQ(secured.Handle({"GET", kDeploymentsPath, "", ""}).code, 401);

@@ -175,3 +175,69 @@ TEST(RolloutTest, CanaryReplicaCounts) {
 
 }  // namespace
 }  // namespace kiln
+
+namespace kiln {
+namespace {
+
+TEST(RolloutActionTest, PauseHoldsResumeContinues) {
+  RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", kTwoSteps);
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(1, 0, 0), kT0);
+  ASSERT_EQ(p.canary_weight, 25);
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(1, 0, 0), kT0 + absl::Seconds(1),
+                  RolloutAction::kPause);
+  EXPECT_TRUE(p.state.paused);
+  // Past the pause with good numbers: still held.
+  p = PlanRollout(spec2, p.state, Stats(4, 900, 0), Stats(1, 300, 0), kT0 + absl::Seconds(40));
+  EXPECT_EQ(p.state.step, 0);
+  EXPECT_NE(p.state.message.find("paused by hand"), std::string::npos);
+  // A failure still rolls back while paused.
+  auto failing = PlanRollout(spec2, p.state, Stats(4, 900, 0), Stats(1, 400, 100),
+                             kT0 + absl::Seconds(41));
+  EXPECT_EQ(failing.state.phase, "Degraded");
+  p = PlanRollout(spec2, p.state, Stats(4, 900, 0), Stats(1, 300, 0), kT0 + absl::Seconds(42),
+                  RolloutAction::kResume);
+  EXPECT_FALSE(p.state.paused);
+  EXPECT_EQ(p.state.step, 1);
+}
+
+TEST(RolloutActionTest, AbortAndPromoteByHand) {
+  RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", kTwoSteps);
+  auto running = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(0, 0, 0), kT0);  // pre-warming
+  auto aborted = PlanRollout(spec2, running.state, {}, {}, kT0 + absl::Seconds(1),
+                             RolloutAction::kAbort);
+  EXPECT_EQ(aborted.state.phase, "Degraded");
+  EXPECT_EQ(aborted.state.failed_version, "2");
+  EXPECT_NE(aborted.state.message.find("aborted by hand"), std::string::npos);
+  EXPECT_TRUE(aborted.canary_version.empty());
+  auto promoted = PlanRollout(spec2, running.state, {}, {}, kT0 + absl::Seconds(1),
+                              RolloutAction::kPromote);
+  EXPECT_EQ(promoted.state.phase, "Stable");
+  EXPECT_EQ(promoted.stable_version, "2");
+}
+
+TEST(RolloutActionTest, ResumePassesAnIndefinitePause) {
+  std::vector<RolloutStep> steps = {{50, absl::ZeroDuration(), true}};
+  RolloutState s = PlanRollout(Spec("1", steps), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", steps);
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(2, 0, 0), kT0);
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(2, 500, 0), kT0 + absl::Hours(1));
+  EXPECT_EQ(p.canary_weight, 50);
+  EXPECT_NE(p.state.message.find("paused until resumed"), std::string::npos);
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(2, 500, 0), kT0 + absl::Hours(1),
+                  RolloutAction::kResume);
+  EXPECT_EQ(p.state.phase, "Stable");
+  EXPECT_EQ(p.stable_version, "2");
+}
+
+TEST(RolloutActionTest, ActionsParse) {
+  EXPECT_EQ(*ParseRolloutAction("promote"), RolloutAction::kPromote);
+  auto bad = ParseRolloutAction("undo");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("action: must be pause, resume, abort or promote"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace kiln
