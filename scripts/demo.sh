@@ -3,7 +3,8 @@
 # kiln-runtime on it (gRPC and REST on free loopback ports, a control socket), and sends
 # real requests through both protocols, printing results and latencies. Then a local cluster:
 # kiln-controller (SQLite store), two kiln-agents with fake GPUs, a ModelDeployment applied
-# with kilnctl, requests through a node's router, and a scale-up served from the warm pool.
+# with kilnctl, requests through a node's router, a scale-up served from the warm pool, and a
+# canary rollout v1 -> v2 under live traffic.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -122,5 +123,28 @@ echo "\$ kilnctl get deployments -o wide"
 ctl get deployments -o wide
 echo "\$ kilnctl get nodes"
 ctl get nodes
+echo
+echo "== a canary rollout, version 1 -> 2, under live traffic"
+sed -e 's#/encoder/1/model.pt#/encoder/2/model.pt#' -e 's/version: "1"/version: "2"/' \
+  -e 's/replicas: 1/replicas: 2/' "$work/encoder.yaml" >"$work/encoder-v2.yaml"
+printf '%s\n' "  rollout:" "    steps: [{weight: 50, pause: 3s}]" \
+  "    analysis: {minRequests: 50, maxErrorRate: 0.01, maxLatencyP99Ratio: 3}" \
+  >>"$work/encoder-v2.yaml"
+build/bench/kiln-loadgen --target grpc --raw --address "127.0.0.1:$router_grpc" \
+  --model encoder --mode closed --concurrency 2 --seq-len 16 --warmup-s 0 --duration-s 12 \
+  >"$work/loadgen.txt" 2>&1 &
+loadgen_pid=$!
+sleep 1
+echo "\$ kilnctl apply -f encoder-v2.yaml"
+ctl apply -f "$work/encoder-v2.yaml"
+echo "\$ kilnctl rollout status encoder -w"
+ctl rollout status encoder -w --timeout-seconds 60 || true
+grep -h "rollout encoder" "$work/controller.log" | sed 's/^.*\] //'
+wait "$loadgen_pid" || true
+echo "traffic during the rollout (kiln-loadgen through node n1's router):"
+grep -E "requests:|throughput:|latency" "$work/loadgen.txt"
+echo "\$ kilnctl get deployments -o wide"
+ctl get deployments -o wide
+
 echo
 echo "== stopping the cluster (agents drain their replicas, then the controller stops)"
