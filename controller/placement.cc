@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <queue>
 #include <set>
 #include <tuple>
 
@@ -26,10 +27,17 @@ struct Existing {
 
 struct NodeState {
   const PlacementNode* node = nullptr;
+  int index = 0;    // position in name order
+  int zone_id = 0;  // nodes without a zone label are each their own zone
   int cpu_used = 0;
-  std::map<int, int64_t> gpu_used;
-  std::map<std::string, int> per_deployment;
-  std::vector<v1::ReplicaSpec> specs;
+  std::vector<int64_t> gpu_used;  // by position in node->gpus
+};
+
+// Replicas of one deployment per node and per zone, kept as placement goes (vectors indexed
+// by node and zone, so choosing a node is one pass over the nodes).
+struct Spread {
+  std::vector<int> per_node;
+  std::vector<int> per_zone;
 };
 
 // CPUs in a cpulist ("0-3,8" -> 5); 0 when it does not parse.
@@ -116,16 +124,34 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       if (!dep.empty()) by_deployment[dep].push_back(std::move(e));
     }
   }
-  auto zone_of = [&](const std::string& node) {
-    const PlacementNode* n = state[node].node;
-    return n->zone.empty() ? "node:" + n->name : n->zone;
+  std::vector<NodeState*> order;  // by name (the map's order)
+  std::map<std::string, int> zones;
+  for (auto& [name, ns] : state) {
+    ns.index = static_cast<int>(order.size());
+    ns.gpu_used.assign(ns.node->gpus.size(), 0);
+    order.push_back(&ns);
+    std::string zone = ns.node->zone.empty() ? "node:" + name : ns.node->zone;
+    ns.zone_id = zones.emplace(zone, static_cast<int>(zones.size())).first->second;
+  }
+  std::map<std::string, Spread> spread;
+  auto spread_of = [&](const std::string& dep) -> Spread& {
+    Spread& sp = spread[dep];
+    if (sp.per_node.empty()) {
+      sp.per_node.assign(order.size(), 0);
+      sp.per_zone.assign(zones.size(), 0);
+    }
+    return sp;
   };
   auto add = [&](const std::string& node, v1::ReplicaSpec spec, int64_t gpu_memory,
                  const std::string& dep) {
     NodeState& ns = state[node];
     ns.cpu_used += spec.cpus();
-    if (spec.gpu() >= 0) ns.gpu_used[spec.gpu()] += gpu_memory;
-    ns.per_deployment[dep]++;
+    for (size_t i = 0; spec.gpu() >= 0 && i < ns.node->gpus.size(); ++i) {
+      if (ns.node->gpus[i].index == spec.gpu()) ns.gpu_used[i] += gpu_memory;
+    }
+    Spread& sp = spread_of(dep);
+    sp.per_node[ns.index]++;
+    sp.per_zone[ns.zone_id]++;
     out.nodes[node].push_back(std::move(spec));
   };
 
@@ -202,32 +228,53 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     };
     int64_t missing = (d.serving - serving) + (d.warm - warm);
     int64_t unplaced = 0;
+    // A node's best (node, gpu) for this demand now, by the documented order; lower tuples
+    // win (the node index is the name order). Nothing when it has no room.
+    using Key = std::tuple<int, int, int64_t, double, int, int>;
+    Spread& sp = spread_of(d.deployment);
+    auto key_of = [&](NodeState& ns) -> std::optional<Key> {
+      const PlacementNode& n = *ns.node;
+      if (!n.schedulable || ns.cpu_used + d.cpus > n.cpu_capacity) return std::nullopt;
+      int here = sp.per_node[ns.index];
+      int zone_count = sp.per_zone[ns.zone_id];
+      if (d.gpus == 0) {
+        return Key{here, zone_count, n.cpu_capacity - ns.cpu_used - d.cpus, n.load, ns.index, -1};
+      }
+      std::optional<Key> best;
+      for (size_t i = 0; i < n.gpus.size(); ++i) {
+        const auto& g = n.gpus[i];
+        if (!g.healthy) continue;
+        int64_t left = g.memory_bytes - ns.gpu_used[i] - d.gpu_memory_bytes;
+        if (left < 0) continue;
+        Key k{here, zone_count, left, n.load, ns.index, g.index};
+        if (!best || k < *best) best = k;
+      }
+      return best;
+    };
+    // One pass over the nodes keeps, per zone, the `missing` best: a node outside its zone's
+    // shortlist can never win, since until `missing` replicas are placed some shortlisted
+    // node of its zone is untouched and still ranks above it (same zone count, and the rest
+    // of its key unchanged). The replicas are then placed among the shortlist alone.
+    std::vector<NodeState*> shortlist;
+    if (missing > 0) {
+      std::vector<std::priority_queue<std::pair<Key, NodeState*>>> per_zone(zones.size());
+      for (NodeState* nsp : order) {
+        auto k = key_of(*nsp);
+        if (!k) continue;
+        auto& heap = per_zone[nsp->zone_id];
+        heap.emplace(*k, nsp);
+        if (static_cast<int64_t>(heap.size()) > missing) heap.pop();  // drop the worst
+      }
+      for (auto& heap : per_zone) {
+        for (; !heap.empty(); heap.pop()) shortlist.push_back(heap.top().second);
+      }
+    }
     for (int64_t k = 0; k < missing; ++k) {
       bool as_serving = serving < d.serving;
-      // The best (node, gpu) by the documented order; lower tuples win.
-      std::optional<std::tuple<int, int, int64_t, double, std::string, int>> best;
-      for (auto& [name, ns] : state) {
-        const PlacementNode& n = *ns.node;
-        if (!n.schedulable) continue;
-        if (ns.cpu_used + d.cpus > n.cpu_capacity) continue;
-        int zone_count = 0;
-        for (auto& [other, os] : state) {
-          if (zone_of(other) == zone_of(name)) zone_count += os.per_deployment[d.deployment];
-        }
-        int here = ns.per_deployment[d.deployment];
-        if (d.gpus == 0) {
-          int64_t left = n.cpu_capacity - ns.cpu_used - d.cpus;
-          auto cand = std::make_tuple(here, zone_count, left, n.load, name, -1);
-          if (!best || cand < *best) best = cand;
-          continue;
-        }
-        for (const auto& g : n.gpus) {
-          if (!g.healthy) continue;
-          int64_t left = g.memory_bytes - ns.gpu_used[g.index] - d.gpu_memory_bytes;
-          if (left < 0) continue;
-          auto cand = std::make_tuple(here, zone_count, left, n.load, name, g.index);
-          if (!best || cand < *best) best = cand;
-        }
+      std::optional<Key> best;
+      for (NodeState* nsp : shortlist) {
+        auto key = key_of(*nsp);
+        if (key && (!best || *key < *best)) best = key;
       }
       if (!best) {
         unplaced++;
@@ -242,7 +289,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       spec.set_cpus(static_cast<int32_t>(d.cpus));
       spec.set_state(as_serving ? v1::SERVING : v1::WARM);
       spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
-      add(std::get<4>(*best), spec, d.gpu_memory_bytes, d.deployment);
+      add(order[std::get<4>(*best)]->node->name, spec, d.gpu_memory_bytes, d.deployment);
       if (as_serving) {
         serving++;
       } else {

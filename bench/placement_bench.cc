@@ -1,0 +1,97 @@
+// How the controller's placement scales: Google Benchmark over Place() with N nodes (64 CPUs,
+// 8 GPUs of 80 GiB each) and N/2 GPU deployments of 10 replicas (10 GiB, 2 CPUs), i.e. 5
+// replicas per node on average:
+//   BM_PlaceFromScratch   every replica new (a fresh cluster, or the first tick)
+//   BM_PlaceSteadyState   every replica already assigned (the common tick: nothing moves)
+//   BM_PlaceAfterNodeLoss steady state minus one node, whose replicas go elsewhere
+//
+//   build/bench/kiln-placement-bench --benchmark_counters_tabular=true
+#include <benchmark/benchmark.h>
+
+#include "controller/placement.h"
+
+namespace {
+
+using kiln::PlacementDemand;
+using kiln::PlacementNode;
+
+std::vector<PlacementNode> Nodes(int n) {
+  std::vector<PlacementNode> nodes(n);
+  for (int i = 0; i < n; ++i) {
+    PlacementNode& p = nodes[i];
+    char name[32];
+    std::snprintf(name, sizeof(name), "node-%05d", i);
+    p.name = name;
+    p.zone = "zone-" + std::to_string(i % 3);
+    p.cpu_capacity = 64;
+    for (int g = 0; g < 8; ++g) p.gpus.push_back({g, 80LL << 30, true});
+    p.load = i % 7;
+  }
+  return nodes;
+}
+
+std::vector<PlacementDemand> Demands(int nodes) {
+  std::vector<PlacementDemand> out;
+  for (int i = 0; i < nodes / 2; ++i) {
+    PlacementDemand d;
+    d.deployment = "dep-" + std::to_string(i);
+    d.model = "m" + std::to_string(i);
+    d.version = "1";
+    d.repository = "/models";
+    d.serving = 9;
+    d.warm = 1;
+    d.gpus = 1;
+    d.gpu_memory_bytes = 10LL << 30;
+    d.cpus = 2;
+    out.push_back(d);
+  }
+  return out;
+}
+
+// The nodes with what a first placement assigned them.
+std::vector<PlacementNode> Assigned(int n) {
+  auto nodes = Nodes(n);
+  auto placed = kiln::Place(Demands(n), nodes);
+  for (auto& node : nodes) node.assigned = placed.nodes[node.name];
+  return nodes;
+}
+
+void Report(benchmark::State& state, int nodes) {
+  state.counters["nodes"] = nodes;
+  state.counters["replicas"] = nodes / 2 * 10;
+}
+
+void BM_PlaceFromScratch(benchmark::State& state) {
+  int n = static_cast<int>(state.range(0));
+  auto nodes = Nodes(n);
+  auto demands = Demands(n);
+  for (auto _ : state) benchmark::DoNotOptimize(kiln::Place(demands, nodes));
+  Report(state, n);
+}
+
+void BM_PlaceSteadyState(benchmark::State& state) {
+  int n = static_cast<int>(state.range(0));
+  auto nodes = Assigned(n);
+  auto demands = Demands(n);
+  for (auto _ : state) benchmark::DoNotOptimize(kiln::Place(demands, nodes));
+  Report(state, n);
+}
+
+void BM_PlaceAfterNodeLoss(benchmark::State& state) {
+  int n = static_cast<int>(state.range(0));
+  auto nodes = Assigned(n);
+  std::set<std::string> retired;
+  for (const auto& spec : nodes[n / 2].assigned) retired.insert(spec.replica_id());
+  nodes.erase(nodes.begin() + n / 2);
+  auto demands = Demands(n);
+  for (auto _ : state) benchmark::DoNotOptimize(kiln::Place(demands, nodes, retired));
+  Report(state, n);
+}
+
+BENCHMARK(BM_PlaceFromScratch)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PlaceSteadyState)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PlaceAfterNodeLoss)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
