@@ -1,6 +1,9 @@
 // The controller's pure decisions: node leases and placement.
 #include "controller/placement.h"
 
+#include <map>
+#include <random>
+
 #include "controller/node_registry.h"
 #include "gtest/gtest.h"
 
@@ -254,6 +257,86 @@ TEST(PlacementTest, ReplicaIdsNameTheirDeployment) {
   EXPECT_EQ(DeploymentOfReplica("encoder.12"), "encoder");
   EXPECT_EQ(DeploymentOfReplica("legacy"), "");
   EXPECT_EQ(DeploymentOfReplica(".3"), "");
+}
+
+}  // namespace
+}  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// Random clusters: whatever the input, no CPU or GPU is over-committed, every replica that is
+// not reported unplaced is placed exactly once, a deployment never stacks a second replica on
+// a node while another node of the same zone with room has none of it, and the same input
+// gives the same output.
+TEST(PlacementPropertyTest, RandomClustersKeepTheRules) {
+  std::mt19937 rng(20261122);
+  for (int round = 0; round < 60; ++round) {
+    std::vector<PlacementNode> nodes;
+    int n = 1 + static_cast<int>(rng() % 12);
+    for (int i = 0; i < n; ++i) {
+      PlacementNode node = CpuNode("n" + std::to_string(i), 2 + static_cast<int>(rng() % 8),
+                                   "z" + std::to_string(rng() % 3));
+      int gpus = static_cast<int>(rng() % 3);
+      for (int g = 0; g < gpus; ++g) node.gpus.push_back({g, (8 + static_cast<int64_t>(rng() % 24)) << 30, true});
+      node.load = static_cast<double>(rng() % 5);
+      nodes.push_back(node);
+    }
+    std::vector<PlacementDemand> demands;
+    int deps = 1 + static_cast<int>(rng() % 5);
+    for (int k = 0; k < deps; ++k) {
+      PlacementDemand d = Cpu("d" + std::to_string(k), rng() % 5, rng() % 2, 1 + rng() % 3);
+      if (rng() % 2) {
+        d.gpus = 1;
+        d.gpu_memory_bytes = (2 + static_cast<int64_t>(rng() % 10)) << 30;
+      }
+      demands.push_back(d);
+    }
+    auto p = Place(demands, nodes);
+    auto again = Place(demands, nodes);
+    std::map<std::string, int> placed;
+    std::map<std::string, std::map<std::string, int>> per_node;  // dep -> node -> count
+    for (const auto& node : nodes) {
+      int cpus = 0;
+      std::map<int, int64_t> gpu;
+      const auto& specs = p.nodes[node.name];
+      EXPECT_EQ(Ids(specs), Ids(again.nodes[node.name])) << "not deterministic";
+      for (const auto& s : specs) {
+        cpus += s.cpus();
+        if (s.gpu() >= 0) gpu[s.gpu()] += s.gpu_memory_bytes();
+        placed[DeploymentOfReplica(s.replica_id())]++;
+        per_node[DeploymentOfReplica(s.replica_id())][node.name]++;
+      }
+      EXPECT_LE(cpus, node.cpu_capacity) << node.name;
+      for (const auto& g : node.gpus) EXPECT_LE(gpu[g.index], g.memory_bytes) << node.name;
+    }
+    for (const auto& d : demands) {
+      bool short_of_room = false;
+      for (const auto& line : p.unplaced) short_of_room |= line.rfind(d.deployment + ":", 0) == 0;
+      if (!short_of_room) {
+        EXPECT_EQ(placed[d.deployment], d.serving + d.warm) << d.deployment;
+      }
+      if (d.gpus == 0) {
+        // Spread: a node holding 2+ replicas of d means every schedulable node of its zone
+        // with room for one more had one already (CPU replicas, where room is just CPUs).
+        for (const auto& [node_name, count] : per_node[d.deployment]) {
+          if (count < 2) continue;
+          const PlacementNode* stacked = nullptr;
+          for (const auto& nd : nodes) if (nd.name == node_name) stacked = &nd;
+          for (const auto& other : nodes) {
+            if (other.zone != stacked->zone || other.name == node_name) continue;
+            int used = 0;
+            for (const auto& s : p.nodes[other.name]) used += s.cpus();
+            if (per_node[d.deployment][other.name] == 0) {
+              EXPECT_LT(other.cpu_capacity - used, d.cpus)
+                  << d.deployment << " stacked on " << node_name << " while " << other.name
+                  << " had room and none";
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
