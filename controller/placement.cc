@@ -164,7 +164,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   std::map<std::string, std::set<int>> ids_in_use;
   auto key = [](const PlacementDemand& d) { return d.deployment + "\n" + d.version; };
   for (const PlacementDemand& d : demands) {
-    std::vector<Existing> mine;
+    std::vector<Existing*> mine;
     std::set<int>& used_ids = ids_in_use[d.deployment];
     for (const std::string& id : retired_ids) {
       if (DeploymentOfReplica(id) != d.deployment) continue;
@@ -173,7 +173,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       } catch (...) {
       }
     }
-    for (const Existing& e : by_deployment[d.deployment]) {
+    for (Existing& e : by_deployment[d.deployment]) {
       const std::string& id = e.spec.replica_id();
       try {
         used_ids.insert(std::stoi(id.substr(id.find('.') + 1)));
@@ -184,7 +184,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       bool same_shape = e.spec.cpus() == d.cpus && (e.spec.gpu() >= 0) == (d.gpus > 0);
       if (e.healthy && same_shape && e.spec.model() == d.model && e.spec.version() == d.version &&
           state.count(e.node)) {
-        mine.push_back(e);
+        mine.push_back(&e);
       }
     }
     // SERVING first (as reported, else as assigned), then by id for determinism.
@@ -193,12 +193,14 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
                                                                             : e.spec.state();
       return s == v1::SERVING;
     };
-    std::sort(mine.begin(), mine.end(), [&](const Existing& a, const Existing& b) {
-      return std::make_tuple(!serving_now(a), a.spec.replica_id()) <
-             std::make_tuple(!serving_now(b), b.spec.replica_id());
+    std::sort(mine.begin(), mine.end(), [&](const Existing* a, const Existing* b) {
+      bool sa = serving_now(*a), sb = serving_now(*b);
+      if (sa != sb) return sa;
+      return a->spec.replica_id() < b->spec.replica_id();
     });
     int64_t serving = 0, warm = 0;
-    for (Existing& e : mine) {
+    for (Existing* ep : mine) {
+      Existing& e = *ep;
       if (serving < d.serving) {
         e.spec.set_state(v1::SERVING);
         serving++;
