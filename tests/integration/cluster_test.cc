@@ -378,6 +378,73 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   EXPECT_NE(log.find("rollout enc: canary 2 promoted"), std::string::npos) << log;
 }
 
+// Autoscaling from the in-flight requests the replicas report: three clients keeping slow
+// requests in flight against a target of one per replica scale 1 -> 2 (the max); when the load
+// stops, it scales back to 1 after the stabilisation window (2 s here).
+TEST_F(ClusterTest, AutoscalesOnRequestsInFlight) {
+  StartController("127.0.0.1:0", {"--scale-down-stabilization-seconds", "2"});
+  StartAgent();
+  std::ofstream(dir_ + "/slow.yaml")
+      << "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: slow}\n"
+         "spec:\n  model: {name: slow, version: \"1\", uri: \"file://"
+      << KILN_MODEL_REPO << "/slow/1/model.pt\"}\n"
+         "  autoscale: {min: 1, max: 2, targetInFlight: 1}\n";
+  std::string out = Ctl("apply -f " + dir_ + "/slow.yaml");
+  ASSERT_EQ(last_rc_, 0) << out;
+  ASSERT_TRUE(WaitForStatus("slow", 1, 0));
+  auto slow_request = [this]() {
+    auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(router_grpc_), grpc::InsecureChannelCredentials()));
+    inference::ModelInferRequest req;
+    req.set_model_name("slow");
+    auto* x = req.add_inputs();
+    x->set_name("x");
+    x->set_datatype("FP32");
+    x->add_shape(1);
+    x->add_shape(1);
+    x->mutable_contents()->add_fp32_contents(1.0f);
+    auto* w = req.add_inputs();
+    w->set_name("work");
+    w->set_datatype("INT64");
+    w->add_shape(1);
+    w->add_shape(1);
+    w->mutable_contents()->add_int64_contents(2000);  // about a third of a second
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    inference::ModelInferResponse resp;
+    return stub->ModelInfer(&ctx, req, &resp);
+  };
+  std::atomic<bool> stop{false};
+  std::atomic<int> failed{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 3; ++c) {
+    clients.emplace_back([&]() {
+      while (!stop) {
+        if (!slow_request().ok()) failed++;
+      }
+    });
+  }
+  bool scaled_up = false;
+  for (int i = 0; i < 1200 && !scaled_up; ++i) {
+    json d = Deployment("slow");
+    scaled_up = d["status"].value("desiredReplicas", 0) == 2 &&
+                d["status"].value("readyReplicas", 0) == 2;
+    if (!scaled_up) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  stop = true;
+  for (auto& t : clients) t.join();
+  ASSERT_TRUE(scaled_up) << Deployment("slow").dump() << ReadAll(clog_);
+  EXPECT_NE(ReadAll(clog_).find("autoscale slow: 1 -> 2 replicas"), std::string::npos);
+  // Idle now: back to the minimum once the window has passed.
+  bool scaled_down = false;
+  for (int i = 0; i < 1200 && !scaled_down; ++i) {
+    scaled_down = Deployment("slow")["status"].value("desiredReplicas", 0) == 1;
+    if (!scaled_down) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_TRUE(scaled_down) << Deployment("slow").dump() << ReadAll(clog_);
+  EXPECT_EQ(failed.load(), 0);
+}
+
 // By hand: a rollout whose step waits for a resume is promoted with `kilnctl rollout promote`;
 // actions on a deployment without a rollout say so.
 TEST_F(ClusterTest, ARolloutIsPromotedByHand) {
