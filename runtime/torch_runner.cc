@@ -4,10 +4,6 @@ namespace kiln {
 
 namespace {
 
-bool IsFloatingType(at::ScalarType t) {
-  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
-}
-
 // Forward on the module's device with plain (synchronous) copies.
 class DirectRunner : public TorchRunner {
  public:
@@ -19,10 +15,8 @@ class DirectRunner : public TorchRunner {
     args.reserve(inputs.size());
     for (const at::Tensor& in : inputs) {
       at::Tensor x = in;
-      if (IsFloatingType(x.scalar_type()) && options_.compute_type != at::kFloat &&
-          x.scalar_type() != options_.compute_type) {
-        x = x.to(options_.compute_type);
-      }
+      at::ScalarType run = RunType(x.scalar_type(), options_.compute_type);
+      if (run != x.scalar_type()) x = x.to(run);
       if (!options_.device.is_cpu()) x = x.to(options_.device, /*non_blocking=*/false);
       args.emplace_back(std::move(x));
     }

@@ -20,6 +20,15 @@
 
 namespace kiln {
 
+inline bool IsFloatingType(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
+}
+
+// The datatype an input of type `t` runs in: floating inputs take a reduced compute type.
+inline at::ScalarType RunType(at::ScalarType t, at::ScalarType compute) {
+  return IsFloatingType(t) && compute != at::kFloat ? compute : t;
+}
+
 // Turns the module's return value into the output tensors, in config order and config
 // datatypes, still on the module's device.
 using UnpackFn = std::function<absl::StatusOr<std::vector<at::Tensor>>(const c10::IValue&)>;

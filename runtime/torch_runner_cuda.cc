@@ -32,10 +32,6 @@ namespace kiln {
 
 namespace {
 
-bool IsFloatingType(at::ScalarType t) {
-  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
-}
-
 double MillisSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -115,10 +111,8 @@ class CudaRunner : public TorchRunner {
     args.reserve(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       at::Tensor x = staged[i].to(options_.device, /*non_blocking=*/true);
-      if (IsFloatingType(x.scalar_type()) && options_.compute_type != at::kFloat &&
-          x.scalar_type() != options_.compute_type) {
-        x = x.to(options_.compute_type);
-      }
+      at::ScalarType run = RunType(x.scalar_type(), options_.compute_type);
+      if (run != x.scalar_type()) x = x.to(run);
       args.emplace_back(std::move(x));
     }
     auto outs = unpack_(module_->forward(std::move(args)));
@@ -176,10 +170,7 @@ class CudaRunner : public TorchRunner {
         for (const RunnerInput& in : options_.inputs) {
           std::vector<int64_t> sizes = {shape.batch};
           for (int64_t d : in.dims) sizes.push_back(d == -1 ? shape.length : d);
-          at::ScalarType type = in.dtype;
-          if (IsFloatingType(type) && options_.compute_type != at::kFloat) {
-            type = options_.compute_type;
-          }
+          at::ScalarType type = RunType(in.dtype, options_.compute_type);
           g.inputs.push_back(at::full(sizes, in.fill,
                                       at::TensorOptions().dtype(type).device(options_.device)));
         }

@@ -58,10 +58,6 @@ absl::StatusOr<at::ScalarType> ToTorchType(DataType t, const std::string& field)
   }
 }
 
-bool IsFloating(at::ScalarType t) {
-  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
-}
-
 // Keeps LayerNorm and Softmax numerically safe in a reduced-precision graph: their inputs
 // (and LayerNorm's weight and bias) are cast up to fp32 and the result cast back.
 void UpcastSensitiveOps(torch::jit::Block* block, at::ScalarType reduced, int* rewritten) {
@@ -145,7 +141,7 @@ absl::StatusOr<std::vector<at::Tensor>> UnpackOutputs(const ModelConfig& config,
     if (!want.ok()) return want.status();
     at::Tensor& y = outs[i];
     if (y.scalar_type() != *want) {
-      if (IsFloating(y.scalar_type()) && IsFloating(*want)) {
+      if (IsFloatingType(y.scalar_type()) && IsFloatingType(*want)) {
         y = y.to(*want);
       } else {
         return absl::InternalError("output '" + spec.name + "': the model returned " +
