@@ -93,6 +93,21 @@ YAML::Node ToYaml(const json& j) {
   return n;
 }
 
+// -o json and -o yaml; false for the other formats (tables).
+bool PrintStructured(const json& body, const std::string& output) {
+  if (output == "json") {
+    std::cout << body.dump(2) << "\n";
+    return true;
+  }
+  if (output == "yaml") {
+    YAML::Emitter e;
+    e << ToYaml(body);
+    std::cout << e.c_str() << "\n";
+    return true;
+  }
+  return false;
+}
+
 std::string Age(const std::string& created) {
   absl::Time t;
   std::string err;
@@ -103,6 +118,23 @@ std::string Age(const std::string& created) {
   if (s < 7200) return std::to_string(s / 60) + "m";
   if (s < 172800) return std::to_string(s / 3600) + "h";
   return std::to_string(s / 86400) + "d";
+}
+
+// Columns padded to their widest cell, three spaces apart (kubectl's look).
+void PrintRows(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width;
+  for (const auto& r : rows) {
+    width.resize(std::max(width.size(), r.size()), 0);
+    for (size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
+  }
+  for (const auto& r : rows) {
+    std::string line;
+    for (size_t i = 0; i < r.size(); ++i) {
+      line += r[i];
+      if (i + 1 < r.size()) line += std::string(width[i] - r[i].size() + 3, ' ');
+    }
+    std::cout << line << "\n";
+  }
 }
 
 void PrintTable(const std::vector<json>& items, bool wide) {
@@ -135,18 +167,7 @@ void PrintTable(const std::vector<json>& items, bool wide) {
     }
     rows.push_back(row);
   }
-  std::vector<size_t> width(head.size(), 0);
-  for (const auto& r : rows) {
-    for (size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
-  }
-  for (const auto& r : rows) {
-    std::string line;
-    for (size_t i = 0; i < r.size(); ++i) {
-      line += r[i];
-      if (i + 1 < r.size()) line += std::string(width[i] - r[i].size() + 3, ' ');
-    }
-    std::cout << line << "\n";
-  }
+  PrintRows(rows);
 }
 
 bool IsDeploymentType(const std::string& t) {
@@ -353,16 +374,7 @@ int main(int argc, char** argv) {
   if (get->parsed() && (type == "nodes" || type == "node" || type == "no")) {
     Reply r = c.Call(http::methods::GET, kiln::kNodesPath);
     if (r.code != 200) return ServerError(r, c);
-    if (output == "json") {
-      std::cout << r.body.dump(2) << "\n";
-      return 0;
-    }
-    if (output == "yaml") {
-      YAML::Emitter e;
-      e << ToYaml(r.body);
-      std::cout << e.c_str() << "\n";
-      return 0;
-    }
+    if (PrintStructured(r.body, output)) return 0;
     std::vector<std::vector<std::string>> rows = {
         {"NAME", "STATUS", "CPUS", "GPUS", "REPLICAS", "LAST-SEEN"}};
     for (const auto& n : r.body["items"]) {
@@ -381,18 +393,7 @@ int main(int argc, char** argv) {
       std::cerr << (name.empty() ? "No resources found.\n" : "Error from server (NotFound): node '" + name + "' not found\n");
       return name.empty() ? 0 : 1;
     }
-    std::vector<size_t> width(rows[0].size(), 0);
-    for (const auto& row : rows) {
-      for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
-    }
-    for (const auto& row : rows) {
-      std::string line;
-      for (size_t i = 0; i < row.size(); ++i) {
-        line += row[i];
-        if (i + 1 < row.size()) line += std::string(width[i] - row[i].size() + 3, ' ');
-      }
-      std::cout << line << "\n";
-    }
+    PrintRows(rows);
     return 0;
   }
   if (get->parsed() || del->parsed()) {
@@ -406,13 +407,7 @@ int main(int argc, char** argv) {
     std::string path = std::string(kiln::kDeploymentsPath) + (name.empty() ? "" : "/" + name);
     Reply r = c.Call(http::methods::GET, path);
     if (r.code != 200) return ServerError(r, c);
-    if (output == "json") {
-      std::cout << r.body.dump(2) << "\n";
-    } else if (output == "yaml") {
-      YAML::Emitter e;
-      e << ToYaml(r.body);
-      std::cout << e.c_str() << "\n";
-    } else {
+    if (!PrintStructured(r.body, output)) {
       std::vector<json> items;
       if (name.empty()) {
         for (const auto& o : r.body["items"]) items.push_back(o);

@@ -64,6 +64,14 @@ int CountCpus(const std::string& list) {
   return n;
 }
 
+// Records the number of a `<deployment>.<n>` id as taken (ids of another shape are ignored).
+void NoteIdInUse(const std::string& id, std::set<int>* used) {
+  try {
+    used->insert(std::stoi(id.substr(id.find('.') + 1)));
+  } catch (...) {
+  }
+}
+
 int GpuFromDevice(const std::string& device) {
   if (device.rfind("cuda:", 0) != 0) return -1;
   try {
@@ -167,18 +175,10 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     std::vector<Existing*> mine;
     std::set<int>& used_ids = ids_in_use[d.deployment];
     for (const std::string& id : retired_ids) {
-      if (DeploymentOfReplica(id) != d.deployment) continue;
-      try {
-        used_ids.insert(std::stoi(id.substr(id.find('.') + 1)));
-      } catch (...) {
-      }
+      if (DeploymentOfReplica(id) == d.deployment) NoteIdInUse(id, &used_ids);
     }
     for (Existing& e : by_deployment[d.deployment]) {
-      const std::string& id = e.spec.replica_id();
-      try {
-        used_ids.insert(std::stoi(id.substr(id.find('.') + 1)));
-      } catch (...) {
-      }
+      NoteIdInUse(e.spec.replica_id(), &used_ids);
       // A replica whose CPUs or GPU kind no longer fit the spec is replaced (the agent
       // refuses to change a running replica's shape under the same id).
       bool same_shape = e.spec.cpus() == d.cpus && (e.spec.gpu() >= 0) == (d.gpus > 0);

@@ -212,6 +212,24 @@ class ClusterTest : public ::testing::Test {
     return s;
   }
 
+  // Deployment `enc` of the encoder VERSION from REPO, 2 replicas, with `rollout` appended.
+  static std::string EncoderSpec(const std::string& version, const std::string& repo,
+                                 const std::string& rollout) {
+    return "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
+           "spec:\n  model: {name: encoder, version: \"" + version + "\", uri: \"file://" + repo +
+           "/encoder/" + version + "/model.pt\"}\n  replicas: 2\n" + rollout;
+  }
+  // Bounded poll until n1 and `other_admin`'s node run `n` replicas together.
+  void WaitForReplicasOnBothNodes(size_t n, int other_admin) {
+    for (int i = 0; i < 800; ++i) {
+      auto all = Pids();
+      auto more = Pids(other_admin);
+      all.insert(more.begin(), more.end());
+      if (all.size() == n) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+  }
+
   std::string dir_, clog_, alog_;
   pid_t controller_ = -1, agent_ = -1;
   int controllers_ = 0;
@@ -311,11 +329,9 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   Agent n2 = StartAnotherAgent("n2");
   ASSERT_GT(n2.router_grpc, 0) << ReadAll(n2.log);
   auto spec = [&](const std::string& version) {
-    return "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
-           "spec:\n  model: {name: encoder, version: \"" + version + "\", uri: \"file://" +
-           std::string(KILN_MODEL_REPO) + "/encoder/" + version + "/model.pt\"}\n  replicas: 2\n"
-           "  rollout:\n    steps: [{weight: 50, pause: 1s}]\n"
-           "    analysis: {minRequests: 20, maxErrorRate: 0.01, maxLatencyP99Ratio: 100}\n";
+    return EncoderSpec(version, KILN_MODEL_REPO,
+                       "  rollout:\n    steps: [{weight: 50, pause: 1s}]\n"
+                       "    analysis: {minRequests: 20, maxErrorRate: 0.01, maxLatencyP99Ratio: 100}\n");
   };
   std::ofstream(dir_ + "/v1.yaml") << spec("1");
   std::ofstream(dir_ + "/v2.yaml") << spec("2");
@@ -357,13 +373,7 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   ASSERT_EQ(d["status"]["rollout"].value("stableVersion", ""), "2")
       << d.dump() << "\n" << ReadAll(clog_);
   // Version 1 drains away; traffic goes on.
-  for (int i = 0; i < 800; ++i) {
-    auto all = Pids();
-    auto more = Pids(n2.admin);
-    all.insert(more.begin(), more.end());
-    if (all.size() == 2) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
+  WaitForReplicasOnBothNodes(2, n2.admin);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   stop = true;
   traffic.join();
@@ -453,10 +463,7 @@ TEST_F(ClusterTest, ARolloutIsPromotedByHand) {
   Agent n2 = StartAnotherAgent("n2");
   ASSERT_GT(n2.router_grpc, 0) << ReadAll(n2.log);
   auto spec = [&](const std::string& version) {
-    return "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
-           "spec:\n  model: {name: encoder, version: \"" + version + "\", uri: \"file://" +
-           std::string(KILN_MODEL_REPO) + "/encoder/" + version + "/model.pt\"}\n  replicas: 2\n"
-           "  rollout:\n    steps: [{weight: 50, pause: {}}]\n";
+    return EncoderSpec(version, KILN_MODEL_REPO, "  rollout:\n    steps: [{weight: 50, pause: {}}]\n");
   };
   std::ofstream(dir_ + "/v1.yaml") << spec("1");
   std::ofstream(dir_ + "/v2.yaml") << spec("2");
@@ -491,11 +498,9 @@ TEST_F(ClusterTest, ABadCanaryIsRolledBackByItself) {
   Agent n2 = StartAnotherAgent("n2");
   ASSERT_GT(n2.router_grpc, 0) << ReadAll(n2.log);
   auto spec = [&](const std::string& version, const std::string& repo) {
-    return "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
-           "spec:\n  model: {name: encoder, version: \"" + version + "\", uri: \"file://" + repo +
-           "/encoder/" + version + "/model.pt\"}\n  replicas: 2\n"
-           "  rollout:\n    steps: [{weight: 50, pause: 1m}]\n"
-           "    analysis: {minRequests: 15, maxErrorRate: 0.05, maxLatencyP99Ratio: 100}\n";
+    return EncoderSpec(version, repo,
+                       "  rollout:\n    steps: [{weight: 50, pause: 1m}]\n"
+                       "    analysis: {minRequests: 15, maxErrorRate: 0.05, maxLatencyP99Ratio: 100}\n");
   };
   std::ofstream(dir_ + "/v1.yaml") << spec("1", KILN_MODEL_REPO);
   std::ofstream(dir_ + "/v3.yaml") << spec("3", std::string(KILN_MODEL_REPO) + "-faulty");
@@ -537,13 +542,7 @@ TEST_F(ClusterTest, ABadCanaryIsRolledBackByItself) {
   EXPECT_EQ(d["status"]["rollout"].value("failedVersion", ""), "3");
   EXPECT_EQ(d["status"]["rollout"].value("stableVersion", ""), "1");
   // The canary replica drains; then nothing fails any more.
-  for (int i = 0; i < 800; ++i) {
-    auto all = Pids();
-    auto more = Pids(n2.admin);
-    all.insert(more.begin(), more.end());
-    if (all.size() == 2) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
+  WaitForReplicasOnBothNodes(2, n2.admin);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   int failed_before = canary_failed.load();
   std::this_thread::sleep_for(std::chrono::milliseconds(800));
