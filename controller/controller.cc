@@ -18,6 +18,12 @@ std::string Serialize(const std::vector<v1::ReplicaSpec>& specs) {
   return out;
 }
 
+// Above what this controller sent, what the node applied, and the wall clock in microseconds:
+// generations only grow, also across controller restarts.
+int64_t NextGeneration(int64_t sent, int64_t applied, absl::Time now) {
+  return std::max({sent + 1, applied + 1, absl::ToUnixMicros(now)});
+}
+
 std::string ZoneOf(const v1::Register& r) {
   for (const char* key : {"topology.kubernetes.io/zone", "zone"}) {
     auto it = r.labels().find(key);
@@ -314,8 +320,7 @@ void Controller::Tick() {
       if (ser == s.assignment && s.assignment_generation != 0) continue;
       if (!sessions_.count(node)) continue;  // sent once it reconnects
       const auto& rec = registry_.nodes().at(node);
-      int64_t gen = std::max({s.assignment_generation + 1, rec.status.assignment_generation() + 1,
-                              absl::ToUnixMicros(now)});
+      int64_t gen = NextGeneration(s.assignment_generation, rec.status.assignment_generation(), now);
       v1::ControllerMessage m;
       m.mutable_assignment()->set_generation(gen);
       for (const auto& spec : specs) *m.mutable_assignment()->add_replicas() = spec;
@@ -368,8 +373,7 @@ void Controller::Tick() {
       if (ser == s.routing && s.routing_generation != 0) continue;
       if (!sessions_.count(n.name)) continue;
       const auto& rec = registry_.nodes().at(n.name);
-      int64_t gen = std::max({s.routing_generation + 1, rec.status.routing_generation() + 1,
-                              absl::ToUnixMicros(now)});
+      int64_t gen = NextGeneration(s.routing_generation, rec.status.routing_generation(), now);
       t.set_generation(gen);
       v1::ControllerMessage m;
       *m.mutable_routing_table() = t;
