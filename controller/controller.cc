@@ -425,7 +425,24 @@ void Controller::Tick() {
                               {"reason", "NoRoom"},
                               {"message", unplaced}});
       }
+      // Kubernetes' condition shape: a condition keeps its lastTransitionTime until its
+      // status changes.
+      auto previous = nlohmann::json::parse(dep.object.status, nullptr, false);
+      for (auto& c : conditions) {
+        std::string since = FormatRfc3339(clock_->Now());
+        if (previous.is_object() && previous.contains("conditions") && previous["conditions"].is_array()) {
+          for (const auto& p : previous["conditions"]) {
+            if (p.is_object() && p.value("type", "") == c["type"] && p.value("status", "") == c["status"] &&
+                p.contains("lastTransitionTime") && p["lastTransitionTime"].is_string()) {
+              since = p["lastTransitionTime"].get<std::string>();
+            }
+          }
+        }
+        c["lastTransitionTime"] = since;
+        c["observedGeneration"] = dep.object.generation;
+      }
       nlohmann::json st = {{"observedGeneration", dep.object.generation},
+                           {"selector", std::string(kDeploymentLabel) + "=" + dep.d.name},
                            {"desiredReplicas", desired},
                            {"replicas", assigned},
                            {"readyReplicas", ready},

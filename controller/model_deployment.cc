@@ -235,6 +235,23 @@ absl::StatusOr<absl::Duration> ParseDurationString(const std::string& text,
 
 std::string FormatDurationString(absl::Duration d) { return absl::FormatDuration(d); }
 
+std::string FormatRfc3339(absl::Time t) {
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", t, absl::UTCTimeZone());
+}
+
+std::string FormatRfc3339Micros(absl::Time t) {
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", t, absl::UTCTimeZone());
+}
+
+absl::StatusOr<absl::Time> ParseRfc3339(const std::string& text, const std::string& field) {
+  absl::Time t;
+  std::string err;
+  if (!absl::ParseTime(absl::RFC3339_full, text, &t, &err)) {
+    return Bad(field, "'" + text + "' is not an RFC 3339 time: " + err);
+  }
+  return t;
+}
+
 absl::Status ValidateModelDeployment(const ModelDeployment& d) {
   if (!IsDnsLabel(d.name)) {
     return Bad("metadata.name", "'" + d.name +

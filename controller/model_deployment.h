@@ -19,6 +19,8 @@ namespace kiln {
 
 inline constexpr char kModelDeploymentApiVersion[] = "serving.kiln.dev/v1alpha1";
 inline constexpr char kModelDeploymentKind[] = "ModelDeployment";
+// The label selector in status (the scale subresource's labelSelectorPath) uses this key.
+inline constexpr char kDeploymentLabel[] = "serving.kiln.dev/deployment";
 
 struct ModelRef {
   std::string name;
@@ -113,5 +115,10 @@ std::string RepositoryOf(const ModelRef& m);
 absl::StatusOr<absl::Duration> ParseDurationString(const std::string& text,
                                                    const std::string& field);
 std::string FormatDurationString(absl::Duration d);
+// Kubernetes' time forms: "2026-11-22T10:00:00Z" (Time) and "2026-11-22T10:00:00.123456Z"
+// (MicroTime), and parsing either back.
+std::string FormatRfc3339(absl::Time t);
+std::string FormatRfc3339Micros(absl::Time t);
+absl::StatusOr<absl::Time> ParseRfc3339(const std::string& text, const std::string& field);
 
 }  // namespace kiln

@@ -71,6 +71,15 @@ class Store {
   // Blocks until the store moves past `resource_version` or `timeout` passes (changes made
   // through this Store object wake it at once); true when it has.
   virtual bool WaitForChange(int64_t resource_version, absl::Duration timeout) = 0;
+
+  // An event about an object for operators (type Normal or Warning, a CamelCase reason):
+  // rollout steps, rollbacks, placement failures. The Kubernetes store records a core/v1
+  // Event; the embedded store has no event sink (the controller's log has every one).
+  virtual void RecordEvent(const std::string& kind, const std::string& name,
+                           const std::string& type, const std::string& reason,
+                           const std::string& message) {
+    (void)kind, (void)name, (void)type, (void)reason, (void)message;
+  }
 };
 
 }  // namespace kiln

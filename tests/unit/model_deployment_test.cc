@@ -220,3 +220,21 @@ TEST(ModelDeploymentTest, ExamplesParse) {
 
 }  // namespace
 }  // namespace kiln
+
+namespace kiln {
+namespace {
+
+TEST(Rfc3339Test, FormatsAndParsesKubernetesTimes) {
+  absl::Time t = absl::FromUnixMicros(1795000000123456);
+  EXPECT_EQ(FormatRfc3339(t), "2026-11-18T11:06:40Z");
+  EXPECT_EQ(FormatRfc3339Micros(t), "2026-11-18T11:06:40.123456Z");
+  auto back = ParseRfc3339(FormatRfc3339Micros(t), "renewTime");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, t);
+  auto bad = ParseRfc3339("yesterday", "spec.renewTime");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(std::string(bad.status().message()).find("spec.renewTime"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kiln

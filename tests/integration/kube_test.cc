@@ -1,0 +1,397 @@
+// The Kubernetes store, its client and leader election against the in-test API server
+// (tests/support/fake_kube_api.h) over loopback HTTP.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/escaping.h"
+#include "absl/time/clock.h"
+#include "controller/kube_store.h"
+#include "controller/leader_election.h"
+#include "controller/model_deployment.h"
+#include "tests/support/fake_kube_api.h"
+
+namespace kiln {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using testing::FakeKubeApi;
+
+CrdSchema Schema() {
+  std::ifstream in(fs::path(KILN_SOURCE_DIR) / "manifests/crd.yaml");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto docs = YamlDocumentsToJson(ss.str(), "crd.yaml");
+  return *CrdSchema::FromCrd(docs->at(0), "v1alpha1");
+}
+
+// Polls `pred` every 5 ms for up to 10 s.
+template <typename F>
+bool Eventually(F pred) {
+  for (int i = 0; i < 2000; ++i) {
+    if (pred()) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return pred();
+}
+
+std::string Spec(int replicas, const std::string& version = "1") {
+  ModelDeployment d;
+  d.name = "enc";
+  d.labels = {{"team", "a"}};
+  d.spec.model = {"enc", version, "file:///m/enc/" + version + "/model.pt", "torchscript", ""};
+  d.spec.replicas = replicas;
+  return EncodeForStore(d);
+}
+
+class KubeStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    api_ = std::make_unique<FakeKubeApi>(Schema());
+    config_.server = api_->url();
+    config_.token = "test-token";
+    config_.ns = "kiln";
+    KubernetesStore::Options o;
+    o.retry = absl::Milliseconds(20);
+    o.sync_timeout = absl::Seconds(5);
+    auto s = KubernetesStore::Open(config_, o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    store_ = std::move(*s);
+  }
+  // Another client (kubectl) writing straight to the API.
+  KubeResponse Other(const std::string& method, const std::string& path, const json& body) {
+    KubeClient c(config_);
+    auto r = c.Call(method, path, &body);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return *r;
+  }
+  int64_t ReplicasInCache(const std::string& name) {
+    auto o = store_->Get(kModelDeploymentKind, name);
+    if (!o.ok()) return -1;
+    auto d = DecodeFromStore(name, o->spec);
+    return d.ok() ? d->spec.replicas : -2;
+  }
+
+  std::unique_ptr<FakeKubeApi> api_;
+  KubeConfig config_;
+  std::unique_ptr<KubernetesStore> store_;
+};
+
+TEST_F(KubeStoreTest, CreateGetUpdateAndStatusFollowTheApisRules) {
+  auto created = store_->Create(kModelDeploymentKind, "enc", Spec(2));
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->generation, 1);
+  EXPECT_FALSE(created->uid.empty());
+  EXPECT_GT(created->created_unix_micros, 0);
+  EXPECT_EQ(store_->Create(kModelDeploymentKind, "enc", Spec(2)).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  auto got = store_->Get(kModelDeploymentKind, "enc");
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->resource_version, created->resource_version);
+  EXPECT_EQ(ReplicasInCache("enc"), 2);
+  EXPECT_EQ(json::parse(got->spec)["labels"]["team"], "a");
+
+  // Status: through the subresource, the generation stays.
+  auto st = store_->UpdateStatus(kModelDeploymentKind, "enc", R"({"readyReplicas":2})", got->resource_version);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->generation, 1);
+  EXPECT_GT(st->resource_version, got->resource_version);
+  EXPECT_EQ(json::parse(st->status)["readyReplicas"], 2);
+  // A spec change bumps the generation and keeps the status.
+  auto up = store_->Update(kModelDeploymentKind, "enc", Spec(3), st->resource_version);
+  ASSERT_TRUE(up.ok()) << up.status();
+  EXPECT_EQ(up->generation, 2);
+  EXPECT_EQ(json::parse(up->status)["readyReplicas"], 2);
+  // A stale resourceVersion is a conflict, for spec and status alike.
+  EXPECT_EQ(store_->Update(kModelDeploymentKind, "enc", Spec(4), st->resource_version).status().code(),
+            absl::StatusCode::kAborted);
+  EXPECT_EQ(store_->UpdateStatus(kModelDeploymentKind, "enc", "{}", st->resource_version).status().code(),
+            absl::StatusCode::kAborted);
+  EXPECT_EQ(ReplicasInCache("enc"), 3);
+  // Delete with a stale precondition is refused; with the current one it goes.
+  EXPECT_EQ(store_->Delete(kModelDeploymentKind, "enc", st->resource_version).code(), absl::StatusCode::kAborted);
+  ASSERT_TRUE(store_->Delete(kModelDeploymentKind, "enc", up->resource_version).ok());
+  EXPECT_EQ(store_->Get(kModelDeploymentKind, "enc").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Update(kModelDeploymentKind, "enc", Spec(1), 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Get("Node", "x").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(KubeStoreTest, TheCrdSchemaRefusesABadSpecNamingTheField) {
+  json env = json::parse(Spec(1));
+  env["spec"]["replicas"] = 20000;
+  auto r = store_->Create(kModelDeploymentKind, "enc", env.dump());
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(std::string(r.status().message()).find("spec.replicas"), std::string::npos) << r.status();
+  EXPECT_EQ(store_->Get(kModelDeploymentKind, "enc").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(KubeStoreTest, AnotherClientsWritesArriveThroughTheWatch) {
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "enc", Spec(1)).ok());
+  json obj = api_->Get(FakeKubeApi::ModelDeployments("kiln"), "enc");
+  obj["spec"]["replicas"] = 5;
+  ASSERT_EQ(Other("PUT", FakeKubeApi::ModelDeployments("kiln") + "/enc", obj).code, 200);
+  EXPECT_TRUE(Eventually([&] { return ReplicasInCache("enc") == 5; }));
+  // kubectl scale: the scale subresource sets spec.replicas.
+  json scale = {{"apiVersion", "autoscaling/v1"}, {"kind", "Scale"},
+                {"metadata", {{"name", "enc"}}}, {"spec", {{"replicas", 7}}}};
+  KubeResponse sr = Other("PUT", FakeKubeApi::ModelDeployments("kiln") + "/enc/scale", scale);
+  ASSERT_EQ(sr.code, 200) << sr.body.dump();
+  EXPECT_EQ(sr.body["spec"]["replicas"], 7);
+  EXPECT_TRUE(Eventually([&] { return ReplicasInCache("enc") == 7; }));
+  EXPECT_EQ(store_->Get(kModelDeploymentKind, "enc")->generation, 3);
+  // Deleted by someone else.
+  ASSERT_EQ(Other("DELETE", FakeKubeApi::ModelDeployments("kiln") + "/enc", json::object()).code, 200);
+  EXPECT_TRUE(Eventually([&] { return store_->Get(kModelDeploymentKind, "enc").status().code() == absl::StatusCode::kNotFound; }));
+}
+
+TEST_F(KubeStoreTest, AWatchDroppedMidStreamMissesNothingAndRepeatsNothing) {
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "a", Spec(1)).ok());
+  const std::string md = FakeKubeApi::ModelDeployments("kiln");
+  for (int round = 0; round < 5; ++round) {
+    int64_t watches = store_->watches();
+    api_->DropWatches();
+    // Writes while the store is between streams.
+    json obj = api_->Get(md, "a");
+    obj["spec"]["replicas"] = 10 + round;
+    ASSERT_EQ(Other("PUT", md + "/a", obj).code, 200);
+    json b = {{"apiVersion", kModelDeploymentApiVersion}, {"kind", kModelDeploymentKind},
+              {"metadata", {{"name", "b" + std::to_string(round)}}},
+              {"spec", json::parse(Spec(1))["spec"]}};
+    ASSERT_EQ(Other("POST", md, b).code, 201);
+    EXPECT_TRUE(Eventually([&] { return store_->watches() > watches; }));
+  }
+  EXPECT_TRUE(Eventually([&] { return ReplicasInCache("a") == 14 && store_->List(kModelDeploymentKind)->size() == 6; }));
+  EXPECT_EQ(store_->lists(), 1);  // re-watched from the last version, never relisted
+  // Each change applied once: our create + 5 updates + 5 creates seen through the watch.
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(store_->applied_changes(), 11);
+  auto events = store_->EventsSince(0, 100);
+  ASSERT_TRUE(events.ok());
+  EXPECT_EQ(events->size(), 11u);
+  for (size_t i = 1; i < events->size(); ++i) {
+    EXPECT_LT((*events)[i - 1].resource_version, (*events)[i].resource_version);
+  }
+}
+
+TEST_F(KubeStoreTest, A410GoneRelistsAndCatchesUpWithDeletes) {
+  const std::string md = FakeKubeApi::ModelDeployments("kiln");
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "keep", Spec(1)).ok());
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "drop", Spec(1)).ok());
+  ASSERT_TRUE(Eventually([&] { return *store_->CurrentResourceVersion() == api_->resource_version(); }));
+  // Another client changes one and deletes the other, then history is compacted: the
+  // version the store would watch from is gone.
+  api_->SetWatchesRefused(true);
+  json keep = api_->Get(md, "keep");
+  keep["spec"]["replicas"] = 9;
+  ASSERT_EQ(Other("PUT", md + "/keep", keep).code, 200);
+  ASSERT_EQ(Other("DELETE", md + "/drop", json::object()).code, 200);
+  api_->Compact();
+  EXPECT_EQ(ReplicasInCache("keep"), 1);  // not seen yet
+  api_->SetWatchesRefused(false);
+  EXPECT_TRUE(Eventually([&] { return store_->lists() >= 2; }));
+  EXPECT_TRUE(Eventually([&] {
+    return ReplicasInCache("keep") == 9 &&
+           store_->Get(kModelDeploymentKind, "drop").status().code() == absl::StatusCode::kNotFound;
+  }));
+}
+
+TEST_F(KubeStoreTest, BookmarksMoveTheVersionTheNextWatchStartsFrom) {
+  // A write elsewhere (a Lease) moves the server's version without any ModelDeployment event.
+  json lease = {{"apiVersion", "coordination.k8s.io/v1"}, {"kind", "Lease"},
+                {"metadata", {{"name", "x"}}}, {"spec", {{"holderIdentity", "y"}}}};
+  ASSERT_EQ(Other("POST", FakeKubeApi::Leases("kiln"), lease).code, 201);
+  int64_t before = *store_->CurrentResourceVersion();
+  ASSERT_LT(before, api_->resource_version());
+  EXPECT_TRUE(Eventually([&] {
+    api_->Bookmark();  // again until a watch is open to carry it
+    return *store_->CurrentResourceVersion() == api_->resource_version();
+  }));
+  EXPECT_TRUE(store_->WaitForChange(before, absl::Milliseconds(1)));
+}
+
+TEST_F(KubeStoreTest, EventsAreRecordedAgainstTheDeployment) {
+  auto created = store_->Create(kModelDeploymentKind, "enc", Spec(1));
+  ASSERT_TRUE(created.ok());
+  store_->RecordEvent(kModelDeploymentKind, "enc", "Warning", "RolledBack", "canary 2 failed analysis");
+  auto events = api_->EventsRecorded();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0]["involvedObject"]["name"], "enc");
+  EXPECT_EQ(events[0]["involvedObject"]["uid"], created->uid);
+  EXPECT_EQ(events[0]["reason"], "RolledBack");
+  EXPECT_EQ(events[0]["type"], "Warning");
+}
+
+TEST(KubeStoreOpenTest, AnUnreachableApiFailsOpenWithinTheSyncTimeout) {
+  KubeConfig c;
+  c.server = "http://127.0.0.1:1";
+  c.token = "t";
+  KubernetesStore::Options o;
+  o.retry = absl::Milliseconds(20);
+  o.sync_timeout = absl::Milliseconds(200);
+  auto s = KubernetesStore::Open(c, o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kUnavailable) << s.status();
+}
+
+TEST(KubeStoreOpenTest, AWrongTokenIsRefusedAtOnce) {
+  FakeKubeApi api(Schema());
+  KubeConfig c;
+  c.server = api.url();
+  c.token = "wrong";
+  auto s = KubernetesStore::Open(c, {});
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kPermissionDenied) << s.status();
+}
+
+// --- configuration ---
+
+class KubeConfigTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("kiln-kubeconfig-" + std::to_string(getpid()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string Write(const std::string& name, const std::string& text) {
+    std::ofstream(dir_ / name) << text;
+    return (dir_ / name).string();
+  }
+  fs::path dir_;
+};
+
+TEST_F(KubeConfigTest, InClusterReadsTheServiceAccountAndTheEnvironment) {
+  Write("token", "abc\n");
+  Write("ca.crt", "-----BEGIN CERTIFICATE-----\n");
+  Write("namespace", "kiln-system");
+  unsetenv("KUBERNETES_SERVICE_HOST");
+  EXPECT_EQ(KubeConfig::InCluster(dir_.string()).status().code(), absl::StatusCode::kFailedPrecondition);
+  setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1", 1);
+  setenv("KUBERNETES_SERVICE_PORT", "443", 1);
+  auto c = KubeConfig::InCluster(dir_.string());
+  unsetenv("KUBERNETES_SERVICE_HOST");
+  unsetenv("KUBERNETES_SERVICE_PORT");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->server, "https://10.0.0.1:443");
+  EXPECT_EQ(c->token, "abc");
+  EXPECT_EQ(c->ns, "kiln-system");
+  EXPECT_EQ(c->ca_pem, "-----BEGIN CERTIFICATE-----\n");
+}
+
+TEST_F(KubeConfigTest, AKubeconfigContextGivesServerCaTokenAndNamespace) {
+  std::string ca = absl::Base64Escape("PEM");
+  std::string path = Write("config", "apiVersion: v1\nkind: Config\ncurrent-context: prod\n"
+      "clusters:\n- name: c1\n  cluster: {server: \"https://api:6443\", certificate-authority-data: " + ca + "}\n"
+      "- name: c2\n  cluster: {server: \"https://other:6443\", insecure-skip-tls-verify: true}\n"
+      "users:\n- name: u1\n  user: {token: tok}\n- name: u2\n  user: {client-certificate-data: x, client-key-data: y}\n"
+      "contexts:\n- name: prod\n  context: {cluster: c1, user: u1, namespace: kiln}\n"
+      "- name: certs\n  context: {cluster: c2, user: u2}\n");
+  auto c = KubeConfig::FromKubeconfig(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->server, "https://api:6443");
+  EXPECT_EQ(c->ca_pem, "PEM");
+  EXPECT_EQ(c->token, "tok");
+  EXPECT_EQ(c->ns, "kiln");
+  auto certs = KubeConfig::FromKubeconfig(path, "certs");
+  ASSERT_FALSE(certs.ok());
+  EXPECT_NE(std::string(certs.status().message()).find("only token"), std::string::npos) << certs.status();
+  auto missing = KubeConfig::FromKubeconfig(path, "nope");
+  EXPECT_NE(std::string(missing.status().message()).find("no context named 'nope'"), std::string::npos);
+  EXPECT_FALSE(KubeConfig::FromKubeconfig((dir_ / "absent").string()).ok());
+  EXPECT_FALSE(KubeConfig::FromKubeconfig(Write("bad", "clusters: [")).ok());
+}
+
+// --- leader election, on simulated time ---
+
+class LeaderElectionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    api_ = std::make_unique<FakeKubeApi>(Schema());
+    KubeConfig c;
+    c.server = api_->url();
+    c.token = "test-token";
+    c.ns = "kiln";
+    client_ = std::make_unique<KubeClient>(c);
+  }
+  LeaderElectionOptions Options(const std::string& id) {
+    LeaderElectionOptions o;
+    o.identity = id;
+    return o;
+  }
+  std::unique_ptr<FakeKubeApi> api_;
+  std::unique_ptr<KubeClient> client_;
+  SimulatedClock clock_a_, clock_b_;  // two processes, two clocks (never compared)
+};
+
+TEST_F(LeaderElectionTest, OneLeadsTheOtherTakesOverWithinTheLeaseAfterItDies) {
+  clock_b_.Advance(absl::Hours(3));  // skewed clocks do not matter
+  LeaderElector a(client_.get(), Options("a"), &clock_a_);
+  LeaderElector b(client_.get(), Options("b"), &clock_b_);
+  EXPECT_TRUE(a.Tick());
+  EXPECT_FALSE(b.Tick());
+  json lease = api_->Get(FakeKubeApi::Leases("kiln"), "kiln-controller");
+  EXPECT_EQ(lease["spec"]["holderIdentity"], "a");
+  EXPECT_EQ(lease["spec"]["leaseDurationSeconds"], 15);
+  // a renews every retry period; b keeps following.
+  for (int i = 0; i < 10; ++i) {
+    clock_a_.Advance(absl::Seconds(2));
+    clock_b_.Advance(absl::Seconds(2));
+    EXPECT_TRUE(a.Tick());
+    EXPECT_FALSE(b.Tick());
+  }
+  // a dies. b takes over once 15 s passed since it last saw the record change, not before.
+  absl::Duration waited;
+  while (!b.Tick()) {
+    clock_b_.Advance(absl::Seconds(2));
+    waited += absl::Seconds(2);
+    ASSERT_LE(waited, absl::Seconds(17));
+  }
+  EXPECT_GE(waited, absl::Seconds(14));
+  lease = api_->Get(FakeKubeApi::Leases("kiln"), "kiln-controller");
+  EXPECT_EQ(lease["spec"]["holderIdentity"], "b");
+  EXPECT_EQ(lease["spec"]["leaseTransitions"], 1);
+  // a comes back: it is a follower now.
+  EXPECT_FALSE(a.Tick());
+}
+
+TEST_F(LeaderElectionTest, ALeaderThatCannotRenewStepsDownBeforeItsLeaseEnds) {
+  LeaderElector a(client_.get(), Options("a"), &clock_a_);
+  LeaderElector b(client_.get(), Options("b"), &clock_b_);
+  ASSERT_TRUE(a.Tick());
+  ASSERT_FALSE(b.Tick());
+  api_->SetUnavailable(true);  // a is cut off from the API
+  absl::Duration cut;
+  while (a.Tick()) {
+    clock_a_.Advance(absl::Seconds(2));
+    cut += absl::Seconds(2);
+    ASSERT_LE(cut, absl::Seconds(12));
+  }
+  EXPECT_FALSE(a.last_error().empty());
+  EXPECT_GE(cut, absl::Seconds(10));  // the renew deadline
+  EXPECT_LT(cut, absl::Seconds(15));  // before the lease others see could have run out
+  api_->SetUnavailable(false);
+  // b still must wait out the lease from when it saw it: never two leaders at once.
+  clock_b_.Advance(absl::Seconds(10));
+  EXPECT_FALSE(b.Tick());
+  clock_b_.Advance(absl::Seconds(6));
+  EXPECT_TRUE(b.Tick());
+}
+
+TEST_F(LeaderElectionTest, ReleasedLeasesAreTakenAtOnceAndBadOptionsRefused) {
+  LeaderElector a(client_.get(), Options("a"), &clock_a_);
+  LeaderElector b(client_.get(), Options("b"), &clock_b_);
+  ASSERT_TRUE(a.Tick());
+  ASSERT_FALSE(b.Tick());
+  a.Release();
+  EXPECT_FALSE(a.IsLeader());
+  EXPECT_TRUE(b.Tick());
+  LeaderElectionOptions bad = Options("x");
+  bad.renew_deadline = absl::Seconds(20);
+  EXPECT_FALSE(LeaderElector::Validate(bad).ok());
+  EXPECT_FALSE(LeaderElector::Validate(Options("")).ok());
+  EXPECT_TRUE(LeaderElector::Validate(Options("x")).ok());
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,98 @@
+#pragma once
+
+// An in-test Kubernetes API server over loopback HTTP/1.1 (port 0). It keeps the API's rules
+// the controller depends on: one monotonically increasing resourceVersion; list, then watch
+// from a version (events after it, bookmarks, timeoutSeconds); 410 Gone for a compacted
+// version; 409 Conflict for a stale update or an existing name; ModelDeployments validated
+// against manifests/crd.yaml's schema; the status subresource (only status changes, generation
+// kept) and the scale subresource (spec.replicas); spec changes bump metadata.generation;
+// coordination.k8s.io/v1 Leases; core/v1 Events. Tests can drop every watch mid-stream, compact
+// history and write as another client would.
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "controller/crd_schema.h"
+#include "nlohmann/json.hpp"
+
+namespace kiln::testing {
+
+class FakeKubeApi {
+ public:
+  explicit FakeKubeApi(CrdSchema schema);
+  ~FakeKubeApi();
+
+  int port() const { return port_; }
+  std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
+
+  // Closes every open watch stream at once, as a lost connection would.
+  void DropWatches();
+  // Forgets history up to now: watches from an older version get 410 Gone.
+  void Compact();
+  // Sends a BOOKMARK with the current resourceVersion on every open watch.
+  void Bookmark();
+  // Refuses every request with 503 while set (an API server that is down).
+  void SetUnavailable(bool down);
+  // Drops open watches and answers new ones 503 while set; other requests work (a client
+  // whose watch connection cannot get through).
+  void SetWatchesRefused(bool refused);
+
+  // Direct access, as another client (kubectl) would have.
+  nlohmann::json Get(const std::string& collection, const std::string& name);
+  int64_t resource_version();
+  std::vector<nlohmann::json> EventsRecorded();
+  int watches_started() const { return watches_started_.load(); }
+
+  // The collections this server keeps (path prefixes).
+  static std::string ModelDeployments(const std::string& ns);
+  static std::string Leases(const std::string& ns);
+
+ private:
+  struct Response {
+    int code = 200;
+    nlohmann::json body;
+  };
+  struct Event {
+    int64_t rv;
+    std::string collection;
+    std::string type;
+    nlohmann::json object;
+  };
+  void AcceptLoop();
+  void Serve(int fd);
+  Response Handle(const std::string& method, const std::string& path,
+                  const std::map<std::string, std::string>& query, const std::string& body);
+  void Watch(int fd, const std::string& collection, const std::map<std::string, std::string>& query);
+  Response Write(const std::string& method, const std::string& collection, const std::string& name,
+                 const std::string& sub, const nlohmann::json& body);
+  void RecordLocked(const std::string& collection, const std::string& type, const nlohmann::json& obj);
+
+  CrdSchema schema_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int> watches_started_{0};
+  std::thread acceptor_;
+
+  std::mutex mu_;
+  std::condition_variable changed_;
+  int64_t rv_ = 100;
+  int64_t compacted_ = 0;
+  int64_t uid_seq_ = 0;
+  int64_t drop_epoch_ = 0;
+  int64_t bookmark_epoch_ = 0;
+  bool unavailable_ = false;
+  bool watches_refused_ = false;
+  std::map<std::string, std::map<std::string, nlohmann::json>> objects_;  // collection -> name
+  std::vector<Event> history_;
+  std::vector<nlohmann::json> events_recorded_;
+  std::vector<std::thread> workers_;
+  std::vector<int> open_fds_;
+};
+
+}  // namespace kiln::testing
