@@ -1,6 +1,14 @@
-// kiln-controller: holds ModelDeployments (embedded SQLite store under --state-dir) and serves
-// the admin API. Placement, scaling, rollouts and the agents' ControlPlane stream come next.
+// kiln-controller: holds ModelDeployments (the embedded SQLite store under --state-dir, or the
+// Kubernetes API with --store=kubernetes), serves the admin API, and runs the decisions and the
+// agents' ControlPlane streams. With --leader-elect only the holder of the Lease runs the
+// decisions and takes agent streams; the others serve the admin API and wait their turn.
 #include <signal.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <thread>
 
 #include <CLI/CLI.hpp>
 #include <fstream>
@@ -12,6 +20,8 @@
 #include "controller/admin_server.h"
 #include "controller/controller.h"
 #include <grpcpp/grpcpp.h>
+#include "controller/kube_store.h"
+#include "controller/leader_election.h"
 #include "controller/sqlite_store.h"
 
 int main(int argc, char** argv) {
@@ -22,8 +32,40 @@ int main(int argc, char** argv) {
   std::string log_level = "info";
   std::string listen = "127.0.0.1:7071";
   double observe_s = 5, not_ready_s = 10, lost_s = 30, stabilization_s = 300;
+  std::string store_kind = "sqlite";
+  std::string kubeconfig, kube_namespace;
+  bool leader_elect = false;
+  kiln::LeaderElectionOptions le;
+  if (const char* pod = std::getenv("POD_NAME"); pod && *pod) {
+    le.identity = pod;
+  } else {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    le.identity = host;
+  }
+  double lease_s = 15, renew_s = 10, retry_s = 2;
   CLI::App app{"kiln-controller: desired state and decisions for a fleet of kiln agents"};
-  app.add_option("--state-dir", state_dir, "Directory of the embedded store (kiln.db)")->required();
+  app.add_option("--store", store_kind, "Where ModelDeployments live: sqlite or kubernetes")
+      ->check(CLI::IsMember({"sqlite", "kubernetes"}))
+      ->capture_default_str();
+  app.add_option("--state-dir", state_dir, "Directory of the embedded store (kiln.db); --store=sqlite");
+  app.add_option("--kubeconfig", kubeconfig,
+                 "kubeconfig file for --store=kubernetes (none: the pod's service account)");
+  app.add_option("--namespace", kube_namespace,
+                 "Namespace of the ModelDeployments and the Lease (default: the kubeconfig's or the pod's)");
+  app.add_flag("--leader-elect", leader_elect,
+               "Run the decisions only while holding the Lease (--store=kubernetes)");
+  app.add_option("--lease-name", le.lease_name, "Name of the coordination.k8s.io Lease")
+      ->capture_default_str();
+  app.add_option("--identity", le.identity, "This candidate's name in the Lease (default: $POD_NAME or the host name)")
+      ->capture_default_str();
+  app.add_option("--lease-duration-seconds", lease_s, "Lease duration")->check(CLI::Range(0.1, 3600.0))->capture_default_str();
+  app.add_option("--renew-deadline-seconds", renew_s, "A leader that could not renew for this long steps down")
+      ->check(CLI::Range(0.1, 3600.0))
+      ->capture_default_str();
+  app.add_option("--retry-period-seconds", retry_s, "How often candidates try the Lease")
+      ->check(CLI::Range(0.05, 3600.0))
+      ->capture_default_str();
   app.add_option("--admin-bind", bind, "IPv4 address of the admin API")->capture_default_str();
   app.add_option("--admin-port", port, "Admin API port (0 = pick a free one)")
       ->check(CLI::Range(0, 65535))
@@ -82,13 +124,54 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   kiln::RealClock clock;
-  kiln::SqliteStore::Options so;
-  so.state_dir = state_dir;
-  auto store = kiln::SqliteStore::Open(so, &clock);
-  if (!store.ok()) {
-    log->error("{}", std::string(store.status().message()));
-    return 1;
+  le.lease_duration = absl::Seconds(lease_s);
+  le.renew_deadline = absl::Seconds(renew_s);
+  le.retry_period = absl::Seconds(retry_s);
+  if (leader_elect) {
+    if (store_kind != "kubernetes") {
+      log->error("--leader-elect: needs --store=kubernetes (the Lease lives in the Kubernetes API)");
+      return 2;
+    }
+    if (auto s = kiln::LeaderElector::Validate(le); !s.ok()) {
+      log->error("{} (--lease-duration-seconds > --renew-deadline-seconds > --retry-period-seconds)",
+                 std::string(s.message()));
+      return 2;
+    }
   }
+  std::unique_ptr<kiln::Store> store_holder;
+  kiln::KubernetesStore* kube_store = nullptr;
+  std::string store_name;
+  if (store_kind == "sqlite") {
+    if (state_dir.empty()) {
+      log->error("--state-dir: required with --store=sqlite");
+      return 2;
+    }
+    kiln::SqliteStore::Options so;
+    so.state_dir = state_dir;
+    auto opened = kiln::SqliteStore::Open(so, &clock);
+    if (!opened.ok()) {
+      log->error("{}", std::string(opened.status().message()));
+      return 1;
+    }
+    store_name = (*opened)->path();
+    store_holder = std::move(*opened);
+  } else {
+    auto kc = kubeconfig.empty() ? kiln::KubeConfig::InCluster() : kiln::KubeConfig::FromKubeconfig(kubeconfig);
+    if (!kc.ok()) {
+      log->error("{}", std::string(kc.status().message()));
+      return 2;
+    }
+    if (!kube_namespace.empty()) kc->ns = kube_namespace;
+    store_name = kc->server + " namespace " + kc->ns;
+    auto opened = kiln::KubernetesStore::Open(*kc, {});
+    if (!opened.ok()) {
+      log->error("{}", std::string(opened.status().message()));
+      return 1;
+    }
+    kube_store = opened->get();
+    store_holder = std::move(*opened);
+  }
+  kiln::Store* store = store_holder.get();
   if (lost_s < not_ready_s) {
     log->error("--node-lost-seconds: must be >= --node-not-ready-seconds ({})", not_ready_s);
     return 2;
@@ -98,18 +181,56 @@ int main(int argc, char** argv) {
   co.leases.not_ready_after = absl::Seconds(not_ready_s);
   co.leases.lost_after = absl::Seconds(lost_s);
   co.scale_down_stabilization = absl::Seconds(stabilization_s);
-  kiln::Controller controller(co, store->get(), &clock);
-  int control_port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &control_port);
-  builder.RegisterService(&controller);
-  std::unique_ptr<grpc::Server> control = builder.BuildAndStart();
-  if (!control || control_port == 0) {
-    log->error("--listen: cannot listen on {}", listen);
-    return 1;
+  kiln::Controller controller(co, store, &clock);
+  // The decisions and the agents' streams: at once, or once this candidate leads.
+  std::unique_ptr<grpc::Server> control;
+  auto lead = [&]() -> bool {
+    int control_port = 0;
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &control_port);
+    builder.RegisterService(&controller);
+    control = builder.BuildAndStart();
+    if (!control || control_port == 0) {
+      log->error("--listen: cannot listen on {}", listen);
+      return false;
+    }
+    controller.Start();
+    log->info("control={}:{} leading={}", listen.substr(0, listen.rfind(':')), control_port,
+              leader_elect ? le.identity : "(no election)");
+    return true;
+  };
+  std::atomic<bool> stop_electing{false};
+  std::atomic<int> exit_code{0};
+  std::thread elector_thread;
+  std::unique_ptr<kiln::LeaderElector> elector;
+  if (!leader_elect) {
+    if (!lead()) return 1;
+  } else {
+    elector = std::make_unique<kiln::LeaderElector>(kube_store->client(), le, &clock);
+    elector_thread = std::thread([&] {
+      bool leading = false;
+      while (!stop_electing) {
+        bool now_leading = elector->Tick();
+        if (now_leading && !leading) {
+          if (!lead()) {
+            exit_code = 1;
+            kill(getpid(), SIGTERM);
+            return;
+          }
+        } else if (!now_leading && leading) {
+          // Stepped down: stop acting at once and let the supervisor start a fresh follower.
+          log->error("lost the lease {}: exiting so that only the leader acts", le.lease_name);
+          exit_code = 1;
+          kill(getpid(), SIGTERM);
+          return;
+        }
+        leading = now_leading;
+        absl::Time until = absl::Now() + le.retry_period;
+        while (!stop_electing && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+      }
+    });
   }
-  controller.Start();
-  kiln::AdminApi api(store->get(), token);
+  kiln::AdminApi api(store, token);
   api.SetNodesSource([&controller]() { return controller.NodesJson(); });
   api.SetRolloutActions([&controller](const std::string& name, const std::string& action) {
     return controller.RequestRolloutAction(name, action);
@@ -119,18 +240,38 @@ int main(int argc, char** argv) {
     log->error("{}", std::string(server.status().message()));
     return 1;
   }
-  auto rv = (*store)->CurrentResourceVersion();
-  std::string host = listen.substr(0, listen.rfind(':'));
-  log->info("listening admin=http://{}:{} control={}:{} store={} resource_version={} auth={}",
-            bind, (*server)->port(), host, control_port, (*store)->path(), rv.ok() ? *rv : 0,
-            token.empty() ? "none" : "bearer");
+  auto rv = store->CurrentResourceVersion();
+  log->info("listening admin=http://{}:{} store={} resource_version={} auth={} leader_election={}",
+            bind, (*server)->port(), store_name, rv.ok() ? *rv : 0, token.empty() ? "none" : "bearer",
+            leader_elect ? le.lease_name + " as " + le.identity : "off");
+  sd_notify(0, "READY=1");
+  // systemd's watchdog: pinged from a thread that stops when the process stops making progress
+  // on its main duties (it checks the store's cache answers).
+  uint64_t watchdog_usec = 0;
+  std::thread watchdog;
+  std::atomic<bool> stop_watchdog{false};
+  if (sd_watchdog_enabled(0, &watchdog_usec) > 0) {
+    watchdog = std::thread([&] {
+      while (!stop_watchdog) {
+        if (store->CurrentResourceVersion().ok()) sd_notify(0, "WATCHDOG=1");
+        absl::Time until = absl::Now() + absl::Microseconds(watchdog_usec / 2);
+        while (!stop_watchdog && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+      }
+    });
+  }
   int sig = 0;
   sigwait(&signals, &sig);
   log->info("signal {}: stopping", sig);
+  sd_notify(0, "STOPPING=1");
+  stop_electing = true;
+  if (elector_thread.joinable()) elector_thread.join();
   controller.Stop();
-  control->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (control) control->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (elector) elector->Release();  // the next leader need not wait out the lease
+  stop_watchdog = true;
+  if (watchdog.joinable()) watchdog.join();
   server->reset();
-  store->reset();
+  store_holder.reset();
   log->info("stopped");
-  return 0;
+  return exit_code.load();
 }

@@ -1,0 +1,193 @@
+// Two real kiln-controller processes on the Kubernetes store and a Lease, against the in-test
+// API server: one leads, the follower serves the admin API, spec.replicas set through the scale
+// subresource is obeyed, and when the leader is killed the other takes over within the lease.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "controller/kube_client.h"
+#include "tests/support/fake_kube_api.h"
+#include "tests/support/shell.h"
+
+namespace kiln {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using testing::FakeKubeApi;
+
+using testing::ReadFile;
+using testing::Shell;
+
+template <typename F>
+bool Eventually(F pred, absl::Duration limit = absl::Seconds(20)) {
+  absl::Time end = absl::Now() + limit;
+  while (absl::Now() < end) {
+    if (pred()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return pred();
+}
+
+class KubeControllerTest : public ::testing::Test {
+ protected:
+  struct Proc {
+    pid_t pid = -1;
+    std::string log;
+    int admin_port = 0;
+  };
+
+  void SetUp() override {
+    dir_ = (fs::temp_directory_path() / ("kiln-kctl-" + std::to_string(getpid()))).string();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ifstream in(fs::path(KILN_SOURCE_DIR) / "manifests/crd.yaml");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    api_ = std::make_unique<FakeKubeApi>(*CrdSchema::FromCrd(YamlDocumentsToJson(ss.str(), "crd")->at(0), "v1alpha1"));
+    kubeconfig_ = dir_ + "/kubeconfig";
+    std::ofstream(kubeconfig_) << "apiVersion: v1\nkind: Config\ncurrent-context: t\n"
+                                  "clusters: [{name: c, cluster: {server: \"" << api_->url() << "\"}}]\n"
+                                  "users: [{name: u, user: {token: test-token}}]\n"
+                                  "contexts: [{name: t, context: {cluster: c, user: u, namespace: kiln}}]\n";
+    KubeConfig c;
+    c.server = api_->url();
+    c.token = "test-token";
+    c.ns = "kiln";
+    client_ = std::make_unique<KubeClient>(c);
+  }
+  void TearDown() override {
+    for (auto& [id, p] : procs_) Kill(p, SIGKILL);
+    fs::remove_all(dir_);
+  }
+
+  void Start(const std::string& id) {
+    Proc p;
+    p.log = dir_ + "/" + id + ".log";
+    std::ofstream(p.log, std::ios::trunc).close();
+    p.pid = fork();
+    ASSERT_GE(p.pid, 0);
+    if (p.pid == 0) {
+      FILE* f = freopen(p.log.c_str(), "a", stderr);
+      (void)f;
+      dup2(fileno(stderr), fileno(stdout));
+      std::vector<std::string> args = {
+          KILN_CONTROLLER_BIN, "--store", "kubernetes", "--kubeconfig", kubeconfig_,
+          "--leader-elect", "--identity", id, "--lease-duration-seconds", "2",
+          "--renew-deadline-seconds", "1.5", "--retry-period-seconds", "0.2",
+          "--observe-seconds", "0", "--admin-port", "0", "--listen", "127.0.0.1:0"};
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    ASSERT_TRUE(Eventually([&] { return ReadFile(p.log).find("admin=http://127.0.0.1:") != std::string::npos; }))
+        << ReadFile(p.log);
+    std::string text = ReadFile(p.log);
+    p.admin_port = std::stoi(text.substr(text.find("admin=http://127.0.0.1:") + 23));
+    procs_[id] = p;
+  }
+  int Kill(Proc& p, int sig) {
+    if (p.pid <= 0) return -1;
+    kill(p.pid, sig);
+    int status = 0;
+    waitpid(p.pid, &status, 0);
+    p.pid = -1;
+    return status;
+  }
+  std::string Holder() {
+    json lease = api_->Get(FakeKubeApi::Leases("kiln"), "kiln-controller");
+    return lease.is_object() ? lease["spec"].value("holderIdentity", "") : "";
+  }
+  json Status() {
+    json o = api_->Get(FakeKubeApi::ModelDeployments("kiln"), "embedder");
+    return o.is_object() ? o.value("status", json::object()) : json::object();
+  }
+  void Scale(int replicas) {
+    json scale = {{"apiVersion", "autoscaling/v1"}, {"kind", "Scale"},
+                  {"metadata", {{"name", "embedder"}}}, {"spec", {{"replicas", replicas}}}};
+    auto r = client_->Call("PUT", FakeKubeApi::ModelDeployments("kiln") + "/embedder/scale", &scale);
+    ASSERT_TRUE(r.ok() && r->code == 200) << (r.ok() ? r->body.dump() : r.status().ToString());
+  }
+
+  std::string dir_, kubeconfig_;
+  std::unique_ptr<FakeKubeApi> api_;
+  std::unique_ptr<KubeClient> client_;
+  std::map<std::string, Proc> procs_;
+};
+
+TEST_F(KubeControllerTest, OneLeaderActsAndTheOtherTakesOverWhenItIsKilled) {
+  Start("a");
+  Start("b");
+  ASSERT_TRUE(Eventually([&] { return !Holder().empty(); }));
+  const std::string leader = Holder();
+  const std::string follower = leader == "a" ? "b" : "a";
+  ASSERT_TRUE(Eventually([&] { return ReadFile(procs_[leader].log).find("control=") != std::string::npos; }));
+  EXPECT_EQ(ReadFile(procs_[follower].log).find("control="), std::string::npos)
+      << "the follower must not take agent streams";
+
+  // The follower's admin API writes through the Kubernetes API.
+  std::string spec = dir_ + "/emb.yaml";
+  std::ofstream(spec) << "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\n"
+                         "metadata: {name: embedder}\nspec:\n"
+                         "  model: {name: encoder, version: \"1\", uri: \"file:///models/encoder/1/model.pt\"}\n"
+                         "  replicas: 2\n";
+  auto r = Shell(std::string(KILNCTL_BIN) + " --server http://127.0.0.1:" +
+                 std::to_string(procs_[follower].admin_port) + " apply -f " + spec);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(api_->Get(FakeKubeApi::ModelDeployments("kiln"), "embedder").is_object());
+  // The leader reports status (the deployment cannot be placed: no agents).
+  EXPECT_TRUE(Eventually([&] { return Status().value("observedGeneration", 0) == 1 && Status().value("desiredReplicas", 0) == 2; }))
+      << Status().dump();
+  EXPECT_EQ(Status().value("selector", ""), "serving.kiln.dev/deployment=embedder");
+  // kubectl scale (the scale subresource) is obeyed.
+  Scale(3);
+  EXPECT_TRUE(Eventually([&] { return Status().value("desiredReplicas", 0) == 3 && Status().value("observedGeneration", 0) == 2; }))
+      << Status().dump();
+
+  // The leader dies without a word: the follower takes the lease once it runs out (2 s).
+  Kill(procs_[leader], SIGKILL);
+  ASSERT_TRUE(Eventually([&] { return Holder() == follower; }, absl::Seconds(10))) << Holder();
+  EXPECT_TRUE(Eventually([&] { return ReadFile(procs_[follower].log).find("control=") != std::string::npos; }));
+  json lease = api_->Get(FakeKubeApi::Leases("kiln"), "kiln-controller");
+  EXPECT_EQ(lease["spec"]["leaseTransitions"], 1);
+  Scale(1);
+  EXPECT_TRUE(Eventually([&] { return Status().value("desiredReplicas", 0) == 1; })) << Status().dump();
+
+  // A leader stopped cleanly hands the lease back at once.
+  int status = Kill(procs_[follower], SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << ReadFile(procs_[follower].log);
+  EXPECT_EQ(Holder(), "");
+}
+
+TEST_F(KubeControllerTest, BadFlagsAreRefusedNamingTheFlag) {
+  auto r = Shell(std::string(KILN_CONTROLLER_BIN) + " --store sqlite --leader-elect --state-dir " + dir_);
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.out.find("--leader-elect: needs --store=kubernetes"), std::string::npos) << r.out;
+  r = Shell(std::string(KILN_CONTROLLER_BIN) + " --store kubernetes --kubeconfig " + kubeconfig_ +
+            " --leader-elect --lease-duration-seconds 5 --renew-deadline-seconds 6");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.out.find("renew deadline"), std::string::npos) << r.out;
+  r = Shell(std::string(KILN_CONTROLLER_BIN) + " --store kubernetes --kubeconfig " + dir_ + "/missing");
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.out.find("kubeconfig"), std::string::npos) << r.out;
+  r = Shell(std::string(KILN_CONTROLLER_BIN) + " --store etcd");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("--store"), std::string::npos) << r.out;
+  r = Shell(std::string(KILN_CONTROLLER_BIN));
+  EXPECT_EQ(r.rc, 2);
+  EXPECT_NE(r.out.find("--state-dir: required"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace kiln
