@@ -11,7 +11,7 @@ PACKAGES=(
   libsqlite3-dev libssl-dev
   # systemd-analyze checks the installed units in the tests.
   systemd
-  libtorch-dev python3-torch python3-fastapi python3-uvicorn
+  libtorch-dev python3-torch python3-fastapi python3-uvicorn python3-yaml
   # Debian's LibTorch calls the system BLAS (libblas.so.3); this makes it OpenBLAS (built
   # with OpenMP, like LibTorch) instead of the reference BLAS: about 7x faster on CPU.
   libopenblas0-openmp
