@@ -174,6 +174,11 @@ void Controller::Tick() {
   }
 
   std::vector<std::pair<std::string, nlohmann::json>> statuses;
+  // Events for operators (Kubernetes Events on that store), recorded once the lock is released.
+  struct PendingEvent {
+    std::string name, type, reason, message;
+  };
+  std::vector<PendingEvent> events;
   {
     absl::MutexLock lock(&mu_);
     std::vector<PlacementNode> nodes;
@@ -286,7 +291,12 @@ void Controller::Tick() {
                                      stats[st.canary_version.empty() ? spec.model.version
                                                                      : st.canary_version],
                                      now, action);
-      for (const auto& e : plan.events) log->info("rollout {}: {}", d.name, e);
+      for (const auto& e : plan.events) {
+        log->info("rollout {}: {}", d.name, e);
+        bool rolled_back = plan.state.phase == "Degraded" && known->second.phase != "Degraded";
+        events.push_back({d.name, rolled_back ? "Warning" : "Normal",
+                          rolled_back ? "RolledBack" : "RolloutStep", e});
+      }
       known->second = plan.state;
       PlacementDemand stable = demands[i];
       stable.version = plan.stable_version;
@@ -310,7 +320,12 @@ void Controller::Tick() {
     }
     PlacementResult placed = Place(all_demands, nodes, retired);
     if (placed.unplaced != last_unplaced_) {  // said once per change, not every tick
-      for (const auto& line : placed.unplaced) log->warn("unplaced: {}", line);
+      for (const auto& line : placed.unplaced) {
+        log->warn("unplaced: {}", line);
+        if (std::find(last_unplaced_.begin(), last_unplaced_.end(), line) == last_unplaced_.end()) {
+          events.push_back({line.substr(0, line.find(':')), "Warning", "FailedPlacement", line});
+        }
+      }
       last_unplaced_ = placed.unplaced;
     }
 
@@ -451,6 +466,9 @@ void Controller::Tick() {
                            {"rollout", plan.state.ToJson()}};
       statuses.emplace_back(dep.object.name, st);
     }
+  }
+  for (const auto& e : events) {
+    store_->RecordEvent(kModelDeploymentKind, e.name, e.type, e.reason, e.message);
   }
   for (const auto& dep : deps) {
     for (const auto& [name, st] : statuses) {

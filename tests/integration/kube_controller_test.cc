@@ -150,6 +150,13 @@ TEST_F(KubeControllerTest, OneLeaderActsAndTheOtherTakesOverWhenItIsKilled) {
   EXPECT_TRUE(Eventually([&] { return Status().value("observedGeneration", 0) == 1 && Status().value("desiredReplicas", 0) == 2; }))
       << Status().dump();
   EXPECT_EQ(Status().value("selector", ""), "serving.kiln.dev/deployment=embedder");
+  // No agents: a Warning Event says why the replicas are not placed.
+  EXPECT_TRUE(Eventually([&] {
+    for (const auto& e : api_->EventsRecorded()) {
+      if (e["reason"] == "FailedPlacement" && e["involvedObject"]["name"] == "embedder" && e["type"] == "Warning") return true;
+    }
+    return false;
+  }));
   // kubectl scale (the scale subresource) is obeyed.
   Scale(3);
   EXPECT_TRUE(Eventually([&] { return Status().value("desiredReplicas", 0) == 3 && Status().value("observedGeneration", 0) == 2; }))
