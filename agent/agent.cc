@@ -226,12 +226,12 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
 Agent::~Agent() { Stop(); }
 
 absl::Status Agent::Start() {
-  AdminServer::Handlers h;
+  AdminHandlers h;
   h.live = [this]() { return live(); };
   h.ready = [this]() { return ready(); };
   h.metrics = [this]() { return MetricsText(); };
   h.replicas = [this]() { return ReplicasJson(); };
-  KILN_ASSIGN_OR_RETURN(admin_, AdminServer::Start(options_.admin_bind, options_.admin_port, h));
+  KILN_ASSIGN_OR_RETURN(admin_, StartAdminServer(options_.admin_bind, options_.admin_port, h));
   Router::Options ro;
   ro.bind_address = options_.ingress_bind;
   ro.grpc_port = options_.grpc_port;

@@ -41,7 +41,7 @@ struct AgentOptions {
 
 absl::Status ValidateAgentOptions(const AgentOptions& options);
 
-class AdminServer;
+class HttpListener;
 class Router;
 
 // One node: discovers its topology, runs the assignment through the supervisor on one loop
@@ -93,7 +93,7 @@ class Agent {
   absl::Time last_gpu_poll_ = absl::InfinitePast();
   mutable absl::Mutex health_mu_;
   std::map<int, GpuHealth> gpu_health_ ABSL_GUARDED_BY(health_mu_);
-  std::unique_ptr<AdminServer> admin_;
+  std::unique_ptr<HttpListener> admin_;
   std::unique_ptr<Router> router_;
   std::unique_ptr<class ControllerClient> controller_;
   std::atomic<int64_t> routing_generation_{0};

@@ -4,25 +4,15 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/http_listener.h"
 #include "controller/admin_api.h"
 
 namespace kiln {
 
-// The admin API's HTTP listener (cpprestsdk): moves requests to AdminApi and replies back.
-// Bodies over `max_body_bytes` are refused with 413.
-class AdminHttpServer {
- public:
-  static absl::StatusOr<std::unique_ptr<AdminHttpServer>> Start(const std::string& bind, int port,
-                                                                AdminApi* api,
-                                                                size_t max_body_bytes = 1 << 20);
-  ~AdminHttpServer();
-  int port() const { return port_; }
-
- private:
-  class Impl;
-  AdminHttpServer(std::unique_ptr<Impl> impl, int port);
-  std::unique_ptr<Impl> impl_;
-  int port_;
-};
+// The admin API over HTTP: moves requests to AdminApi and replies back. Bodies over
+// `max_body_bytes` are refused with 413.
+absl::StatusOr<std::unique_ptr<HttpListener>> StartAdminHttpServer(const std::string& bind,
+                                                                   int port, AdminApi* api,
+                                                                   size_t max_body_bytes = 1 << 20);
 
 }  // namespace kiln

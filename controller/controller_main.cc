@@ -235,7 +235,7 @@ int main(int argc, char** argv) {
   api.SetRolloutActions([&controller](const std::string& name, const std::string& action) {
     return controller.RequestRolloutAction(name, action);
   });
-  auto server = kiln::AdminHttpServer::Start(bind, port, &api);
+  auto server = kiln::StartAdminHttpServer(bind, port, &api);
   if (!server.ok()) {
     log->error("{}", std::string(server.status().message()));
     return 1;
