@@ -13,6 +13,7 @@ class HttpListener::Impl {
  public:
   Impl(const std::string& uri, const std::vector<http::method>& methods, const Handler& handler)
       : listener_(uri) {
+    if (methods.empty()) listener_.support(handler);
     for (const auto& m : methods) listener_.support(m, handler);
   }
   absl::Status Open() {

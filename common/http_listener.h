@@ -1,8 +1,8 @@
 #pragma once
 
 // A cpprestsdk HTTP listener on bind:port (port 0 picks a free one) that hands every request
-// to one handler, and a reply that ignores a client that has gone away. The agent's and the
-// controller's admin endpoints are built on it.
+// to one handler, and a reply that ignores a client that has gone away. The runtime's REST
+// front end and the agent's and the controller's admin endpoints are built on it.
 
 #include <cpprest/http_msg.h>
 
@@ -19,7 +19,8 @@ class HttpListener {
  public:
   using Handler = std::function<void(web::http::http_request)>;
 
-  // Requests with one of `methods` go to `handler` (others get 405). `flags` names the
+  // Requests with one of `methods` go to `handler` (others get 405; no methods: every
+  // request goes to the handler). `flags` names the
   // options that chose bind and port, for the error when it cannot listen.
   static absl::StatusOr<std::unique_ptr<HttpListener>> Start(
       const std::string& bind, int port, const std::vector<web::http::method>& methods,

@@ -1,13 +1,13 @@
 #include "runtime/http_frontend.h"
 
-#include <cpprest/http_listener.h>
+#include <cpprest/http_msg.h>
 
 #include <vector>
 
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "common/http_listener.h"
 #include "common/logging.h"
-#include "common/net_util.h"
 #include "common/status.h"
 #include "runtime/grpc_frontend.h"
 #include "runtime/json_codec.h"
@@ -15,7 +15,6 @@
 namespace kiln {
 
 namespace http = web::http;
-using http::experimental::listener::http_listener;
 using nlohmann::json;
 
 namespace {
@@ -99,19 +98,17 @@ json MetadataJson(const inference::ModelMetadataResponse& m) {
 
 class HttpFrontend::Impl {
  public:
-  Impl(ModelHost* host, Options options, const std::string& uri)
-      : host_(host), options_(std::move(options)), gate_(std::make_shared<RequestGate>()),
-        listener_(uri) {
-    listener_.support([this](http::http_request request) { Handle(std::move(request)); });
-  }
+  Impl(ModelHost* host, Options options)
+      : host_(host), options_(std::move(options)), gate_(std::make_shared<RequestGate>()) {}
 
-  absl::Status Open() {
-    try {
-      listener_.open().wait();
-      return absl::OkStatus();
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(std::string("cannot listen: ") + e.what());
-    }
+  absl::StatusOr<int> Listen() {
+    auto listener = HttpListener::Start(
+        options_.bind_address, options_.port, {},
+        [this](http::http_request request) { Handle(std::move(request)); },
+        "--http-port/--bind-address");
+    if (!listener.ok()) return listener.status();
+    listener_ = std::move(*listener);
+    return listener_->port();
   }
 
   // New requests get 503; accepted ones get (bounded) time to have their replies written;
@@ -119,10 +116,7 @@ class HttpFrontend::Impl {
   void Close() {
     gate_->Close();
     bool idle = gate_->WaitIdle(absl::Seconds(10));
-    try {
-      listener_.close().wait();
-    } catch (const std::exception&) {
-    }
+    listener_.reset();
     if (!idle && !gate_->WaitIdle(absl::Seconds(5))) {
       GetLogger("runtime.http")->error("REST requests still open 15 s after close");
     }
@@ -131,14 +125,7 @@ class HttpFrontend::Impl {
  private:
   void Handle(http::http_request request) {
     if (!gate_->Enter()) {
-      http::http_response resp(http::status_codes::ServiceUnavailable);
-      resp.set_body(JsonError("the server is shutting down"), "application/json");
-      request.reply(resp).then([](pplx::task<void> t) {
-        try {
-          t.get();
-        } catch (const std::exception&) {
-        }
-      });
+      ReplyQuietly(request, 503, JsonError("the server is shutting down"), "application/json");
       return;
     }
     try {
@@ -273,7 +260,7 @@ class HttpFrontend::Impl {
   ModelHost* host_;
   Options options_;
   Gate gate_;
-  http_listener listener_;
+  std::unique_ptr<HttpListener> listener_;
 };
 
 absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(ModelHost* host,
@@ -282,13 +269,9 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(ModelHost* hos
     return absl::InvalidArgumentError("--http-port: must be in 0..65535, got " +
                                       std::to_string(options.port));
   }
-  std::unique_ptr<Impl> impl;
-  auto port = OpenOnPort(options.bind_address, options.port, [&](int p) {
-    impl = std::make_unique<Impl>(host, options,
-                                  "http://" + options.bind_address + ":" + std::to_string(p));
-    return impl->Open();
-  });
-  if (!port.ok()) return Annotate(port.status(), "--http-port/--bind-address");
+  auto impl = std::make_unique<Impl>(host, options);
+  auto port = impl->Listen();
+  if (!port.ok()) return port.status();
   return std::unique_ptr<HttpFrontend>(new HttpFrontend(std::move(impl), *port));
 }
 
