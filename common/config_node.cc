@@ -19,6 +19,15 @@ absl::StatusOr<ConfigNode> ConfigNode::Parse(const std::string& text, const std:
   }
 }
 
+absl::StatusOr<std::vector<YAML::Node>> LoadYamlDocuments(const std::string& text,
+                                                          const std::string& source) {
+  try {
+    return YAML::LoadAll(text);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(source + ": not valid YAML: " + e.what());
+  }
+}
+
 absl::StatusOr<ConfigNode> ConfigNode::LoadFile(const std::string& file) {
   std::ifstream in(file);
   if (!in) return absl::NotFoundError(file + ": cannot be read");

@@ -63,4 +63,9 @@ class ConfigNode {
 // (64Mi, 1Gi, 500M, 4k). `field` names the value in errors.
 absl::StatusOr<int64_t> ParseByteSize(const std::string& text, const std::string& field);
 
+// Every document of a YAML stream ("---" separated), empty ones included (null nodes) so that
+// callers can number them; INVALID_ARGUMENT "SOURCE: not valid YAML: ..." otherwise.
+absl::StatusOr<std::vector<YAML::Node>> LoadYamlDocuments(const std::string& text,
+                                                          const std::string& source);
+
 }  // namespace kiln

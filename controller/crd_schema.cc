@@ -3,6 +3,8 @@
 #include <cmath>
 #include <regex>
 
+#include "common/config_node.h"
+
 namespace kiln {
 
 namespace {
@@ -219,14 +221,10 @@ json YamlToJson(const YAML::Node& node) {
 
 absl::StatusOr<std::vector<json>> YamlDocumentsToJson(const std::string& text,
                                                       const std::string& source) {
-  std::vector<YAML::Node> docs;
-  try {
-    docs = YAML::LoadAll(text);
-  } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(source + ": not valid YAML: " + e.what());
-  }
+  auto docs = LoadYamlDocuments(text, source);
+  if (!docs.ok()) return docs.status();
   std::vector<json> out;
-  for (const auto& d : docs) {
+  for (const auto& d : *docs) {
     if (!d.IsNull()) out.push_back(YamlToJson(d));
   }
   return out;

@@ -394,12 +394,7 @@ absl::StatusOr<ModelDeployment> ParseModelDeployment(const std::string& text,
 
 absl::StatusOr<std::vector<ModelDeployment>> ParseModelDeployments(const std::string& text,
                                                                    const std::string& source) {
-  std::vector<YAML::Node> docs;
-  try {
-    docs = YAML::LoadAll(text);
-  } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(source + ": not valid YAML: " + e.what());
-  }
+  KILN_ASSIGN_OR_RETURN(std::vector<YAML::Node> docs, LoadYamlDocuments(text, source));
   std::vector<ModelDeployment> out;
   for (size_t i = 0; i < docs.size(); ++i) {
     if (docs[i].IsNull()) continue;  // an empty document between separators
