@@ -4,12 +4,12 @@
 #include <cpprest/http_client.h>
 
 #include <cstdlib>
-#include <fstream>
 #include <mutex>
-#include <sstream>
 
 #include "absl/strings/escaping.h"
+#include "common/filesystem.h"
 #include "common/logging.h"
+#include "common/status.h"
 #include "controller/crd_schema.h"
 
 namespace kiln {
@@ -19,12 +19,11 @@ namespace {
 using nlohmann::json;
 namespace http = web::http;
 
+// The whole file, errors naming `what` needed it.
 absl::StatusOr<std::string> ReadWhole(const std::string& path, const std::string& what) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(what + ": cannot read " + path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  auto text = RootedFilesystem().ReadFile(path);
+  if (!text.ok()) return Annotate(text.status(), what);
+  return text;
 }
 
 std::string Trim(std::string s) {

@@ -112,43 +112,45 @@ absl::Status KubernetesStore::ListOnce() {
   for (const auto& item : r->body["items"]) {
     if (item.contains("metadata")) seen[item["metadata"].value("name", "")] = item;
   }
-  for (auto it = raw_.begin(); it != raw_.end();) {
+  for (auto it = cache_.begin(); it != cache_.end();) {
     if (seen.count(it->first)) {
       ++it;
       continue;
     }
-    json gone = it->second;
+    json gone = it->second.object;
     gone["metadata"]["resourceVersion"] = std::to_string(list_rv);
     ++it;
     ApplyLocked(WatchEvent::Type::kDeleted, gone);
   }
   for (const auto& [name, item] : seen) {
-    ApplyLocked(raw_.count(name) ? WatchEvent::Type::kModified : WatchEvent::Type::kAdded, item);
+    ApplyLocked(cache_.count(name) ? WatchEvent::Type::kModified : WatchEvent::Type::kAdded, item);
   }
   rv_ = std::max(rv_, list_rv);
   ++lists_;
   return absl::OkStatus();
 }
 
-void KubernetesStore::ApplyLocked(WatchEvent::Type type, const json& object) {
+const StoredObject* KubernetesStore::ApplyLocked(WatchEvent::Type type, const json& object) {
   auto stored = StoredFromKube(object);
   if (!stored.ok()) {
     GetLogger("controller.kube")->warn("ignoring an object the API served: {}", stored.status().ToString());
-    return;
+    return nullptr;
   }
   auto it = cache_.find(stored->name);
   if (type != WatchEvent::Type::kDeleted && it != cache_.end() &&
-      it->second.resource_version >= stored->resource_version) {
-    return;  // already applied (our own write, or an event seen before a re-watch)
+      it->second.stored.resource_version >= stored->resource_version) {
+    return &it->second.stored;  // already applied (our own write, or seen before a re-watch)
   }
+  const StoredObject* now = nullptr;
   if (type == WatchEvent::Type::kDeleted) {
     // Gone, unless the cache already holds a newer object of that name (created again).
-    if (it == cache_.end() || it->second.resource_version > stored->resource_version) return;
+    if (it == cache_.end()) return nullptr;
+    if (it->second.stored.resource_version > stored->resource_version) return &it->second.stored;
     cache_.erase(it);
-    raw_.erase(stored->name);
   } else {
-    cache_[stored->name] = *stored;
-    raw_[stored->name] = object;
+    Cached& c = cache_[stored->name];
+    c = {*stored, object};
+    now = &c.stored;
   }
   rv_ = std::max(rv_, stored->resource_version);
   ++applied_;
@@ -157,6 +159,7 @@ void KubernetesStore::ApplyLocked(WatchEvent::Type type, const json& object) {
     history_floor_ = history_.front().resource_version;
     history_.pop_front();
   }
+  return now;
 }
 
 void KubernetesStore::Loop() {
@@ -230,14 +233,14 @@ absl::StatusOr<StoredObject> KubernetesStore::Get(const std::string& kind, const
   absl::MutexLock lock(&mu_);
   auto it = cache_.find(name);
   if (it == cache_.end()) return absl::NotFoundError(kind + " '" + name + "' not found");
-  return it->second;
+  return it->second.stored;
 }
 
 absl::StatusOr<std::vector<StoredObject>> KubernetesStore::List(const std::string& kind) {
   if (auto s = CheckKind(kind); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   std::vector<StoredObject> out;
-  for (const auto& [name, o] : cache_) out.push_back(o);
+  for (const auto& [name, c] : cache_) out.push_back(c.stored);
   return out;
 }
 
@@ -246,11 +249,9 @@ absl::StatusOr<StoredObject> KubernetesStore::FinishWrite(const absl::StatusOr<K
   if (!r.ok()) return r.status();
   if (r->code != 200 && r->code != 201) return FromHttp(*r, what);
   absl::MutexLock lock(&mu_);
-  ApplyLocked(WatchEvent::Type::kModified, r->body);
-  auto stored = StoredFromKube(r->body);
-  if (!stored.ok()) return stored.status();
-  auto it = cache_.find(stored->name);
-  return it != cache_.end() ? it->second : *stored;
+  const StoredObject* stored = ApplyLocked(WatchEvent::Type::kModified, r->body);
+  if (!stored) return absl::DataLossError(what + ": the API answered without the object");
+  return *stored;
 }
 
 namespace {
@@ -300,9 +301,9 @@ absl::StatusOr<StoredObject> KubernetesStore::UpdateStatus(const std::string& ki
   json body;
   {
     absl::MutexLock lock(&mu_);
-    auto it = raw_.find(name);
-    if (it == raw_.end()) return absl::NotFoundError(kind + " '" + name + "' not found");
-    body = it->second;  // the whole object: the server takes only its status
+    auto it = cache_.find(name);
+    if (it == cache_.end()) return absl::NotFoundError(kind + " '" + name + "' not found");
+    body = it->second.object;  // the whole object: the server takes only its status
   }
   body["status"] = st;
   if (expected_resource_version != 0) {
@@ -324,9 +325,9 @@ absl::Status KubernetesStore::Delete(const std::string& kind, const std::string&
   if (!r.ok()) return r.status();
   if (r->code != 200 && r->code != 202) return FromHttp(*r, "delete " + name);
   absl::MutexLock lock(&mu_);
-  auto it = raw_.find(name);
-  if (it != raw_.end()) {
-    json gone = it->second;
+  auto it = cache_.find(name);
+  if (it != cache_.end()) {
+    json gone = it->second.object;
     ApplyLocked(WatchEvent::Type::kDeleted, gone);
   }
   return absl::OkStatus();
@@ -367,7 +368,7 @@ void KubernetesStore::RecordEvent(const std::string& kind, const std::string& na
   std::string uid;
   {
     absl::MutexLock lock(&mu_);
-    if (auto it = cache_.find(name); it != cache_.end()) uid = it->second.uid;
+    if (auto it = cache_.find(name); it != cache_.end()) uid = it->second.stored.uid;
   }
   absl::Time now = absl::Now();
   const std::string& ns = client_.config().ns;

@@ -63,8 +63,9 @@ class KubernetesStore : public Store {
   std::string Collection() const;
   absl::Status ListOnce();
   void Loop();
-  // Applies an object the API returned (a write's answer or a watch event) if newer.
-  void ApplyLocked(WatchEvent::Type type, const nlohmann::json& object)
+  // Applies an object the API returned (a write's answer or a watch event) if newer. Returns
+  // what the cache holds under its name afterwards (null when unreadable or deleted).
+  const StoredObject* ApplyLocked(WatchEvent::Type type, const nlohmann::json& object)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckKind(const std::string& kind) const;
   absl::StatusOr<StoredObject> FinishWrite(const absl::StatusOr<KubeResponse>& r,
@@ -73,8 +74,11 @@ class KubernetesStore : public Store {
   const Options options_;
   KubeClient client_;
   mutable absl::Mutex mu_;
-  std::map<std::string, StoredObject> cache_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, nlohmann::json> raw_ ABSL_GUARDED_BY(mu_);  // the objects as served
+  struct Cached {
+    StoredObject stored;    // what Get and List return
+    nlohmann::json object;  // the object as served (status writes send it back whole)
+  };
+  std::map<std::string, Cached> cache_ ABSL_GUARDED_BY(mu_);
   int64_t rv_ ABSL_GUARDED_BY(mu_) = 0;       // the newest version seen (list, event, bookmark)
   std::deque<WatchEvent> history_ ABSL_GUARDED_BY(mu_);
   int64_t history_floor_ ABSL_GUARDED_BY(mu_) = 0;  // EventsSince below this: OUT_OF_RANGE
