@@ -152,6 +152,7 @@ TEST_F(KubeStoreTest, AWatchDroppedMidStreamMissesNothingAndRepeatsNothing) {
   ASSERT_TRUE(store_->Create(kModelDeploymentKind, "a", Spec(1)).ok());
   const std::string md = FakeKubeApi::ModelDeployments("kiln");
   for (int round = 0; round < 5; ++round) {
+    ASSERT_TRUE(Eventually([&] { return api_->open_watches() == 1; }));  // the store's stream is up
     int64_t watches = store_->watches();
     api_->DropWatches();
     // Writes while the store is between streams.

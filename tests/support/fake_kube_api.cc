@@ -269,6 +269,24 @@ void FakeKubeApi::Serve(int fd) {
 
 void FakeKubeApi::Watch(int fd, const std::string& collection,
                         const std::map<std::string, std::string>& query) {
+  int64_t drop_epoch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    drop_epoch = drop_epoch_;
+    open_by_epoch_[drop_epoch]++;
+  }
+  Stream(fd, collection, query, drop_epoch);
+  std::lock_guard<std::mutex> lock(mu_);
+  open_by_epoch_[drop_epoch]--;
+}
+
+int FakeKubeApi::open_watches() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return open_by_epoch_[drop_epoch_];
+}
+
+void FakeKubeApi::Stream(int fd, const std::string& collection,
+                         const std::map<std::string, std::string>& query, int64_t drop_epoch) {
   int64_t from = 0;
   if (auto it = query.find("resourceVersion"); it != query.end() && !it->second.empty()) {
     from = std::stoll(it->second);
@@ -288,7 +306,6 @@ void FakeKubeApi::Watch(int fd, const std::string& collection,
     return SendAll(fd, size + line + "\r\n");
   };
   std::unique_lock<std::mutex> lock(mu_);
-  const int64_t drop_epoch = drop_epoch_;
   int64_t bookmark_epoch = bookmark_epoch_;
   if (from != 0 && from < compacted_) {
     lock.unlock();

@@ -47,6 +47,8 @@ class FakeKubeApi {
   int64_t resource_version();
   std::vector<nlohmann::json> EventsRecorded();
   int watches_started() const { return watches_started_.load(); }
+  // Watches streaming now that a DropWatches() would cut (opened since the last drop).
+  int open_watches();
 
   // The collections this server keeps (path prefixes).
   static std::string ModelDeployments(const std::string& ns);
@@ -68,6 +70,9 @@ class FakeKubeApi {
   Response Handle(const std::string& method, const std::string& path,
                   const std::map<std::string, std::string>& query, const std::string& body);
   void Watch(int fd, const std::string& collection, const std::map<std::string, std::string>& query);
+  // The stream of one watch; it ends when DropWatches moves past `drop_epoch`.
+  void Stream(int fd, const std::string& collection, const std::map<std::string, std::string>& query,
+              int64_t drop_epoch);
   Response Write(const std::string& method, const std::string& collection, const std::string& name,
                  const std::string& sub, const nlohmann::json& body);
   void RecordLocked(const std::string& collection, const std::string& type, const nlohmann::json& obj);
@@ -85,6 +90,7 @@ class FakeKubeApi {
   int64_t compacted_ = 0;
   int64_t uid_seq_ = 0;
   int64_t drop_epoch_ = 0;
+  std::map<int64_t, int> open_by_epoch_;  // streaming watches by the drop epoch they began in
   int64_t bookmark_epoch_ = 0;
   bool unavailable_ = false;
   bool watches_refused_ = false;
