@@ -503,12 +503,14 @@ FakeKubeApi::Response FakeKubeApi::Write(const std::string& method, const std::s
       return {422, StatusBody(422, "Invalid", "spec.replicas: Required value")};
     }
     next["spec"]["replicas"] = body["spec"]["replicas"];
-  } else {
+  } else if (is_md) {  // the main resource: spec, labels and annotations; the status stays
+    json meta = body.value("metadata", json::object());
     next["spec"] = body.value("spec", json::object());
-    next["metadata"]["labels"] = body["metadata"].value("labels", json::object());
-    next["metadata"]["annotations"] = body["metadata"].value("annotations", json::object());
-    if (!is_md) next = body, next["metadata"] = cur["metadata"];  // leases: whole object, no subresources
-    if (!is_md && body.contains("spec")) next["spec"] = body["spec"];
+    next["metadata"]["labels"] = meta.value("labels", json::object());
+    next["metadata"]["annotations"] = meta.value("annotations", json::object());
+  } else {  // a Lease has no subresources: the whole object, with the server's metadata
+    next = body;
+    next["metadata"] = cur["metadata"];
   }
   if (is_md) {
     auto errs = schema_.Validate(next);
