@@ -12,6 +12,27 @@ namespace kiln {
 
 namespace {
 
+// Kubernetes' condition shape: each condition gets observedGeneration and a lastTransitionTime
+// that it keeps, from the status written before, until its own status changes.
+void StampConditions(nlohmann::json& conditions, const std::string& previous_status,
+                     const std::string& now, int64_t generation) {
+  std::map<std::string, std::pair<std::string, std::string>> before;  // type -> (status, since)
+  auto previous = nlohmann::json::parse(previous_status, nullptr, false);
+  if (previous.is_object() && previous.contains("conditions") && previous["conditions"].is_array()) {
+    for (const auto& p : previous["conditions"]) {
+      if (p.is_object() && p.contains("lastTransitionTime") && p["lastTransitionTime"].is_string()) {
+        before[p.value("type", "")] = {p.value("status", ""), p["lastTransitionTime"].get<std::string>()};
+      }
+    }
+  }
+  for (auto& c : conditions) {
+    auto it = before.find(c["type"].get<std::string>());
+    bool unchanged = it != before.end() && it->second.first == c["status"].get<std::string>();
+    c["lastTransitionTime"] = unchanged ? it->second.second : now;
+    c["observedGeneration"] = generation;
+  }
+}
+
 std::string Serialize(const std::vector<v1::ReplicaSpec>& specs) {
   std::string out;
   for (const auto& s : specs) out += s.SerializeAsString() + "|";
@@ -291,9 +312,9 @@ void Controller::Tick() {
                                      stats[st.canary_version.empty() ? spec.model.version
                                                                      : st.canary_version],
                                      now, action);
+      const bool rolled_back = plan.state.phase == "Degraded" && known->second.phase != "Degraded";
       for (const auto& e : plan.events) {
         log->info("rollout {}: {}", d.name, e);
-        bool rolled_back = plan.state.phase == "Degraded" && known->second.phase != "Degraded";
         events.push_back({d.name, rolled_back ? "Warning" : "Normal",
                           rolled_back ? "RolledBack" : "RolloutStep", e});
       }
@@ -440,22 +461,8 @@ void Controller::Tick() {
                               {"reason", "NoRoom"},
                               {"message", unplaced}});
       }
-      // Kubernetes' condition shape: a condition keeps its lastTransitionTime until its
-      // status changes.
-      auto previous = nlohmann::json::parse(dep.object.status, nullptr, false);
-      for (auto& c : conditions) {
-        std::string since = FormatRfc3339(clock_->Now());
-        if (previous.is_object() && previous.contains("conditions") && previous["conditions"].is_array()) {
-          for (const auto& p : previous["conditions"]) {
-            if (p.is_object() && p.value("type", "") == c["type"] && p.value("status", "") == c["status"] &&
-                p.contains("lastTransitionTime") && p["lastTransitionTime"].is_string()) {
-              since = p["lastTransitionTime"].get<std::string>();
-            }
-          }
-        }
-        c["lastTransitionTime"] = since;
-        c["observedGeneration"] = dep.object.generation;
-      }
+      StampConditions(conditions, dep.object.status, FormatRfc3339(clock_->Now()),
+                      dep.object.generation);
       nlohmann::json st = {{"observedGeneration", dep.object.generation},
                            {"selector", std::string(kDeploymentLabel) + "=" + dep.d.name},
                            {"desiredReplicas", desired},

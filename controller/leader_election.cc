@@ -44,9 +44,13 @@ bool LeaderElector::Tick() {
   return leading_;
 }
 
+std::string LeaderElector::LeasesPath() const {
+  return "/apis/coordination.k8s.io/v1/namespaces/" + client_->config().ns + "/leases";
+}
+
 bool LeaderElector::TryAcquireOrRenew() {
   const std::string ns = client_->config().ns;
-  const std::string collection = "/apis/coordination.k8s.io/v1/namespaces/" + ns + "/leases";
+  const std::string collection = LeasesPath();
   absl::Time now = clock_->Now();
   held_by_other_ = false;
   const absl::Duration timeout = options_.retry_period;
@@ -119,8 +123,7 @@ bool LeaderElector::TryAcquireOrRenew() {
 void LeaderElector::Release() {
   if (!leading_) return;
   leading_ = false;
-  const std::string path = "/apis/coordination.k8s.io/v1/namespaces/" + client_->config().ns +
-                           "/leases/" + options_.lease_name;
+  const std::string path = LeasesPath() + "/" + options_.lease_name;
   auto got = client_->Call("GET", path, nullptr, options_.retry_period);
   if (!got.ok() || got->code != 200 || !got->body.is_object()) return;
   json lease = got->body;

@@ -46,6 +46,7 @@ class LeaderElector {
 
  private:
   bool TryAcquireOrRenew();
+  std::string LeasesPath() const;  // the namespace's Lease collection
 
   KubeClient* client_;
   const LeaderElectionOptions options_;

@@ -15,6 +15,7 @@
 
 #include "absl/time/clock.h"
 #include "controller/kube_client.h"
+#include "controller/model_deployment.h"
 #include "tests/support/fake_kube_api.h"
 #include "tests/support/shell.h"
 
@@ -157,10 +158,22 @@ TEST_F(KubeControllerTest, OneLeaderActsAndTheOtherTakesOverWhenItIsKilled) {
     }
     return false;
   }));
+  auto available_since = [&]() -> std::string {
+    for (const auto& c : Status().value("conditions", json::array())) {
+      if (c.value("type", "") == "Available") return c.value("status", "") + " " + c.value("lastTransitionTime", "");
+    }
+    return "";
+  };
+  const std::string since = available_since();
+  ASSERT_EQ(since.rfind("False 20", 0), 0u) << Status().dump();
+  // Let the wall clock pass that second, so a re-stamped condition would show.
+  ASSERT_TRUE(Eventually([&] { return "False " + FormatRfc3339(absl::Now()) > since; }));
   // kubectl scale (the scale subresource) is obeyed.
   Scale(3);
   EXPECT_TRUE(Eventually([&] { return Status().value("desiredReplicas", 0) == 3 && Status().value("observedGeneration", 0) == 2; }))
       << Status().dump();
+  // Still not available: the condition keeps the time it became so.
+  EXPECT_EQ(available_since(), since);
 
   // The leader dies without a word: the follower takes the lease once it runs out (2 s).
   Kill(procs_[leader], SIGKILL);
