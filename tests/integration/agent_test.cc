@@ -28,6 +28,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/shell.h"
 
 namespace kiln {
 namespace {
@@ -37,12 +38,7 @@ using nlohmann::json;
 
 const std::string kRepo = KILN_MODEL_REPO;
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using kiln::testing::ReadFile;
 
 class AgentTest : public ::testing::Test {
  protected:
@@ -102,15 +98,15 @@ class AgentTest : public ::testing::Test {
     // Bounded poll for the admin port in the log.
     admin_port_ = 0;
     for (int i = 0; i < 3000 && admin_port_ == 0; ++i) {
-      std::string text = ReadAll(log_);
+      std::string text = ReadFile(log_);
       size_t at = text.find("admin_port=");
       if (at != std::string::npos) admin_port_ = std::atoi(text.c_str() + at + 11);
       if (admin_port_ == 0) absl::SleepFor(absl::Milliseconds(10));
     }
-    ASSERT_GT(admin_port_, 0) << ReadAll(log_);
+    ASSERT_GT(admin_port_, 0) << ReadFile(log_);
     router_grpc_ = router_http_ = 0;
     for (int i = 0; i < 3000 && router_grpc_ == 0; ++i) {
-      std::string text = ReadAll(log_);
+      std::string text = ReadFile(log_);
       size_t at = text.find("router listening grpc_port=");
       if (at != std::string::npos) {
         router_grpc_ = std::atoi(text.c_str() + at + 27);
@@ -118,7 +114,7 @@ class AgentTest : public ::testing::Test {
       }
       if (router_grpc_ == 0) absl::SleepFor(absl::Milliseconds(10));
     }
-    ASSERT_GT(router_grpc_, 0) << ReadAll(log_);
+    ASSERT_GT(router_grpc_, 0) << ReadFile(log_);
   }
 
   void StopAgent(int sig) {
@@ -169,7 +165,7 @@ class AgentTest : public ::testing::Test {
       if (pred(j)) return j;
       absl::SleepFor(absl::Milliseconds(25));
     }
-    ADD_FAILURE() << "timed out waiting for " << what << ": " << j.dump() << "\n" << ReadAll(log_);
+    ADD_FAILURE() << "timed out waiting for " << what << ": " << j.dump() << "\n" << ReadFile(log_);
     return j;
   }
 
@@ -269,10 +265,10 @@ TEST_F(AgentTest, KilledReplicaIsRestartedAndABadFileKeepsTheOldAssignment) {
 
   WriteAssignment("replicas:\n  - {id: s0, model: encoder, version: two, repository: /x}\n");
   Hup();
-  for (int i = 0; i < 400 && ReadAll(log_).find("assignment file rejected") == std::string::npos; ++i) {
+  for (int i = 0; i < 400 && ReadFile(log_).find("assignment file rejected") == std::string::npos; ++i) {
     absl::SleepFor(absl::Milliseconds(10));
   }
-  std::string log = ReadAll(log_);
+  std::string log = ReadFile(log_);
   EXPECT_NE(log.find("assignment file rejected, keeping generation 1"), std::string::npos) << log;
   EXPECT_NE(log.find("replicas[0].version"), std::string::npos) << log;
   j = Replicas();
@@ -302,7 +298,7 @@ TEST_F(AgentTest, ARestartedAgentAdoptsItsReplicasWithoutRestartingThem) {
   EXPECT_EQ(Find(after, "w0")["state"], "WARM");
   EXPECT_EQ(Find(after, "s0")["restarts"], 0);
   EXPECT_TRUE(Infer(Find(after, "s0")["grpc_port"]).ok());
-  EXPECT_NE(ReadAll(log_).find("adopted pid " + std::to_string(s0)), std::string::npos);
+  EXPECT_NE(ReadFile(log_).find("adopted pid " + std::to_string(s0)), std::string::npos);
 }
 
 TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {
@@ -489,7 +485,7 @@ TEST_F(AgentTest, ControllerAssignsAgentAcksReportsAndServesThroughOutages) {
     const auto& s = c.statuses_.back();
     return s.replicas_size() == 1 && s.replicas(0).state() == v1::SERVING &&
            s.replicas(0).healthy() && s.assignment_generation() == 1 && s.routing_generation() == 7;
-  })) << ReadAll(log_);
+  })) << ReadFile(log_);
   EXPECT_TRUE(Infer(router_grpc_).ok());
   {
     ASSERT_TRUE(controller->WaitFor([](FakeController& c) {
@@ -509,10 +505,10 @@ TEST_F(AgentTest, ControllerAssignsAgentAcksReportsAndServesThroughOutages) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
   server.reset();
   // Bounded poll until the agent has noticed.
-  for (int i = 0; i < 1000 && ReadAll(log_).find("disconnected; retrying") == std::string::npos; ++i) {
+  for (int i = 0; i < 1000 && ReadFile(log_).find("disconnected; retrying") == std::string::npos; ++i) {
     absl::SleepFor(absl::Milliseconds(10));
   }
-  EXPECT_NE(ReadAll(log_).find("serving the last assignment meanwhile"), std::string::npos);
+  EXPECT_NE(ReadFile(log_).find("serving the last assignment meanwhile"), std::string::npos);
   EXPECT_TRUE(Infer(router_grpc_).ok());
   EXPECT_TRUE(Ready());
   // It comes back on the same port: the agent reconnects and re-registers with its replicas.
@@ -521,7 +517,7 @@ TEST_F(AgentTest, ControllerAssignsAgentAcksReportsAndServesThroughOutages) {
   ASSERT_TRUE(server != nullptr);
   ASSERT_TRUE(controller->WaitFor([](FakeController& c) {
     return !c.registers_.empty() && c.registers_.back().replicas_size() == 1;
-  })) << ReadAll(log_);
+  })) << ReadFile(log_);
   EXPECT_EQ(controller->registers_.back().replicas(0).replica_id(), "c0");
   // The agent restarts while the controller is gone: it serves the last assignment it was
   // given (persisted), with its replica adopted.
@@ -568,7 +564,7 @@ TEST_F(AgentTest, UnderSystemdReplicaEventsGoToTheJournalWithFields) {
   EXPECT_NE(seen.find("GPU_UUID=GPU-fake"), std::string::npos) << seen;
   EXPECT_NE(seen.find("SYSLOG_IDENTIFIER=kiln-agent"), std::string::npos) << seen;
   // Not also written to stderr.
-  EXPECT_EQ(ReadAll(log_).find("replica j0: promoted to SERVING"), std::string::npos);
+  EXPECT_EQ(ReadFile(log_).find("replica j0: promoted to SERVING"), std::string::npos);
 }
 
 TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {

@@ -25,39 +25,20 @@
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/shell.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// Starts `args` with stdout and stderr to `log`; returns the pid.
-pid_t Spawn(std::vector<std::string> args, const std::string& log) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    dup2(fd, 1);
-    dup2(fd, 2);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  return pid;
-}
+using kiln::testing::ReadFile;
+using kiln::testing::SpawnLogged;
 
 // Bounded poll (30 s) of a log for `key` followed by a number; -1 when it never shows.
 int64_t WaitForNumber(const std::string& log, const std::string& key, size_t from = 0) {
   for (int i = 0; i < 1500; ++i) {
-    std::string text = ReadAll(log);
+    std::string text = ReadFile(log);
     size_t at = text.find(key, from);
     if (at != std::string::npos) return std::strtoll(text.c_str() + at + key.size(), nullptr, 10);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -107,10 +88,10 @@ class ClusterTest : public ::testing::Test {
                                      "--admin-port", "0", "--listen", listen,
                                      "--observe-seconds", "0.3"};
     args.insert(args.end(), extra.begin(), extra.end());
-    controller_ = Spawn(args, clog_);
+    controller_ = SpawnLogged(args, clog_);
     admin_ = WaitForNumber(clog_, "admin=http://127.0.0.1:");
     control_ = WaitForNumber(clog_, "control=127.0.0.1:");
-    ASSERT_GT(admin_, 0) << ReadAll(clog_);
+    ASSERT_GT(admin_, 0) << ReadFile(clog_);
   }
   struct Agent {
     pid_t pid = -1;
@@ -121,7 +102,7 @@ class ClusterTest : public ::testing::Test {
   Agent StartAnotherAgent(const std::string& name) {
     Agent a;
     a.log = dir_ + "/agent-" + name + ".log";
-    a.pid = Spawn({KILN_AGENT_BIN, "--controller", "127.0.0.1:" + std::to_string(control_),
+    a.pid = SpawnLogged({KILN_AGENT_BIN, "--controller", "127.0.0.1:" + std::to_string(control_),
                    "--node-name", name, "--state-dir", dir_ + "/agent-" + name,
                    "--runtime-binary", KILN_RUNTIME_BIN, "--admin-bind", "127.0.0.1",
                    "--admin-port", "0", "--reserved-cpus", "0", "--tick-ms", "50",
@@ -134,7 +115,7 @@ class ClusterTest : public ::testing::Test {
   }
   void StartAgent() {
     alog_ = dir_ + "/agent.log";
-    agent_ = Spawn({KILN_AGENT_BIN, "--controller", "127.0.0.1:" + std::to_string(control_),
+    agent_ = SpawnLogged({KILN_AGENT_BIN, "--controller", "127.0.0.1:" + std::to_string(control_),
                     "--node-name", "n1", "--state-dir", dir_ + "/agent", "--runtime-binary",
                     KILN_RUNTIME_BIN, "--admin-bind", "127.0.0.1", "--admin-port", "0",
                     "--fake-gpus", "1:16Gi", "--reserved-cpus", "0", "--tick-ms", "50",
@@ -143,8 +124,8 @@ class ClusterTest : public ::testing::Test {
                    alog_);
     agent_admin_ = WaitForNumber(alog_, "admin_port=");
     router_grpc_ = WaitForNumber(alog_, "router listening grpc_port=");
-    ASSERT_GT(agent_admin_, 0) << ReadAll(alog_);
-    ASSERT_GT(router_grpc_, 0) << ReadAll(alog_);
+    ASSERT_GT(agent_admin_, 0) << ReadFile(alog_);
+    ASSERT_GT(router_grpc_, 0) << ReadFile(alog_);
   }
   std::string Ctl(const std::string& args) {
     std::string cmd = std::string(KILNCTL_BIN) + " --server http://127.0.0.1:" +
@@ -173,7 +154,7 @@ class ClusterTest : public ::testing::Test {
       std::this_thread::sleep_for(std::chrono::milliseconds(25));
     }
     ADD_FAILURE() << "status never reached ready=" << ready << " warm=" << warm << ": "
-                  << Deployment(name).dump() << "\n" << ReadAll(alog_) << ReadAll(clog_);
+                  << Deployment(name).dump() << "\n" << ReadFile(alog_) << ReadFile(clog_);
     return false;
   }
   std::map<std::string, int> Pids(int admin = 0) {
@@ -274,8 +255,8 @@ TEST_F(ClusterTest, DeployServeScaleFromWarmPoolAndSurviveAControllerKill) {
   EXPECT_NE(out.find("enc"), std::string::npos) << out;
   // The agent reconnects (with backoff) and re-registers with its two replicas; the new
   // controller, having observed, sends the node its assignment again: the same replicas.
-  ASSERT_EQ(WaitForNumber(clog_, " gpus, "), 2) << ReadAll(clog_);
-  ASSERT_GT(WaitForNumber(clog_, "node n1: assignment generation "), 0) << ReadAll(clog_);
+  ASSERT_EQ(WaitForNumber(clog_, " gpus, "), 2) << ReadFile(clog_);
+  ASSERT_GT(WaitForNumber(clog_, "node n1: assignment generation "), 0) << ReadFile(clog_);
   ASSERT_TRUE(WaitForStatus("enc", 2, 0));
   std::this_thread::sleep_for(std::chrono::milliseconds(600));  // a few more ticks
   EXPECT_EQ(Pids(), scaled);
@@ -288,7 +269,7 @@ TEST_F(ClusterTest, ALostNodesReplicasComeBackElsewhere) {
   StartController("127.0.0.1:0", {"--node-not-ready-seconds", "2", "--node-lost-seconds", "3"});
   StartAgent();
   Agent n2 = StartAnotherAgent("n2");
-  ASSERT_GT(n2.router_grpc, 0) << ReadAll(n2.log);
+  ASSERT_GT(n2.router_grpc, 0) << ReadFile(n2.log);
   std::ofstream(dir_ + "/enc.yaml")
       << "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
          "spec:\n  model: {name: encoder, version: \"1\", uri: \"file://"
@@ -313,7 +294,7 @@ TEST_F(ClusterTest, ALostNodesReplicasComeBackElsewhere) {
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
   }
   auto after = Pids();
-  ASSERT_EQ(after.size(), 2u) << ReadAll(clog_);
+  ASSERT_EQ(after.size(), 2u) << ReadFile(clog_);
   EXPECT_EQ(after.count(on_n2.begin()->first), 0u) << "a lost node's id was reused";
   ASSERT_TRUE(WaitForStatus("enc", 2, 0));
   EXPECT_TRUE(Infer().ok());
@@ -327,7 +308,7 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   StartController("127.0.0.1:0");
   StartAgent();
   Agent n2 = StartAnotherAgent("n2");
-  ASSERT_GT(n2.router_grpc, 0) << ReadAll(n2.log);
+  ASSERT_GT(n2.router_grpc, 0) << ReadFile(n2.log);
   auto spec = [&](const std::string& version) {
     return EncoderSpec(version, KILN_MODEL_REPO,
                        "  rollout:\n    steps: [{weight: 50, pause: 1s}]\n"
@@ -371,7 +352,7 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
   }
   ASSERT_EQ(d["status"]["rollout"].value("stableVersion", ""), "2")
-      << d.dump() << "\n" << ReadAll(clog_);
+      << d.dump() << "\n" << ReadFile(clog_);
   // Version 1 drains away; traffic goes on.
   WaitForReplicasOnBothNodes(2, n2.admin);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -383,7 +364,7 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   out = Ctl("rollout status enc -w --timeout-seconds 30");
   EXPECT_EQ(last_rc_, 0) << out;
   EXPECT_NE(out.find("deployment \"enc\" serves version 2"), std::string::npos) << out;
-  std::string log = ReadAll(clog_);
+  std::string log = ReadFile(clog_);
   EXPECT_NE(log.find("rollout enc: canary 2 step 1/1: weight 50%"), std::string::npos) << log;
   EXPECT_NE(log.find("rollout enc: canary 2 promoted"), std::string::npos) << log;
 }
@@ -443,15 +424,15 @@ TEST_F(ClusterTest, AutoscalesOnRequestsInFlight) {
   }
   stop = true;
   for (auto& t : clients) t.join();
-  ASSERT_TRUE(scaled_up) << Deployment("slow").dump() << ReadAll(clog_);
-  EXPECT_NE(ReadAll(clog_).find("autoscale slow: 1 -> 2 replicas"), std::string::npos);
+  ASSERT_TRUE(scaled_up) << Deployment("slow").dump() << ReadFile(clog_);
+  EXPECT_NE(ReadFile(clog_).find("autoscale slow: 1 -> 2 replicas"), std::string::npos);
   // Idle now: back to the minimum once the window has passed.
   bool scaled_down = false;
   for (int i = 0; i < 1200 && !scaled_down; ++i) {
     scaled_down = Deployment("slow")["status"].value("desiredReplicas", 0) == 1;
     if (!scaled_down) std::this_thread::sleep_for(std::chrono::milliseconds(25));
   }
-  EXPECT_TRUE(scaled_down) << Deployment("slow").dump() << ReadAll(clog_);
+  EXPECT_TRUE(scaled_down) << Deployment("slow").dump() << ReadFile(clog_);
   EXPECT_EQ(failed.load(), 0);
 }
 
@@ -461,7 +442,7 @@ TEST_F(ClusterTest, ARolloutIsPromotedByHand) {
   StartController("127.0.0.1:0");
   StartAgent();
   Agent n2 = StartAnotherAgent("n2");
-  ASSERT_GT(n2.router_grpc, 0) << ReadAll(n2.log);
+  ASSERT_GT(n2.router_grpc, 0) << ReadFile(n2.log);
   auto spec = [&](const std::string& version) {
     return EncoderSpec(version, KILN_MODEL_REPO, "  rollout:\n    steps: [{weight: 50, pause: {}}]\n");
   };
@@ -485,7 +466,7 @@ TEST_F(ClusterTest, ARolloutIsPromotedByHand) {
   out = Ctl("rollout status enc -w --timeout-seconds 30");
   EXPECT_EQ(last_rc_, 0) << out;
   EXPECT_NE(out.find("serves version 2"), std::string::npos) << out;
-  EXPECT_NE(ReadAll(clog_).find("promoted: by hand"), std::string::npos);
+  EXPECT_NE(ReadFile(clog_).find("promoted: by hand"), std::string::npos);
 }
 
 // A bad canary under steady traffic: version 3 fails every request holding token 13 (a third
@@ -496,7 +477,7 @@ TEST_F(ClusterTest, ABadCanaryIsRolledBackByItself) {
   StartController("127.0.0.1:0");
   StartAgent();
   Agent n2 = StartAnotherAgent("n2");
-  ASSERT_GT(n2.router_grpc, 0) << ReadAll(n2.log);
+  ASSERT_GT(n2.router_grpc, 0) << ReadFile(n2.log);
   auto spec = [&](const std::string& version, const std::string& repo) {
     return EncoderSpec(version, repo,
                        "  rollout:\n    steps: [{weight: 50, pause: 1m}]\n"
@@ -538,7 +519,7 @@ TEST_F(ClusterTest, ABadCanaryIsRolledBackByItself) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
   }
-  ASSERT_EQ(d["status"]["rollout"].value("phase", ""), "Degraded") << d.dump() << ReadAll(clog_);
+  ASSERT_EQ(d["status"]["rollout"].value("phase", ""), "Degraded") << d.dump() << ReadFile(clog_);
   EXPECT_EQ(d["status"]["rollout"].value("failedVersion", ""), "3");
   EXPECT_EQ(d["status"]["rollout"].value("stableVersion", ""), "1");
   // The canary replica drains; then nothing fails any more.
@@ -552,7 +533,7 @@ TEST_F(ClusterTest, ABadCanaryIsRolledBackByItself) {
   EXPECT_EQ(canary_failed.load(), failed_before) << "requests still reach the rolled-back canary";
   EXPECT_EQ(other_failed.load(), 0) << other_error;
   EXPECT_GT(ok.load(), 30);
-  EXPECT_NE(ReadAll(clog_).find("failed analysis"), std::string::npos);
+  EXPECT_NE(ReadFile(clog_).find("failed analysis"), std::string::npos);
   out = Ctl("rollout status enc -w");
   EXPECT_EQ(last_rc_, 1) << out;
   EXPECT_NE(out.find("rollout of version 3 failed and was rolled back"), std::string::npos) << out;

@@ -37,21 +37,11 @@ class ControllerTest : public ::testing::Test {
   void Start(const std::vector<std::string>& extra = {}) {
     std::string log = dir_ + "/controller.log";
     std::ofstream(log, std::ios::trunc).close();
-    pid_ = fork();
+    std::vector<std::string> args = {KILN_CONTROLLER_BIN, "--state-dir", dir_ + "/state",
+                                     "--admin-port", "0"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    pid_ = kiln::testing::SpawnLogged(args, log);
     ASSERT_GE(pid_, 0);
-    if (pid_ == 0) {
-      FILE* f = freopen(log.c_str(), "a", stderr);
-      (void)f;
-      dup2(fileno(stderr), fileno(stdout));
-      std::vector<std::string> args = {KILN_CONTROLLER_BIN, "--state-dir", dir_ + "/state",
-                                       "--admin-port", "0"};
-      args.insert(args.end(), extra.begin(), extra.end());
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
     for (int i = 0; i < 200; ++i) {
       std::string text = ReadFile(log);
       size_t at = text.find("admin=http://127.0.0.1:");

@@ -75,23 +75,13 @@ class KubeControllerTest : public ::testing::Test {
     Proc p;
     p.log = dir_ + "/" + id + ".log";
     std::ofstream(p.log, std::ios::trunc).close();
-    p.pid = fork();
+    p.pid = testing::SpawnLogged(
+        {KILN_CONTROLLER_BIN, "--store", "kubernetes", "--kubeconfig", kubeconfig_, "--leader-elect",
+         "--identity", id, "--lease-duration-seconds", "2", "--renew-deadline-seconds", "1.5",
+         "--retry-period-seconds", "0.2", "--observe-seconds", "0", "--admin-port", "0", "--listen",
+         "127.0.0.1:0"},
+        p.log);
     ASSERT_GE(p.pid, 0);
-    if (p.pid == 0) {
-      FILE* f = freopen(p.log.c_str(), "a", stderr);
-      (void)f;
-      dup2(fileno(stderr), fileno(stdout));
-      std::vector<std::string> args = {
-          KILN_CONTROLLER_BIN, "--store", "kubernetes", "--kubeconfig", kubeconfig_,
-          "--leader-elect", "--identity", id, "--lease-duration-seconds", "2",
-          "--renew-deadline-seconds", "1.5", "--retry-period-seconds", "0.2",
-          "--observe-seconds", "0", "--admin-port", "0", "--listen", "127.0.0.1:0"};
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
     ASSERT_TRUE(Eventually([&] { return ReadFile(p.log).find("admin=http://127.0.0.1:") != std::string::npos; }))
         << ReadFile(p.log);
     std::string text = ReadFile(p.log);

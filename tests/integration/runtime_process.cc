@@ -1,5 +1,7 @@
 #include "tests/integration/runtime_process.h"
 
+#include "tests/support/shell.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -19,24 +21,6 @@ std::string MakeTempDir() {
   std::string tmpl = (std::filesystem::temp_directory_path() / "kiln_rt_XXXXXX").string();
   char* d = mkdtemp(tmpl.data());
   return d ? std::string(d) : "";
-}
-
-pid_t Spawn(const std::vector<std::string>& args, const std::string& log_file) {
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  pid_t pid = fork();
-  if (pid == 0) {
-    int fd = open(log_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-      close(fd);
-    }
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  return pid;
 }
 
 }  // namespace
@@ -60,7 +44,7 @@ absl::StatusOr<std::unique_ptr<RuntimeProcess>> RuntimeProcess::Start(Options o)
     args.push_back(o.version);
   }
   args.insert(args.end(), o.extra_args.begin(), o.extra_args.end());
-  p->pid_ = Spawn(args, p->log_file_);
+  p->pid_ = SpawnLogged(args, p->log_file_);
   if (p->pid_ < 0) return absl::InternalError("fork failed");
   p->control_ = v1::RuntimeControl::NewStub(
       grpc::CreateChannel("unix:" + p->socket_, grpc::InsecureChannelCredentials()));
@@ -137,7 +121,7 @@ RunResult RunToCompletion(const std::vector<std::string>& args, absl::Duration t
   RunResult r;
   std::string dir = MakeTempDir();
   std::string log = dir + "/out.log";
-  pid_t pid = Spawn(args, log);
+  pid_t pid = SpawnLogged(args, log);
   absl::Time deadline = absl::Now() + timeout;
   int status = 0;
   bool done = false;

@@ -1,12 +1,16 @@
 #pragma once
 
-// Helpers for tests that drive real binaries: run a command line, read a file whole.
+// Helpers for tests that drive real binaries: start one with its output to a log, run a
+// command line, read a file whole.
+#include <fcntl.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace kiln::testing {
 
@@ -26,6 +30,25 @@ inline ShellResult Shell(const std::string& cmd) {
   int status = pclose(p);
   r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+// Starts args[0] with `args`, its stdout and stderr appended to `log`; returns the pid.
+inline pid_t SpawnLogged(const std::vector<std::string>& args, const std::string& log) {
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
 }
 
 inline std::string ReadFile(const std::string& path) {
