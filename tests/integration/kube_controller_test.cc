@@ -51,10 +51,7 @@ class KubeControllerTest : public ::testing::Test {
     dir_ = (fs::temp_directory_path() / ("kiln-kctl-" + std::to_string(getpid()))).string();
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    std::ifstream in(fs::path(KILN_SOURCE_DIR) / "manifests/crd.yaml");
-    std::stringstream ss;
-    ss << in.rdbuf();
-    api_ = std::make_unique<FakeKubeApi>(*CrdSchema::FromCrd(YamlDocumentsToJson(ss.str(), "crd")->at(0), "v1alpha1"));
+    api_ = std::make_unique<FakeKubeApi>();
     kubeconfig_ = dir_ + "/kubeconfig";
     std::ofstream(kubeconfig_) << "apiVersion: v1\nkind: Config\ncurrent-context: t\n"
                                   "clusters: [{name: c, cluster: {server: \"" << api_->url() << "\"}}]\n"

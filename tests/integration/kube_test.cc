@@ -21,14 +21,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using testing::FakeKubeApi;
 
-CrdSchema Schema() {
-  std::ifstream in(fs::path(KILN_SOURCE_DIR) / "manifests/crd.yaml");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto docs = YamlDocumentsToJson(ss.str(), "crd.yaml");
-  return *CrdSchema::FromCrd(docs->at(0), "v1alpha1");
-}
-
 // Polls `pred` every 5 ms for up to 10 s.
 template <typename F>
 bool Eventually(F pred) {
@@ -51,7 +43,7 @@ std::string Spec(int replicas, const std::string& version = "1") {
 class KubeStoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    api_ = std::make_unique<FakeKubeApi>(Schema());
+    api_ = std::make_unique<FakeKubeApi>();
     config_.server = api_->url();
     config_.token = "test-token";
     config_.ns = "kiln";
@@ -238,7 +230,7 @@ TEST(KubeStoreOpenTest, AnUnreachableApiFailsOpenWithinTheSyncTimeout) {
 }
 
 TEST(KubeStoreOpenTest, AWrongTokenIsRefusedAtOnce) {
-  FakeKubeApi api(Schema());
+  FakeKubeApi api;
   KubeConfig c;
   c.server = api.url();
   c.token = "wrong";
@@ -308,7 +300,7 @@ TEST_F(KubeConfigTest, AKubeconfigContextGivesServerCaTokenAndNamespace) {
 class LeaderElectionTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    api_ = std::make_unique<FakeKubeApi>(Schema());
+    api_ = std::make_unique<FakeKubeApi>();
     KubeConfig c;
     c.server = api_->url();
     c.token = "test-token";

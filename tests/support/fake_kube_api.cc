@@ -11,6 +11,7 @@
 
 #include "absl/time/clock.h"
 #include "controller/model_deployment.h"
+#include "tests/support/shell.h"
 
 namespace kiln::testing {
 
@@ -94,7 +95,20 @@ std::string FakeKubeApi::Leases(const std::string& ns) {
   return "/apis/coordination.k8s.io/v1/namespaces/" + ns + "/leases";
 }
 
-FakeKubeApi::FakeKubeApi(CrdSchema schema) : schema_(std::move(schema)) {
+namespace {
+
+CrdSchema RepositoryCrdSchema() {
+  const std::string path = std::string(KILN_SOURCE_DIR) + "/manifests/crd.yaml";
+  auto docs = YamlDocumentsToJson(ReadFile(path), path);
+  if (!docs.ok() || docs->empty()) throw std::runtime_error(path + ": no CRD in it");
+  auto schema = CrdSchema::FromCrd(docs->at(0), "v1alpha1");
+  if (!schema.ok()) throw std::runtime_error(path + ": " + std::string(schema.status().message()));
+  return *schema;
+}
+
+}  // namespace
+
+FakeKubeApi::FakeKubeApi() : schema_(RepositoryCrdSchema()) {
   listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
   int one = 1;
   ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));

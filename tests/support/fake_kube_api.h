@@ -24,7 +24,8 @@ namespace kiln::testing {
 
 class FakeKubeApi {
  public:
-  explicit FakeKubeApi(CrdSchema schema);
+  // Validates ModelDeployments against the repository's manifests/crd.yaml.
+  FakeKubeApi();
   ~FakeKubeApi();
 
   int port() const { return port_; }
