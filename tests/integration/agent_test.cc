@@ -28,6 +28,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/requests.h"
 #include "tests/support/shell.h"
 
 namespace kiln {
@@ -175,16 +176,7 @@ class AgentTest : public ::testing::Test {
   grpc::Status Infer(int port, std::string* version = nullptr, const std::string& user = "") {
     auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
         "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
-    inference::ModelInferRequest req;
-    req.set_model_name("encoder");
-    for (const char* name : {"input_ids", "attention_mask"}) {
-      auto* in = req.add_inputs();
-      in->set_name(name);
-      in->set_datatype("INT64");
-      in->add_shape(1);
-      in->add_shape(4);
-      for (int k = 0; k < 4; ++k) in->mutable_contents()->add_int64_contents(1 + k);
-    }
+    inference::ModelInferRequest req = kiln::testing::EncoderRequest();
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     if (!user.empty()) ctx.AddMetadata("x-user-id", user);

@@ -25,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/requests.h"
 #include "tests/support/shell.h"
 
 namespace {
@@ -169,19 +170,7 @@ class ClusterTest : public ::testing::Test {
     auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
         "127.0.0.1:" + std::to_string(router ? router : router_grpc_),
         grpc::InsecureChannelCredentials()));
-    inference::ModelInferRequest req;
-    req.set_model_name("encoder");
-    for (const char* name : {"input_ids", "attention_mask"}) {
-      auto* in = req.add_inputs();
-      in->set_name(name);
-      in->set_datatype("INT64");
-      in->add_shape(1);
-      in->add_shape(4);
-      for (int k = 0; k < 4; ++k) {
-        in->mutable_contents()->add_int64_contents(
-            std::string(name) == "input_ids" && k == 0 ? first_token : 1 + k);
-      }
-    }
+    inference::ModelInferRequest req = kiln::testing::EncoderRequest(first_token);
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     inference::ModelInferResponse resp;
@@ -386,20 +375,7 @@ TEST_F(ClusterTest, AutoscalesOnRequestsInFlight) {
   auto slow_request = [this]() {
     auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
         "127.0.0.1:" + std::to_string(router_grpc_), grpc::InsecureChannelCredentials()));
-    inference::ModelInferRequest req;
-    req.set_model_name("slow");
-    auto* x = req.add_inputs();
-    x->set_name("x");
-    x->set_datatype("FP32");
-    x->add_shape(1);
-    x->add_shape(1);
-    x->mutable_contents()->add_fp32_contents(1.0f);
-    auto* w = req.add_inputs();
-    w->set_name("work");
-    w->set_datatype("INT64");
-    w->add_shape(1);
-    w->add_shape(1);
-    w->mutable_contents()->add_int64_contents(2000);  // about a third of a second
+    inference::ModelInferRequest req = kiln::testing::SlowRequest(2000);  // about a third of a second
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
     inference::ModelInferResponse resp;

@@ -19,6 +19,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/runtime_process.h"
+#include "tests/support/requests.h"
 
 namespace kiln {
 namespace {
@@ -378,24 +379,7 @@ TEST(RuntimeTest, BadRequestsGetClearErrorsAndTheServerKeepsServing) {
   EXPECT_EQ(state->state(), v1::SERVING);
 }
 
-inference::ModelInferRequest SlowRequest(int64_t work, int64_t timeout_us = 0) {
-  inference::ModelInferRequest req;
-  req.set_model_name("slow");
-  auto* x = req.add_inputs();
-  x->set_name("x");
-  x->set_datatype("FP32");
-  x->add_shape(1);
-  x->add_shape(1);
-  x->mutable_contents()->add_fp32_contents(3.0f);
-  auto* w = req.add_inputs();
-  w->set_name("work");
-  w->set_datatype("INT64");
-  w->add_shape(1);
-  w->add_shape(1);
-  w->mutable_contents()->add_int64_contents(work);
-  if (timeout_us > 0) (*req.mutable_parameters())["timeout"].set_int64_param(timeout_us);
-  return req;
-}
+using kiln::testing::SlowRequest;
 
 v1::RuntimeStats Stats(RuntimeProcess* rt) {
   grpc::ClientContext ctx;
