@@ -4,10 +4,10 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <CLI/CLI.hpp>
 #include <filesystem>
 
 #include "agent/agent.h"
+#include "common/cli.h"
 #include "common/logging.h"
 
 namespace {
@@ -29,7 +29,6 @@ int main(int argc, char** argv) {
   std::error_code ec;
   auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
   o.runtime_binary = ec ? "kiln-runtime" : (self.parent_path() / "kiln-runtime").string();
-  std::string log_level = "info";
   int tick_ms = 100;
   int stop_timeout_ms = 30000;
 
@@ -62,17 +61,8 @@ int main(int argc, char** argv) {
                "and the next agent adopts them)");
   app.add_option("--runtime-log-level", o.runtime_log_level, "Log level for replicas")
       ->capture_default_str();
-  app.add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (auto code = kiln::ParseCommandLine(app, argc, argv)) return *code;
   auto log = kiln::GetLogger("agent.main");
-  if (auto s = kiln::SetLogLevel(log_level); !s.ok()) {
-    log->error("--log-level: {}", std::string(s.message()));
-    return 2;
-  }
   o.tick = absl::Milliseconds(tick_ms);
   o.stop_timeout = absl::Milliseconds(stop_timeout_ms);
 

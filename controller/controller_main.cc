@@ -10,11 +10,11 @@
 #include <cstdlib>
 #include <thread>
 
-#include <CLI/CLI.hpp>
 #include <fstream>
 #include <sstream>
 
 #include "common/clock.h"
+#include "common/cli.h"
 #include "common/logging.h"
 #include "controller/admin_api.h"
 #include "controller/admin_server.h"
@@ -29,7 +29,6 @@ int main(int argc, char** argv) {
   std::string bind = "127.0.0.1";
   int port = 7070;
   std::string token_file;
-  std::string log_level = "info";
   std::string listen = "127.0.0.1:7071";
   double observe_s = 5, not_ready_s = 10, lost_s = 30, stabilization_s = 300;
   std::string store_kind = "sqlite";
@@ -90,17 +89,8 @@ int main(int argc, char** argv) {
                  "Autoscaled deployments scale down only after load stayed low this long")
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
-  app.add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (auto code = kiln::ParseCommandLine(app, argc, argv)) return *code;
   auto log = kiln::GetLogger("controller.main");
-  if (auto s = kiln::SetLogLevel(log_level); !s.ok()) {
-    log->error("--log-level: {}", std::string(s.message()));
-    return 2;
-  }
   std::string token;
   if (!token_file.empty()) {
     std::ifstream in(token_file);

@@ -4,10 +4,10 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <CLI/CLI.hpp>
 
 #include "common/clock.h"
 #include "common/config_node.h"
+#include "common/cli.h"
 #include "common/logging.h"
 #include "common/process_start.h"
 #include "runtime/runtime_server.h"
@@ -43,7 +43,6 @@ int main(int argc, char** argv) {
   // Includes the time the loader spent on LibTorch before main().
   const absl::Time process_start = kiln::ProcessStartTime(absl::Now());
   kiln::RuntimeOptions o;
-  std::string log_level = "info";
   std::string max_request = "64Mi";
   int64_t drain_ms = 30000;
 
@@ -72,18 +71,8 @@ int main(int argc, char** argv) {
   o.warmup_on_promote = parked != nullptr && std::string(parked) == "1";
   app.add_flag("--warmup-on-promote,!--no-warmup-on-promote", o.warmup_on_promote,
                "Run one warm-up inference before a promoted replica is routed");
-  app.add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-
+  if (auto code = kiln::ParseCommandLine(app, argc, argv)) return *code;
   auto log = kiln::GetLogger("runtime.main");
-  if (auto s = kiln::SetLogLevel(log_level); !s.ok()) {
-    log->error("--log-level: {}", std::string(s.message()));
-    return 2;
-  }
   auto max_bytes = kiln::ParseByteSize(max_request, "--max-request-bytes");
   if (!max_bytes.ok()) {
     log->error("{}", std::string(max_bytes.status().message()));

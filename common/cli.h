@@ -1,0 +1,30 @@
+#pragma once
+
+// The command line every kiln binary shares: CLI11 parsing with --log-level applied.
+#include <CLI/CLI.hpp>
+
+#include <optional>
+#include <string>
+
+#include "common/logging.h"
+
+namespace kiln {
+
+// Adds --log-level to `app`, parses the command line and sets the log level. Returns the code
+// to exit with (CLI11's for --help or a bad flag, 2 for a bad level), or nothing to go on.
+inline std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv) {
+  std::string log_level = "info";
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (auto s = SetLogLevel(log_level); !s.ok()) {
+    GetLogger("main")->error("--log-level: {}", std::string(s.message()));
+    return 2;
+  }
+  return std::nullopt;
+}
+
+}  // namespace kiln
