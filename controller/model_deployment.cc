@@ -207,7 +207,7 @@ std::string Num(int64_t v) { return std::to_string(v); }
 std::string RepositoryOf(const ModelRef& m) {
   if (m.uri.rfind("file://", 0) != 0) return "";
   std::string path = m.uri.substr(7);
-  std::string tail = "/" + m.name + "/" + m.version + "/model.pt";
+  std::string tail = "/" + m.name + "/" + m.version + "/" + ModelFileName(m.format);
   if (path.size() <= tail.size() + 1 || path.compare(path.size() - tail.size(), tail.size(), tail) != 0) {
     return "";
   }
@@ -272,13 +272,14 @@ absl::Status ValidateModelDeployment(const ModelDeployment& d) {
                                      "' must be a file:/// path on the nodes (the only scheme "
                                      "supported)");
   }
-  if (RepositoryOf(s.model).empty()) {
-    return Bad("spec.model.uri", "'" + s.model.uri + "' must name REPOSITORY/" + s.model.name +
-                                     "/" + s.model.version +
-                                     "/model.pt (the runtime's model repository layout)");
-  }
   if (s.model.format != "torchscript" && s.model.format != "aotinductor") {
     return Bad("spec.model.format", "must be torchscript or aotinductor, got '" + s.model.format + "'");
+  }
+  if (RepositoryOf(s.model).empty()) {
+    return Bad("spec.model.uri", "'" + s.model.uri + "' must name REPOSITORY/" + s.model.name +
+                                     "/" + s.model.version + "/" + ModelFileName(s.model.format) +
+                                     " (the runtime's model repository layout for format " +
+                                     s.model.format + ")");
   }
   if (!s.model.sha256.empty() &&
       (s.model.sha256.size() != 64 ||

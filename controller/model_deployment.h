@@ -108,7 +108,13 @@ nlohmann::json SpecToJson(const ModelDeploymentSpec& spec);
 std::string EncodeForStore(const ModelDeployment& d);
 absl::StatusOr<ModelDeployment> DecodeFromStore(const std::string& name, const std::string& text);
 
-// The model repository on the nodes a file:///REPO/NAME/VERSION/model.pt uri names ("" when the
+// The file a version directory holds for a model format: model.pt (torchscript) or model.pt2
+// (aotinductor).
+inline std::string ModelFileName(const std::string& format) {
+  return format == "aotinductor" ? "model.pt2" : "model.pt";
+}
+
+// The model repository on the nodes a file:///REPO/NAME/VERSION/model.pt(2) uri names ("" when the
 // uri does not have that shape).
 std::string RepositoryOf(const ModelRef& m);
 // "30s", "1m30s", "500ms", "2h" (Argo Rollouts' duration strings) and their formatting.

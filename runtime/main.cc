@@ -10,6 +10,7 @@
 #include "common/cli.h"
 #include "common/logging.h"
 #include "common/process_start.h"
+#include "runtime/aoti_backend.h"
 #include "runtime/runtime_server.h"
 #include "runtime/torchscript_backend.h"
 
@@ -48,7 +49,7 @@ int main(int argc, char** argv) {
 
   CLI::App app{"kiln-runtime: serves one model version over the Open Inference Protocol v2"};
   app.add_option("--model-repository", o.model_repository,
-                 "Model repository (DIR/NAME/config.yaml, DIR/NAME/V/model.pt)")
+                 "Model repository (DIR/NAME/config.yaml, DIR/NAME/V/model.pt or model.pt2)")
       ->required();
   app.add_option("--model", o.model, "Model name")->required();
   app.add_option("--version", o.version, "Model version (default: the highest numeric one)");
@@ -87,6 +88,7 @@ int main(int argc, char** argv) {
 
   kiln::BackendRegistry backends;
   kiln::RegisterTorchScriptBackend(&backends);
+  kiln::RegisterAotiBackend(&backends);
   kiln::RealClock clock;
 
   auto server = kiln::RuntimeServer::Create(o, &backends, &clock, process_start);

@@ -300,6 +300,10 @@ absl::Status ValidateBuckets(const ModelConfig& c) {
 
 }  // namespace
 
+std::string ModelFileFor(const std::string& backend) {
+  return backend == "aotinductor" ? "model.pt2" : "model.pt";
+}
+
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
                                              const std::string& source) {
   KILN_ASSIGN_OR_RETURN(ConfigNode root, ConfigNode::Parse(yaml_text, source));
@@ -556,7 +560,7 @@ absl::StatusOr<ResolvedModel> ResolveModel(const std::string& repository, const 
     }
     m.version = version;
   }
-  m.model_file = (fs::path(m.model_dir) / m.version / "model.pt").string();
+  m.model_file = (fs::path(m.model_dir) / m.version / ModelFileFor(m.config.backend)).string();
   if (!fs::is_regular_file(m.model_file, ec)) {
     return absl::NotFoundError(m.model_file + ": model file is missing");
   }

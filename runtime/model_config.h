@@ -100,12 +100,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
                                              const std::string& source);
 absl::Status ValidateModelConfig(const ModelConfig& config);
 
-// A model in a Triton-layout repository: DIR/NAME/config.yaml and DIR/NAME/V/model.pt.
+// The file a version directory holds for `backend`: model.pt2 for aotinductor (an
+// AOTInductor package), model.pt for torchscript and anything else.
+std::string ModelFileFor(const std::string& backend);
+
+// A model in a Triton-layout repository: DIR/NAME/config.yaml and DIR/NAME/V/model.pt (or
+// model.pt2, by backend).
 struct ResolvedModel {
   ModelConfig config;
   std::string version;
   std::string model_dir;   // DIR/NAME
-  std::string model_file;  // DIR/NAME/V/model.pt
+  std::string model_file;  // DIR/NAME/V/model.pt or model.pt2
   std::vector<std::string> versions;  // every numeric version present, ascending
 };
 

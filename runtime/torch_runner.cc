@@ -7,11 +7,11 @@ namespace {
 // Forward on the module's device with plain (synchronous) copies.
 class DirectRunner : public TorchRunner {
  public:
-  DirectRunner(torch::jit::Module* module, UnpackFn unpack, RunnerOptions options)
-      : module_(module), unpack_(std::move(unpack)), options_(std::move(options)) {}
+  DirectRunner(ForwardFn forward, RunnerOptions options)
+      : forward_(std::move(forward)), options_(std::move(options)) {}
 
   absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& inputs) override {
-    std::vector<c10::IValue> args;
+    std::vector<at::Tensor> args;
     args.reserve(inputs.size());
     for (const at::Tensor& in : inputs) {
       at::Tensor x = in;
@@ -20,7 +20,7 @@ class DirectRunner : public TorchRunner {
       if (!options_.device.is_cpu()) x = x.to(options_.device, /*non_blocking=*/false);
       args.emplace_back(std::move(x));
     }
-    auto outs = unpack_(module_->forward(std::move(args)));
+    auto outs = forward_(args);
     if (!outs.ok()) return outs.status();
     for (at::Tensor& y : *outs) y = y.to(torch::kCPU).contiguous();
     return outs;
@@ -29,16 +29,14 @@ class DirectRunner : public TorchRunner {
   std::string Describe() const override { return "direct"; }
 
  private:
-  torch::jit::Module* module_;
-  UnpackFn unpack_;
+  ForwardFn forward_;
   RunnerOptions options_;
 };
 
 }  // namespace
 
-std::unique_ptr<TorchRunner> MakeDirectRunner(torch::jit::Module* module, UnpackFn unpack,
-                                              RunnerOptions options) {
-  return std::make_unique<DirectRunner>(module, std::move(unpack), std::move(options));
+std::unique_ptr<TorchRunner> MakeDirectRunner(ForwardFn forward, RunnerOptions options) {
+  return std::make_unique<DirectRunner>(std::move(forward), std::move(options));
 }
 
 }  // namespace kiln

@@ -1,7 +1,7 @@
 #pragma once
 
-// How a loaded TorchScript module is driven on its device. Included only by the LibTorch
-// targets (never together with spdlog or fmt).
+// How a loaded model (TorchScript module or AOTInductor package) is driven on its device.
+// Included only by the LibTorch targets (never together with spdlog or fmt).
 //
 // Two runners: the direct one (any device, plain copies, used on cpu) and the CUDA one (its
 // own stream, pinned reused staging buffers, async copies, CUDA graphs per batch x length
@@ -10,6 +10,7 @@
 
 #include <torch/script.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -29,9 +30,11 @@ inline at::ScalarType RunType(at::ScalarType t, at::ScalarType compute) {
   return IsFloatingType(t) && compute != at::kFloat ? compute : t;
 }
 
-// Turns the module's return value into the output tensors, in config order and config
-// datatypes, still on the module's device.
-using UnpackFn = std::function<absl::StatusOr<std::vector<at::Tensor>>(const c10::IValue&)>;
+// One forward of the model on device tensors (config order, run types), on the current
+// stream: the output tensors in config order and config datatypes, contiguous, still on the
+// device. A backend wraps its module or package in one of these.
+using ForwardFn =
+    std::function<absl::StatusOr<std::vector<at::Tensor>>(const std::vector<at::Tensor>&)>;
 
 struct RunnerInput {
   at::ScalarType dtype = at::kFloat;  // the request's datatype
@@ -62,12 +65,10 @@ class TorchRunner {
   virtual std::string Describe() const = 0;
 };
 
-std::unique_ptr<TorchRunner> MakeDirectRunner(torch::jit::Module* module, UnpackFn unpack,
-                                              RunnerOptions options);
+std::unique_ptr<TorchRunner> MakeDirectRunner(ForwardFn forward, RunnerOptions options);
 
 // FAILED_PRECONDITION in a build whose LibTorch has no CUDA.
-absl::StatusOr<std::unique_ptr<TorchRunner>> MakeCudaRunner(torch::jit::Module* module,
-                                                            UnpackFn unpack,
+absl::StatusOr<std::unique_ptr<TorchRunner>> MakeCudaRunner(ForwardFn forward,
                                                             RunnerOptions options);
 bool CudaRunnerBuiltIn();
 

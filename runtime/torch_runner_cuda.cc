@@ -6,11 +6,12 @@
 // - Inputs are staged through pinned host buffers that grow to the largest request seen and
 //   are reused; host-to-device and device-to-host copies are async on that stream, with one
 //   synchronisation per batch.
-// - With graphs planned, each (batch size, sequence bucket) is run until the TorchScript
-//   executor has settled, then captured into a CUDA graph over static input tensors; all
-//   graphs share one memory pool, the largest captured first. Serving copies a batch into the
-//   static inputs of the smallest graph that holds it (extra rows keep earlier, valid data
-//   and are never read back) and replays it. Shapes without a graph run eagerly.
+// - With graphs planned, each (batch size, sequence bucket) is run until the model has
+//   settled (TorchScript's executor re-optimises on its first runs), then captured into a CUDA
+//   graph over static input tensors; all graphs share one memory pool, the largest captured
+//   first. Serving copies a batch into the static inputs of the smallest graph that holds it
+//   (extra rows keep earlier, valid data and are never read back) and replays it. Shapes
+//   without a graph run eagerly.
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -44,9 +45,8 @@ std::string Fixed(double v, int digits) {
 
 class CudaRunner : public TorchRunner {
  public:
-  CudaRunner(torch::jit::Module* module, UnpackFn unpack, RunnerOptions options)
-      : module_(module),
-        unpack_(std::move(unpack)),
+  CudaRunner(ForwardFn forward, RunnerOptions options)
+      : forward_(std::move(forward)),
         options_(std::move(options)),
         stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false,
                                              options_.device.index())) {
@@ -107,7 +107,7 @@ class CudaRunner : public TorchRunner {
       graph_runs_++;
       return host;
     }
-    std::vector<c10::IValue> args;
+    std::vector<at::Tensor> args;
     args.reserve(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       at::Tensor x = staged[i].to(options_.device, /*non_blocking=*/true);
@@ -115,7 +115,7 @@ class CudaRunner : public TorchRunner {
       if (run != x.scalar_type()) x = x.to(run);
       args.emplace_back(std::move(x));
     }
-    auto outs = unpack_(module_->forward(std::move(args)));
+    auto outs = forward_(args);
     if (!outs.ok()) return outs.status();
     std::vector<at::Tensor> host(outs->size());
     for (size_t i = 0; i < outs->size(); ++i) {
@@ -150,7 +150,7 @@ class CudaRunner : public TorchRunner {
     for (const GraphShape& shape : options_.graphs) {
       auto t_shape = std::chrono::steady_clock::now();
       Graph g;
-      std::vector<c10::IValue> args;
+      std::vector<at::Tensor> args;
       // Every forward and the capture take the lock on their own, never ahead of a batch that
       // waits for it (std::mutex is not fair: relocking at once would starve serving), so a
       // request waits at most one forward of the shape being captured.
@@ -174,12 +174,12 @@ class CudaRunner : public TorchRunner {
           g.inputs.push_back(at::full(sizes, in.fill,
                                       at::TensorOptions().dtype(type).device(options_.device)));
         }
-        args.assign(g.inputs.begin(), g.inputs.end());
+        args = g.inputs;
         return absl::OkStatus();
       });
       if (!st.ok()) return st.code() == absl::StatusCode::kCancelled ? st : Shape(shape, st);
       for (int64_t k = 0; k < options_.graph_warmup_iterations; ++k) {
-        st = step([&]() { return unpack_(module_->forward(args)).status(); });
+        st = step([&]() { return forward_(args).status(); });
         if (!st.ok()) return st.code() == absl::StatusCode::kCancelled ? st : Shape(shape, st);
       }
       warm_ms += MillisSince(t_shape);
@@ -189,7 +189,7 @@ class CudaRunner : public TorchRunner {
         g.graph->capture_begin(pool_, cudaStreamCaptureModeThreadLocal);
         absl::StatusOr<std::vector<at::Tensor>> outs;
         try {
-          outs = unpack_(module_->forward(args));
+          outs = forward_(args);
         } catch (...) {
           try {
             g.graph->capture_end();
@@ -275,8 +275,7 @@ class CudaRunner : public TorchRunner {
     return Grow(out_staging_[i], bytes);
   }
 
-  torch::jit::Module* module_;
-  UnpackFn unpack_;
+  ForwardFn forward_;
   RunnerOptions options_;
   c10::cuda::CUDAStream stream_;
   int seq_input_ = -1;
@@ -296,15 +295,14 @@ class CudaRunner : public TorchRunner {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<TorchRunner>> MakeCudaRunner(torch::jit::Module* module,
-                                                            UnpackFn unpack,
+absl::StatusOr<std::unique_ptr<TorchRunner>> MakeCudaRunner(ForwardFn forward,
                                                             RunnerOptions options) {
   if (!options.device.is_cuda()) {
     return absl::InvalidArgumentError("the cuda runner needs a cuda device, got " +
                                       options.device.str());
   }
   return std::unique_ptr<TorchRunner>(
-      new CudaRunner(module, std::move(unpack), std::move(options)));
+      new CudaRunner(std::move(forward), std::move(options)));
 }
 
 bool CudaRunnerBuiltIn() { return true; }

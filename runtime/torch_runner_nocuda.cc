@@ -3,8 +3,7 @@
 
 namespace kiln {
 
-absl::StatusOr<std::unique_ptr<TorchRunner>> MakeCudaRunner(torch::jit::Module*, UnpackFn,
-                                                            RunnerOptions options) {
+absl::StatusOr<std::unique_ptr<TorchRunner>> MakeCudaRunner(ForwardFn, RunnerOptions options) {
   return absl::FailedPreconditionError(
       "device " + options.device.str() +
       ": this kiln-runtime was built against a LibTorch without CUDA (build with a CUDA "

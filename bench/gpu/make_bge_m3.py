@@ -9,6 +9,13 @@ repository:
     OUT/bge_m3/1/model.pt             fp16 TorchScript (about 1.1 GB), traced on the GPU
     OUT/bge_m3/weights_fp16.pt        the same weights as a state dict, for the fp32 reference
 
+With --aoti-out DIR it also exports the same module with torch.export (batch 1..128 and
+length 2..8192 dynamic) and compiles it with AOTInductor into a second repository:
+
+    DIR/bge_m3/config.yaml            the same config with backend: aotinductor
+    DIR/bge_m3/1/model.pt2            the AOTInductor package (kernels + fp16 weights)
+    DIR/bge_m3/weights_fp16.pt        a link to the state dict above
+
 The traced module takes input_ids and attention_mask (INT64 [batch, length]) and returns the
 dense embedding bge-m3 serves: the L2-normalised hidden state of the first token.
 
@@ -56,6 +63,24 @@ class DenseEmbedding(torch.nn.Module):
         return torch.nn.functional.normalize(cls.float(), dim=-1)
 
 
+class DenseEmbeddingExport(DenseEmbedding):
+    """The same computation for torch.export: the padding mask goes in already broadcastable
+    ([batch, 1, 1, length], additive), so no mask-building code broadcasts the batch size against 1
+    (export would then refuse batch 1)."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # The two inputs share their sizes: said before any op broadcasts one against the
+        # other, so export unifies the sizes instead of guarding that the batch is not 1.
+        torch._check(attention_mask.size(0) == input_ids.size(0))
+        torch._check(attention_mask.size(1) == input_ids.size(1))
+        # Additive, as the spelled-out attention adds it to the scores (0 keep, -inf-ish drop).
+        keep = attention_mask[:, None, None, :].to(self.encoder.dtype)
+        mask4 = (1.0 - keep) * torch.finfo(self.encoder.dtype).min
+        out = self.encoder(input_ids=input_ids, attention_mask=mask4, return_dict=False)
+        cls = out[0][:, 0]
+        return torch.nn.functional.normalize(cls.float(), dim=-1)
+
+
 CONFIG = """name: bge_m3
 backend: torchscript
 max_batch_size: 128
@@ -86,6 +111,90 @@ warmup:
 """
 
 
+AOTI_CONFIG = CONFIG.replace("backend: torchscript", "backend: aotinductor").replace(
+    "  jit_optimize: false\n  freeze: false\n", "").replace(
+    "    warmup_iterations: 2\n", "    warmup_iterations: 1\n")
+
+
+def export_aoti(wrapped, out, weights, gen, dev):
+    """torch.export + AOTInductor -> OUT/bge_m3/1/model.pt2, checked against eager."""
+    import torch._inductor
+    from torch.export import Dim
+
+    root = os.path.join(out, "bge_m3")
+    os.makedirs(os.path.join(root, "1"), exist_ok=True)
+    t0 = time.time()
+    batch = Dim("batch", min=1, max=128)
+    seq = Dim("seq", min=2, max=8192)
+    ex_ids, ex_mask = random_inputs(2, 64, gen, dev)
+    ex_mask[0, 40:] = 0
+    from torch.fx.experimental import _config as fx_config
+
+    # Size-oblivious shapes: without it export assumes every dynamic size is >= 2 and the
+    # package refuses batch 1.
+    # SDPA's kernel choice guards on batch == 1 under symbolic sizes, which makes export refuse
+    # batch 1: the exported graph spells attention out (HF "eager", softmax in fp32) and
+    # Inductor fuses it.
+    try:
+        wrapped.encoder.set_attn_implementation("eager")
+    except Exception:  # older transformers
+        wrapped.encoder.config._attn_implementation = "eager"
+    exportable = DenseEmbeddingExport(wrapped.encoder).eval()
+    with torch.no_grad():
+        a = exportable(ex_ids, ex_mask)
+        b = wrapped(ex_ids, ex_mask)
+        print(f"4-d mask wrapper vs the traced one: max err {(a - b).abs().max().item():.2e}")
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+        ep = torch.export.export(
+            exportable, (ex_ids, ex_mask),
+            dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
+            strict=False)
+    print("exported range constraints:", ep.range_constraints, flush=True)
+    with torch.no_grad():
+        t1 = time.time()
+        path = os.path.join(root, "1", "model.pt2")
+        configs = {"aot_inductor.metadata": {"kiln.precision": "fp16"}}
+        # Compiled with the same size-oblivious shapes, or Inductor assumes batch >= 2 again.
+        with fx_config.patch(backed_size_oblivious=True):
+            torch._inductor.aoti_compile_and_package(ep, package_path=path,
+                                                     inductor_configs=configs)
+        t2 = time.time()
+    with open(os.path.join(root, "config.yaml"), "w") as f:
+        f.write(AOTI_CONFIG)
+    link = os.path.join(root, "weights_fp16.pt")
+    if not os.path.exists(link):
+        os.symlink(os.path.abspath(weights), link)
+    # The package against eager, in a child process: a crash there (seen with PyTorch 2.11's
+    # Python loader, while kiln's C++ loader serves the same file) is reported, not fatal;
+    # check_bge_m3.py checks what kiln serves.
+    import subprocess
+    import sys
+
+    rc = subprocess.call([sys.executable, os.path.abspath(__file__), "--out", os.path.dirname(
+        os.path.dirname(weights)), "--aoti-out", out, "--aoti-check"])
+    print(f"python-side package check: {'passed' if rc == 0 else f'FAILED (exit {rc})'}")
+    size = os.path.getsize(path)
+    print(f"bge_m3 aotinductor: {size / 1e9:.2f} GB package; export {t1 - t0:.1f} s, "
+          f"compile {t2 - t1:.1f} s, check {time.time() - t2:.1f} s -> {root}")
+
+
+def check_aoti(wrapped, out, gen, dev):
+    """The package in OUT against the eager module on fresh shapes, batch 1 included."""
+    import torch._inductor
+
+    path = os.path.join(out, "bge_m3", "1", "model.pt2")
+    with torch.no_grad():
+        runner = torch._inductor.aoti_load_package(path)
+        for rows, length in [(3, 300), (5, 1024), (1, 7), (1, 8192)]:
+            ids, mask = random_inputs(rows, length, gen, dev)
+            a = runner(ids, mask)
+            b = wrapped(ids, mask)
+            err = (a - b).abs().max().item()
+            print(f"package vs eager at {rows}x{length}: max err {err:.2e}", flush=True)
+            if not err < 1e-2:
+                raise SystemExit(f"the AOTInductor package is off at {rows}x{length}: max err {err}")
+
+
 def random_inputs(rows, length, gen, device):
     ids = torch.randint(5, 250000, (rows, length), generator=gen).to(device)
     mask = torch.ones(rows, length, dtype=torch.int64)
@@ -101,16 +210,33 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=20261122)
     ap.add_argument("--config-only", action="store_true", help="rewrite config.yaml only")
+    ap.add_argument("--aoti-out", help="also export an AOTInductor package into this repository")
+    ap.add_argument("--aoti-only", action="store_true",
+                    help="only the AOTInductor export, from the weights already in --out")
+    ap.add_argument("--aoti-check", action="store_true",
+                    help="only check the package in --aoti-out against eager")
     args = ap.parse_args()
     if args.config_only:
         with open(os.path.join(args.out, "bge_m3", "config.yaml"), "w") as f:
             f.write(CONFIG)
+        if args.aoti_out and os.path.isdir(os.path.join(args.aoti_out, "bge_m3")):
+            with open(os.path.join(args.aoti_out, "bge_m3", "config.yaml"), "w") as f:
+                f.write(AOTI_CONFIG)
         return
     dev = torch.device("cuda:0")
     t0 = time.time()
     model = build_model(args.seed, dev).half()
     wrapped = DenseEmbedding(model).eval()
     root = os.path.join(args.out, "bge_m3")
+    weights = os.path.join(root, "weights_fp16.pt")
+    if args.aoti_only or args.aoti_check:
+        model.load_state_dict(torch.load(weights, map_location=dev))
+    if args.aoti_check:
+        check_aoti(wrapped, args.aoti_out, torch.Generator().manual_seed(3), dev)
+        return
+    if args.aoti_only:
+        export_aoti(wrapped, args.aoti_out, weights, torch.Generator().manual_seed(2), dev)
+        return
     os.makedirs(os.path.join(root, "1"), exist_ok=True)
     gen = torch.Generator().manual_seed(1)
     # A mask with padding while tracing, so no all-ones shortcut is baked into the trace.
@@ -127,11 +253,13 @@ def main():
             if not err < 1e-2:
                 raise SystemExit(f"trace does not generalise at {rows}x{length}: max err {err}")
     traced.save(os.path.join(root, "1", "model.pt"))
-    torch.save(model.state_dict(), os.path.join(root, "weights_fp16.pt"))
+    torch.save(model.state_dict(), weights)
     with open(os.path.join(root, "config.yaml"), "w") as f:
         f.write(CONFIG)
     size = os.path.getsize(os.path.join(root, "1", "model.pt"))
     print(f"bge_m3: {size / 1e9:.2f} GB fp16 TorchScript in {time.time() - t0:.1f} s -> {root}")
+    if args.aoti_out:
+        export_aoti(wrapped, args.aoti_out, weights, gen, dev)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,13 @@
 # 4. correctness: check_bge_m3.py against an fp32 reference on fresh random inputs;
 # 5. the served path: batch 1 at 512 and 4096 tokens (closed loop, one in flight) and
 #    128-token queries open loop at RATES, all gRPC with raw tensors;
-# 6. the PyTorch anchors re-measured in the same run (pytorch_anchors.py).
+# 6. the PyTorch anchors re-measured in the same run (pytorch_anchors.py);
+# 7. (step aoti) the same model exported with torch.export and compiled by AOTInductor
+#    (MODELS_AOTI, made by make_bge_m3.py --aoti-out in step model): one cold start, the
+#    correctness check and the served path, through kiln's aotinductor backend.
 #
 # Environment: OUT (results dir, default /tmp/kiln-gpu-out), MODELS (/tmp/gpu-models),
+# MODELS_AOTI (/tmp/gpu-models-aoti),
 # RATES ("4000 4800 5600"), DURATION_S (10), STEPS ("build model cold check served anchors"),
 # ANCHOR_ARGS ("--compile"), RUNTIME_ARGS (extra kiln-runtime flags).
 set -uo pipefail
@@ -22,6 +26,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-/tmp/kiln-gpu-out}
 MODELS=${MODELS:-/tmp/gpu-models}
+MODELS_AOTI=${MODELS_AOTI:-/tmp/gpu-models-aoti}
 RATES=${RATES:-4000 4800 5600}
 DURATION_S=${DURATION_S:-10}
 STEPS=${STEPS:-build model cold check served anchors}
@@ -58,11 +63,19 @@ if has build; then
   ) &
   build_pid=$!
 fi
+AOTI_ARGS=()
+has aoti && AOTI_ARGS=(--aoti-out "$MODELS_AOTI")
 if has model && [[ ! -f $MODELS/bge_m3/1/model.pt ]]; then
   log "making the model"
-  python3 bench/gpu/make_bge_m3.py --out "$MODELS" 2>&1 | tee "$OUT/make_model.log" | tail -3 >&2
+  python3 bench/gpu/make_bge_m3.py --out "$MODELS" "${AOTI_ARGS[@]}" 2>&1 |
+    tee "$OUT/make_model.log" | tail -3 >&2
+elif has model && has aoti && [[ ! -f $MODELS_AOTI/bge_m3/1/model.pt2 ]]; then
+  log "exporting the AOTInductor package"
+  python3 bench/gpu/make_bge_m3.py --out "$MODELS" "${AOTI_ARGS[@]}" --aoti-only 2>&1 |
+    tee "$OUT/make_model.log" | tail -3 >&2
 fi
-[[ -f $MODELS/bge_m3/1/model.pt ]] && python3 bench/gpu/make_bge_m3.py --out "$MODELS" --config-only
+[[ -f $MODELS/bge_m3/1/model.pt ]] &&
+  python3 bench/gpu/make_bge_m3.py --out "$MODELS" "${AOTI_ARGS[@]}" --config-only
 # $1: jit_optimize, $2: freeze, $3: warm-up iterations of the config's sample
 set_jit() {
   sed -i -e "s/jit_optimize: .*/jit_optimize: $1/" -e "s/freeze: .*/freeze: $2/" \
@@ -88,11 +101,11 @@ HTTP=127.0.0.1:18000
 SOCK=/tmp/kiln-gpu.sock
 
 rt_pid=
-start_runtime() {  # $1 = initial state
+start_runtime() {  # $1 = initial state, $2 = repository (default $MODELS)
   rm -f "$SOCK"
   T0=$(date +%s%6N)
   # shellcheck disable=SC2086
-  "$RT" --model-repository "$MODELS" --model bge_m3 --grpc-port 18001 --http-port 18000 \
+  "$RT" --model-repository "${2:-$MODELS}" --model bge_m3 --grpc-port 18001 --http-port 18000 \
     --control-socket "$SOCK" --initial-state "$1" ${RUNTIME_ARGS:-} \
     >>"$OUT/runtime.log" 2>&1 &
   rt_pid=$!
@@ -148,24 +161,55 @@ if has check; then
   log "correctness"
   python3 bench/gpu/check_bge_m3.py --repo "$MODELS" --http "$HTTP" 2>&1 | tee "$OUT/check.log" >&2
 fi
-if has served; then
-  run_lg() {  # name, args...
-    local name=$1
-    shift
-    timeout 120 "$LG" --target grpc --raw --address "$GRPC" --model bge_m3 --json \
-      --duration-s "$DURATION_S" --warmup-s 2 "$@" >"$OUT/lg_$name.json" 2>"$OUT/lg_$name.err"
-    log "$name: $(cat "$OUT/lg_$name.json")"
-  }
-  run_lg b1_512 --mode closed --concurrency 1 --seq-len 512 --batch 1
-  run_lg b1_4096 --mode closed --concurrency 1 --seq-len 4096 --batch 1
-  run_lg b1_128 --mode closed --concurrency 1 --seq-len 128 --batch 1
-  run_lg b1_32 --mode closed --concurrency 1 --seq-len 32 --batch 1
+run_lg() {  # name, args...
+  local name=$1
+  shift
+  timeout 120 "$LG" --target grpc --raw --address "$GRPC" --model bge_m3 --json \
+    --duration-s "$DURATION_S" --warmup-s 2 "$@" >"$OUT/lg_$name.json" 2>"$OUT/lg_$name.err"
+  log "$name: $(cat "$OUT/lg_$name.json")"
+}
+serve_suite() {  # $1 = name prefix
+  run_lg "$1b1_512" --mode closed --concurrency 1 --seq-len 512 --batch 1
+  run_lg "$1b1_4096" --mode closed --concurrency 1 --seq-len 4096 --batch 1
+  run_lg "$1b1_128" --mode closed --concurrency 1 --seq-len 128 --batch 1
+  run_lg "$1b1_32" --mode closed --concurrency 1 --seq-len 32 --batch 1
   for r in $RATES; do
-    run_lg "open128_$r" --mode open --rate "$r" --max-in-flight 4096 --seq-len 128 --batch 1 \
+    run_lg "$1open128_$r" --mode open --rate "$r" --max-in-flight 4096 --seq-len 128 --batch 1 \
       --grpc-threads 4
   done
-  curl -s "http://$HTTP/metrics" >"$OUT/metrics.txt" 2>/dev/null
+  curl -s "http://$HTTP/metrics" >"$OUT/$1metrics.txt" 2>/dev/null
+}
+if has served; then
+  serve_suite ""
   stop_runtime
+fi
+stop_runtime
+if has aoti && [[ -f $MODELS_AOTI/bge_m3/1/model.pt2 ]]; then
+  log "aotinductor: cold start"
+  prep_before=$(grep -c "device preparation" "$OUT/runtime.log" 2>/dev/null)
+  start_runtime warm "$MODELS_AOTI"
+  timeout 120 "$PROBE" --socket "$SOCK" --wait-state WARM --since-unix-us "$T0" --promote \
+    --model bge_m3 --seq-len 128 --timeout-s 100 --json >"$OUT/aoti_cold.json" 2>>"$OUT/probe.log"
+  log "aotinductor cold start: $(cat "$OUT/aoti_cold.json")"
+  grep "\] loaded /" "$OUT/runtime.log" | tail -1 | tee -a "$OUT/summary.txt" >&2
+  if ! kill -0 "$rt_pid" 2>/dev/null; then
+    log "aotinductor: the runtime exited"
+    tail -5 "$OUT/runtime.log" >&2
+  fi
+  for _ in $(seq 1 600); do
+    kill -0 "$rt_pid" 2>/dev/null || break
+    [[ $(grep -c "device preparation" "$OUT/runtime.log") -gt $prep_before ]] && break
+    kill -0 "$rt_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  grep "device preparation" "$OUT/runtime.log" | tail -1 | tee -a "$OUT/summary.txt" >&2
+  log "aotinductor: correctness"
+  python3 bench/gpu/check_bge_m3.py --repo "$MODELS_AOTI" --http "$HTTP" 2>&1 |
+    tee "$OUT/aoti_check.log" >&2
+  kill -0 "$rt_pid" 2>/dev/null && serve_suite aoti_
+  stop_runtime
+elif has aoti; then
+  log "aotinductor: no package in $MODELS_AOTI (see make_model.log)"
 fi
 if has anchors; then
   log "pytorch anchors"

@@ -8,6 +8,7 @@
 #include "nlohmann/json.hpp"
 #include "runtime/batcher.h"
 #include "runtime/model_config.h"
+#include "runtime/aoti_backend.h"
 #include "runtime/torchscript_backend.h"
 
 namespace kiln {
@@ -178,6 +179,28 @@ TEST_F(BrokenModelTest, CorruptFileFailsCleanly) {
   EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
   auto e = CreateTorchScriptBackend(config_, Write("empty.pt", ""), {});
   EXPECT_FALSE(e.ok());
+}
+
+TEST_F(BrokenModelTest, AotInductorPackagesNeedTheLoader) {
+  ModelConfig aoti = config_;
+  aoti.backend = "aotinductor";
+  auto s = CreateAotiBackend(aoti, Write("model.pt2", "this is not a package"), {});
+  ASSERT_FALSE(s.ok());
+  if (!AotiBackendBuiltIn()) {
+    // Debian's LibTorch 1.13: the backend is registered but says why it cannot load.
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
+    EXPECT_NE(s.status().message().find("backend: aotinductor"), std::string::npos) << s.status();
+    EXPECT_NE(s.status().message().find("PyTorch 2.6"), std::string::npos) << s.status();
+  } else {
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+    EXPECT_NE(s.status().message().find("not a loadable AOTInductor package"), std::string::npos)
+        << s.status();
+  }
+  BackendRegistry registry;
+  RegisterAotiBackend(&registry);
+  auto r = registry.Create(aoti, (dir_ / "nope.pt2").string(), {});
+  EXPECT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message().find("not a registered backend"), std::string::npos) << r.status();
 }
 
 TEST_F(BrokenModelTest, MissingFileIsNotFound) {

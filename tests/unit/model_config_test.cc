@@ -363,6 +363,26 @@ TEST_F(ResolveModelTest, PicksTheHighestNumericVersion) {
   EXPECT_EQ(two->model_file, (dir_ / "enc/2/model.pt").string());
 }
 
+TEST_F(ResolveModelTest, AnAotInductorModelIsAPackage) {
+  std::string text = kValid;
+  size_t at = text.find("backend: torchscript");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at, std::string("backend: torchscript").size(), "backend: aotinductor");
+  std::ofstream(dir_ / "enc/config.yaml") << text;
+  AddVersion("1");  // model.pt only: not what this backend serves
+  auto missing = ResolveModel(dir_.string(), "enc", "1");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("enc/1/model.pt2: model file is missing"),
+            std::string::npos)
+      << missing.status();
+  std::ofstream(dir_ / "enc/1/model.pt2") << "x";
+  auto m = ResolveModel(dir_.string(), "enc", "");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->config.backend, "aotinductor");
+  EXPECT_EQ(m->model_file, (dir_ / "enc/1/model.pt2").string());
+  EXPECT_EQ(ModelFileFor("torchscript"), "model.pt");
+}
+
 TEST_F(ResolveModelTest, ErrorsNameTheProblem) {
   EXPECT_NE(ResolveModel(dir_.string(), "enc", "").status().message().find("no numeric version"),
             std::string::npos);

@@ -68,6 +68,16 @@ TEST(ModelDeploymentTest, MinimalDocumentTakesDefaults) {
   EXPECT_EQ(d->spec.rollout.max_unavailable, 0);
 }
 
+TEST(ModelDeploymentTest, AnAotInductorPackageIsAModelPt2) {
+  auto d = ParseModelDeployment(R"({"apiVersion": "serving.kiln.dev/v1alpha1",
+      "kind": "ModelDeployment", "metadata": {"name": "enc"},
+      "spec": {"model": {"name": "encoder", "version": "1", "format": "aotinductor",
+                         "uri": "file:///m/encoder/1/model.pt2"}}})",
+                                "request body");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(RepositoryOf(d->spec.model), "/m");
+}
+
 TEST(ModelDeploymentTest, CanonicalJsonRoundTripsAndIgnoresSpelling) {
   auto a = ParseModelDeployment(kFull, "a.yaml");
   ASSERT_TRUE(a.ok()) << a.status();
@@ -148,6 +158,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"uri: \"file:///models/embedder/2/model.pt\"", "uri: \"s3://bucket/model.pt\"", "spec.model.uri"},
         BadCase{"uri: \"file:///models/embedder/2/model.pt\"", "uri: \"file:///models/embedder/3/model.pt\"", "spec.model.uri: 'file:///models/embedder/3/model.pt' must name REPOSITORY/embedder/2/model.pt"},
         BadCase{"format: torchscript", "format: onnx", "spec.model.format: must be torchscript or aotinductor"},
+        BadCase{"format: torchscript", "format: aotinductor", "spec.model.uri: 'file:///models/embedder/2/model.pt' must name REPOSITORY/embedder/2/model.pt2"},
         BadCase{"sha256: \"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef\"", "sha256: \"xyz\"", "spec.model.sha256: must be 64 hex digits"},
         BadCase{"replicas: 3", "replicas: -1", "spec.replicas: must be in 0..10000"},
         BadCase{"replicas: 3", "replicas: three", "spec.replicas"},
