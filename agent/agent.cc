@@ -90,6 +90,14 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
     return absl::InvalidArgumentError(
         "--controller: give either --assignment-file or --controller, not both");
   }
+  if (o.controller_tls.any() || !o.controller_server_name.empty()) {
+    if (o.controller.empty()) {
+      return absl::InvalidArgumentError(
+          (o.controller_tls.any() ? o.controller_tls.ca_flag : std::string("--controller-server-name")) +
+          ": only with --controller");
+    }
+    KILN_RETURN_IF_ERROR(MakeChannelCredentials(o.controller_tls).status());
+  }
   if (o.tick < absl::Milliseconds(10) || o.tick > absl::Seconds(10)) {
     return absl::InvalidArgumentError("--tick-ms: must be in 10..10000");
   }
@@ -252,7 +260,12 @@ absl::Status Agent::Start() {
       return ApplyRoutingFromController(t);
     };
     hooks.log = [](const std::string& s) { Log()->info("{}", s); };
-    controller_ = std::make_unique<ControllerClient>(options_.controller, hooks);
+    std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+    if (options_.controller_tls.any()) {
+      KILN_ASSIGN_OR_RETURN(creds, MakeChannelCredentials(options_.controller_tls));
+    }
+    controller_ = std::make_unique<ControllerClient>(options_.controller, hooks, creds,
+                                                     options_.controller_server_name);
     controller_->Start();
   }
   return absl::OkStatus();

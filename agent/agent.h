@@ -14,6 +14,7 @@
 #include "agent/supervisor.h"
 #include "agent/topology.h"
 #include "common/clock.h"
+#include "common/grpc_tls.h"
 
 namespace kiln {
 
@@ -21,6 +22,10 @@ struct AgentOptions {
   std::string node_name;
   std::string assignment_file;  // run alone from this file...
   std::string controller;       // ...or take assignments from this controller (host:port)
+  // TLS to the controller (--controller-ca, --controller-cert, --controller-key): the CA
+  // turns it on; the certificate is this node's identity when the controller requires one.
+  TlsFiles controller_tls;
+  std::string controller_server_name;  // the name the controller's certificate must carry
   std::string state_dir = "/var/lib/kiln/agent";
   std::string runtime_binary;
   std::string sysfs_root = "/sys";

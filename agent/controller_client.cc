@@ -2,9 +2,13 @@
 
 #include <grpcpp/create_channel.h>
 
+#include "common/grpc_status.h"
+
 namespace kiln {
 
-ControllerClient::ControllerClient(std::string address, Hooks hooks, absl::Duration status_period)
+ControllerClient::ControllerClient(std::string address, Hooks hooks,
+                                   std::shared_ptr<grpc::ChannelCredentials> credentials,
+                                   std::string server_name, absl::Duration status_period)
     : address_(std::move(address)), hooks_(std::move(hooks)), status_period_(status_period) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
@@ -12,8 +16,9 @@ ControllerClient::ControllerClient(std::string address, Hooks hooks, absl::Durat
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetMaxReceiveMessageSize(64 << 20);
-  stub_ = v1::ControlPlane::NewStub(
-      grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args));
+  if (!server_name.empty()) args.SetSslTargetNameOverride(server_name);
+  if (!credentials) credentials = grpc::InsecureChannelCredentials();
+  stub_ = v1::ControlPlane::NewStub(grpc::CreateCustomChannel(address_, credentials, args));
 }
 
 ControllerClient::~ControllerClient() { Stop(); }
@@ -70,6 +75,7 @@ bool ControllerClient::Session() {
     ok = stream->Write(reg);
   }
   bool done = false;
+  bool ended_by_controller = true;  // Read() returned false, not a Write() failure of ours
   std::thread status;
   if (ok) {
     {
@@ -106,7 +112,10 @@ bool ControllerClient::Session() {
         continue;  // a message this agent does not know: ignore it (forward compatible)
       }
       absl::MutexLock lock(&write_mu_);
-      if (!stream->Write(reply)) break;
+      if (!stream->Write(reply)) {
+        ended_by_controller = false;
+        break;
+      }
     }
   }
   {
@@ -114,9 +123,13 @@ bool ControllerClient::Session() {
     connected_ = false;
     done = true;
   }
-  ctx.TryCancel();
+  if (!ended_by_controller) ctx.TryCancel();
   if (status.joinable()) status.join();
-  grpc::Status s = stream->Finish();
+  // Why the stream ended (a refused Register, a failed TLS handshake, the controller gone).
+  absl::Status s = FromGrpcStatus(stream->Finish());
+  if (!s.ok() && !absl::IsCancelled(s)) {
+    hooks_.log("controller " + address_ + ": " + s.ToString());
+  }
   {
     absl::MutexLock lock(&mu_);
     ctx_ = nullptr;

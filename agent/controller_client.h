@@ -1,5 +1,7 @@
 #pragma once
 
+#include <grpcpp/security/credentials.h>
+
 #include <functional>
 #include <memory>
 #include <string>
@@ -27,8 +29,12 @@ class ControllerClient {
     std::function<absl::Status(const v1::RoutingTable&)> apply_routing;
     std::function<void(const std::string&)> log;
   };
+  // `credentials`: plaintext by default; TLS ones from MakeChannelCredentials. `server_name`
+  // (optional) is the name the controller's certificate must carry when it differs from the
+  // address's host.
   ControllerClient(std::string address, Hooks hooks,
-                   absl::Duration status_period = absl::Seconds(1));
+                   std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr,
+                   std::string server_name = "", absl::Duration status_period = absl::Seconds(1));
   ~ControllerClient();
 
   void Start();

@@ -38,6 +38,17 @@ int main(int argc, char** argv) {
                  "Run this node alone from a YAML assignment (reloaded on SIGHUP)");
   app.add_option("--controller", o.controller,
                  "Take assignments from kiln-controller at HOST:PORT (kiln.v1.ControlPlane)");
+  o.controller_tls.ca_flag = "--controller-ca";
+  o.controller_tls.cert_flag = "--controller-cert";
+  o.controller_tls.key_flag = "--controller-key";
+  app.add_option("--controller-ca", o.controller_tls.ca,
+                 "PEM CA bundle that signed the controller's certificate (turns TLS on)");
+  app.add_option("--controller-cert", o.controller_tls.cert,
+                 "PEM client certificate naming this node (SAN or CN = --node-name), for a "
+                 "controller that requires one");
+  app.add_option("--controller-key", o.controller_tls.key, "PEM private key of --controller-cert");
+  app.add_option("--controller-server-name", o.controller_server_name,
+                 "Name the controller's certificate must carry (default: --controller's host)");
   app.add_option("--state-dir", o.state_dir, "Replica state, sockets and logs")
       ->capture_default_str();
   app.add_option("--runtime-binary", o.runtime_binary, "kiln-runtime")->capture_default_str();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/grpc_tls.h"
 #include "common/logging.h"
 #include "controller/model_deployment.h"
 #include "controller/placement.h"
@@ -95,6 +96,19 @@ grpc::Status Controller::Connect(
                         "the first message on the stream must be Register");
   }
   const std::string node = msg.register_().node_name();
+  if (options_.require_node_identity) {
+    std::vector<std::string> names = PeerCertificateNames(*context->auth_context());
+    if (std::find(names.begin(), names.end(), node) == names.end()) {
+      std::string have;
+      for (const auto& n : names) have += (have.empty() ? "" : ", ") + n;
+      log->warn("refused a Register as node '{}' from {}: its certificate names {}", node,
+                context->peer(), have.empty() ? "nothing" : have);
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                          "register.node_name: '" + node +
+                              "' is not a name in the client certificate (it carries: " +
+                              (have.empty() ? "none" : have) + ")");
+    }
+  }
   auto session = std::make_shared<Session>();
   session->stream = stream;
   {

@@ -36,6 +36,8 @@ struct ControllerOptions {
   // Autoscaled deployments scale down only after their load has stayed low this long.
   absl::Duration scale_down_stabilization = absl::Minutes(5);
   NodeRegistry::Options leases;
+  // Mutual TLS: a node registers only under a name its verified client certificate carries.
+  bool require_node_identity = false;
 };
 
 class Controller : public v1::ControlPlane::Service {

@@ -15,6 +15,7 @@
 
 #include "common/clock.h"
 #include "common/cli.h"
+#include "common/grpc_tls.h"
 #include "common/logging.h"
 #include "controller/admin_api.h"
 #include "controller/admin_server.h"
@@ -74,6 +75,21 @@ int main(int argc, char** argv) {
   app.add_option("--listen", listen,
                  "HOST:PORT for the agents' ControlPlane streams (port 0 = pick a free one)")
       ->capture_default_str();
+  kiln::TlsFiles tls;
+  tls.cert_flag = "--tls-cert";
+  tls.key_flag = "--tls-key";
+  tls.ca_flag = "--tls-client-ca";
+  app.add_option("--tls-cert", tls.cert,
+                 "PEM certificate (chain) of the ControlPlane listener; with --tls-key: TLS");
+  app.add_option("--tls-key", tls.key, "PEM private key of --tls-cert");
+  app.add_option("--tls-client-ca", tls.ca,
+                 "PEM CA bundle: agents must present a certificate it signed (mutual TLS), and "
+                 "a node may only register under a name its certificate carries (SAN or CN)");
+  bool node_identity = true;
+  app.add_option("--tls-node-identity", node_identity,
+                 "With --tls-client-ca: a node registers only under a name its certificate "
+                 "carries; false where agents share one certificate (one Secret for a DaemonSet)")
+      ->capture_default_str();
   app.add_option("--observe-seconds", observe_s,
                  "After a start, wait this long for agents to re-register before acting")
       ->check(CLI::Range(0.0, 3600.0))
@@ -104,6 +120,16 @@ int main(int argc, char** argv) {
       log->error("--token-file: {} holds no token on its first line", token_file);
       return 2;
     }
+  }
+  std::shared_ptr<grpc::ServerCredentials> control_credentials =
+      grpc::InsecureServerCredentials();
+  if (tls.any()) {
+    auto creds = kiln::MakeServerCredentials(tls);
+    if (!creds.ok()) {
+      log->error("{}", std::string(creds.status().message()));
+      return 2;
+    }
+    control_credentials = *creds;
   }
   // Signals are taken synchronously: blocked here (inherited by every thread), awaited below.
   sigset_t signals;
@@ -171,13 +197,14 @@ int main(int argc, char** argv) {
   co.leases.not_ready_after = absl::Seconds(not_ready_s);
   co.leases.lost_after = absl::Seconds(lost_s);
   co.scale_down_stabilization = absl::Seconds(stabilization_s);
+  co.require_node_identity = !tls.ca.empty() && node_identity;
   kiln::Controller controller(co, store, &clock);
   // The decisions and the agents' streams: at once, or once this candidate leads.
   std::unique_ptr<grpc::Server> control;
   auto lead = [&]() -> bool {
     int control_port = 0;
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &control_port);
+    builder.AddListeningPort(listen, control_credentials, &control_port);
     builder.RegisterService(&controller);
     control = builder.BuildAndStart();
     if (!control || control_port == 0) {
@@ -185,7 +212,9 @@ int main(int argc, char** argv) {
       return false;
     }
     controller.Start();
-    log->info("control={}:{} leading={}", listen.substr(0, listen.rfind(':')), control_port,
+    log->info("control={}:{} tls={} leading={}", listen.substr(0, listen.rfind(':')), control_port,
+              tls.ca.empty() ? (tls.any() ? "server" : "off")
+                             : (co.require_node_identity ? "mutual" : "mutual-shared"),
               leader_elect ? le.identity : "(no election)");
     return true;
   };

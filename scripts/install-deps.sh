@@ -9,8 +9,8 @@ PACKAGES=(
   libyaml-cpp-dev libspdlog-dev libfmt-dev libcpprest-dev libsystemd-dev libnuma-dev
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
   libsqlite3-dev libssl-dev
-  # systemd-analyze checks the installed units in the tests.
-  systemd
+  # systemd-analyze checks the installed units in the tests; openssl makes the TLS tests' CA.
+  systemd openssl
   libtorch-dev python3-torch python3-fastapi python3-uvicorn python3-yaml
   # Debian's LibTorch calls the system BLAS (libblas.so.3); this makes it OpenBLAS (built
   # with OpenMP, like LibTorch) instead of the reference BLAS: about 7x faster on CPU.

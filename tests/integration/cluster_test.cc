@@ -26,6 +26,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/requests.h"
+#include "tests/support/test_ca.h"
 #include "tests/support/shell.h"
 
 namespace {
@@ -100,16 +101,18 @@ class ClusterTest : public ::testing::Test {
     int admin = 0, router_grpc = 0;
   };
   // A second node on the same machine (its own state, ports and replicas).
-  Agent StartAnotherAgent(const std::string& name) {
+  Agent StartAnotherAgent(const std::string& name, const std::vector<std::string>& extra = {}) {
     Agent a;
     a.log = dir_ + "/agent-" + name + ".log";
-    a.pid = SpawnLogged({KILN_AGENT_BIN, "--controller", "127.0.0.1:" + std::to_string(control_),
-                   "--node-name", name, "--state-dir", dir_ + "/agent-" + name,
-                   "--runtime-binary", KILN_RUNTIME_BIN, "--admin-bind", "127.0.0.1",
-                   "--admin-port", "0", "--reserved-cpus", "0", "--tick-ms", "50",
-                   "--ingress-bind", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
-                   "--stop-timeout-ms", "5000", "--stop-replicas-on-exit"},
-                  a.log);
+    std::vector<std::string> args = {
+        KILN_AGENT_BIN, "--controller", "127.0.0.1:" + std::to_string(control_),
+        "--node-name", name, "--state-dir", dir_ + "/agent-" + name,
+        "--runtime-binary", KILN_RUNTIME_BIN, "--admin-bind", "127.0.0.1",
+        "--admin-port", "0", "--reserved-cpus", "0", "--tick-ms", "50",
+        "--ingress-bind", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
+        "--stop-timeout-ms", "5000", "--stop-replicas-on-exit"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    a.pid = SpawnLogged(args, a.log);
     a.admin = WaitForNumber(a.log, "admin_port=");
     a.router_grpc = WaitForNumber(a.log, "router listening grpc_port=");
     return a;
@@ -289,6 +292,68 @@ TEST_F(ClusterTest, ALostNodesReplicasComeBackElsewhere) {
   EXPECT_TRUE(Infer().ok());
   out = Ctl("get nodes");
   EXPECT_NE(out.find("Lost"), std::string::npos) << out;
+}
+
+// Mutual TLS between the real binaries: the agent whose certificate names it registers; one
+// holding another node's certificate, or none, does not, and its log says why.
+TEST_F(ClusterTest, AgentsAndTheControllerSpeakMutualTls) {
+  kiln::testing::TestCa ca(dir_, "kiln-ca");
+  auto server = ca.Issue("controller", "kiln-controller", {"DNS:localhost", "IP:127.0.0.1"});
+  auto cert_a = ca.Issue("tls-a", "tls-a", {"DNS:tls-a"});
+  ASSERT_TRUE(ca.ok()) << ca.error();
+  StartController("127.0.0.1:0", {"--tls-cert", server.cert, "--tls-key", server.key,
+                                  "--tls-client-ca", ca.ca()});
+  EXPECT_NE(ReadFile(clog_).find("tls=mutual"), std::string::npos) << ReadFile(clog_);
+  auto with = [&](const kiln::testing::CertFiles& c) {
+    return std::vector<std::string>{"--controller-ca", ca.ca(), "--controller-cert", c.cert,
+                                    "--controller-key", c.key};
+  };
+  Agent a = StartAnotherAgent("tls-a", with(cert_a));
+  Agent b = StartAnotherAgent("tls-b", with(cert_a));  // tls-a's certificate
+  Agent plain = StartAnotherAgent("plain");
+  std::string out;
+  for (int i = 0; i < 400; ++i) {
+    out = Ctl("get nodes");
+    if (out.find("tls-a") != std::string::npos &&
+        ReadFile(b.log).find("PERMISSION_DENIED") != std::string::npos &&
+        ReadFile(plain.log).find("UNAVAILABLE") != std::string::npos) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_NE(out.find("tls-a"), std::string::npos) << out << ReadFile(a.log);
+  EXPECT_EQ(out.find("tls-b"), std::string::npos) << out;
+  EXPECT_EQ(out.find("plain"), std::string::npos) << out;
+  std::string b_log = ReadFile(b.log);
+  EXPECT_NE(b_log.find("register.node_name: 'tls-b'"), std::string::npos) << b_log;
+  // The plaintext agent was turned away at the handshake, not registered.
+  EXPECT_NE(ReadFile(plain.log).find("UNAVAILABLE"), std::string::npos) << ReadFile(plain.log);
+  for (Agent* x : {&a, &b, &plain}) Kill(&x->pid, SIGTERM);
+}
+
+TEST_F(ClusterTest, TlsFlagsAreCheckedAtStartup) {
+  kiln::testing::TestCa ca(dir_, "kiln-ca");
+  auto server = ca.Issue("controller", "kiln-controller", {"IP:127.0.0.1"});
+  ASSERT_TRUE(ca.ok()) << ca.error();
+  using kiln::testing::Shell;
+  std::string ctl = std::string(KILN_CONTROLLER_BIN) + " --state-dir " + dir_ + "/s --listen 127.0.0.1:0 ";
+  auto r = Shell(ctl + "--tls-cert " + server.cert);
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--tls-key: required with --tls-cert"), std::string::npos) << r.out;
+  r = Shell(ctl + "--tls-cert " + server.cert + " --tls-key " + server.key + " --tls-client-ca " +
+            dir_ + "/none.pem");
+  EXPECT_EQ(r.rc, 2) << r.out;
+  EXPECT_NE(r.out.find("--tls-client-ca: " + dir_ + "/none.pem: cannot be read"), std::string::npos)
+      << r.out;
+  std::string agent = std::string(KILN_AGENT_BIN) + " --runtime-binary " + KILN_RUNTIME_BIN +
+                      " --state-dir " + dir_ + "/a --admin-port 0 ";
+  r = Shell(agent + "--controller 127.0.0.1:1 --controller-ca " + server.key);
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("--controller-ca: " + server.key + ": no PEM CERTIFICATE"), std::string::npos)
+      << r.out;
+  r = Shell(agent + "--assignment-file " + dir_ + "/x.yaml --controller-ca " + ca.ca());
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("--controller-ca: only with --controller"), std::string::npos) << r.out;
 }
 
 // A canary under steady traffic: version 2 is pre-warmed beside version 1, takes 50% after its
