@@ -6,8 +6,11 @@ template language the chart uses (values, the release namespace, include of the 
 helpers, toYaml/nindent, if/eq/end), then requires the rendered objects to equal the objects in
 manifests/ (parsed YAML, compared as data). The CRD in crds/ must be byte-identical to
 manifests/crd.yaml, and every metric the Grafana dashboard queries must be one the agent exports.
+With tls.enabled the controller and agent mount their Secrets and pass the TLS flags; given the
+two binaries (argv[2], argv[3]: kiln-agent, kiln-controller), every flag the rendered containers
+pass, TLS on or off, must be one the binary's --help lists.
 """
-import json, re, sys, yaml
+import json, re, subprocess, sys, yaml
 from pathlib import Path
 
 src = Path(sys.argv[1])
@@ -104,6 +107,42 @@ agent = objects(render((chart / "templates/agent.yaml").read_text(), {".Values.a
 caps = agent[("DaemonSet", "kiln-agent")]["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]
 if caps.get("add") != ["SYS_ADMIN"]:
     errors.append(f"gpuPowerPolicy=enforce: capabilities are {caps}, want SYS_ADMIN added")
+
+# mTLS: each side mounts its Secret and passes the flags that read it.
+tls_on = {".Values.tls.enabled": True}
+tls_objects = {**objects(render((chart / "templates/controller.yaml").read_text(), tls_on)),
+               **objects(render((chart / "templates/agent.yaml").read_text(), tls_on))}
+for kind, name, secret, flags in [
+        ("Deployment", "kiln-controller", values["tls"]["controllerSecret"],
+         ["--tls-cert=/etc/kiln/tls/tls.crt", "--tls-key=/etc/kiln/tls/tls.key",
+          "--tls-client-ca=/etc/kiln/tls/ca.crt",
+          "--tls-node-identity=" + ("true" if values["tls"]["nodeIdentity"] else "false")]),
+        ("DaemonSet", "kiln-agent", values["tls"]["agentSecret"],
+         ["--controller-ca=/etc/kiln/tls/ca.crt", "--controller-cert=/etc/kiln/tls/tls.crt",
+          "--controller-key=/etc/kiln/tls/tls.key"])]:
+    pod = tls_objects[(kind, name)]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    for f in flags:
+        if f not in args:
+            errors.append(f"tls.enabled: {kind}/{name} does not pass {f} (args: {args})")
+    if {"name": "tls", "secret": {"secretName": secret}} not in pod["volumes"]:
+        errors.append(f"tls.enabled: {kind}/{name} does not mount Secret {secret}")
+    if {"name": "tls", "mountPath": "/etc/kiln/tls", "readOnly": True} not in pod["containers"][0]["volumeMounts"]:
+        errors.append(f"tls.enabled: {kind}/{name} does not mount /etc/kiln/tls read-only")
+
+if len(sys.argv) > 3:
+    helps = {"kiln-agent": subprocess.run([sys.argv[2], "--help"], capture_output=True, text=True).stdout,
+             "kiln-controller": subprocess.run([sys.argv[3], "--help"], capture_output=True, text=True).stdout}
+    for overrides in ({}, tls_on):
+        rendered = {**objects(render((chart / "templates/controller.yaml").read_text(), overrides)),
+                    **objects(render((chart / "templates/agent.yaml").read_text(), overrides))}
+        for (kind, name), obj in rendered.items():
+            if kind not in ("Deployment", "DaemonSet"):
+                continue
+            for arg in obj["spec"]["template"]["spec"]["containers"][0]["args"]:
+                flag = arg.split("=")[0]
+                if not re.search(re.escape(flag) + r"\b", helps[name]):
+                    errors.append(f"{kind}/{name} passes {flag}, which {name} --help does not list")
 
 dashboard = json.loads((chart / "dashboards/kiln.json").read_text())
 exported = set(re.findall(r'"(kiln_[a-z0-9_]+)', (src / "agent/agent.cc").read_text()))
