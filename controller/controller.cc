@@ -204,6 +204,8 @@ void Controller::Tick() {
     pd.gpus = d->spec.resources.gpus;
     pd.gpu_memory_bytes = d->spec.resources.gpu_memory_bytes;
     pd.cpus = d->spec.resources.cpus;
+    pd.max_surge = d->spec.rollout.max_surge;
+    pd.max_unavailable = d->spec.rollout.max_unavailable;
     demands.push_back(pd);
     deps.push_back({o, *d});
   }
@@ -362,6 +364,15 @@ void Controller::Tick() {
         }
       }
       last_unplaced_ = placed.unplaced;
+    }
+    if (placed.moves != last_moves_) {  // each move said when it starts, not every tick
+      for (const auto& line : placed.moves) {
+        if (std::find(last_moves_.begin(), last_moves_.end(), line) == last_moves_.end()) {
+          log->warn("rebalancing: {}", line);
+          events.push_back({line.substr(0, line.find(':')), "Warning", "Rebalancing", line});
+        }
+      }
+      last_moves_ = placed.moves;
     }
 
     for (const auto& [node, specs] : placed.nodes) {

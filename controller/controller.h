@@ -88,6 +88,7 @@ class Controller : public v1::ControlPlane::Service {
   std::map<std::string, Sent> sent_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::string> last_unplaced_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> last_moves_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, AutoscaleHistory> autoscale_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> autoscaled_to_ ABSL_GUARDED_BY(mu_);
   // Rollout state per deployment; seeded from the stored status after a restart.

@@ -150,16 +150,20 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     }
     return sp;
   };
+  // `spread`: false for a replica on its way out (it holds resources, but new replicas
+  // should not avoid its node on its account).
   auto add = [&](const std::string& node, v1::ReplicaSpec spec, int64_t gpu_memory,
-                 const std::string& dep) {
+                 const std::string& dep, bool spread_count = true) {
     NodeState& ns = state[node];
     ns.cpu_used += spec.cpus();
     for (size_t i = 0; spec.gpu() >= 0 && i < ns.node->gpus.size(); ++i) {
       if (ns.node->gpus[i].index == spec.gpu()) ns.gpu_used[i] += gpu_memory;
     }
-    Spread& sp = spread_of(dep);
-    sp.per_node[ns.index]++;
-    sp.per_zone[ns.zone_id]++;
+    if (spread_count) {
+      Spread& sp = spread_of(dep);
+      sp.per_node[ns.index]++;
+      sp.per_zone[ns.zone_id]++;
+    }
     out.nodes[node].push_back(std::move(spec));
   };
 
@@ -167,6 +171,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   // Per (deployment, version); ids are unique per deployment across its versions.
   struct Kept {
     int64_t serving = 0, warm = 0;
+    int64_t surge_missing = 0;  // replacements for moving replicas still to place
   };
   std::map<std::string, Kept> kept;
   std::map<std::string, std::set<int>> ids_in_use;
@@ -187,35 +192,93 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         mine.push_back(&e);
       }
     }
-    // SERVING first (as reported, else as assigned), then by id for determinism.
     auto serving_now = [](const Existing& e) {
       v1::LifecycleState s = e.reported != v1::LIFECYCLE_STATE_UNSPECIFIED ? e.reported
                                                                             : e.spec.state();
       return s == v1::SERVING;
     };
-    std::sort(mine.begin(), mine.end(), [&](const Existing* a, const Existing* b) {
-      bool sa = serving_now(*a), sb = serving_now(*b);
-      if (sa != sb) return sa;
-      return a->spec.replica_id() < b->spec.replica_id();
-    });
-    int64_t serving = 0, warm = 0;
-    for (Existing* ep : mine) {
-      Existing& e = *ep;
-      if (serving < d.serving) {
-        e.spec.set_state(v1::SERVING);
-        serving++;
-      } else if (warm < d.warm) {
-        e.spec.set_state(v1::WARM);
-        warm++;
-      } else {
-        continue;  // beyond what is wanted: dropped (the agent drains it)
+    // On a GPU its node reports unhealthy, or no longer reports at all: to be moved.
+    auto on_bad_gpu = [&](const Existing& e) {
+      if (e.spec.gpu() < 0) return false;
+      for (const auto& g : state[e.node].node->gpus) {
+        if (g.index == e.spec.gpu()) return !g.healthy;
       }
-      e.spec.set_repository(d.repository);
-      e.spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
-      add(e.node, e.spec, std::max(e.gpu_memory, d.gpu_memory_bytes), d.deployment);
+      return true;
+    };
+    // Serving and staying first, then serving and moving, then the rest; by id within each.
+    // A moving replica that does not serve is dropped here.
+    std::vector<std::pair<int, Existing*>> ranked;
+    for (Existing* e : mine) {
+      bool moving = on_bad_gpu(*e);
+      bool serving_state = serving_now(*e);
+      if (moving && !serving_state) continue;
+      ranked.push_back({serving_state ? (moving ? 1 : 0) : 2, e});
+    }
+    std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
+      if (a.first != b.first) return a.first < b.first;
+      return a.second->spec.replica_id() < b.second->spec.replica_id();
+    });
+    // The SERVING slots, in rank order.
+    std::vector<std::pair<int, Existing*>> slots, rest;
+    for (const auto& r : ranked) {
+      (static_cast<int64_t>(slots.size()) < d.serving ? slots : rest).push_back(r);
+    }
+    // Slots not serving now (empty or loading) are unavailable already; moving replicas may be
+    // dropped ahead of their replacement only within what maxUnavailable leaves.
+    int64_t unavailable = d.serving - static_cast<int64_t>(slots.size());
+    for (const auto& [rank, e] : slots) unavailable += rank == 2 ? 1 : 0;
+    int64_t may_drop = std::max<int64_t>(0, d.max_unavailable - unavailable);
+    int64_t moving = 0;
+    std::vector<Existing*> keep_serving;
+    std::set<const Existing*> leaving;
+    for (auto it = slots.rbegin(); it != slots.rend(); ++it) {  // highest ids of the moving first
+      if (it->first == 1 && may_drop > 0) {
+        may_drop--;
+        out.moves.push_back(d.deployment + ": " + it->second->spec.replica_id() + " on " +
+                            it->second->node + " GPU " + std::to_string(it->second->spec.gpu()) +
+                            " (unhealthy) dropped before its replacement serves "
+                            "(maxUnavailable " + std::to_string(d.max_unavailable) + ")");
+        continue;
+      }
+      if (it->first == 1) {
+        moving++;
+        leaving.insert(it->second);
+        out.moves.push_back(d.deployment + ": " + it->second->spec.replica_id() + " on " +
+                            it->second->node + " GPU " + std::to_string(it->second->spec.gpu()) +
+                            " (unhealthy) serves until its replacement does");
+      }
+      keep_serving.push_back(it->second);
+    }
+    // Replacements in flight: replicas past the slots, not yet serving (loading, or WARM ones
+    // promoted for the purpose), kept SERVING as surge.
+    const int64_t surge_allowed = std::min(moving, d.max_surge);
+    int64_t surge = 0;
+    int64_t serving = 0, warm = 0;
+    for (Existing* e : keep_serving) {
+      e->spec.set_state(v1::SERVING);
+      serving++;
+    }
+    for (const auto& [rank, e] : rest) {
+      if (rank == 2 && surge < surge_allowed) {
+        e->spec.set_state(v1::SERVING);
+        surge++;
+        keep_serving.push_back(e);
+      } else if (rank != 1 && warm < d.warm) {
+        e->spec.set_state(v1::WARM);
+        warm++;
+        keep_serving.push_back(e);
+      }
+      // else: beyond what is wanted, dropped (the agent drains it)
+    }
+    for (Existing* e : keep_serving) {
+      e->spec.set_repository(d.repository);
+      e->spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
+      add(e->node, e->spec, std::max(e->gpu_memory, d.gpu_memory_bytes), d.deployment,
+          !leaving.count(e));
     }
     kept[key(d)].serving = serving;
     kept[key(d)].warm = warm;
+    kept[key(d)].surge_missing = surge_allowed - surge;
   }
   // Pass 2: new replicas.
   for (const PlacementDemand& d : demands) {
@@ -229,6 +292,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       return d.deployment + "." + std::to_string(next_id);
     };
     int64_t missing = (d.serving - serving) + (d.warm - warm);
+    int64_t surge_missing = kept[key(d)].surge_missing;
     int64_t unplaced = 0;
     // A node's best (node, gpu) for this demand now, by the documented order; lower tuples
     // win (the node index is the name order). Nothing when it has no room.
@@ -258,28 +322,28 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     // node of its zone is untouched and still ranks above it (same zone count, and the rest
     // of its key unchanged). The replicas are then placed among the shortlist alone.
     std::vector<NodeState*> shortlist;
-    if (missing > 0) {
+    if (missing + surge_missing > 0) {
       std::vector<std::priority_queue<std::pair<Key, NodeState*>>> per_zone(zones.size());
       for (NodeState* nsp : order) {
         auto k = key_of(*nsp);
         if (!k) continue;
         auto& heap = per_zone[nsp->zone_id];
         heap.emplace(*k, nsp);
-        if (static_cast<int64_t>(heap.size()) > missing) heap.pop();  // drop the worst
+        if (static_cast<int64_t>(heap.size()) > missing + surge_missing) heap.pop();  // the worst
       }
       for (auto& heap : per_zone) {
         for (; !heap.empty(); heap.pop()) shortlist.push_back(heap.top().second);
       }
     }
-    for (int64_t k = 0; k < missing; ++k) {
-      bool as_serving = serving < d.serving;
+    for (int64_t k = 0; k < missing + surge_missing; ++k) {
+      bool as_serving = serving < d.serving || k >= missing;  // surge replacements serve
       std::optional<Key> best;
       for (NodeState* nsp : shortlist) {
         auto key = key_of(*nsp);
         if (key && (!best || *key < *best)) best = key;
       }
       if (!best) {
-        unplaced++;
+        if (k < missing) unplaced++;  // a replacement with no room waits; the old one serves
         continue;
       }
       v1::ReplicaSpec spec;
@@ -292,7 +356,9 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       spec.set_state(as_serving ? v1::SERVING : v1::WARM);
       spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
       add(order[std::get<4>(*best)]->node->name, spec, d.gpu_memory_bytes, d.deployment);
-      if (as_serving) {
+      if (k >= missing) {
+        // a surge replacement: beyond the wanted count until the moving replica leaves
+      } else if (as_serving) {
         serving++;
       } else {
         warm++;

@@ -15,6 +15,13 @@
 //   in the node's zone (spread), then the best fit (least memory or CPUs left), then low load,
 //   then the node name and GPU index (determinism).
 // - Replica ids are `<deployment>.<n>`, n the smallest number not in use by the deployment.
+// - Rebalancing, make-before-break: a replica on a GPU the node reports unhealthy (or no longer
+//   reports) is moved. While it serves, it keeps its SERVING slot and a replacement is placed
+//   beside the wanted count (at most `max_surge` such extra replicas per demand); once the
+//   replacement reports SERVING it takes the slot and the old replica is dropped (the agent
+//   drains it). Up to `max_unavailable` serving replicas may instead be dropped before their
+//   replacement serves, counting slots already held by replicas not yet serving. A moving
+//   replica that does not serve (WARM, loading) is dropped at once: it costs no capacity.
 
 #include <cstdint>
 #include <map>
@@ -56,6 +63,9 @@ struct PlacementDemand {
   int64_t gpus = 0;  // 0 or 1
   int64_t gpu_memory_bytes = 0;
   int64_t cpus = 1;
+  // Replicas beyond `serving` while replicas move, and serving slots that may go empty.
+  int64_t max_surge = 1;
+  int64_t max_unavailable = 0;
 };
 
 struct PlacementResult {
@@ -63,6 +73,8 @@ struct PlacementResult {
   std::map<std::string, std::vector<v1::ReplicaSpec>> nodes;
   // One line per deployment that could not get all its replicas: how many and why.
   std::vector<std::string> unplaced;
+  // One line per replica being moved off an unhealthy GPU ("deployment: ..."), while it is.
+  std::vector<std::string> moves;
 };
 
 // `retired_ids`: ids not to give to new replicas (those on Lost nodes, which may come back).

@@ -209,6 +209,168 @@ TEST(PlacementTest, GpuReplicasBestFitByFreeMemoryAndSkipUnhealthyGpus) {
   EXPECT_NE(full.unplaced[0].find("emb:"), std::string::npos) << full.unplaced[0];
 }
 
+// What the nodes report after applying `p`: every replica in the state its spec asks for,
+// except those in `loading`, which report LOADING (unhealthy, not yet serving).
+void Apply(const PlacementResult& p, std::vector<PlacementNode>* nodes,
+           const std::set<std::string>& loading = {}) {
+  for (PlacementNode& n : *nodes) {
+    n.assigned = p.nodes.at(n.name);
+    n.reported.clear();
+    for (const auto& spec : n.assigned) {
+      v1::ReplicaStatus r = Reported(spec.replica_id(), loading.count(spec.replica_id())
+                                                            ? v1::LOADING
+                                                            : spec.state());
+      r.set_device(spec.gpu() >= 0 ? "cuda:" + std::to_string(spec.gpu()) : "cpu");
+      r.set_cpus(std::to_string(spec.cpus() - 1 + 3) == "3" ? "3" : "3-" + std::to_string(2 + spec.cpus()));
+      n.reported.push_back(r);
+    }
+  }
+}
+
+std::vector<std::string> All(const PlacementResult& p) {
+  std::vector<std::string> out;
+  for (const auto& [node, specs] : p.nodes) {
+    for (const auto& s : specs) {
+      out.push_back(node + "/" + std::to_string(s.gpu()) + ":" + s.replica_id() + ":" +
+                    v1::LifecycleState_Name(s.state()));
+    }
+  }
+  return out;
+}
+
+PlacementDemand GpuDemand(int64_t serving, int64_t surge, int64_t unavailable) {
+  PlacementDemand d = Cpu("emb", serving, 0, 2);
+  d.gpus = 1;
+  d.gpu_memory_bytes = 10LL << 30;
+  d.max_surge = surge;
+  d.max_unavailable = unavailable;
+  return d;
+}
+
+TEST(PlacementTest, ReplicasLeaveAnUnhealthyGpuMakeBeforeBreak) {
+  std::vector<PlacementNode> nodes = {GpuNode("a", {80LL << 30, 80LL << 30}),
+                                      GpuNode("b", {80LL << 30})};
+  PlacementDemand d = GpuDemand(2, /*surge=*/1, /*unavailable=*/0);
+  auto p = Place({d}, nodes);
+  ASSERT_EQ(All(p), (std::vector<std::string>{"a/0:emb.0:SERVING", "b/0:emb.1:SERVING"}));
+  Apply(p, &nodes);
+  // GPU 0 of node a goes bad: emb.0 keeps serving while a replacement starts beside it.
+  nodes[0].gpus[0].healthy = false;
+  p = Place({d}, nodes);
+  EXPECT_EQ(All(p), (std::vector<std::string>{"a/0:emb.0:SERVING", "a/1:emb.2:SERVING",
+                                              "b/0:emb.1:SERVING"}));
+  ASSERT_EQ(p.moves.size(), 1u);
+  EXPECT_NE(p.moves[0].find("emb.0 on a GPU 0 (unhealthy) serves until its replacement does"),
+            std::string::npos)
+      << p.moves[0];
+  EXPECT_TRUE(p.unplaced.empty());
+  // While the replacement loads nothing changes (and no second replacement is started).
+  Apply(p, &nodes, {"emb.2"});
+  auto loading = Place({d}, nodes);
+  EXPECT_EQ(All(loading), All(p));
+  // It serves: the old replica is dropped (the agent drains it).
+  Apply(p, &nodes);
+  p = Place({d}, nodes);
+  EXPECT_EQ(All(p), (std::vector<std::string>{"a/1:emb.2:SERVING", "b/0:emb.1:SERVING"}));
+  EXPECT_TRUE(p.moves.empty());
+}
+
+TEST(PlacementTest, MaxSurgeBoundsHowManyMoveAtOnce) {
+  std::vector<PlacementNode> nodes = {GpuNode("a", {80LL << 30}), GpuNode("b", {80LL << 30})};
+  PlacementDemand d = GpuDemand(4, /*surge=*/1, /*unavailable=*/0);
+  auto p = Place({d}, nodes);
+  Apply(p, &nodes);
+  nodes[0].gpus[0].healthy = false;  // two of the four replicas are on it
+  p = Place({d}, nodes);
+  int serving = 0;
+  for (const auto& line : All(p)) serving += line.find(":SERVING") != std::string::npos;
+  EXPECT_EQ(serving, 5) << ::testing::PrintToString(All(p));  // four kept + one replacement
+  EXPECT_EQ(p.moves.size(), 2u);
+  // The replacement serves: one old replica leaves and the next replacement starts.
+  Apply(p, &nodes);
+  p = Place({d}, nodes);
+  serving = 0;
+  int on_bad = 0;
+  for (const auto& line : All(p)) {
+    serving += line.find(":SERVING") != std::string::npos;
+    on_bad += line.rfind("a/0:", 0) == 0;
+  }
+  EXPECT_EQ(serving, 5);
+  EXPECT_EQ(on_bad, 1);
+  Apply(p, &nodes);
+  p = Place({d}, nodes);
+  for (const auto& line : All(p)) EXPECT_NE(line.rfind("a/0:", 0), 0u) << line;
+  EXPECT_EQ(All(p).size(), 4u);
+}
+
+TEST(PlacementTest, MaxUnavailableDropsFirstButNeverBelowItsBound) {
+  std::vector<PlacementNode> nodes = {GpuNode("a", {80LL << 30}), GpuNode("b", {80LL << 30})};
+  PlacementDemand d = GpuDemand(2, /*surge=*/0, /*unavailable=*/1);
+  auto p = Place({d}, nodes);
+  Apply(p, &nodes);
+  // Both GPUs go bad: one replica may go at once, the other serves until a replacement does.
+  nodes[0].gpus[0].healthy = false;
+  nodes[1].gpus[0].healthy = false;
+  nodes.push_back(GpuNode("c", {80LL << 30, 80LL << 30}));
+  nodes.back().assigned = {};
+  p = Place({d}, nodes);
+  EXPECT_EQ(All(p), (std::vector<std::string>{"a/0:emb.0:SERVING", "c/0:emb.2:SERVING"}))
+      << ::testing::PrintToString(All(p));
+  Apply(p, &nodes, {"emb.2"});
+  auto waiting = Place({d}, nodes);  // emb.2 still loading: emb.0 may not go yet
+  EXPECT_EQ(All(waiting), All(p));
+  Apply(p, &nodes);
+  p = Place({d}, nodes);
+  // emb.0 goes now; its replacement takes the id emb.1 left free (best fit: beside emb.2).
+  EXPECT_EQ(All(p), (std::vector<std::string>{"c/0:emb.1:SERVING", "c/0:emb.2:SERVING"}))
+      << ::testing::PrintToString(All(p));
+}
+
+TEST(PlacementTest, AWarmReplicaIsTheFirstReplacementAndOneOnABadGpuGoesAtOnce) {
+  std::vector<PlacementNode> start = {GpuNode("a", {80LL << 30}), GpuNode("b", {12LL << 30})};
+  PlacementDemand d = GpuDemand(1, 1, 0);
+  d.warm = 1;
+  auto p = Place({d}, start);
+  // Best fit puts the serving replica on b (2 GiB left), spread the warm one on a.
+  ASSERT_EQ(All(p), (std::vector<std::string>{"a/0:emb.1:WARM", "b/0:emb.0:SERVING"}));
+  Apply(p, &start);
+
+  // b's GPU goes bad: the WARM replica is promoted as the replacement (no cold start), the
+  // pool is refilled, and emb.0 serves until emb.1 does.
+  std::vector<PlacementNode> nodes = start;
+  nodes[1].gpus[0].healthy = false;
+  auto moved = Place({d}, nodes);
+  EXPECT_EQ(All(moved), (std::vector<std::string>{"a/0:emb.1:SERVING", "a/0:emb.2:WARM",
+                                                  "b/0:emb.0:SERVING"}));
+  Apply(moved, &nodes);
+  EXPECT_EQ(All(Place({d}, nodes)),
+            (std::vector<std::string>{"a/0:emb.1:SERVING", "a/0:emb.2:WARM"}));
+
+  // a's GPU goes bad instead: the WARM replica there is dropped at once, and with no other GPU
+  // room for the pool the shortfall is reported.
+  nodes = start;
+  nodes[0].gpus[0].healthy = false;
+  auto dropped = Place({d}, nodes);
+  EXPECT_EQ(All(dropped), (std::vector<std::string>{"b/0:emb.0:SERVING"}));
+  ASSERT_EQ(dropped.unplaced.size(), 1u);
+  EXPECT_NE(dropped.unplaced[0].find("emb: 1 of 2 replicas have no node with room"),
+            std::string::npos)
+      << dropped.unplaced[0];
+  EXPECT_TRUE(dropped.moves.empty());
+}
+
+TEST(PlacementTest, AMoveWithNoRoomForItsReplacementKeepsServing) {
+  std::vector<PlacementNode> nodes = {GpuNode("a", {12LL << 30})};
+  PlacementDemand d = GpuDemand(1, 1, 0);
+  auto p = Place({d}, nodes);
+  Apply(p, &nodes);
+  nodes[0].gpus[0].healthy = false;
+  p = Place({d}, nodes);
+  EXPECT_EQ(All(p), (std::vector<std::string>{"a/0:emb.0:SERVING"}));
+  EXPECT_EQ(p.moves.size(), 1u);
+  EXPECT_TRUE(p.unplaced.empty());  // the wanted count is met; only the move waits
+}
+
 TEST(PlacementTest, AReplicaWhoseShapeChangedIsReplacedNotReshaped) {
   PlacementNode a = CpuNode("a", 8);
   v1::ReplicaStatus r = Reported("enc.0", v1::SERVING);
