@@ -1,10 +1,40 @@
 #include "agent/admin_server.h"
 
+#include <cstdio>
+
+#include "common/status.h"
+
 namespace kiln {
 
 namespace http = web::http;
 
 namespace {
+
+// POST /v1/fake-gpus/{index}/xid/{code}.
+void InjectXid(const AdminHandlers& handlers, const std::string& path, http::http_request& r) {
+  if (!handlers.inject_xid) {
+    ReplyQuietly(r, 404, "no fake GPUs on this agent (only with --fake-gpus)\n", "text/plain");
+    return;
+  }
+  if (r.method() != http::methods::POST) {
+    ReplyQuietly(r, 405, "POST /v1/fake-gpus/{index}/xid/{code}\n", "text/plain");
+    return;
+  }
+  int index = -1;
+  unsigned long long xid = 0;
+  char tail = 0;
+  if (std::sscanf(path.c_str(), "/v1/fake-gpus/%d/xid/%llu%c", &index, &xid, &tail) != 2 ||
+      index < 0) {
+    ReplyQuietly(r, 400, "path: want /v1/fake-gpus/{index}/xid/{code}, got " + path + "\n",
+                 "text/plain");
+    return;
+  }
+  absl::Status s = handlers.inject_xid(index, xid);
+  ReplyQuietly(r, s.ok() ? 200 : HttpStatusFromCode(s.code()),
+               s.ok() ? "xid " + std::to_string(xid) + " on fake GPU " + std::to_string(index) + "\n"
+                      : std::string(s.message()) + "\n",
+               "text/plain");
+}
 
 void Handle(const AdminHandlers& handlers, http::http_request r) {
   std::string path = r.relative_uri().path();
@@ -19,6 +49,8 @@ void Handle(const AdminHandlers& handlers, http::http_request r) {
       ReplyQuietly(r, 200, handlers.metrics(), "text/plain; version=0.0.4; charset=utf-8");
     } else if (path == "/v1/replicas") {
       ReplyQuietly(r, 200, handlers.replicas(), "application/json");
+    } else if (path.rfind("/v1/fake-gpus/", 0) == 0) {
+      InjectXid(handlers, path, r);
     } else {
       ReplyQuietly(r, 404, "no such endpoint\n", "text/plain");
     }
@@ -32,7 +64,7 @@ void Handle(const AdminHandlers& handlers, http::http_request r) {
 absl::StatusOr<std::unique_ptr<HttpListener>> StartAdminServer(const std::string& bind, int port,
                                                                AdminHandlers handlers) {
   return HttpListener::Start(
-      bind, port, {http::methods::GET},
+      bind, port, {http::methods::GET, http::methods::POST},
       [handlers = std::move(handlers)](http::http_request r) { Handle(handlers, std::move(r)); },
       "--admin-port/--admin-bind");
 }

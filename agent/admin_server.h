@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/http_listener.h"
 
@@ -15,6 +16,9 @@ struct AdminHandlers {
   std::function<bool()> ready;
   std::function<std::string()> metrics;   // Prometheus text format
   std::function<std::string()> replicas;  // JSON
+  // Only with --fake-gpus: POST /v1/fake-gpus/{index}/xid/{code} raises an Xid event on that
+  // fake GPU (how demos and tests make a GPU fail). Unset: the endpoint is 404.
+  std::function<absl::Status(int index, uint64_t xid)> inject_xid;
 };
 
 absl::StatusOr<std::unique_ptr<HttpListener>> StartAdminServer(const std::string& bind, int port,

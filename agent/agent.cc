@@ -181,6 +181,8 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   so.reserved_cpus = options_.reserved_cpus;
   so.fake_gpus = t.fake_gpus;
   so.runtime_log_level = options_.runtime_log_level;
+  // With a controller, replicas on a failing GPU serve until it has moved them elsewhere.
+  so.drain_on_unhealthy_gpu = options_.controller.empty();
   PowerMode mode = *ParsePowerMode(options_.gpu_power);
   PowerPolicy policy;
   policy.park_warm_replicas = !t.fake_gpus && mode != PowerMode::kOff;
@@ -239,6 +241,20 @@ absl::Status Agent::Start() {
   h.ready = [this]() { return ready(); };
   h.metrics = [this]() { return MetricsText(); };
   h.replicas = [this]() { return ReplicasJson(); };
+  if (topology_.fake_gpus) {
+    auto* fake = static_cast<FakeGpuDriver*>(gpus_.get());
+    h.inject_xid = [fake](int index, uint64_t xid) -> absl::Status {
+      auto count = fake->DeviceCount();
+      if (!count.ok()) return count.status();
+      if (index >= *count) {
+        return absl::NotFoundError("index: no fake GPU " + std::to_string(index) + " (there are " +
+                                   std::to_string(*count) + ")");
+      }
+      Log()->warn("fake GPU {}: injected Xid {}", index, xid);
+      fake->InjectXid(index, xid);
+      return absl::OkStatus();
+    };
+  }
   KILN_ASSIGN_OR_RETURN(admin_, StartAdminServer(options_.admin_bind, options_.admin_port, h));
   Router::Options ro;
   ro.bind_address = options_.ingress_bind;

@@ -217,6 +217,11 @@ void Supervisor::SetGpuHealth(int gpu, bool healthy, const std::string& reason) 
     if (!healthy) {
       r.held = true;
       r.last_error = "gpu " + std::to_string(gpu) + " unhealthy: " + reason;
+      if (!options_.drain_on_unhealthy_gpu) {
+        log_("replica " + id + ": on unhealthy gpu " + std::to_string(gpu) +
+             "; serving until the controller moves it (not restarted there)");
+        continue;
+      }
       if (r.pid > 0 && (r.phase == Phase::kStarting || r.phase == Phase::kRunning)) {
         (void)launcher_->Signal(r.pid, SIGTERM);  // drain, then it exits
         r.phase = Phase::kStopping;

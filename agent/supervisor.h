@@ -43,6 +43,10 @@ struct SupervisorOptions {
   absl::Duration probe_timeout = absl::Seconds(10);
   // A tiny real inference per SERVING replica this often; 0 = off.
   absl::Duration inference_probe_interval = absl::Seconds(10);
+  // When a GPU goes unhealthy: true, its replicas drain at once (a node on its own); false,
+  // they keep serving while they can (a controller moves them make-before-break). Either way
+  // none is restarted on that GPU until it is healthy again.
+  bool drain_on_unhealthy_gpu = true;
 };
 
 // What the agent reports and routes by, for one replica.

@@ -21,7 +21,8 @@ struct Existing {
   std::string node;
   v1::ReplicaSpec spec;  // model, version, gpu, cpus, state as assigned (or as reported)
   v1::LifecycleState reported = v1::LIFECYCLE_STATE_UNSPECIFIED;
-  bool healthy = true;
+  bool healthy = true;     // not crash-looping or FAILED: worth keeping
+  bool ready = false;      // reported SERVING and passing its probe: taking traffic now
   int64_t gpu_memory = 0;  // max(reservation, reported use)
 };
 
@@ -125,6 +126,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       // that is starting, or briefly failing its probe, is the agent's to restart, not ours
       // to move (it reports healthy=false while it loads).
       it->second.healthy = !rs.crash_loop() && rs.state() != v1::FAILED;
+      it->second.ready = rs.state() == v1::SERVING && rs.healthy();
       it->second.gpu_memory = std::max(it->second.gpu_memory, rs.measured_gpu_memory_bytes());
     }
     for (auto& [id, e] : seen) {
@@ -171,7 +173,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   // Per (deployment, version); ids are unique per deployment across its versions.
   struct Kept {
     int64_t serving = 0, warm = 0;
-    int64_t surge_missing = 0;  // replacements for moving replicas still to place
+    int64_t new_serving = 0;  // SERVING replicas to start (short of the count, within surge)
+    int64_t keep_moving = 0;  // moving replicas kept serving (they cover a shortfall)
   };
   std::map<std::string, Kept> kept;
   std::map<std::string, std::set<int>> ids_in_use;
@@ -205,72 +208,60 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       }
       return true;
     };
-    // Serving and staying first, then serving and moving, then the rest; by id within each.
-    // A moving replica that does not serve is dropped here.
-    std::vector<std::pair<int, Existing*>> ranked;
+    // The replicas that stay, SERVING first (as reported, else as assigned), then by id; the
+    // ones that move and take traffic now, by id. A moving replica not taking traffic goes.
+    std::vector<Existing*> staying, moving;
     for (Existing* e : mine) {
-      bool moving = on_bad_gpu(*e);
-      bool serving_state = serving_now(*e);
-      if (moving && !serving_state) continue;
-      ranked.push_back({serving_state ? (moving ? 1 : 0) : 2, e});
+      if (!on_bad_gpu(*e)) {
+        staying.push_back(e);
+      } else if (e->ready) {
+        moving.push_back(e);
+      }
     }
-    std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
-      if (a.first != b.first) return a.first < b.first;
-      return a.second->spec.replica_id() < b.second->spec.replica_id();
+    std::stable_sort(staying.begin(), staying.end(), [&](const Existing* a, const Existing* b) {
+      bool sa = serving_now(*a), sb = serving_now(*b);
+      if (sa != sb) return sa;
+      return a->spec.replica_id() < b->spec.replica_id();
     });
-    // The SERVING slots, in rank order.
-    std::vector<std::pair<int, Existing*>> slots, rest;
-    for (const auto& r : ranked) {
-      (static_cast<int64_t>(slots.size()) < d.serving ? slots : rest).push_back(r);
-    }
-    // Slots not serving now (empty or loading) are unavailable already; moving replicas may be
-    // dropped ahead of their replacement only within what maxUnavailable leaves.
-    int64_t unavailable = d.serving - static_cast<int64_t>(slots.size());
-    for (const auto& [rank, e] : slots) unavailable += rank == 2 ? 1 : 0;
-    int64_t may_drop = std::max<int64_t>(0, d.max_unavailable - unavailable);
-    int64_t moving = 0;
-    std::vector<Existing*> keep_serving;
-    std::set<const Existing*> leaving;
-    for (auto it = slots.rbegin(); it != slots.rend(); ++it) {  // highest ids of the moving first
-      if (it->first == 1 && may_drop > 0) {
-        may_drop--;
-        out.moves.push_back(d.deployment + ": " + it->second->spec.replica_id() + " on " +
-                            it->second->node + " GPU " + std::to_string(it->second->spec.gpu()) +
-                            " (unhealthy) dropped before its replacement serves "
-                            "(maxUnavailable " + std::to_string(d.max_unavailable) + ")");
-        continue;
-      }
-      if (it->first == 1) {
-        moving++;
-        leaving.insert(it->second);
-        out.moves.push_back(d.deployment + ": " + it->second->spec.replica_id() + " on " +
-                            it->second->node + " GPU " + std::to_string(it->second->spec.gpu()) +
-                            " (unhealthy) serves until its replacement does");
-      }
-      keep_serving.push_back(it->second);
-    }
-    // Replacements in flight: replicas past the slots, not yet serving (loading, or WARM ones
-    // promoted for the purpose), kept SERVING as surge.
-    const int64_t surge_allowed = std::min(moving, d.max_surge);
-    int64_t surge = 0;
-    int64_t serving = 0, warm = 0;
-    for (Existing* e : keep_serving) {
-      e->spec.set_state(v1::SERVING);
-      serving++;
-    }
-    for (const auto& [rank, e] : rest) {
-      if (rank == 2 && surge < surge_allowed) {
+    std::sort(moving.begin(), moving.end(), [](const Existing* a, const Existing* b) {
+      return a->spec.replica_id() < b->spec.replica_id();
+    });
+    std::vector<Existing*> keep;
+    int64_t serving = 0, warm = 0, ready = 0;
+    for (Existing* e : staying) {
+      if (serving < d.serving) {
         e->spec.set_state(v1::SERVING);
-        surge++;
-        keep_serving.push_back(e);
-      } else if (rank != 1 && warm < d.warm) {
+        serving++;
+        ready += e->ready ? 1 : 0;
+      } else if (warm < d.warm) {
         e->spec.set_state(v1::WARM);
         warm++;
-        keep_serving.push_back(e);
+      } else {
+        continue;  // beyond what is wanted: dropped (the agent drains it)
       }
-      // else: beyond what is wanted, dropped (the agent drains it)
+      keep.push_back(e);
     }
-    for (Existing* e : keep_serving) {
+    // Moving replicas stay while the staying ones that take traffic are too few: at least
+    // `serving - maxUnavailable` must, counting the moving ones kept.
+    const int64_t keep_moving = std::clamp<int64_t>(d.serving - d.max_unavailable - ready, 0,
+                                                    static_cast<int64_t>(moving.size()));
+    std::set<const Existing*> leaving;
+    for (int64_t i = 0; i < static_cast<int64_t>(moving.size()); ++i) {
+      Existing* e = moving[i];
+      std::string where = e->spec.replica_id() + " on " + e->node + " GPU " +
+                          std::to_string(e->spec.gpu()) + " (unhealthy)";
+      if (i < keep_moving) {
+        e->spec.set_state(v1::SERVING);
+        keep.push_back(e);
+        leaving.insert(e);
+        out.moves.push_back(d.deployment + ": " + where + " serves until its replacement does");
+      } else if (ready + keep_moving < d.serving) {
+        out.moves.push_back(d.deployment + ": " + where +
+                            " dropped before its replacement serves (maxUnavailable " +
+                            std::to_string(d.max_unavailable) + ")");
+      }
+    }
+    for (Existing* e : keep) {
       e->spec.set_repository(d.repository);
       e->spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
       add(e->node, e->spec, std::max(e->gpu_memory, d.gpu_memory_bytes), d.deployment,
@@ -278,7 +269,11 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     }
     kept[key(d)].serving = serving;
     kept[key(d)].warm = warm;
-    kept[key(d)].surge_missing = surge_allowed - surge;
+    kept[key(d)].keep_moving = keep_moving;
+    // New SERVING replicas this pass, within maxSurge of the wanted count (the moving ones
+    // kept count against it).
+    kept[key(d)].new_serving = std::clamp<int64_t>(d.serving + d.max_surge - serving - keep_moving,
+                                                   0, d.serving - serving);
   }
   // Pass 2: new replicas.
   for (const PlacementDemand& d : demands) {
@@ -291,8 +286,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       used_ids.insert(next_id);
       return d.deployment + "." + std::to_string(next_id);
     };
-    int64_t missing = (d.serving - serving) + (d.warm - warm);
-    int64_t surge_missing = kept[key(d)].surge_missing;
+    const int64_t new_serving = kept[key(d)].new_serving;
+    int64_t missing = new_serving + (d.warm - warm);
     int64_t unplaced = 0;
     // A node's best (node, gpu) for this demand now, by the documented order; lower tuples
     // win (the node index is the name order). Nothing when it has no room.
@@ -322,28 +317,28 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     // node of its zone is untouched and still ranks above it (same zone count, and the rest
     // of its key unchanged). The replicas are then placed among the shortlist alone.
     std::vector<NodeState*> shortlist;
-    if (missing + surge_missing > 0) {
+    if (missing > 0) {
       std::vector<std::priority_queue<std::pair<Key, NodeState*>>> per_zone(zones.size());
       for (NodeState* nsp : order) {
         auto k = key_of(*nsp);
         if (!k) continue;
         auto& heap = per_zone[nsp->zone_id];
         heap.emplace(*k, nsp);
-        if (static_cast<int64_t>(heap.size()) > missing + surge_missing) heap.pop();  // the worst
+        if (static_cast<int64_t>(heap.size()) > missing) heap.pop();  // drop the worst
       }
       for (auto& heap : per_zone) {
         for (; !heap.empty(); heap.pop()) shortlist.push_back(heap.top().second);
       }
     }
-    for (int64_t k = 0; k < missing + surge_missing; ++k) {
-      bool as_serving = serving < d.serving || k >= missing;  // surge replacements serve
+    for (int64_t k = 0; k < missing; ++k) {
+      bool as_serving = k < new_serving;
       std::optional<Key> best;
       for (NodeState* nsp : shortlist) {
         auto key = key_of(*nsp);
         if (key && (!best || *key < *best)) best = key;
       }
       if (!best) {
-        if (k < missing) unplaced++;  // a replacement with no room waits; the old one serves
+        unplaced++;
         continue;
       }
       v1::ReplicaSpec spec;
@@ -356,14 +351,14 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       spec.set_state(as_serving ? v1::SERVING : v1::WARM);
       spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
       add(order[std::get<4>(*best)]->node->name, spec, d.gpu_memory_bytes, d.deployment);
-      if (k >= missing) {
-        // a surge replacement: beyond the wanted count until the moving replica leaves
-      } else if (as_serving) {
+      if (as_serving) {
         serving++;
       } else {
         warm++;
       }
     }
+    // Replacements with no room wait: the moving replicas they would replace still serve.
+    unplaced = std::max<int64_t>(0, unplaced - kept[key(d)].keep_moving);
     if (unplaced > 0) {
       out.unplaced.push_back(
           d.deployment + ": " + std::to_string(unplaced) + " of " +

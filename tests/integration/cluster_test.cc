@@ -185,6 +185,19 @@ class ClusterTest : public ::testing::Test {
     return s;
   }
 
+  // Applies ModelDeployment `name` of version 1 of `model` (from the test repository) with
+  // `spec_tail` (more spec lines, two-space indented) through kilnctl; the exit code is
+  // last_rc_.
+  std::string ApplySpec(const std::string& name, const std::string& model,
+                        const std::string& spec_tail) {
+    std::string path = dir_ + "/" + name + ".yaml";
+    std::ofstream(path) << "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\n"
+                           "metadata: {name: " << name << "}\nspec:\n  model: {name: " << model
+                        << ", version: \"1\", uri: \"file://" << KILN_MODEL_REPO << "/" << model
+                        << "/1/model.pt\"}\n" << spec_tail;
+    return Ctl("apply -f " + path);
+  }
+
   // Deployment `enc` of the encoder VERSION from REPO, 2 replicas, with `rollout` appended.
   static std::string EncoderSpec(const std::string& version, const std::string& repo,
                                  const std::string& rollout) {
@@ -262,11 +275,7 @@ TEST_F(ClusterTest, ALostNodesReplicasComeBackElsewhere) {
   StartAgent();
   Agent n2 = StartAnotherAgent("n2");
   ASSERT_GT(n2.router_grpc, 0) << ReadFile(n2.log);
-  std::ofstream(dir_ + "/enc.yaml")
-      << "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
-         "spec:\n  model: {name: encoder, version: \"1\", uri: \"file://"
-      << KILN_MODEL_REPO << "/encoder/1/model.pt\"}\n  replicas: 2\n";
-  std::string out = Ctl("apply -f " + dir_ + "/enc.yaml");
+  std::string out = ApplySpec("enc", "encoder", "  replicas: 2\n");
   ASSERT_EQ(last_rc_, 0) << out;
   ASSERT_TRUE(WaitForStatus("enc", 2, 0));
   auto on_n1 = Pids();
@@ -329,6 +338,68 @@ TEST_F(ClusterTest, AgentsAndTheControllerSpeakMutualTls) {
   // The plaintext agent was turned away at the handshake, not registered.
   EXPECT_NE(ReadFile(plain.log).find("UNAVAILABLE"), std::string::npos) << ReadFile(plain.log);
   for (Agent* x : {&a, &b, &plain}) Kill(&x->pid, SIGTERM);
+}
+
+// A GPU fails under traffic: its replica keeps serving until a replacement on a healthy GPU
+// does, then leaves; no request fails.
+TEST_F(ClusterTest, AReplicaLeavesAFailedGpuWithoutAFailedRequest) {
+  StartController("127.0.0.1:0");
+  Agent g = StartAnotherAgent("g1", {"--fake-gpus", "2:16Gi"});
+  ASSERT_GT(g.router_grpc, 0) << ReadFile(g.log);
+  std::string out =
+      ApplySpec("emb", "encoder", "  replicas: 1\n  resources: {gpus: 1, gpuMemory: 2Gi, cpus: 1}\n");
+  ASSERT_EQ(last_rc_, 0) << out;
+  alog_ = g.log;
+  ASSERT_TRUE(WaitForStatus("emb", 1, 0));
+  auto replicas = [&]() {
+    auto [code, text] = Http("GET", g.admin, "/v1/replicas");
+    json j = json::parse(text, nullptr, false);
+    return code == 200 && !j.is_discarded() ? j["replicas"] : json::array();
+  };
+  json before = replicas();
+  ASSERT_EQ(before.size(), 1u) << before.dump();
+  const std::string old_id = before[0]["id"];
+  const int bad_gpu = before[0]["gpu"];
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, failed{0};
+  std::string first_error;
+  std::thread traffic([&] {
+    while (!stop) {
+      grpc::Status st = Infer(g.router_grpc);
+      if (st.ok()) {
+        ok++;
+      } else if (failed++ == 0) {
+        first_error = st.error_message();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto [code, text] = Http("POST", g.admin, "/v1/fake-gpus/" + std::to_string(bad_gpu) + "/xid/79");
+  EXPECT_EQ(code, 200) << text;
+  // The replacement comes up on the other GPU and the old replica goes (bounded poll, 30 s).
+  bool moved = false;
+  for (int i = 0; i < 1200 && !moved; ++i) {
+    json now = replicas();
+    moved = now.size() == 1 && now[0]["id"] != old_id && now[0]["gpu"] != bad_gpu &&
+            now[0]["state"] == "SERVING";
+    if (!moved) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  stop = true;
+  traffic.join();
+  EXPECT_TRUE(moved) << replicas().dump() << ReadFile(clog_);
+  EXPECT_GT(ok.load(), 20);
+  EXPECT_EQ(failed.load(), 0) << first_error;
+  EXPECT_NE(ReadFile(clog_).find("rebalancing: emb: " + old_id + " on g1 GPU " +
+                                 std::to_string(bad_gpu) + " (unhealthy)"),
+            std::string::npos)
+      << ReadFile(clog_);
+  // The endpoint is only for fake GPUs and checks its input.
+  EXPECT_EQ(Http("POST", g.admin, "/v1/fake-gpus/7/xid/79").first, 404);
+  EXPECT_EQ(Http("POST", g.admin, "/v1/fake-gpus/x/xid/79").first, 400);
+  Kill(&g.pid, SIGTERM);
 }
 
 TEST_F(ClusterTest, TlsFlagsAreCheckedAtStartup) {
@@ -429,12 +500,7 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
 TEST_F(ClusterTest, AutoscalesOnRequestsInFlight) {
   StartController("127.0.0.1:0", {"--scale-down-stabilization-seconds", "2"});
   StartAgent();
-  std::ofstream(dir_ + "/slow.yaml")
-      << "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: slow}\n"
-         "spec:\n  model: {name: slow, version: \"1\", uri: \"file://"
-      << KILN_MODEL_REPO << "/slow/1/model.pt\"}\n"
-         "  autoscale: {min: 1, max: 2, targetInFlight: 1}\n";
-  std::string out = Ctl("apply -f " + dir_ + "/slow.yaml");
+  std::string out = ApplySpec("slow", "slow", "  autoscale: {min: 1, max: 2, targetInFlight: 1}\n");
   ASSERT_EQ(last_rc_, 0) << out;
   ASSERT_TRUE(WaitForStatus("slow", 1, 0));
   auto slow_request = [this]() {

@@ -211,12 +211,15 @@ TEST(PlacementTest, GpuReplicasBestFitByFreeMemoryAndSkipUnhealthyGpus) {
 
 // What the nodes report after applying `p`: every replica in the state its spec asks for,
 // except those in `loading`, which report LOADING (unhealthy, not yet serving).
+// Those in `unreported` are assigned but not reported yet (the agent has not started them).
 void Apply(const PlacementResult& p, std::vector<PlacementNode>* nodes,
-           const std::set<std::string>& loading = {}) {
+           const std::set<std::string>& loading = {},
+           const std::set<std::string>& unreported = {}) {
   for (PlacementNode& n : *nodes) {
     n.assigned = p.nodes.at(n.name);
     n.reported.clear();
     for (const auto& spec : n.assigned) {
+      if (unreported.count(spec.replica_id())) continue;
       v1::ReplicaStatus r = Reported(spec.replica_id(), loading.count(spec.replica_id())
                                                             ? v1::LOADING
                                                             : spec.state());
@@ -264,7 +267,9 @@ TEST(PlacementTest, ReplicasLeaveAnUnhealthyGpuMakeBeforeBreak) {
             std::string::npos)
       << p.moves[0];
   EXPECT_TRUE(p.unplaced.empty());
-  // While the replacement loads nothing changes (and no second replacement is started).
+  // Assigned but not reported yet, then loading: nothing changes (and no second replacement).
+  Apply(p, &nodes, {}, {"emb.2"});
+  EXPECT_EQ(All(Place({d}, nodes)), All(p));
   Apply(p, &nodes, {"emb.2"});
   auto loading = Place({d}, nodes);
   EXPECT_EQ(All(loading), All(p));
@@ -316,6 +321,8 @@ TEST(PlacementTest, MaxUnavailableDropsFirstButNeverBelowItsBound) {
   p = Place({d}, nodes);
   EXPECT_EQ(All(p), (std::vector<std::string>{"a/0:emb.0:SERVING", "c/0:emb.2:SERVING"}))
       << ::testing::PrintToString(All(p));
+  Apply(p, &nodes, {}, {"emb.2"});
+  EXPECT_EQ(All(Place({d}, nodes)), All(p));  // emb.2 not even reported: emb.0 may not go
   Apply(p, &nodes, {"emb.2"});
   auto waiting = Place({d}, nodes);  // emb.2 still loading: emb.0 may not go yet
   EXPECT_EQ(All(waiting), All(p));

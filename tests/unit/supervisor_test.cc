@@ -272,6 +272,30 @@ TEST_F(SupervisorTest, AnUnhealthyGpuIsDrainedAndTakesNoReplicasUntilHealthy) {
   EXPECT_EQ(View("a")->restarts, 0);           // a drain is not a crash
 }
 
+TEST_F(SupervisorTest, UnderAControllerAnUnhealthyGpusReplicasServeUntilMoved) {
+  options_.drain_on_unhealthy_gpu = false;
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  pid_t a = View("a")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6001);
+  sup_->Tick();
+  ASSERT_EQ(BuildRouterTable({}, *sup_->Snapshot()).routes["enc"].endpoints.size(), 1u);
+  sup_->SetGpuHealth(0, false, "Xid 48: double-bit ECC error");
+  sup_->Tick();
+  EXPECT_TRUE(launcher_.signals().empty());  // still serving: the controller moves it
+  EXPECT_EQ(View("a")->phase, "RUNNING");
+  EXPECT_EQ(View("a")->pid, a);
+  EXPECT_EQ(BuildRouterTable({}, *sup_->Snapshot()).routes["enc"].endpoints.size(), 1u);
+  // Should it exit, it is not restarted on that GPU.
+  launcher_.ExitCode(a, 1);
+  sup_->Tick();
+  clock_.Advance(absl::Minutes(5));
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), 1u);
+  EXPECT_NE(View("a")->last_error.find("double-bit ECC"), std::string::npos);
+}
+
 TEST_F(SupervisorTest, ProbeFailuresTakeAReplicaOutOfRoutingAndSilenceGetsItKilled) {
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
   sup_->Tick();
