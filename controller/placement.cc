@@ -1,10 +1,11 @@
 #include "controller/placement.h"
 
 #include <algorithm>
+#include <limits>
 #include <optional>
-#include <queue>
 #include <set>
 #include <tuple>
+#include <unordered_map>
 
 namespace kiln {
 
@@ -17,9 +18,16 @@ std::string DeploymentOfReplica(const std::string& replica_id) {
 namespace {
 
 // One replica as the placement sees it: the union of the assignment and the report.
+struct NodeState;
+
 struct Existing {
-  std::string node;
-  v1::ReplicaSpec spec;  // model, version, gpu, cpus, state as assigned (or as reported)
+  NodeState* ns = nullptr;  // where it runs
+  // Model, version, gpu, cpus, state as assigned (the node's entry, not copied) or, for a
+  // replica only reported, as reported.
+  const v1::ReplicaSpec* assigned = nullptr;
+  v1::ReplicaSpec reported_spec;
+  const v1::ReplicaSpec& spec() const { return assigned ? *assigned : reported_spec; }
+  v1::LifecycleState keep_as = v1::LIFECYCLE_STATE_UNSPECIFIED;  // SERVING or WARM when kept
   v1::LifecycleState reported = v1::LIFECYCLE_STATE_UNSPECIFIED;
   bool healthy = true;     // not crash-looping or FAILED: worth keeping
   bool ready = false;      // reported SERVING and passing its probe: taking traffic now
@@ -32,13 +40,29 @@ struct NodeState {
   int zone_id = 0;  // nodes without a zone label are each their own zone
   int cpu_used = 0;
   std::vector<int64_t> gpu_used;  // by position in node->gpus
+  std::vector<v1::ReplicaSpec>* assignment = nullptr;  // the node's entry in the result
 };
 
-// Replicas of one deployment per node and per zone, kept as placement goes (vectors indexed
-// by node and zone, so choosing a node is one pass over the nodes).
+// Replicas of one deployment per node and per zone, kept as placement goes: per node a short
+// list (a deployment is on a few of thousands of nodes), per zone a vector (zones are few).
 struct Spread {
-  std::vector<int> per_node;
+  std::vector<std::pair<int, int>> per_node;  // (node index, replicas), a few entries
   std::vector<int> per_zone;
+  int on(int node) const {
+    for (const auto& [n, count] : per_node) {
+      if (n == node) return count;
+    }
+    return 0;
+  }
+  void Add(int node) {
+    for (auto& [n, count] : per_node) {
+      if (n == node) {
+        count++;
+        return;
+      }
+    }
+    per_node.push_back({node, 1});
+  }
 };
 
 // CPUs in a cpulist ("0-3,8" -> 5); 0 when it does not parse.
@@ -93,44 +117,48 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   std::stable_sort(demands.begin(), demands.end(),
                    [](const auto& a, const auto& b) { return a.deployment < b.deployment; });
   std::map<std::string, NodeState> state;
-  std::map<std::string, std::vector<Existing>> by_deployment;
+  std::unordered_map<std::string, std::vector<Existing>> by_deployment;
   for (const PlacementNode& n : nodes) {
     NodeState& ns = state[n.name];
     ns.node = &n;
-    out.nodes[n.name];  // every ready node gets an assignment, maybe empty
-    std::map<std::string, Existing> seen;
+    ns.assignment = &out.nodes[n.name];  // every ready node gets an assignment, maybe empty
+    // A node runs a handful of replicas: a vector searched by id beats a map.
+    std::vector<Existing> seen;
+    seen.reserve(n.assigned.size() + n.reported.size());
     for (const auto& spec : n.assigned) {
-      Existing e;
-      e.node = n.name;
-      e.spec = spec;
+      Existing& e = seen.emplace_back();
+      e.ns = &ns;
+      e.assigned = &spec;
       e.gpu_memory = spec.gpu_memory_bytes();
-      seen[spec.replica_id()] = e;
     }
     for (const auto& rs : n.reported) {
-      auto it = seen.find(rs.replica_id());
+      auto it = std::find_if(seen.begin(), seen.end(), [&](const Existing& e) {
+        return e.spec().replica_id() == rs.replica_id();
+      });
       if (it == seen.end()) {
         Existing e;
-        e.node = n.name;
-        e.spec.set_replica_id(rs.replica_id());
-        e.spec.set_model(rs.model());
-        e.spec.set_version(rs.version());
-        e.spec.set_gpu(GpuFromDevice(rs.device()));
-        e.spec.set_state(rs.state());
-        e.spec.set_cpus(CountCpus(rs.cpus()));
-        e.spec.set_gpu_memory_bytes(rs.gpu_memory_bytes());
+        e.ns = &ns;
+        e.reported_spec.set_replica_id(rs.replica_id());
+        e.reported_spec.set_model(rs.model());
+        e.reported_spec.set_version(rs.version());
+        e.reported_spec.set_gpu(GpuFromDevice(rs.device()));
+        e.reported_spec.set_state(rs.state());
+        e.reported_spec.set_cpus(CountCpus(rs.cpus()));
+        e.reported_spec.set_gpu_memory_bytes(rs.gpu_memory_bytes());
         e.gpu_memory = rs.gpu_memory_bytes();
-        it = seen.emplace(rs.replica_id(), e).first;
+        seen.push_back(std::move(e));
+        it = seen.end() - 1;
       }
-      it->second.reported = rs.state();
+      it->reported = rs.state();
       // Replaced only when it cannot recover where it is: a crash loop or FAILED. A replica
       // that is starting, or briefly failing its probe, is the agent's to restart, not ours
       // to move (it reports healthy=false while it loads).
-      it->second.healthy = !rs.crash_loop() && rs.state() != v1::FAILED;
-      it->second.ready = rs.state() == v1::SERVING && rs.healthy();
-      it->second.gpu_memory = std::max(it->second.gpu_memory, rs.measured_gpu_memory_bytes());
+      it->healthy = !rs.crash_loop() && rs.state() != v1::FAILED;
+      it->ready = rs.state() == v1::SERVING && rs.healthy();
+      it->gpu_memory = std::max(it->gpu_memory, rs.measured_gpu_memory_bytes());
     }
-    for (auto& [id, e] : seen) {
-      std::string dep = DeploymentOfReplica(id);
+    for (Existing& e : seen) {
+      std::string dep = DeploymentOfReplica(e.spec().replica_id());
       if (!dep.empty()) by_deployment[dep].push_back(std::move(e));
     }
   }
@@ -143,30 +171,24 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     std::string zone = ns.node->zone.empty() ? "node:" + name : ns.node->zone;
     ns.zone_id = zones.emplace(zone, static_cast<int>(zones.size())).first->second;
   }
-  std::map<std::string, Spread> spread;
+  std::unordered_map<std::string, Spread> spread;
   auto spread_of = [&](const std::string& dep) -> Spread& {
     Spread& sp = spread[dep];
-    if (sp.per_node.empty()) {
-      sp.per_node.assign(order.size(), 0);
-      sp.per_zone.assign(zones.size(), 0);
-    }
+    if (sp.per_zone.empty()) sp.per_zone.assign(zones.size(), 0);
     return sp;
   };
-  // `spread`: false for a replica on its way out (it holds resources, but new replicas
-  // should not avoid its node on its account).
-  auto add = [&](const std::string& node, v1::ReplicaSpec spec, int64_t gpu_memory,
-                 const std::string& dep, bool spread_count = true) {
-    NodeState& ns = state[node];
+  // `sp`: the deployment's spread, or null for a replica on its way out (it holds resources,
+  // but new replicas should not avoid its node on its account).
+  auto add = [&](NodeState& ns, v1::ReplicaSpec spec, int64_t gpu_memory, Spread* sp) {
     ns.cpu_used += spec.cpus();
     for (size_t i = 0; spec.gpu() >= 0 && i < ns.node->gpus.size(); ++i) {
       if (ns.node->gpus[i].index == spec.gpu()) ns.gpu_used[i] += gpu_memory;
     }
-    if (spread_count) {
-      Spread& sp = spread_of(dep);
-      sp.per_node[ns.index]++;
-      sp.per_zone[ns.zone_id]++;
+    if (sp) {
+      sp->Add(ns.index);
+      sp->per_zone[ns.zone_id]++;
     }
-    out.nodes[node].push_back(std::move(spec));
+    ns.assignment->push_back(std::move(spec));
   };
 
   // Pass 1: every deployment keeps what it has, so pass 2 sees all the room already taken.
@@ -176,8 +198,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     int64_t new_serving = 0;  // SERVING replicas to start (short of the count, within surge)
     int64_t keep_moving = 0;  // moving replicas kept serving (they cover a shortfall)
   };
-  std::map<std::string, Kept> kept;
-  std::map<std::string, std::set<int>> ids_in_use;
+  std::unordered_map<std::string, Kept> kept;
+  std::unordered_map<std::string, std::set<int>> ids_in_use;
   auto key = [](const PlacementDemand& d) { return d.deployment + "\n" + d.version; };
   for (const PlacementDemand& d : demands) {
     std::vector<Existing*> mine;
@@ -186,25 +208,26 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       if (DeploymentOfReplica(id) == d.deployment) NoteIdInUse(id, &used_ids);
     }
     for (Existing& e : by_deployment[d.deployment]) {
-      NoteIdInUse(e.spec.replica_id(), &used_ids);
+      NoteIdInUse(e.spec().replica_id(), &used_ids);
       // A replica whose CPUs or GPU kind no longer fit the spec is replaced (the agent
       // refuses to change a running replica's shape under the same id).
-      bool same_shape = e.spec.cpus() == d.cpus && (e.spec.gpu() >= 0) == (d.gpus > 0);
-      if (e.healthy && same_shape && e.spec.model() == d.model && e.spec.version() == d.version &&
-          state.count(e.node)) {
+      bool same_shape = e.spec().cpus() == d.cpus && (e.spec().gpu() >= 0) == (d.gpus > 0);
+      if (e.healthy && same_shape && e.spec().model() == d.model &&
+          e.spec().version() == d.version &&
+          e.ns != nullptr) {
         mine.push_back(&e);
       }
     }
     auto serving_now = [](const Existing& e) {
       v1::LifecycleState s = e.reported != v1::LIFECYCLE_STATE_UNSPECIFIED ? e.reported
-                                                                            : e.spec.state();
+                                                                            : e.spec().state();
       return s == v1::SERVING;
     };
     // On a GPU its node reports unhealthy, or no longer reports at all: to be moved.
     auto on_bad_gpu = [&](const Existing& e) {
-      if (e.spec.gpu() < 0) return false;
-      for (const auto& g : state[e.node].node->gpus) {
-        if (g.index == e.spec.gpu()) return !g.healthy;
+      if (e.spec().gpu() < 0) return false;
+      for (const auto& g : e.ns->node->gpus) {
+        if (g.index == e.spec().gpu()) return !g.healthy;
       }
       return true;
     };
@@ -221,20 +244,20 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     std::stable_sort(staying.begin(), staying.end(), [&](const Existing* a, const Existing* b) {
       bool sa = serving_now(*a), sb = serving_now(*b);
       if (sa != sb) return sa;
-      return a->spec.replica_id() < b->spec.replica_id();
+      return a->spec().replica_id() < b->spec().replica_id();
     });
     std::sort(moving.begin(), moving.end(), [](const Existing* a, const Existing* b) {
-      return a->spec.replica_id() < b->spec.replica_id();
+      return a->spec().replica_id() < b->spec().replica_id();
     });
     std::vector<Existing*> keep;
     int64_t serving = 0, warm = 0, ready = 0;
     for (Existing* e : staying) {
       if (serving < d.serving) {
-        e->spec.set_state(v1::SERVING);
+        e->keep_as = v1::SERVING;
         serving++;
         ready += e->ready ? 1 : 0;
       } else if (warm < d.warm) {
-        e->spec.set_state(v1::WARM);
+        e->keep_as = v1::WARM;
         warm++;
       } else {
         continue;  // beyond what is wanted: dropped (the agent drains it)
@@ -248,10 +271,10 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     std::set<const Existing*> leaving;
     for (int64_t i = 0; i < static_cast<int64_t>(moving.size()); ++i) {
       Existing* e = moving[i];
-      std::string where = e->spec.replica_id() + " on " + e->node + " GPU " +
-                          std::to_string(e->spec.gpu()) + " (unhealthy)";
+      std::string where = e->spec().replica_id() + " on " + e->ns->node->name + " GPU " +
+                          std::to_string(e->spec().gpu()) + " (unhealthy)";
       if (i < keep_moving) {
-        e->spec.set_state(v1::SERVING);
+        e->keep_as = v1::SERVING;
         keep.push_back(e);
         leaving.insert(e);
         out.moves.push_back(d.deployment + ": " + where + " serves until its replacement does");
@@ -262,10 +285,12 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       }
     }
     for (Existing* e : keep) {
-      e->spec.set_repository(d.repository);
-      e->spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
-      add(e->node, e->spec, std::max(e->gpu_memory, d.gpu_memory_bytes), d.deployment,
-          !leaving.count(e));
+      v1::ReplicaSpec spec = e->spec();
+      spec.set_state(e->keep_as);
+      spec.set_repository(d.repository);
+      spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
+      add(*e->ns, std::move(spec), std::max(e->gpu_memory, d.gpu_memory_bytes),
+          leaving.count(e) ? nullptr : &spread_of(d.deployment));
     }
     kept[key(d)].serving = serving;
     kept[key(d)].warm = warm;
@@ -275,6 +300,29 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     kept[key(d)].new_serving = std::clamp<int64_t>(d.serving + d.max_surge - serving - keep_moving,
                                                    0, d.serving - serving);
   }
+  // The room index for pass 2, per zone, in the placement key's order: each healthy GPU by
+  // its free memory, each node by its free CPUs (then load, node, GPU).
+  using Slot = std::tuple<int64_t, double, int, int, size_t>;  // free, load, node, gpu, position
+  constexpr double kLowest = -std::numeric_limits<double>::infinity();
+  std::vector<std::set<Slot>> gpu_slots(zones.size()), cpu_slots(zones.size());
+  auto slots_of = [&](const NodeState& ns, auto&& fn) {
+    if (!ns.node->schedulable) return;
+    fn(cpu_slots[ns.zone_id], Slot{ns.node->cpu_capacity - ns.cpu_used, ns.node->load, ns.index,
+                                   -1, 0});
+    for (size_t i = 0; i < ns.node->gpus.size(); ++i) {
+      if (!ns.node->gpus[i].healthy) continue;
+      fn(gpu_slots[ns.zone_id], Slot{ns.node->gpus[i].memory_bytes - ns.gpu_used[i],
+                                     ns.node->load, ns.index, ns.node->gpus[i].index, i});
+    }
+  };
+  auto index = [&](const NodeState& ns) {
+    slots_of(ns, [](std::set<Slot>& set, const Slot& slot) { set.insert(slot); });
+  };
+  auto unindex = [&](const NodeState& ns) {
+    slots_of(ns, [](std::set<Slot>& set, const Slot& slot) { set.erase(slot); });
+  };
+  bool indexed = false;  // built on first use: a steady tick places nothing
+
   // Pass 2: new replicas.
   for (const PlacementDemand& d : demands) {
     int64_t serving = kept[key(d)].serving;
@@ -296,7 +344,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     auto key_of = [&](NodeState& ns) -> std::optional<Key> {
       const PlacementNode& n = *ns.node;
       if (!n.schedulable || ns.cpu_used + d.cpus > n.cpu_capacity) return std::nullopt;
-      int here = sp.per_node[ns.index];
+      int here = sp.on(ns.index);
       int zone_count = sp.per_zone[ns.zone_id];
       if (d.gpus == 0) {
         return Key{here, zone_count, n.cpu_capacity - ns.cpu_used - d.cpus, n.load, ns.index, -1};
@@ -312,30 +360,45 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       }
       return best;
     };
-    // One pass over the nodes keeps, per zone, the `missing` best: a node outside its zone's
-    // shortlist can never win, since until `missing` replicas are placed some shortlisted
-    // node of its zone is untouched and still ranks above it (same zone count, and the rest
-    // of its key unchanged). The replicas are then placed among the shortlist alone.
-    std::vector<NodeState*> shortlist;
-    if (missing > 0) {
-      std::vector<std::priority_queue<std::pair<Key, NodeState*>>> per_zone(zones.size());
-      for (NodeState* nsp : order) {
-        auto k = key_of(*nsp);
-        if (!k) continue;
-        auto& heap = per_zone[nsp->zone_id];
-        heap.emplace(*k, nsp);
-        if (static_cast<int64_t>(heap.size()) > missing) heap.pop();  // drop the worst
+    // The best spot on a node this deployment is not on yet, from the room index: per zone
+    // the first slot (in the key's own order) that fits and whose node is free of the
+    // deployment and has the CPUs; the zone with the fewest of the deployment wins. Nothing
+    // when no zone has such a node (then every node is scanned: the key's first field, the
+    // deployment's count on the node, decides).
+    auto best_fresh = [&]() -> std::optional<Key> {
+      if (!indexed) {
+        for (const NodeState* ns : order) index(*ns);
+        indexed = true;
       }
-      for (auto& heap : per_zone) {
-        for (; !heap.empty(); heap.pop()) shortlist.push_back(heap.top().second);
+      std::optional<Key> best;
+      for (size_t z = 0; z < zones.size(); ++z) {
+        const int zone_count = sp.per_zone[z];
+        if (best && std::get<1>(*best) < zone_count) continue;
+        const bool gpu = d.gpus > 0;
+        const std::set<Slot>& slots = gpu ? gpu_slots[z] : cpu_slots[z];
+        const int64_t need = gpu ? d.gpu_memory_bytes : d.cpus;
+        for (auto it = slots.lower_bound(Slot{need, kLowest, -1, -1, -1}); it != slots.end();
+             ++it) {
+          const NodeState& ns = *order[std::get<2>(*it)];
+          if (sp.on(ns.index) != 0 || ns.cpu_used + d.cpus > ns.node->cpu_capacity) {
+            continue;
+          }
+          Key k{0, zone_count, std::get<0>(*it) - need, std::get<1>(*it), ns.index,
+                std::get<3>(*it)};
+          if (!best || k < *best) best = k;
+          break;
+        }
       }
-    }
+      return best;
+    };
     for (int64_t k = 0; k < missing; ++k) {
       bool as_serving = k < new_serving;
-      std::optional<Key> best;
-      for (NodeState* nsp : shortlist) {
-        auto key = key_of(*nsp);
-        if (key && (!best || *key < *best)) best = key;
+      std::optional<Key> best = best_fresh();
+      if (!best) {
+        for (NodeState* nsp : order) {
+          auto key = key_of(*nsp);
+          if (key && (!best || *key < *best)) best = key;
+        }
       }
       if (!best) {
         unplaced++;
@@ -350,7 +413,10 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       spec.set_cpus(static_cast<int32_t>(d.cpus));
       spec.set_state(as_serving ? v1::SERVING : v1::WARM);
       spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
-      add(order[std::get<4>(*best)]->node->name, spec, d.gpu_memory_bytes, d.deployment);
+      NodeState& chosen = *order[std::get<4>(*best)];
+      unindex(chosen);
+      add(chosen, std::move(spec), d.gpu_memory_bytes, &sp);
+      index(chosen);
       if (as_serving) {
         serving++;
       } else {
