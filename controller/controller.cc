@@ -1,6 +1,7 @@
 #include "controller/controller.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "common/grpc_tls.h"
 #include "common/logging.h"
@@ -44,6 +45,30 @@ std::string Serialize(const std::vector<v1::ReplicaSpec>& specs) {
 // generations only grow, also across controller restarts.
 int64_t NextGeneration(int64_t sent, int64_t applied, absl::Time now) {
   return std::max({sent + 1, applied + 1, absl::ToUnixMicros(now)});
+}
+
+// Per version of a deployment, for status.versions: its traffic share now and what its SERVING
+// replicas report (counters since each replica started; p99 the worst replica's).
+nlohmann::json VersionsJson(const RolloutPlan& plan,
+                            const std::map<std::string, VersionStats>& stats) {
+  std::map<std::string, int64_t> weights;
+  if (!plan.stable_version.empty()) weights[plan.stable_version] = 100 - plan.canary_weight;
+  if (!plan.canary_version.empty()) weights[plan.canary_version] = plan.canary_weight;
+  for (const auto& [version, v] : stats) weights.emplace(version, 0);
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& [version, weight] : weights) {
+    auto it = stats.find(version);
+    VersionStats v = it == stats.end() ? VersionStats() : it->second;
+    double rate = v.requests > 0 ? static_cast<double>(v.errors) / v.requests : 0.0;
+    out.push_back({{"version", version},
+                   {"weight", weight},
+                   {"readyReplicas", v.ready},
+                   {"requests", v.requests},
+                   {"errors", v.errors},
+                   {"errorRate", std::round(rate * 1e6) / 1e6},
+                   {"latencyP99Ms", std::round(v.p99_micros) / 1000.0}});
+  }
+  return out;
 }
 
 std::string ZoneOf(const v1::Register& r) {
@@ -277,6 +302,7 @@ void Controller::Tick() {
 
     // Rollouts: per deployment, the versions to run and the split, from the reports.
     std::map<std::string, RolloutPlan> plans;
+    std::map<std::string, std::map<std::string, VersionStats>> version_stats;  // by deployment
     std::vector<PlacementDemand> all_demands;
     // Forget deployments that are gone (or were deleted and created again under the name).
     for (auto it = rollouts_.begin(); it != rollouts_.end();) {
@@ -305,7 +331,7 @@ void Controller::Tick() {
         }
         known = rollouts_.emplace(d.name, seeded).first;
       }
-      std::map<std::string, VersionStats> stats;
+      std::map<std::string, VersionStats> stats;  // by version, from the SERVING replicas
       for (const auto& n : nodes) {
         for (const auto& r : n.reported) {
           if (DeploymentOfReplica(r.replica_id()) != d.name || r.state() != v1::SERVING) continue;
@@ -316,6 +342,7 @@ void Controller::Tick() {
           v.p99_micros = std::max(v.p99_micros, r.load().latency_p99_micros());
         }
       }
+      version_stats[d.name] = stats;
       ModelDeploymentSpec spec = d.spec;
       spec.replicas = demands[i].serving;
       const RolloutState& st = known->second;
@@ -495,7 +522,8 @@ void Controller::Tick() {
                            {"readyReplicas", ready},
                            {"warmReplicas", warm},
                            {"conditions", conditions},
-                           {"rollout", plan.state.ToJson()}};
+                           {"rollout", plan.state.ToJson()},
+                           {"versions", VersionsJson(plan, version_stats[dep.d.name])}};
       statuses.emplace_back(dep.object.name, st);
     }
   }

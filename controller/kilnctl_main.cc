@@ -351,6 +351,19 @@ int main(int argc, char** argv) {
       if (line != last) {
         std::cout << line << std::endl;
         last = line;
+        // What each version serves, as the analysis sees it.
+        const json& status = r.body.value("status", json::object());
+        for (const auto& v : status.value("versions", json::array())) {
+          char buf[256];
+          std::snprintf(buf, sizeof(buf),
+                        "  version %s: weight %d%%, %d ready, %llu requests, error rate %.2f%%, "
+                        "p99 %.1f ms",
+                        v.value("version", "").c_str(), v.value("weight", 0),
+                        v.value("readyReplicas", 0),
+                        static_cast<unsigned long long>(v.value("requests", uint64_t{0})),
+                        100.0 * v.value("errorRate", 0.0), v.value("latencyP99Ms", 0.0));
+          std::cout << buf << std::endl;
+        }
       }
       bool done = phase == "Stable" && ro.value("stableVersion", "") == want &&
                   ro.value("canaryVersion", "").empty();

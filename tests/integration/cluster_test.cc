@@ -489,6 +489,18 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   out = Ctl("rollout status enc -w --timeout-seconds 30");
   EXPECT_EQ(last_rc_, 0) << out;
   EXPECT_NE(out.find("deployment \"enc\" serves version 2"), std::string::npos) << out;
+  EXPECT_NE(out.find("  version 2: weight 100%, "), std::string::npos) << out;
+  // Per-version numbers in status: version 2 took the traffic after the switch.
+  json v2;
+  const json now = Deployment("enc");
+  for (const auto& v : now["status"]["versions"]) {
+    if (v.value("version", "") == "2") v2 = v;
+  }
+  ASSERT_TRUE(v2.is_object()) << now.dump();
+  EXPECT_EQ(v2.value("weight", -1), 100);
+  EXPECT_GT(v2.value("requests", 0), 0) << v2.dump();
+  EXPECT_EQ(v2.value("errors", -1), 0) << v2.dump();
+  EXPECT_GT(v2.value("latencyP99Ms", 0.0), 0.0) << v2.dump();
   std::string log = ReadFile(clog_);
   EXPECT_NE(log.find("rollout enc: canary 2 step 1/1: weight 50%"), std::string::npos) << log;
   EXPECT_NE(log.find("rollout enc: canary 2 promoted"), std::string::npos) << log;
