@@ -136,11 +136,19 @@ grpc::Status Controller::Connect(
   }
   auto session = std::make_shared<Session>();
   session->stream = stream;
+  // Started before the session is visible to the loop, and joined (Close) before returning.
+  session->writer = std::thread([s = session.get()] { s->WriteLoop(); });
+  auto refuse = [&](grpc::Status st) {
+    session->Close();
+    return st;
+  };
   {
     absl::MutexLock lock(&mu_);
-    if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "shutting down");
+    if (stopping_) return refuse(grpc::Status(grpc::StatusCode::UNAVAILABLE, "shutting down"));
     absl::Status s = registry_.Register(msg.register_(), clock_->Now());
-    if (!s.ok()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(s.message()));
+    if (!s.ok()) {
+      return refuse(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(s.message())));
+    }
     sessions_[node] = session;
     // What this node was sent before is unknown to it now (or it is new): send it all again.
     int64_t gen = sent_[node].assignment_generation;
@@ -181,11 +189,11 @@ grpc::Status Controller::Connect(
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(node);
     if (it != sessions_.end() && it->second == session) {
-      absl::MutexLock w(&session->write_mu);  // no write into a stream that is going away
       sessions_.erase(it);
       registry_.Disconnected(node);
     }
   }
+  session->Close();  // no write into a stream that is going away
   log->info("node {} disconnected", node);
   (void)context;
   return grpc::Status::OK;
@@ -194,8 +202,38 @@ grpc::Status Controller::Connect(
 void Controller::Send(const std::string& node, const v1::ControllerMessage& m) {
   auto it = sessions_.find(node);
   if (it == sessions_.end()) return;
-  absl::MutexLock w(&it->second->write_mu);
-  it->second->stream->Write(m);
+  Session& s = *it->second;
+  absl::MutexLock lock(&s.mu);
+  if (s.closed) return;
+  (m.has_assignment() ? s.assignment : s.routing) = m;
+}
+
+void Controller::Session::WriteLoop() {
+  for (;;) {
+    v1::ControllerMessage m;
+    {
+      absl::MutexLock lock(&mu);
+      mu.Await(absl::Condition(this, &Session::Ready));
+      if (closed) return;
+      // The assignment first: the routing table may name replicas it starts.
+      std::optional<v1::ControllerMessage>& next = assignment ? assignment : routing;
+      m = std::move(*next);
+      next.reset();
+    }
+    if (!stream->Write(m)) {  // the agent is gone; the reader sees it too
+      absl::MutexLock lock(&mu);
+      closed = true;
+      return;
+    }
+  }
+}
+
+void Controller::Session::Close() {
+  {
+    absl::MutexLock lock(&mu);
+    closed = true;
+  }
+  if (writer.joinable()) writer.join();
 }
 
 void Controller::Tick() {

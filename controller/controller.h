@@ -15,6 +15,7 @@
 // written back to the store.
 
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -61,9 +62,21 @@ class Controller : public v1::ControlPlane::Service {
   absl::Status RequestRolloutAction(const std::string& name, const std::string& action);
 
  private:
+  // One agent's stream. The controller's loop never writes to it: it leaves the latest
+  // Assignment and RoutingTable (each whole state, so a newer one replaces one not yet sent)
+  // for the session's writer thread, so a slow or stuck agent holds up nobody else.
   struct Session {
     grpc::ServerReaderWriter<v1::ControllerMessage, v1::AgentMessage>* stream = nullptr;
-    absl::Mutex write_mu;
+    absl::Mutex mu;
+    std::optional<v1::ControllerMessage> assignment ABSL_GUARDED_BY(mu);
+    std::optional<v1::ControllerMessage> routing ABSL_GUARDED_BY(mu);
+    bool closed ABSL_GUARDED_BY(mu) = false;
+    std::thread writer;
+    bool Ready() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      return closed || assignment.has_value() || routing.has_value();
+    }
+    void WriteLoop();
+    void Close();  // no more writes; waits for the writer
   };
   struct Sent {
     int64_t assignment_generation = 0;

@@ -74,6 +74,7 @@ absl::StatusOr<std::unique_ptr<KubernetesStore>> KubernetesStore::Open(KubeConfi
     absl::SleepFor(options.retry);
   }
   store->loop_ = std::thread([s = store.get()] { s->Loop(); });
+  store->event_loop_ = std::thread([s = store.get()] { s->EventLoop(); });
   return store;
 }
 
@@ -82,8 +83,14 @@ KubernetesStore::~KubernetesStore() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
+  {
+    absl::MutexLock lock(&events_mu_);
+    events_stopping_ = true;
+    events_deadline_ = absl::Now() + absl::Seconds(3);  // a last try for what is queued
+  }
   client_.CancelWatches();
   if (loop_.joinable()) loop_.join();
+  if (event_loop_.joinable()) event_loop_.join();
 }
 
 std::string KubernetesStore::Collection() const {
@@ -385,11 +392,53 @@ void KubernetesStore::RecordEvent(const std::string& kind, const std::string& na
       {"firstTimestamp", FormatRfc3339(now)},
       {"lastTimestamp", FormatRfc3339(now)},
       {"count", 1}};
+  absl::MutexLock lock(&events_mu_);
+  if (events_.size() >= options_.event_queue && !events_.empty()) {
+    events_.pop_front();
+    if (events_dropped_++ == 0) {
+      GetLogger("controller.kube")->warn("events: the queue of {} is full; dropping the oldest",
+                                         options_.event_queue);
+    }
+  }
+  events_.push_back(std::move(body));
+}
+
+void KubernetesStore::EventLoop() {
+  for (;;) {
+    nlohmann::json body;
+    {
+      absl::MutexLock lock(&events_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(events_mu_) {
+        return events_stopping_ || !events_.empty();
+      };
+      events_mu_.Await(absl::Condition(&ready));
+      if (events_.empty()) return;  // stopping, nothing left
+      if (events_stopping_ && absl::Now() > events_deadline_) {
+        events_dropped_ += static_cast<int64_t>(events_.size());
+        GetLogger("controller.kube")->warn("events: {} not posted before shutdown", events_.size());
+        events_.clear();
+        return;
+      }
+      body = std::move(events_.front());
+      events_.pop_front();
+    }
+    PostEvent(body);
+  }
+}
+
+void KubernetesStore::PostEvent(const nlohmann::json& body) {
+  const std::string& ns = client_.config().ns;
   auto r = client_.Call("POST", "/api/v1/namespaces/" + ns + "/events", &body, absl::Seconds(2));
   if (!r.ok() || (r->code != 201 && r->code != 200)) {
-    GetLogger("controller.kube")->warn("event {} for {}: {}", reason, name,
+    GetLogger("controller.kube")->warn("event {} for {}: {}", body.value("reason", ""),
+                                       body["involvedObject"].value("name", ""),
                                        r.ok() ? KubeClient::Describe(*r) : r.status().ToString());
   }
+}
+
+int64_t KubernetesStore::events_dropped() const {
+  absl::MutexLock lock(&events_mu_);
+  return events_dropped_;
 }
 
 int64_t KubernetesStore::lists() const {

@@ -28,6 +28,7 @@ class KubernetesStore : public Store {
     absl::Duration retry = absl::Seconds(1);          // pause before a watch or list again
     absl::Duration sync_timeout = absl::Seconds(30);  // Open waits this long for the first list
     size_t history = 10000;                           // changes kept for EventsSince
+    size_t event_queue = 1000;  // core/v1 Events waiting to be posted; beyond, the oldest go
   };
 
   // Lists once (failing if the API cannot be reached within sync_timeout), then keeps the
@@ -57,6 +58,7 @@ class KubernetesStore : public Store {
   int64_t lists() const;           // full lists so far (1 + relists)
   int64_t watches() const;         // watch streams opened
   int64_t applied_changes() const; // watch events that changed the cache
+  int64_t events_dropped() const;  // Events dropped because the queue was full
 
  private:
   KubernetesStore(KubeConfig config, Options options);
@@ -67,6 +69,10 @@ class KubernetesStore : public Store {
   // what the cache holds under its name afterwards (null when unreadable or deleted).
   const StoredObject* ApplyLocked(WatchEvent::Type type, const nlohmann::json& object)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Posts queued Events one by one (RecordEvent only queues: the controller's loop never
+  // waits for the API server); on shutdown, what is queued gets a last try.
+  void EventLoop();
+  void PostEvent(const nlohmann::json& body);
   absl::Status CheckKind(const std::string& kind) const;
   absl::StatusOr<StoredObject> FinishWrite(const absl::StatusOr<KubeResponse>& r,
                                            const std::string& what);
@@ -87,6 +93,12 @@ class KubernetesStore : public Store {
   int64_t watches_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t applied_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread loop_;
+  mutable absl::Mutex events_mu_;
+  std::deque<nlohmann::json> events_ ABSL_GUARDED_BY(events_mu_);
+  bool events_stopping_ ABSL_GUARDED_BY(events_mu_) = false;
+  absl::Time events_deadline_ ABSL_GUARDED_BY(events_mu_) = absl::InfiniteFuture();
+  int64_t events_dropped_ ABSL_GUARDED_BY(events_mu_) = 0;
+  std::thread event_loop_;
 };
 
 // StoredObject <-> the Kubernetes object.

@@ -210,12 +210,35 @@ TEST_F(KubeStoreTest, EventsAreRecordedAgainstTheDeployment) {
   auto created = store_->Create(kModelDeploymentKind, "enc", Spec(1));
   ASSERT_TRUE(created.ok());
   store_->RecordEvent(kModelDeploymentKind, "enc", "Warning", "RolledBack", "canary 2 failed analysis");
+  // Posted from the store's own thread: bounded poll.
   auto events = api_->EventsRecorded();
+  for (int i = 0; i < 400 && events.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    events = api_->EventsRecorded();
+  }
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0]["involvedObject"]["name"], "enc");
   EXPECT_EQ(events[0]["involvedObject"]["uid"], created->uid);
   EXPECT_EQ(events[0]["reason"], "RolledBack");
   EXPECT_EQ(events[0]["type"], "Warning");
+}
+
+TEST_F(KubeStoreTest, EventsGoOnAfterTheApiWasAway) {
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "enc", Spec(1)).ok());
+  api_->SetUnavailable(true);  // every call fails
+  for (int i = 0; i < 50; ++i) {
+    store_->RecordEvent(kModelDeploymentKind, "enc", "Normal", "RolloutStep", "step " + std::to_string(i));
+  }
+  api_->SetUnavailable(false);
+  // The queue goes on once the API is back (the calls made while it was away are lost).
+  store_->RecordEvent(kModelDeploymentKind, "enc", "Normal", "RolloutStep", "after");
+  bool seen = false;
+  for (int i = 0; i < 1000 && !seen; ++i) {
+    for (const auto& e : api_->EventsRecorded()) seen |= e.value("message", "") == "after";
+    if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(seen);
+  EXPECT_EQ(store_->events_dropped(), 0);
 }
 
 TEST(KubeStoreOpenTest, AnUnreachableApiFailsOpenWithinTheSyncTimeout) {
