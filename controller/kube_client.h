@@ -1,9 +1,10 @@
 #pragma once
 
-// A small client for the Kubernetes API over cpprestsdk: bearer-token auth, the cluster's CA,
-// JSON in and out, and watch streams read line by line as they arrive. Configured in-cluster
-// (the service account's token, CA and namespace, KUBERNETES_SERVICE_HOST/PORT) or from a
-// kubeconfig file (server, certificate-authority[-data], token or tokenFile).
+// A small client for the Kubernetes API over cpprestsdk: bearer-token or client-certificate
+// auth, the cluster's CA, JSON in and out, and watch streams read line by line as they arrive.
+// Configured in-cluster (the service account's token, CA and namespace,
+// KUBERNETES_SERVICE_HOST/PORT) or from a kubeconfig file (server, certificate-authority[-data],
+// token, tokenFile or client-certificate[-data] with client-key[-data]).
 
 #include <atomic>
 #include <functional>
@@ -18,7 +19,9 @@ namespace kiln {
 
 struct KubeConfig {
   std::string server;  // https://HOST:PORT (http:// only for tests on loopback)
-  std::string token;
+  std::string token;            // bearer token; empty with client-certificate auth
+  std::string client_cert_pem;  // client certificate (chain) and key, PEM, for TLS client auth
+  std::string client_key_pem;
   std::string ca_pem;  // PEM of the API server's CA; empty: the system's roots
   bool insecure_skip_tls_verify = false;
   std::string ns = "default";
@@ -26,8 +29,9 @@ struct KubeConfig {
   // The service account mounted at `sa_dir` and KUBERNETES_SERVICE_HOST/PORT.
   static absl::StatusOr<KubeConfig> InCluster(
       const std::string& sa_dir = "/var/run/secrets/kubernetes.io/serviceaccount");
-  // A kubeconfig file's `context` (empty: current-context). Token auth only: a user with
-  // client certificates is refused with a clear error.
+  // A kubeconfig file's `context` (empty: current-context). Users authenticate with a token
+  // (token, tokenFile) and/or a client certificate; exec and auth-provider plugins are
+  // refused with a clear error.
   static absl::StatusOr<KubeConfig> FromKubeconfig(const std::string& path,
                                                    const std::string& context = "");
 };

@@ -1,7 +1,13 @@
 // The Kubernetes store, its client and leader election against the in-test API server
 // (tests/support/fake_kube_api.h) over loopback HTTP.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -12,7 +18,10 @@
 #include "controller/kube_store.h"
 #include "controller/leader_election.h"
 #include "controller/model_deployment.h"
+#include "controller/kube_client.h"
 #include "tests/support/fake_kube_api.h"
+#include "tests/support/shell.h"
+#include "tests/support/test_ca.h"
 
 namespace kiln {
 namespace {
@@ -311,11 +320,98 @@ TEST_F(KubeConfigTest, AKubeconfigContextGivesServerCaTokenAndNamespace) {
   EXPECT_EQ(c->ns, "kiln");
   auto certs = KubeConfig::FromKubeconfig(path, "certs");
   ASSERT_FALSE(certs.ok());
-  EXPECT_NE(std::string(certs.status().message()).find("only token"), std::string::npos) << certs.status();
+  EXPECT_NE(std::string(certs.status().message()).find("users[u2].user.client-certificate-data: not base64"),
+            std::string::npos)
+      << certs.status();
   auto missing = KubeConfig::FromKubeconfig(path, "nope");
   EXPECT_NE(std::string(missing.status().message()).find("no context named 'nope'"), std::string::npos);
   EXPECT_FALSE(KubeConfig::FromKubeconfig((dir_ / "absent").string()).ok());
   EXPECT_FALSE(KubeConfig::FromKubeconfig(Write("bad", "clusters: [")).ok());
+}
+
+TEST_F(KubeConfigTest, ClientCertificateUsersAndWhatIsRefused) {
+  std::string cert = absl::Base64Escape("-----BEGIN CERTIFICATE-----\nAA\n-----END CERTIFICATE-----\n");
+  std::string key = absl::Base64Escape("-----BEGIN PRIVATE KEY-----\nAA\n-----END PRIVATE KEY-----\n");
+  Write("key.pem", "-----BEGIN EC PRIVATE KEY-----\nAA\n-----END EC PRIVATE KEY-----\n");
+  std::string head = "apiVersion: v1\nkind: Config\ncurrent-context: x\n"
+      "clusters:\n- name: c\n  cluster: {server: \"https://api:6443\"}\n"
+      "contexts:\n- name: x\n  context: {cluster: c, user: u}\nusers:\n- name: u\n  user: ";
+  auto load = [&](const std::string& user) {
+    return KubeConfig::FromKubeconfig(Write("config", head + user + "\n"));
+  };
+  auto both = load("{client-certificate-data: " + cert + ", client-key: " + (dir_ / "key.pem").string() + "}");
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_TRUE(both->token.empty());
+  EXPECT_NE(both->client_cert_pem.find("BEGIN CERTIFICATE"), std::string::npos);
+  EXPECT_NE(both->client_key_pem.find("EC PRIVATE KEY"), std::string::npos);
+  auto with_token = load("{token: t, client-certificate-data: " + cert + ", client-key-data: " + key + "}");
+  ASSERT_TRUE(with_token.ok()) << with_token.status();
+  EXPECT_EQ(with_token->token, "t");
+  auto expect = [&](const std::string& user, const std::string& text) {
+    auto c = load(user);
+    ASSERT_FALSE(c.ok()) << user;
+    EXPECT_NE(std::string(c.status().message()).find(text), std::string::npos) << c.status();
+  };
+  expect("{client-certificate-data: " + cert + "}", "users[u].user.client-key: required with client-certificate");
+  expect("{client-key-data: " + key + "}", "users[u].user.client-certificate: required with client-key");
+  expect("{client-certificate-data: " + key + ", client-key-data: " + key + "}",
+         "users[u].user.client-certificate: no PEM CERTIFICATE");
+  expect("{client-certificate-data: " + cert + ", client-key: " + (dir_ / "none").string() + "}",
+         "users[u].user.client-key");
+  expect("{exec: {command: aws}}", "no token, tokenFile or client-certificate (exec and auth-provider");
+  expect("{token: \"\"}", "users[u].user.token: empty");
+}
+
+// A TLS API endpoint that requires client certificates (openssl s_server, which answers GET
+// with a status page): the client's certificate gets it through, its absence does not.
+TEST_F(KubeConfigTest, ClientCertificatesAuthenticateTheTlsConnection) {
+  kiln::testing::TestCa ca(dir_.string(), "api-ca");
+  auto server = ca.Issue("api", "kube-apiserver", {"DNS:localhost", "IP:127.0.0.1"});
+  auto admin = ca.Issue("admin", "kubernetes-admin", {});
+  ASSERT_TRUE(ca.ok()) << ca.error();
+  // A free port: bind 0, note it, close it (s_server takes it at once).
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int port = ntohs(addr.sin_port);
+  close(fd);
+  std::string log = (dir_ / "s_server.log").string();
+  pid_t pid = kiln::testing::SpawnLogged(
+      {"/usr/bin/openssl", "s_server", "-accept", "127.0.0.1:" + std::to_string(port), "-cert",
+       server.cert, "-key", server.key, "-CAfile", ca.ca(), "-Verify", "1", "-www", "-quiet"},
+      log);
+  ASSERT_GT(pid, 0);
+  auto read = [](const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  KubeConfig c;
+  c.server = "https://127.0.0.1:" + std::to_string(port);
+  c.ca_pem = read(ca.ca());
+  c.client_cert_pem = read(admin.cert);
+  c.client_key_pem = read(admin.key);
+  absl::StatusOr<KubeResponse> r;
+  for (int i = 0; i < 200; ++i) {  // bounded: until s_server listens
+    r = KubeClient(c).Call("GET", "/", nullptr, absl::Seconds(5));
+    if (r.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_TRUE(r.ok()) << r.status() << read(log);
+  EXPECT_EQ(r->code, 200);
+  KubeConfig no_cert = c;
+  no_cert.client_cert_pem.clear();
+  no_cert.client_key_pem.clear();
+  no_cert.token = "t";
+  auto refused = KubeClient(no_cert).Call("GET", "/", nullptr, absl::Seconds(5));
+  EXPECT_FALSE(refused.ok() && refused->code == 200) << "answered without a client certificate";
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
 }
 
 // --- leader election, on simulated time ---
