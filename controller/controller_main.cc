@@ -199,6 +199,26 @@ int main(int argc, char** argv) {
   co.scale_down_stabilization = absl::Seconds(stabilization_s);
   co.require_node_identity = !tls.ca.empty() && node_identity;
   kiln::Controller controller(co, store, &clock);
+  // In a Pod (POD_NAME set) under leader election, the leader labels its own Pod so that the
+  // agents' Service (kiln-controller-leader) reaches it alone; a candidate clears the label at
+  // start (a restarted container keeps its Pod's labels) and when it stops.
+  const char* pod_env = std::getenv("POD_NAME");
+  const char* pod_ns_env = std::getenv("POD_NAMESPACE");
+  const std::string pod_name = pod_env ? pod_env : "";
+  const std::string pod_ns = pod_ns_env && *pod_ns_env ? pod_ns_env : kube_namespace;
+  auto label_pod = [&](bool leader) {
+    if (!leader_elect || pod_name.empty() || !kube_store) return;
+    const std::string ns = pod_ns.empty() ? kube_store->client()->config().ns : pod_ns;
+    absl::Status st = kiln::LabelPodAsLeader(kube_store->client(), ns, pod_name, leader);
+    if (st.ok()) {
+      log->info("pod {}/{}: {} {}", ns, pod_name, leader ? "labelled" : "unlabelled",
+                kiln::kLeaderPodLabel);
+    } else {
+      log->warn("pod {}/{}: cannot {} {} ({}); agents reach the leader by retrying", ns,
+                pod_name, leader ? "set" : "clear", kiln::kLeaderPodLabel,
+                std::string(st.message()));
+    }
+  };
   // The decisions and the agents' streams: at once, or once this candidate leads.
   std::unique_ptr<grpc::Server> control;
   auto lead = [&]() -> bool {
@@ -212,6 +232,7 @@ int main(int argc, char** argv) {
       return false;
     }
     controller.Start();
+    label_pod(true);
     log->info("control={}:{} tls={} leading={}", listen.substr(0, listen.rfind(':')), control_port,
               tls.ca.empty() ? (tls.any() ? "server" : "off")
                              : (co.require_node_identity ? "mutual" : "mutual-shared"),
@@ -225,6 +246,7 @@ int main(int argc, char** argv) {
   if (!leader_elect) {
     if (!lead()) return 1;
   } else {
+    label_pod(false);
     elector = std::make_unique<kiln::LeaderElector>(kube_store->client(), le, &clock);
     elector_thread = std::thread([&] {
       bool leading = false;
@@ -286,7 +308,10 @@ int main(int argc, char** argv) {
   if (elector_thread.joinable()) elector_thread.join();
   controller.Stop();
   if (control) control->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  if (elector) elector->Release();  // the next leader need not wait out the lease
+  if (elector) {
+    label_pod(false);
+    elector->Release();  // the next leader need not wait out the lease
+  }
   stop_watchdog = true;
   if (watchdog.joinable()) watchdog.join();
   server->reset();

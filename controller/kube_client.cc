@@ -189,22 +189,24 @@ http::client::http_client_config ClientConfig(const KubeConfig& c, absl::Duratio
 }
 
 http::http_request MakeRequest(const KubeConfig& c, const std::string& method, const std::string& path,
-                               const json* body) {
+                               const json* body, const std::string& content_type = "application/json") {
   http::http_request req(method);
   req.set_request_uri(path);
   if (!c.token.empty()) req.headers().add("Authorization", "Bearer " + c.token);
   req.headers().add("Accept", "application/json");
-  if (body) req.set_body(body->dump(), "application/json");
+  if (body) req.set_body(body->dump(), content_type);
   return req;
 }
 
 }  // namespace
 
 absl::StatusOr<KubeResponse> KubeClient::Call(const std::string& method, const std::string& path,
-                                              const json* body, absl::Duration timeout) {
+                                              const json* body, absl::Duration timeout,
+                                              const std::string& content_type) {
   try {
     http::client::http_client client(config_.server, ClientConfig(config_, timeout));
-    http::http_response resp = client.request(MakeRequest(config_, method, path, body)).get();
+    http::http_response resp =
+        client.request(MakeRequest(config_, method, path, body, content_type)).get();
     KubeResponse out;
     out.code = resp.status_code();
     std::string text = resp.extract_utf8string(true).get();

@@ -52,7 +52,8 @@ class KubeClient {
   // `timeout`; any HTTP answer (also 4xx/5xx) is returned as it is.
   absl::StatusOr<KubeResponse> Call(const std::string& method, const std::string& path,
                                     const nlohmann::json* body = nullptr,
-                                    absl::Duration timeout = absl::Seconds(10));
+                                    absl::Duration timeout = absl::Seconds(10),
+                                    const std::string& content_type = "application/json");
 
   // Streams `path` (a watch URL): `on_event` gets each event object as it arrives and returns
   // false to stop. Returns OK when the server ended the stream or `on_event` stopped it,

@@ -135,4 +135,17 @@ void LeaderElector::Release() {
   client_->Call("PUT", path, &lease, options_.retry_period).IgnoreError();
 }
 
+absl::Status LabelPodAsLeader(KubeClient* client, const std::string& ns, const std::string& pod,
+                              bool leader) {
+  nlohmann::json patch = {
+      {"metadata", {{"labels", {{kLeaderPodLabel, leader ? nlohmann::json("true") : nlohmann::json()}}}}}};
+  auto r = client->Call("PATCH", "/api/v1/namespaces/" + ns + "/pods/" + pod, &patch,
+                        absl::Seconds(5), "application/merge-patch+json");
+  if (!r.ok()) return r.status();
+  if (r->code != 200) {
+    return absl::UnavailableError("pod " + ns + "/" + pod + ": " + KubeClient::Describe(*r));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kiln

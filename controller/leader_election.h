@@ -18,6 +18,14 @@
 
 namespace kiln {
 
+// The label the leader puts on its own Pod, so that a Service selecting it (the agents'
+// kiln-controller-leader) reaches the leader alone.
+inline constexpr char kLeaderPodLabel[] = "serving.kiln.dev/leader";
+
+// Sets (leader) or removes the label on Pod `pod` in `ns` with a JSON merge patch.
+absl::Status LabelPodAsLeader(KubeClient* client, const std::string& ns, const std::string& pod,
+                              bool leader);
+
 struct LeaderElectionOptions {
   std::string lease_name = "kiln-controller";
   std::string identity;  // this candidate (the pod name)

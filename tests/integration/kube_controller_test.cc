@@ -72,12 +72,18 @@ class KubeControllerTest : public ::testing::Test {
     Proc p;
     p.log = dir_ + "/" + id + ".log";
     std::ofstream(p.log, std::ios::trunc).close();
+    // Each candidate runs "in" a Pod of its name (the fake API keeps the Pod for its label).
+    api_->AddPod("kiln", id);
+    setenv("POD_NAME", id.c_str(), 1);
+    setenv("POD_NAMESPACE", "kiln", 1);
     p.pid = testing::SpawnLogged(
         {KILN_CONTROLLER_BIN, "--store", "kubernetes", "--kubeconfig", kubeconfig_, "--leader-elect",
          "--identity", id, "--lease-duration-seconds", "2", "--renew-deadline-seconds", "1.5",
          "--retry-period-seconds", "0.2", "--observe-seconds", "0", "--admin-port", "0", "--listen",
          "127.0.0.1:0"},
         p.log);
+    unsetenv("POD_NAME");
+    unsetenv("POD_NAMESPACE");
     ASSERT_GE(p.pid, 0);
     ASSERT_TRUE(Eventually([&] { return ReadFile(p.log).find("admin=http://127.0.0.1:") != std::string::npos; }))
         << ReadFile(p.log);
@@ -92,6 +98,11 @@ class KubeControllerTest : public ::testing::Test {
     waitpid(p.pid, &status, 0);
     p.pid = -1;
     return status;
+  }
+  // The leader label on candidate `id`'s Pod ("" when absent).
+  std::string LeaderLabel(const std::string& id) {
+    json pod = api_->Get(FakeKubeApi::Pods("kiln"), id);
+    return pod.is_object() ? pod["metadata"]["labels"].value("serving.kiln.dev/leader", "") : "";
   }
   std::string Holder() {
     json lease = api_->Get(FakeKubeApi::Leases("kiln"), "kiln-controller");
@@ -123,6 +134,9 @@ TEST_F(KubeControllerTest, OneLeaderActsAndTheOtherTakesOverWhenItIsKilled) {
   ASSERT_TRUE(Eventually([&] { return ReadFile(procs_[leader].log).find("control=") != std::string::npos; }));
   EXPECT_EQ(ReadFile(procs_[follower].log).find("control="), std::string::npos)
       << "the follower must not take agent streams";
+  // Only the leader's Pod carries the label the agents' Service selects.
+  EXPECT_TRUE(Eventually([&] { return LeaderLabel(leader) == "true"; })) << ReadFile(procs_[leader].log);
+  EXPECT_EQ(LeaderLabel(follower), "");
 
   // The follower's admin API writes through the Kubernetes API.
   std::string spec = dir_ + "/emb.yaml";
@@ -166,6 +180,7 @@ TEST_F(KubeControllerTest, OneLeaderActsAndTheOtherTakesOverWhenItIsKilled) {
   Kill(procs_[leader], SIGKILL);
   ASSERT_TRUE(Eventually([&] { return Holder() == follower; }, absl::Seconds(10))) << Holder();
   EXPECT_TRUE(Eventually([&] { return ReadFile(procs_[follower].log).find("control=") != std::string::npos; }));
+  EXPECT_TRUE(Eventually([&] { return LeaderLabel(follower) == "true"; }));
   json lease = api_->Get(FakeKubeApi::Leases("kiln"), "kiln-controller");
   EXPECT_EQ(lease["spec"]["leaseTransitions"], 1);
   Scale(1);
@@ -175,6 +190,13 @@ TEST_F(KubeControllerTest, OneLeaderActsAndTheOtherTakesOverWhenItIsKilled) {
   int status = Kill(procs_[follower], SIGTERM);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << ReadFile(procs_[follower].log);
   EXPECT_EQ(Holder(), "");
+  EXPECT_EQ(LeaderLabel(follower), "");  // cleared on the way out
+  // A candidate that starts again in the killed leader's Pod clears the label it left there.
+  ASSERT_EQ(LeaderLabel(leader), "true");
+  Start(leader);
+  EXPECT_TRUE(Eventually([&] {
+    return ReadFile(procs_[leader].log).find("pod kiln/" + leader + ": unlabelled") != std::string::npos;
+  })) << ReadFile(procs_[leader].log);
 }
 
 TEST_F(KubeControllerTest, BadFlagsAreRefusedNamingTheFlag) {

@@ -91,6 +91,17 @@ std::string FakeKubeApi::ModelDeployments(const std::string& ns) {
   return "/apis/serving.kiln.dev/v1alpha1/namespaces/" + ns + "/modeldeployments";
 }
 
+std::string FakeKubeApi::Pods(const std::string& ns) { return "/api/v1/namespaces/" + ns + "/pods"; }
+
+void FakeKubeApi::AddPod(const std::string& ns, const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (objects_[Pods(ns)].count(name)) return;  // kept, labels and all (a restarted container)
+  objects_[Pods(ns)][name] = {{"apiVersion", "v1"}, {"kind", "Pod"},
+                              {"metadata", {{"name", name}, {"namespace", ns},
+                                            {"labels", {{"app.kubernetes.io/name", "kiln"}}},
+                                            {"resourceVersion", std::to_string(++rv_)}}}};
+}
+
 std::string FakeKubeApi::Leases(const std::string& ns) {
   return "/apis/coordination.k8s.io/v1/namespaces/" + ns + "/leases";
 }
@@ -232,7 +243,7 @@ void FakeKubeApi::Serve(int fd) {
   head >> method >> target >> version;
   std::getline(head, line);
   size_t content_length = 0;
-  std::string auth;
+  std::string auth, content_type;
   while (std::getline(head, line)) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
     auto colon = line.find(':');
@@ -243,6 +254,7 @@ void FakeKubeApi::Serve(int fd) {
     while (!value.empty() && value.front() == ' ') value.erase(0, 1);
     if (key == "content-length") content_length = std::stoul(value);
     if (key == "authorization") auth = value;
+    if (key == "content-type") content_type = value.substr(0, value.find(';'));
   }
   std::string body = buf.substr(header_end + 4);
   while (body.size() < content_length) {
@@ -256,6 +268,7 @@ void FakeKubeApi::Serve(int fd) {
     query = target.substr(q + 1);
   }
   auto params = ParseQuery(query);
+  params[" content-type"] = content_type;  // for Handle (no query key has a space)
   Response r;
   bool down;
   {
@@ -370,7 +383,7 @@ void FakeKubeApi::Stream(int fd, const std::string& collection,
 FakeKubeApi::Response FakeKubeApi::Handle(const std::string& method, const std::string& path,
                                           const std::map<std::string, std::string>& query,
                                           const std::string& body) {
-  (void)query;
+  const std::string content_type = query.count(" content-type") ? query.at(" content-type") : "";
   // /apis/GROUP/VERSION/namespaces/NS/RESOURCE[/NAME[/SUB]] or /api/v1/namespaces/NS/RESOURCE...
   std::vector<std::string> parts;
   std::stringstream ss(path);
@@ -385,7 +398,8 @@ FakeKubeApi::Response FakeKubeApi::Handle(const std::string& method, const std::
   std::string collection;
   for (size_t i = 0; i <= ns_at + 2; ++i) collection += "/" + parts[i];
   const std::string resource = parts[ns_at + 2];
-  if (resource != "modeldeployments" && resource != "leases" && resource != "events") {
+  if (resource != "modeldeployments" && resource != "leases" && resource != "events" &&
+      resource != "pods") {
     return {404, StatusBody(404, "NotFound", "the server could not find the requested resource")};
   }
   std::string name = parts.size() > ns_at + 3 ? parts[ns_at + 3] : "";
@@ -415,6 +429,32 @@ FakeKubeApi::Response FakeKubeApi::Handle(const std::string& method, const std::
       return {404, StatusBody(404, "NotFound", resource + " \"" + name + "\" not found")};
     }
     if (sub == "scale") return {200, ScaleOf(it->second)};
+    return {200, it->second};
+  }
+  if (resource == "pods") {
+    // Only what a controller labelling its own Pod needs: a merge patch of the labels.
+    if (method != "PATCH" || name.empty()) {
+      return {405, StatusBody(405, "MethodNotAllowed", method + " on pods is not served here")};
+    }
+    if (content_type != "application/merge-patch+json") {
+      return {415, StatusBody(415, "UnsupportedMediaType", "want application/merge-patch+json, got " + content_type)};
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& pods = objects_[collection];
+    auto it = pods.find(name);
+    if (it == pods.end()) return {404, StatusBody(404, "NotFound", "pods \"" + name + "\" not found")};
+    if (!parsed.is_object()) return {400, StatusBody(400, "BadRequest", "not a merge patch")};
+    json& labels = it->second["metadata"]["labels"];
+    if (parsed.contains("metadata") && parsed["metadata"].contains("labels")) {
+      for (const auto& [k, v] : parsed["metadata"]["labels"].items()) {
+        if (v.is_null()) {
+          labels.erase(k);
+        } else {
+          labels[k] = v;
+        }
+      }
+    }
+    it->second["metadata"]["resourceVersion"] = std::to_string(++rv_);
     return {200, it->second};
   }
   if (method == "POST" || method == "PUT" || method == "DELETE") {

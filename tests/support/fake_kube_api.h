@@ -43,6 +43,11 @@ class FakeKubeApi {
   // whose watch connection cannot get through).
   void SetWatchesRefused(bool refused);
 
+  // A Pod the controller may label (kept as it is if it exists) (GET and JSON merge-patch PATCH of metadata.labels are
+  // served for pods; nothing else).
+  void AddPod(const std::string& ns, const std::string& name);
+  static std::string Pods(const std::string& ns);
+
   // Direct access, as another client (kubectl) would have.
   nlohmann::json Get(const std::string& collection, const std::string& name);
   int64_t resource_version();
