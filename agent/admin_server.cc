@@ -1,6 +1,7 @@
 #include "agent/admin_server.h"
 
-#include <cstdio>
+#include <charconv>
+#include <string_view>
 
 #include "common/status.h"
 
@@ -20,12 +21,20 @@ void InjectXid(const AdminHandlers& handlers, const std::string& path, http::htt
     ReplyQuietly(r, 405, "POST /v1/fake-gpus/{index}/xid/{code}\n", "text/plain");
     return;
   }
+  // Digits only: /v1/fake-gpus/{index}/xid/{code}.
+  auto number = [](std::string_view text, auto* out) {
+    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
+    return ec == std::errc() && end == text.data() + text.size() && !text.empty() &&
+           text.front() != '-' && text.front() != '+';
+  };
+  std::string_view rest(path);
+  rest.remove_prefix(std::string_view("/v1/fake-gpus/").size());
+  size_t slash = rest.find('/');
   int index = -1;
-  unsigned long long xid = 0;
-  char tail = 0;
-  if (std::sscanf(path.c_str(), "/v1/fake-gpus/%d/xid/%llu%c", &index, &xid, &tail) != 2 ||
-      index < 0) {
-    ReplyQuietly(r, 400, "path: want /v1/fake-gpus/{index}/xid/{code}, got " + path + "\n",
+  uint64_t xid = 0;
+  if (slash == std::string_view::npos || rest.substr(slash, 5) != "/xid/" ||
+      !number(rest.substr(0, slash), &index) || !number(rest.substr(slash + 5), &xid)) {
+    ReplyQuietly(r, 400, "path: want /v1/fake-gpus/{index}/xid/{code} (digits), got " + path + "\n",
                  "text/plain");
     return;
   }

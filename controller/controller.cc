@@ -138,28 +138,33 @@ grpc::Status Controller::Connect(
   session->stream = stream;
   // Started before the session is visible to the loop, and joined (Close) before returning.
   session->writer = std::thread([s = session.get()] { s->WriteLoop(); });
-  auto refuse = [&](grpc::Status st) {
-    session->Close();
-    return st;
-  };
+  grpc::Status refused = grpc::Status::OK;
   {
     absl::MutexLock lock(&mu_);
-    if (stopping_) return refuse(grpc::Status(grpc::StatusCode::UNAVAILABLE, "shutting down"));
-    absl::Status s = registry_.Register(msg.register_(), clock_->Now());
+    absl::Status s = stopping_ ? absl::UnavailableError("shutting down")
+                               : registry_.Register(msg.register_(), clock_->Now());
     if (!s.ok()) {
-      return refuse(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(s.message())));
+      refused = grpc::Status(stopping_ ? grpc::StatusCode::UNAVAILABLE
+                                       : grpc::StatusCode::INVALID_ARGUMENT,
+                             std::string(s.message()));
+    } else {
+      sessions_[node] = session;
+      // What this node was sent before is unknown to it now (or it is new): send it all again.
+      int64_t gen = sent_[node].assignment_generation;
+      int64_t rgen = sent_[node].routing_generation;
+      sent_[node] = Sent();
+      sent_[node].assignment_generation = gen;
+      sent_[node].routing_generation = rgen;
     }
-    sessions_[node] = session;
-    // What this node was sent before is unknown to it now (or it is new): send it all again.
-    int64_t gen = sent_[node].assignment_generation;
-    int64_t rgen = sent_[node].routing_generation;
-    sent_[node] = Sent();
-    sent_[node].assignment_generation = gen;
-    sent_[node].routing_generation = rgen;
+  }
+  if (!refused.ok()) {
+    session->Close();  // outside mu_: the writer never needs it, but nothing waits under it
+    return refused;
   }
   log->info("node {} registered: {} cpus, {} gpus, {} replica(s) running", node,
             msg.register_().cpu_capacity(), msg.register_().gpus_size(),
             msg.register_().replicas_size());
+  grpc::Status ended = grpc::Status::OK;
   while (stream->Read(&msg)) {
     absl::MutexLock lock(&mu_);
     switch (msg.message_case()) {
@@ -167,6 +172,16 @@ grpc::Status Controller::Connect(
         (void)registry_.ReportStatus(node, msg.status(), clock_->Now());
         break;
       case v1::AgentMessage::kRegister:
+        // A stream speaks for the node it registered (and, with mutual TLS, the node its
+        // certificate names): another name would take over that node's entry and routes.
+        if (msg.register_().node_name() != node) {
+          log->warn("node {} tried to re-register as '{}': stream ended", node,
+                    msg.register_().node_name());
+          ended = grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                               "register.node_name: this stream registered '" + node +
+                                   "'; it cannot register '" + msg.register_().node_name() + "'");
+          break;
+        }
         (void)registry_.Register(msg.register_(), clock_->Now());
         break;
       case v1::AgentMessage::kAck:
@@ -183,7 +198,7 @@ grpc::Status Controller::Connect(
       default:
         break;
     }
-    if (stopping_) break;
+    if (stopping_ || !ended.ok()) break;
   }
   {
     absl::MutexLock lock(&mu_);
@@ -195,8 +210,7 @@ grpc::Status Controller::Connect(
   }
   session->Close();  // no write into a stream that is going away
   log->info("node {} disconnected", node);
-  (void)context;
-  return grpc::Status::OK;
+  return ended;
 }
 
 void Controller::Send(const std::string& node, const v1::ControllerMessage& m) {

@@ -395,9 +395,10 @@ void KubernetesStore::RecordEvent(const std::string& kind, const std::string& na
   absl::MutexLock lock(&events_mu_);
   if (events_.size() >= options_.event_queue && !events_.empty()) {
     events_.pop_front();
-    if (events_dropped_++ == 0) {
-      GetLogger("controller.kube")->warn("events: the queue of {} is full; dropping the oldest",
-                                         options_.event_queue);
+    // Said at the first drop and at every power of two after it, not at each one.
+    if (++events_dropped_ && (events_dropped_ & (events_dropped_ - 1)) == 0) {
+      GetLogger("controller.kube")->warn("events: the queue of {} is full; {} dropped so far",
+                                         options_.event_queue, events_dropped_);
     }
   }
   events_.push_back(std::move(body));

@@ -46,22 +46,37 @@ struct NodeState {
 // Replicas of one deployment per node and per zone, kept as placement goes: per node a short
 // list (a deployment is on a few of thousands of nodes), per zone a vector (zones are few).
 struct Spread {
-  std::vector<std::pair<int, int>> per_node;  // (node index, replicas), a few entries
+  // (node index, replicas) while a few, a hash map once the deployment is on many nodes.
+  static constexpr size_t kFew = 16;
+  std::vector<std::pair<int, int>> few;
+  std::unordered_map<int, int> many;
   std::vector<int> per_zone;
   int on(int node) const {
-    for (const auto& [n, count] : per_node) {
+    if (!many.empty()) {
+      auto it = many.find(node);
+      return it == many.end() ? 0 : it->second;
+    }
+    for (const auto& [n, count] : few) {
       if (n == node) return count;
     }
     return 0;
   }
   void Add(int node) {
-    for (auto& [n, count] : per_node) {
+    if (!many.empty()) {
+      many[node]++;
+      return;
+    }
+    for (auto& [n, count] : few) {
       if (n == node) {
         count++;
         return;
       }
     }
-    per_node.push_back({node, 1});
+    few.push_back({node, 1});
+    if (few.size() > kFew) {
+      for (const auto& [n, count] : few) many[n] = count;
+      few.clear();
+    }
   }
 };
 
@@ -336,7 +351,6 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     };
     const int64_t new_serving = kept[key(d)].new_serving;
     int64_t missing = new_serving + (d.warm - warm);
-    int64_t unplaced = 0;
     // A node's best (node, gpu) for this demand now, by the documented order; lower tuples
     // win (the node index is the name order). Nothing when it has no room.
     using Key = std::tuple<int, int, int64_t, double, int, int>;
@@ -391,19 +405,23 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       }
       return best;
     };
+    // Once no node free of the deployment has room, none will within this call (its count on a
+    // node only grows): later replicas go straight to the full scan.
+    bool fresh_exhausted = false;
     for (int64_t k = 0; k < missing; ++k) {
       bool as_serving = k < new_serving;
-      std::optional<Key> best = best_fresh();
+      std::optional<Key> best;
+      if (!fresh_exhausted) {
+        best = best_fresh();
+        fresh_exhausted = !best.has_value();
+      }
       if (!best) {
         for (NodeState* nsp : order) {
           auto key = key_of(*nsp);
           if (key && (!best || *key < *best)) best = key;
         }
       }
-      if (!best) {
-        unplaced++;
-        continue;
-      }
+      if (!best) continue;  // counted below, as the shortfall
       v1::ReplicaSpec spec;
       spec.set_replica_id(fresh_id());
       spec.set_model(d.model);
@@ -423,8 +441,10 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         warm++;
       }
     }
-    // Replacements with no room wait: the moving replicas they would replace still serve.
-    unplaced = std::max<int64_t>(0, unplaced - kept[key(d)].keep_moving);
+    // What is short of the wanted counts: serving slots that neither a replica nor a moving one
+    // (still serving until its replacement does) fills, and the warm pool's gap.
+    const int64_t unplaced = std::max<int64_t>(0, d.serving - serving - kept[key(d)].keep_moving) +
+                             std::max<int64_t>(0, d.warm - warm);
     if (unplaced > 0) {
       out.unplaced.push_back(
           d.deployment + ": " + std::to_string(unplaced) + " of " +

@@ -22,6 +22,9 @@
 //   drains it). Up to `max_unavailable` serving replicas may instead be dropped before their
 //   replacement serves, counting slots already held by replicas not yet serving. A moving
 //   replica that does not serve (WARM, loading) is dropped at once: it costs no capacity.
+//   maxSurge bounds SERVING replicas only: a warm pool emptied by a move (its replicas
+//   promoted as replacements) is refilled at once. It applies per demand, so during a canary
+//   each version may surge.
 
 #include <cstdint>
 #include <map>

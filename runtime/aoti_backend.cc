@@ -32,6 +32,7 @@ class AotiBackend : public TorchModelBackend {
               std::string note)
       : TorchModelBackend(config, device, "aotinductor", std::move(note)),
         loader_(std::move(loader)) {}
+  ~AotiBackend() override { StopRunner(); }
 
   absl::Status Start() {
     return StartRunner(

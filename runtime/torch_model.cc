@@ -49,7 +49,7 @@ absl::StatusOr<at::ScalarType> ToTorchType(DataType t, const std::string& field)
       return at::kDouble;
     default:
       return absl::InvalidArgumentError(field + ": datatype " + std::string(DataTypeName(t)) +
-                                        " is not supported by the torchscript backend");
+                                        " is not supported by LibTorch");
   }
 }
 

@@ -102,6 +102,9 @@ class TorchModelBackend : public Backend {
  protected:
   // Starts the runner over `forward`: the CUDA runner on a cuda device, the direct one on cpu.
   absl::Status StartRunner(ForwardFn forward);
+  // The runner (its graphs and staging) goes before the model it runs: derived destructors,
+  // which own the model, call this first.
+  void StopRunner() { runner_.reset(); }
 
   const ModelConfig config_;
   const TorchDevice device_;

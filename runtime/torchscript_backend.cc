@@ -56,6 +56,7 @@ class TorchScriptBackend : public TorchModelBackend {
                      std::string note)
       : TorchModelBackend(config, device, "torchscript", std::move(note)),
         module_(std::move(module)) {}
+  ~TorchScriptBackend() override { StopRunner(); }
 
   absl::Status Start() {
     return StartRunner([this](const std::vector<at::Tensor>& inputs) {

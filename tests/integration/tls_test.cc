@@ -171,6 +171,32 @@ TEST_F(ControlPlaneTlsTest, ACertificateForAnotherNodeCannotRegisterAsThisOne) {
   EXPECT_TRUE(RegisterAs("node-b", Client(&node_b_)).ok());
 }
 
+TEST_F(ControlPlaneTlsTest, AStreamCannotReRegisterUnderAnotherName) {
+  Serve(ServerFiles(true), true);
+  auto stub = v1::ControlPlane::NewStub(grpc::CreateChannel(Address(), Client(&node_a_)));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto stream = stub->Connect(&ctx);
+  v1::AgentMessage m;
+  m.mutable_register_()->set_node_name("node-a");
+  m.mutable_register_()->set_cpu_capacity(2);
+  ASSERT_TRUE(stream->Write(m));
+  for (int i = 0; i < 400 && !Registered("node-a"); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(Registered("node-a"));
+  m.mutable_register_()->set_node_name("node-b");
+  m.mutable_register_()->set_ingress_grpc_address("10.0.0.66:8001");
+  stream->Write(m);
+  v1::ControllerMessage reply;
+  while (stream->Read(&reply)) {
+  }
+  grpc::Status s = stream->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  EXPECT_NE(s.error_message().find("cannot register 'node-b'"), std::string::npos) << s.error_message();
+  EXPECT_FALSE(Registered("node-b"));
+}
+
 TEST_F(ControlPlaneTlsTest, ClientsWithoutATrustedCertificateAreRefusedAtTheHandshake) {
   Serve(ServerFiles(true), true);
   // No client certificate, one from another CA, and plaintext.

@@ -366,6 +366,21 @@ TEST(PlacementTest, AWarmReplicaIsTheFirstReplacementAndOneOnABadGpuGoesAtOnce) 
   EXPECT_TRUE(dropped.moves.empty());
 }
 
+TEST(PlacementTest, AShortfallIsReportedEvenWhileReplicasMove) {
+  // Three wanted; two serve on a GPU gone bad, the third is gone; no room anywhere else.
+  std::vector<PlacementNode> nodes = {GpuNode("a", {24LL << 30})};
+  PlacementDemand d = GpuDemand(2, 1, 0);
+  auto p = Place({d}, nodes);
+  Apply(p, &nodes);
+  nodes[0].gpus[0].healthy = false;
+  d.serving = 3;
+  p = Place({d}, nodes);
+  EXPECT_EQ(All(p).size(), 2u);  // both keep serving
+  ASSERT_EQ(p.unplaced.size(), 1u) << ::testing::PrintToString(p.moves);
+  EXPECT_NE(p.unplaced[0].find("emb: 1 of 3 replicas have no node with room"), std::string::npos)
+      << p.unplaced[0];
+}
+
 TEST(PlacementTest, AMoveWithNoRoomForItsReplacementKeepsServing) {
   std::vector<PlacementNode> nodes = {GpuNode("a", {12LL << 30})};
   PlacementDemand d = GpuDemand(1, 1, 0);
