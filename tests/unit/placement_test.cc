@@ -366,15 +366,20 @@ TEST(PlacementTest, AWarmReplicaIsTheFirstReplacementAndOneOnABadGpuGoesAtOnce) 
   EXPECT_TRUE(dropped.moves.empty());
 }
 
+// One node with one GPU of `gib` GiB, `serving` replicas of GpuDemand placed and applied, then
+// its GPU gone bad.
+std::vector<PlacementNode> OneBadGpu(int64_t gib, int64_t serving) {
+  std::vector<PlacementNode> nodes = {GpuNode("a", {gib << 30})};
+  Apply(Place({GpuDemand(serving, 1, 0)}, nodes), &nodes);
+  nodes[0].gpus[0].healthy = false;
+  return nodes;
+}
+
 TEST(PlacementTest, AShortfallIsReportedEvenWhileReplicasMove) {
   // Three wanted; two serve on a GPU gone bad, the third is gone; no room anywhere else.
-  std::vector<PlacementNode> nodes = {GpuNode("a", {24LL << 30})};
-  PlacementDemand d = GpuDemand(2, 1, 0);
+  std::vector<PlacementNode> nodes = OneBadGpu(24, 2);
+  PlacementDemand d = GpuDemand(3, 1, 0);
   auto p = Place({d}, nodes);
-  Apply(p, &nodes);
-  nodes[0].gpus[0].healthy = false;
-  d.serving = 3;
-  p = Place({d}, nodes);
   EXPECT_EQ(All(p).size(), 2u);  // both keep serving
   ASSERT_EQ(p.unplaced.size(), 1u) << ::testing::PrintToString(p.moves);
   EXPECT_NE(p.unplaced[0].find("emb: 1 of 3 replicas have no node with room"), std::string::npos)
@@ -382,12 +387,8 @@ TEST(PlacementTest, AShortfallIsReportedEvenWhileReplicasMove) {
 }
 
 TEST(PlacementTest, AMoveWithNoRoomForItsReplacementKeepsServing) {
-  std::vector<PlacementNode> nodes = {GpuNode("a", {12LL << 30})};
-  PlacementDemand d = GpuDemand(1, 1, 0);
-  auto p = Place({d}, nodes);
-  Apply(p, &nodes);
-  nodes[0].gpus[0].healthy = false;
-  p = Place({d}, nodes);
+  std::vector<PlacementNode> nodes = OneBadGpu(12, 1);
+  auto p = Place({GpuDemand(1, 1, 0)}, nodes);
   EXPECT_EQ(All(p), (std::vector<std::string>{"a/0:emb.0:SERVING"}));
   EXPECT_EQ(p.moves.size(), 1u);
   EXPECT_TRUE(p.unplaced.empty());  // the wanted count is met; only the move waits
