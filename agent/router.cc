@@ -166,7 +166,8 @@ std::string ParamText(const inference::InferParameter& p) {
   }
 }
 
-// One forwarded ModelInfer: the first try and at most one retry elsewhere on UNAVAILABLE.
+// One forwarded ModelInfer: the first try and at most one retry elsewhere when the replica
+// went away (UNAVAILABLE, or CANCELLED by its shutdown).
 struct ForwardCall {
   Router* router;
   grpc::CallbackServerContext* server_ctx;
@@ -200,7 +201,13 @@ void Attempt(std::shared_ptr<ForwardCall> c) {
   stub->async()->ModelInfer(
       c->client_ctx.get(), c->request, c->response, [c, id, version](grpc::Status s) {
         c->router->End(id);
-        if (s.error_code() == grpc::StatusCode::UNAVAILABLE && c->attempts == 1) {
+        // The replica went away under the call: refused (UNAVAILABLE), or cancelled by its
+        // server shutting down at the end of a drain (CANCELLED while our client did not
+        // cancel). Inference has no side effects, so one retry elsewhere is safe.
+        const bool replica_gone =
+            s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+            (s.error_code() == grpc::StatusCode::CANCELLED && !c->server_ctx->IsCancelled());
+        if (replica_gone && c->attempts == 1) {
           c->exclude.insert(id);
           c->router->CountRetry();
           c->response->Clear();

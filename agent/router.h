@@ -44,7 +44,8 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
 
 // Node ingress: the Open Inference Protocol over gRPC and REST in front of the node's
 // replicas. Picks the version (weight or sticky key), then the endpoint with the fewest
-// outstanding requests, local first; retries once elsewhere on UNAVAILABLE; tells which
+// outstanding requests, local first; retries once elsewhere when the replica went away
+// (UNAVAILABLE, or CANCELLED by its server's shutdown); tells which
 // version served (gRPC: parameter and metadata `kiln-version`; REST: header `kiln-version`
 // and parameter). Channels to replicas are pooled and kept alive.
 class Router {

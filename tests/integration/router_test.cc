@@ -1,0 +1,79 @@
+// The node router against replicas that answer in chosen ways (in-process gRPC servers on
+// loopback).
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+
+#include "agent/router.h"
+#include "gtest/gtest.h"
+#include "inference/grpc_service.grpc.pb.h"
+
+namespace kiln {
+namespace {
+
+// A replica's inference server reduced to one answer: `status`, or an output when OK.
+class OneAnswerReplica : public inference::GRPCInferenceService::Service {
+ public:
+  explicit OneAnswerReplica(grpc::Status status) : status_(std::move(status)) {}
+  grpc::Status ModelInfer(grpc::ServerContext*, const inference::ModelInferRequest*,
+                          inference::ModelInferResponse* resp) override {
+    calls_++;
+    if (status_.ok()) resp->add_outputs()->set_name("embedding");
+    return status_;
+  }
+  std::atomic<int> calls_{0};
+
+ private:
+  grpc::Status status_;
+};
+
+// A replica whose server cancels the call as it shuts down at the end of a drain: the router
+// retries elsewhere, as for a refused one, so the client never sees it.
+TEST(RouterRetryTest, ACallCancelledByTheReplicaIsRetriedElsewhere) {
+  OneAnswerReplica cancelling(grpc::Status(grpc::StatusCode::CANCELLED, "server shutdown"));
+  OneAnswerReplica good(grpc::Status::OK);
+  int ports[2] = {0, 0};
+  std::unique_ptr<grpc::Server> servers[2];
+  OneAnswerReplica* services[2] = {&cancelling, &good};
+  for (int i = 0; i < 2; ++i) {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &ports[i]);
+    b.RegisterService(services[i]);
+    servers[i] = b.BuildAndStart();
+    ASSERT_GT(ports[i], 0);
+  }
+  Router::Options o;
+  o.bind_address = "127.0.0.1";
+  o.grpc_port = 0;
+  o.http_port = 0;
+  auto router = Router::Start(o);
+  ASSERT_TRUE(router.ok()) << router.status();
+  auto table = std::make_shared<RouterTable>();
+  RouterTable::Route& route = table->routes["encoder"];
+  route.model = "encoder";
+  route.versions = {{"1", 1}};
+  route.endpoints = {{"gone.0", "1", "127.0.0.1:" + std::to_string(ports[0]), "", false},
+                     {"good.0", "1", "127.0.0.1:" + std::to_string(ports[1]), "", false}};
+  (*router)->SetTable(table);
+  auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string((*router)->grpc_port()), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 20; ++i) {
+    inference::ModelInferRequest req;
+    req.set_model_name("encoder");
+    inference::ModelInferResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << i << ": " << s.error_message();
+  }
+  EXPECT_GT(cancelling.calls_.load(), 0);  // it was tried, and its cancellations retried
+  EXPECT_EQ((*router)->retries(), static_cast<uint64_t>(cancelling.calls_.load()));
+  EXPECT_EQ(good.calls_.load(), 20);
+  (*router)->Stop();
+  for (auto& s : servers) s->Shutdown();
+}
+
+}  // namespace
+}  // namespace kiln
