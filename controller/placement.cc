@@ -307,13 +307,14 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       add(*e->ns, std::move(spec), std::max(e->gpu_memory, d.gpu_memory_bytes),
           leaving.count(e) ? nullptr : &spread_of(d.deployment));
     }
-    kept[key(d)].serving = serving;
-    kept[key(d)].warm = warm;
-    kept[key(d)].keep_moving = keep_moving;
+    Kept& counts = kept[key(d)];
+    counts.serving = serving;
+    counts.warm = warm;
+    counts.keep_moving = keep_moving;
     // New SERVING replicas this pass, within maxSurge of the wanted count (the moving ones
     // kept count against it).
-    kept[key(d)].new_serving = std::clamp<int64_t>(d.serving + d.max_surge - serving - keep_moving,
-                                                   0, d.serving - serving);
+    counts.new_serving = std::clamp<int64_t>(d.serving + d.max_surge - serving - keep_moving, 0,
+                                             d.serving - serving);
   }
   // The room index for pass 2, per zone, in the placement key's order: each healthy GPU by
   // its free memory, each node by its free CPUs (then load, node, GPU).
@@ -340,8 +341,9 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
 
   // Pass 2: new replicas.
   for (const PlacementDemand& d : demands) {
-    int64_t serving = kept[key(d)].serving;
-    int64_t warm = kept[key(d)].warm;
+    const Kept& counts = kept[key(d)];
+    int64_t serving = counts.serving;
+    int64_t warm = counts.warm;
     std::set<int>& used_ids = ids_in_use[d.deployment];
     int next_id = 0;
     auto fresh_id = [&]() {
@@ -349,7 +351,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       used_ids.insert(next_id);
       return d.deployment + "." + std::to_string(next_id);
     };
-    const int64_t new_serving = kept[key(d)].new_serving;
+    const int64_t new_serving = counts.new_serving;
     int64_t missing = new_serving + (d.warm - warm);
     // A node's best (node, gpu) for this demand now, by the documented order; lower tuples
     // win (the node index is the name order). Nothing when it has no room.
@@ -443,7 +445,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     }
     // What is short of the wanted counts: serving slots that neither a replica nor a moving one
     // (still serving until its replacement does) fills, and the warm pool's gap.
-    const int64_t unplaced = std::max<int64_t>(0, d.serving - serving - kept[key(d)].keep_moving) +
+    const int64_t unplaced = std::max<int64_t>(0, d.serving - serving - counts.keep_moving) +
                              std::max<int64_t>(0, d.warm - warm);
     if (unplaced > 0) {
       out.unplaced.push_back(

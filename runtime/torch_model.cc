@@ -1,5 +1,7 @@
 #include "runtime/torch_model.h"
 
+#include "runtime/torchscript_backend.h"
+
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
 
@@ -111,17 +113,13 @@ absl::StatusOr<std::vector<at::Tensor>> UnpackOutputs(const ModelConfig& config,
   return outs;
 }
 
-namespace {
-
-int CudaDeviceCount() {
+int TorchCudaDeviceCount() {
   try {
     return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
   } catch (const std::exception&) {
     return 0;
   }
 }
-
-}  // namespace
 
 absl::Status CheckReadable(const std::string& model_file) {
   std::error_code ec;
@@ -155,7 +153,7 @@ absl::StatusOr<TorchDevice> SetUpTorchDevice(const ModelConfig& config,
         "device " + dev + ": this kiln-runtime was built against a LibTorch without CUDA");
   }
   if (out.device.is_cuda()) {
-    int count = CudaDeviceCount();
+    int count = TorchCudaDeviceCount();
     if (count == 0) {
       return absl::FailedPreconditionError("device " + dev +
                                            ": this LibTorch build has no usable CUDA device");

@@ -71,14 +71,6 @@ class TorchScriptBackend : public TorchModelBackend {
 
 }  // namespace
 
-int TorchCudaDeviceCount() {
-  try {
-    return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
-  } catch (const std::exception&) {
-    return 0;
-  }
-}
-
 absl::StatusOr<std::unique_ptr<Backend>> CreateTorchScriptBackend(const ModelConfig& config,
                                                                   const std::string& model_file,
                                                                   const BackendOptions& options) {

@@ -14,7 +14,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateTorchScriptBackend(const ModelCon
 // Registers the backend as "torchscript".
 void RegisterTorchScriptBackend(BackendRegistry* registry);
 
-// Whether this build's LibTorch can reach a CUDA device, and how many.
+// Whether this build's LibTorch can reach a CUDA device, and how many (defined with the
+// device set-up the LibTorch backends share, runtime/torch_model.cc).
 int TorchCudaDeviceCount();
 
 }  // namespace kiln
