@@ -103,151 +103,264 @@ void Controller::Start() {
   });
 }
 
+class Controller::Stream final
+    : public grpc::ServerBidiReactor<v1::AgentMessage, v1::ControllerMessage> {
+ public:
+  Stream(Controller* controller, grpc::CallbackServerContext* context)
+      : controller_(controller), context_(context) {}
+
+  // Held by itself until gRPC is done with it, and by the controller's map while registered.
+  static Stream* Start(Controller* controller, grpc::CallbackServerContext* context) {
+    auto s = std::make_shared<Stream>(controller, context);
+    s->self_ = s;
+    s->StartRead(&s->in_);
+    return s.get();
+  }
+
+  const std::string& node() const { return node_; }
+
+  // From the loop: the newest whole-state message of its kind, written once the agent has
+  // taken the one before.
+  void Offer(const v1::ControllerMessage& m) {
+    absl::MutexLock lock(&mu_);
+    if (ending_ || broken_) return;
+    (m.has_assignment() ? assignment_ : routing_) = m;
+    if (!writing_) WriteNextLocked();
+  }
+
+  // The newest NodeStatus not yet taken, and when it came.
+  bool TakeStatus(v1::NodeStatus* status, absl::Time* at) {
+    absl::MutexLock lock(&mu_);
+    if (!status_) return false;
+    *status = std::move(*status_);
+    *at = status_at_;
+    status_.reset();
+    return true;
+  }
+
+  // Ends the stream with `s` (once; after a write in flight completes).
+  void End(grpc::Status s) {
+    absl::MutexLock lock(&mu_);
+    if (ending_) return;
+    ending_ = true;
+    assignment_.reset();
+    routing_.reset();
+    if (writing_) {
+      end_status_ = std::move(s);
+    } else {
+      Finish(std::move(s));
+    }
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the agent closed its side, went away, or the call was cancelled
+      End(grpc::Status::OK);
+      return;
+    }
+    grpc::Status refused;
+    if (node_.empty()) {
+      refused = First();
+    } else {
+      switch (in_.message_case()) {
+        case v1::AgentMessage::kStatus: {
+          absl::MutexLock lock(&mu_);
+          status_.emplace(std::move(*in_.mutable_status()));
+          status_at_ = controller_->clock_->Now();
+          break;
+        }
+        case v1::AgentMessage::kRegister:
+          {
+            absl::MutexLock lock(&mu_);
+            status_.reset();  // from before the node registered again
+          }
+          refused = controller_->Registered(self_, in_.register_(), /*first=*/false);
+          break;
+        case v1::AgentMessage::kAck:
+        case v1::AgentMessage::kNack:
+          controller_->Acked(node_, in_);
+          break;
+        default:
+          break;
+      }
+    }
+    if (!refused.ok()) {
+      End(refused);
+      return;
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (end_status_) {  // End came while this write was in flight
+      Finish(*end_status_);
+      end_status_.reset();
+      return;
+    }
+    if (!ok) {  // the agent is gone: no more writes; its read side ends the stream
+      broken_ = true;
+      return;
+    }
+    if (!ending_) WriteNextLocked();
+  }
+
+  void OnCancel() override { End(grpc::Status::CANCELLED); }
+
+  void OnDone() override {
+    if (!node_.empty()) controller_->Ended(node_, this);
+    self_.reset();  // the last owner may be this: nothing after it
+  }
+
+ private:
+  // The first message: a Register under a name the client certificate carries (with node
+  // identity required).
+  grpc::Status First() {
+    auto log = GetLogger("controller");
+    if (in_.message_case() != v1::AgentMessage::kRegister) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "the first message on the stream must be Register");
+    }
+    const std::string& node = in_.register_().node_name();
+    if (controller_->options_.require_node_identity) {
+      std::vector<std::string> names = PeerCertificateNames(*context_->auth_context());
+      if (std::find(names.begin(), names.end(), node) == names.end()) {
+        std::string have;
+        for (const auto& n : names) have += (have.empty() ? "" : ", ") + n;
+        log->warn("refused a Register as node '{}' from {}: its certificate names {}", node,
+                  context_->peer(), have.empty() ? "nothing" : have);
+        return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                            "register.node_name: '" + node +
+                                "' is not a name in the client certificate (it carries: " +
+                                (have.empty() ? "none" : have) + ")");
+      }
+    }
+    grpc::Status s = controller_->Registered(self_, in_.register_(), /*first=*/true);
+    if (s.ok()) node_ = node;
+    return s;
+  }
+
+  void WriteNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // The assignment first: the routing table may name replicas it starts.
+    std::optional<v1::ControllerMessage>& next = assignment_ ? assignment_ : routing_;
+    if (!next) return;
+    out_ = std::move(*next);
+    next.reset();
+    writing_ = true;
+    StartWrite(&out_);  // its reaction runs on gRPC's executor, never inline here
+  }
+
+  Controller* const controller_;
+  grpc::CallbackServerContext* const context_;
+  std::shared_ptr<Stream> self_;
+  // Touched by the reactions only (one at a time per direction).
+  v1::AgentMessage in_;
+  std::string node_;  // set once registered
+
+  absl::Mutex mu_;
+  std::optional<v1::ControllerMessage> assignment_ ABSL_GUARDED_BY(mu_);
+  std::optional<v1::ControllerMessage> routing_ ABSL_GUARDED_BY(mu_);
+  v1::ControllerMessage out_ ABSL_GUARDED_BY(mu_);  // being written
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool ending_ ABSL_GUARDED_BY(mu_) = false;  // End was called: no more writes
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;  // a write failed
+  std::optional<grpc::Status> end_status_ ABSL_GUARDED_BY(mu_);  // once the write completes
+  std::optional<v1::NodeStatus> status_ ABSL_GUARDED_BY(mu_);
+  absl::Time status_at_ ABSL_GUARDED_BY(mu_);
+};
+
 void Controller::Stop() {
+  std::vector<std::shared_ptr<Stream>> streams;
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
+    for (const auto& [node, stream] : sessions_) streams.push_back(stream);
   }
   if (loop_.joinable()) loop_.join();
+  for (const auto& s : streams) {
+    s->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "controller stopping"));
+  }
 }
 
-grpc::Status Controller::Connect(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::ControllerMessage, v1::AgentMessage>* stream) {
+grpc::ServerBidiReactor<v1::AgentMessage, v1::ControllerMessage>* Controller::Connect(
+    grpc::CallbackServerContext* context) {
+  return Stream::Start(this, context);
+}
+
+grpc::Status Controller::Registered(const std::shared_ptr<Stream>& stream, const v1::Register& r,
+                                    bool first) {
   auto log = GetLogger("controller");
-  v1::AgentMessage msg;
-  if (!stream->Read(&msg) || msg.message_case() != v1::AgentMessage::kRegister) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "the first message on the stream must be Register");
-  }
-  const std::string node = msg.register_().node_name();
-  if (options_.require_node_identity) {
-    std::vector<std::string> names = PeerCertificateNames(*context->auth_context());
-    if (std::find(names.begin(), names.end(), node) == names.end()) {
-      std::string have;
-      for (const auto& n : names) have += (have.empty() ? "" : ", ") + n;
-      log->warn("refused a Register as node '{}' from {}: its certificate names {}", node,
-                context->peer(), have.empty() ? "nothing" : have);
-      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                          "register.node_name: '" + node +
-                              "' is not a name in the client certificate (it carries: " +
-                              (have.empty() ? "none" : have) + ")");
-    }
-  }
-  auto session = std::make_shared<Session>();
-  session->stream = stream;
-  // Started before the session is visible to the loop, and joined (Close) before returning.
-  session->writer = std::thread([s = session.get()] { s->WriteLoop(); });
-  grpc::Status refused = grpc::Status::OK;
+  const std::string& node = r.node_name();
   {
     absl::MutexLock lock(&mu_);
-    absl::Status s = stopping_ ? absl::UnavailableError("shutting down")
-                               : registry_.Register(msg.register_(), clock_->Now());
+    if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "shutting down");
+    if (!first && node != stream->node()) {
+      // A stream speaks for the node it registered (and, with mutual TLS, the node its
+      // certificate names): another name would take over that node's entry and routes.
+      log->warn("node {} tried to re-register as '{}': stream ended", stream->node(), node);
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                          "register.node_name: this stream registered '" + stream->node() +
+                              "'; it cannot register '" + node + "'");
+    }
+    absl::Status s = registry_.Register(r, clock_->Now());
     if (!s.ok()) {
-      refused = grpc::Status(stopping_ ? grpc::StatusCode::UNAVAILABLE
-                                       : grpc::StatusCode::INVALID_ARGUMENT,
-                             std::string(s.message()));
-    } else {
-      sessions_[node] = session;
+      if (!first) return grpc::Status::OK;  // as before: a bad repeat changes nothing
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(s.message()));
+    }
+    if (first) {
+      sessions_[node] = stream;
       // What this node was sent before is unknown to it now (or it is new): send it all again.
-      int64_t gen = sent_[node].assignment_generation;
-      int64_t rgen = sent_[node].routing_generation;
-      sent_[node] = Sent();
-      sent_[node].assignment_generation = gen;
-      sent_[node].routing_generation = rgen;
+      Sent& sent = sent_[node];
+      int64_t gen = sent.assignment_generation;
+      int64_t rgen = sent.routing_generation;
+      sent = Sent();
+      sent.assignment_generation = gen;
+      sent.routing_generation = rgen;
     }
   }
-  if (!refused.ok()) {
-    session->Close();  // outside mu_: the writer never needs it, but nothing waits under it
-    return refused;
+  if (first) {
+    log->info("node {} registered: {} cpus, {} gpus, {} replica(s) running", node,
+              r.cpu_capacity(), r.gpus_size(), r.replicas_size());
   }
-  log->info("node {} registered: {} cpus, {} gpus, {} replica(s) running", node,
-            msg.register_().cpu_capacity(), msg.register_().gpus_size(),
-            msg.register_().replicas_size());
-  grpc::Status ended = grpc::Status::OK;
-  while (stream->Read(&msg)) {
-    absl::MutexLock lock(&mu_);
-    switch (msg.message_case()) {
-      case v1::AgentMessage::kStatus:
-        (void)registry_.ReportStatus(node, msg.status(), clock_->Now());
-        break;
-      case v1::AgentMessage::kRegister:
-        // A stream speaks for the node it registered (and, with mutual TLS, the node its
-        // certificate names): another name would take over that node's entry and routes.
-        if (msg.register_().node_name() != node) {
-          log->warn("node {} tried to re-register as '{}': stream ended", node,
-                    msg.register_().node_name());
-          ended = grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                               "register.node_name: this stream registered '" + node +
-                                   "'; it cannot register '" + msg.register_().node_name() + "'");
-          break;
-        }
-        (void)registry_.Register(msg.register_(), clock_->Now());
-        break;
-      case v1::AgentMessage::kAck:
-        if (msg.ack().kind() == v1::Ack::ASSIGNMENT &&
-            msg.ack().generation() == sent_[node].assignment_generation) {
-          sent_[node].nack.clear();
-        }
-        break;
-      case v1::AgentMessage::kNack:
-        if (msg.nack().kind() == v1::Ack::ASSIGNMENT) sent_[node].nack = msg.nack().reason();
-        log->warn("node {} refused generation {}: {}", node, msg.nack().generation(),
-                  msg.nack().reason());
-        break;
-      default:
-        break;
+  return grpc::Status::OK;
+}
+
+void Controller::Acked(const std::string& node, const v1::AgentMessage& m) {
+  absl::MutexLock lock(&mu_);
+  if (m.has_ack()) {
+    if (m.ack().kind() == v1::Ack::ASSIGNMENT &&
+        m.ack().generation() == sent_[node].assignment_generation) {
+      sent_[node].nack.clear();
     }
-    if (stopping_ || !ended.ok()) break;
+    return;
   }
+  if (m.nack().kind() == v1::Ack::ASSIGNMENT) sent_[node].nack = m.nack().reason();
+  GetLogger("controller")
+      ->warn("node {} refused generation {}: {}", node, m.nack().generation(), m.nack().reason());
+}
+
+void Controller::Ended(const std::string& node, const Stream* stream) {
   {
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(node);
-    if (it != sessions_.end() && it->second == session) {
-      sessions_.erase(it);
-      registry_.Disconnected(node);
-    }
+    if (it == sessions_.end() || it->second.get() != stream) return;  // replaced by a newer one
+    sessions_.erase(it);
+    registry_.Disconnected(node);
   }
-  session->Close();  // no write into a stream that is going away
-  log->info("node {} disconnected", node);
-  return ended;
+  GetLogger("controller")->info("node {} disconnected", node);
+}
+
+void Controller::TakeStatuses() {
+  v1::NodeStatus status;
+  absl::Time at;
+  for (const auto& [node, stream] : sessions_) {
+    if (stream->TakeStatus(&status, &at)) (void)registry_.ReportStatus(node, std::move(status), at);
+  }
 }
 
 void Controller::Send(const std::string& node, const v1::ControllerMessage& m) {
   auto it = sessions_.find(node);
-  if (it == sessions_.end()) return;
-  Session& s = *it->second;
-  absl::MutexLock lock(&s.mu);
-  if (s.closed) return;
-  (m.has_assignment() ? s.assignment : s.routing) = m;
-}
-
-void Controller::Session::WriteLoop() {
-  for (;;) {
-    v1::ControllerMessage m;
-    {
-      absl::MutexLock lock(&mu);
-      mu.Await(absl::Condition(this, &Session::Ready));
-      if (closed) return;
-      // The assignment first: the routing table may name replicas it starts.
-      std::optional<v1::ControllerMessage>& next = assignment ? assignment : routing;
-      m = std::move(*next);
-      next.reset();
-    }
-    if (!stream->Write(m)) {  // the agent is gone; the reader sees it too
-      absl::MutexLock lock(&mu);
-      closed = true;
-      return;
-    }
-  }
-}
-
-void Controller::Session::Close() {
-  {
-    absl::MutexLock lock(&mu);
-    closed = true;
-  }
-  if (writer.joinable()) writer.join();
+  if (it != sessions_.end()) it->second->Offer(m);
 }
 
 void Controller::Tick() {
@@ -295,6 +408,7 @@ void Controller::Tick() {
   std::vector<PendingEvent> events;
   {
     absl::MutexLock lock(&mu_);
+    TakeStatuses();
     std::vector<PlacementNode> nodes;
     std::set<std::string> retired;
     for (const auto& [name, rec] : registry_.nodes()) {
@@ -616,6 +730,7 @@ absl::Status Controller::RequestRolloutAction(const std::string& name, const std
 
 std::string Controller::NodesJson() {
   absl::MutexLock lock(&mu_);
+  TakeStatuses();
   const absl::Time now = clock_->Now();
   nlohmann::json nodes = nlohmann::json::array();
   for (const auto& [name, rec] : registry_.nodes()) {

@@ -41,7 +41,7 @@ struct ControllerOptions {
   bool require_node_identity = false;
 };
 
-class Controller : public v1::ControlPlane::Service {
+class Controller : public v1::ControlPlane::CallbackService {
  public:
   Controller(ControllerOptions options, Store* store, Clock* clock);
   ~Controller() override;
@@ -49,9 +49,10 @@ class Controller : public v1::ControlPlane::Service {
   void Start();  // the loop thread
   void Stop();   // ends the loop and every agent stream
 
-  grpc::Status Connect(
-      grpc::ServerContext* context,
-      grpc::ServerReaderWriter<v1::ControllerMessage, v1::AgentMessage>* stream) override;
+  // One agent's stream, served without a thread of its own (gRPC's callback API): tens of
+  // thousands of agents cost no more threads than a few.
+  grpc::ServerBidiReactor<v1::AgentMessage, v1::ControllerMessage>* Connect(
+      grpc::CallbackServerContext* context) override;
 
   // One pass of the loop (public for tests).
   void Tick();
@@ -62,22 +63,12 @@ class Controller : public v1::ControlPlane::Service {
   absl::Status RequestRolloutAction(const std::string& name, const std::string& action);
 
  private:
-  // One agent's stream. The controller's loop never writes to it: it leaves the latest
-  // Assignment and RoutingTable (each whole state, so a newer one replaces one not yet sent)
-  // for the session's writer thread, so a slow or stuck agent holds up nobody else.
-  struct Session {
-    grpc::ServerReaderWriter<v1::ControllerMessage, v1::AgentMessage>* stream = nullptr;
-    absl::Mutex mu;
-    std::optional<v1::ControllerMessage> assignment ABSL_GUARDED_BY(mu);
-    std::optional<v1::ControllerMessage> routing ABSL_GUARDED_BY(mu);
-    bool closed ABSL_GUARDED_BY(mu) = false;
-    std::thread writer;
-    bool Ready() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-      return closed || assignment.has_value() || routing.has_value();
-    }
-    void WriteLoop();
-    void Close();  // no more writes; waits for the writer
-  };
+  // One agent's stream (controller.cc). The controller's loop never writes to it: it leaves
+  // the latest Assignment and RoutingTable (each whole state, so a newer one replaces one not
+  // yet sent) and the stream writes them as the agent takes them, so a slow or stuck agent
+  // holds up nobody else. A NodeStatus waits in the stream until the loop takes it (a newer one
+  // replaces it): reading an agent never waits for the loop.
+  class Stream;
   struct Sent {
     int64_t assignment_generation = 0;
     std::string assignment;  // serialised replicas of the last assignment sent
@@ -89,6 +80,13 @@ class Controller : public v1::ControlPlane::Service {
 
   void Send(const std::string& node, const v1::ControllerMessage& m)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The stream's side: a Register (first or again), an Ack or Nack, its end.
+  grpc::Status Registered(const std::shared_ptr<Stream>& stream, const v1::Register& r,
+                          bool first);
+  void Acked(const std::string& node, const v1::AgentMessage& m);
+  void Ended(const std::string& node, const Stream* stream);
+  // Moves each stream's newest NodeStatus into the registry.
+  void TakeStatuses() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ControllerOptions options_;
   Store* store_;
@@ -97,7 +95,7 @@ class Controller : public v1::ControlPlane::Service {
 
   absl::Mutex mu_;
   NodeRegistry registry_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<Stream>> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Sent> sent_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::string> last_unplaced_ ABSL_GUARDED_BY(mu_);

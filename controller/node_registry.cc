@@ -46,13 +46,13 @@ absl::Status NodeRegistry::Register(const v1::Register& r, absl::Time now) {
   return absl::OkStatus();
 }
 
-absl::Status NodeRegistry::ReportStatus(const std::string& node, const v1::NodeStatus& s,
-                                  absl::Time now) {
+absl::Status NodeRegistry::ReportStatus(const std::string& node, v1::NodeStatus s,
+                                        absl::Time now) {
   auto it = nodes_.find(node);
   if (it == nodes_.end()) {
     return absl::NotFoundError("node '" + node + "' sent status before registering");
   }
-  it->second.status = s;
+  it->second.status = std::move(s);
   it->second.has_status = true;
   it->second.last_heard = now;
   return absl::OkStatus();

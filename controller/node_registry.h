@@ -40,7 +40,7 @@ class NodeRegistry {
   // replicas it adopted). INVALID_ARGUMENT names the field when it is unusable.
   absl::Status Register(const v1::Register& r, absl::Time now);
   // NOT_FOUND for a node that never registered on this controller.
-  absl::Status ReportStatus(const std::string& node, const v1::NodeStatus& s, absl::Time now);
+  absl::Status ReportStatus(const std::string& node, v1::NodeStatus s, absl::Time now);
   void Disconnected(const std::string& node);
 
   NodeHealth Health(const std::string& node, absl::Time now) const;
