@@ -262,7 +262,7 @@ absl::Status Agent::Start() {
   ro.http_port = options_.http_port;
   KILN_ASSIGN_OR_RETURN(router_, Router::Start(ro));
   router_->SetTable(std::make_shared<RouterTable>(
-      BuildRouterTable(routing_, *supervisor_->Snapshot())));
+      BuildRouterTable(routing_, *supervisor_->Snapshot(), options_.node_name)));
   Log()->info("admin listening admin_port={} (/healthz /readyz /metrics /v1/replicas)",
               admin_->port());
   last_tick_unix_ms_ = absl::ToUnixMillis(absl::Now());
@@ -560,7 +560,7 @@ void Agent::Loop() {
     // Routing follows the replicas: a replica that is not SERVING leaves routing at once.
     if (router_) {
       router_->SetTable(std::make_shared<RouterTable>(
-          BuildRouterTable(routing_, *supervisor_->Snapshot())));
+          BuildRouterTable(routing_, *supervisor_->Snapshot(), options_.node_name)));
     }
     UpdatePower();
     bool r = supervisor_->Converged();

@@ -22,7 +22,7 @@ namespace http = web::http;
 using nlohmann::json;
 
 RouterTable BuildRouterTable(const v1::RoutingTable& routing,
-                             const std::vector<ReplicaView>& replicas) {
+                             const std::vector<ReplicaView>& replicas, const std::string& node) {
   RouterTable t;
   for (const auto& r : routing.routes()) {
     RouterTable::Route route;
@@ -32,6 +32,7 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
     if (sticky.rfind("header:", 0) == 0) route.sticky_header = absl::AsciiStrToLower(sticky.substr(7));
     if (sticky.rfind("parameter:", 0) == 0) route.sticky_parameter = sticky.substr(10);
     for (const auto& e : r.endpoints()) {
+      if (!node.empty() && e.node_name() == node) continue;
       route.endpoints.push_back({e.replica_id(), e.version(), e.grpc_address(), e.http_address(), false});
     }
     t.routes[route.model] = std::move(route);

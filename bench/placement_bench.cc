@@ -48,12 +48,19 @@ std::vector<PlacementDemand> Demands(int nodes) {
   return out;
 }
 
-// The nodes with what a first placement assigned them.
-std::vector<PlacementNode> Assigned(int n) {
-  auto nodes = Nodes(n);
-  auto placed = kiln::Place(Demands(n), nodes);
-  for (auto& node : nodes) node.assigned = placed.nodes[node.name];
-  return nodes;
+// The nodes with what a first placement assigned them (placement reads it where it lies).
+struct Cluster {
+  kiln::PlacementResult placed;
+  std::vector<PlacementNode> nodes;
+};
+std::unique_ptr<Cluster> Assigned(int n) {
+  auto c = std::make_unique<Cluster>();
+  c->nodes = Nodes(n);
+  c->placed = kiln::Place(Demands(n), c->nodes);
+  for (auto& node : c->nodes) {
+    for (const auto& spec : c->placed.nodes[node.name]) node.assigned.push_back(&spec);
+  }
+  return c;
 }
 
 void Report(benchmark::State& state, int nodes) {
@@ -71,17 +78,18 @@ void BM_PlaceFromScratch(benchmark::State& state) {
 
 void BM_PlaceSteadyState(benchmark::State& state) {
   int n = static_cast<int>(state.range(0));
-  auto nodes = Assigned(n);
+  auto cluster = Assigned(n);
   auto demands = Demands(n);
-  for (auto _ : state) benchmark::DoNotOptimize(kiln::Place(demands, nodes));
+  for (auto _ : state) benchmark::DoNotOptimize(kiln::Place(demands, cluster->nodes));
   Report(state, n);
 }
 
 void BM_PlaceAfterNodeLoss(benchmark::State& state) {
   int n = static_cast<int>(state.range(0));
-  auto nodes = Assigned(n);
+  auto cluster = Assigned(n);
+  auto& nodes = cluster->nodes;
   std::set<std::string> retired;
-  for (const auto& spec : nodes[n / 2].assigned) retired.insert(spec.replica_id());
+  for (const auto* spec : nodes[n / 2].assigned) retired.insert(spec->replica_id());
   nodes.erase(nodes.begin() + n / 2);
   auto demands = Demands(n);
   for (auto _ : state) benchmark::DoNotOptimize(kiln::Place(demands, nodes, retired));

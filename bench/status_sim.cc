@@ -5,7 +5,12 @@
 // line.
 //
 //   kiln-status-sim --controller 127.0.0.1:7071 --controller-pid PID --nodes 1000 \
-//       --replicas-per-node 5 --seconds 20
+//       --replicas-per-node 5 --seconds 20 [--admin http://127.0.0.1:PORT --deployments 100]
+//
+// With --deployments D, once every node has registered it creates D ModelDeployments through
+// the admin API whose replicas are exactly the ones the nodes report (node i's belong to
+// deployment i % D), so each tick of the controller places, rolls out, routes and writes the
+// status of real deployments; at the end it reads their readyReplicas back.
 //
 // Streams are spread over --channels connections; one thread writes every stream's Status in
 // turn each period (the controller sends nothing to nodes without assignments, so nobody needs
@@ -24,6 +29,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "cpprest/http_client.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
 #include "nlohmann/json.hpp"
 
@@ -46,9 +52,10 @@ double CpuSeconds(pid_t pid) {
   return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
-kiln::v1::ReplicaStatus Replica(int node, int r) {
+kiln::v1::ReplicaStatus Replica(int node, int r, int deployments) {
   kiln::v1::ReplicaStatus s;
-  s.set_replica_id("sim" + std::to_string(node % 997) + "." + std::to_string(node * 8 + r));
+  s.set_replica_id("sim" + std::to_string(node % deployments) + "." +
+                   std::to_string(node * 8 + r));
   s.set_model("encoder");
   s.set_version("1");
   s.set_device("cuda:" + std::to_string(r % 8));
@@ -61,6 +68,29 @@ kiln::v1::ReplicaStatus Replica(int node, int r) {
   return s;
 }
 
+// One admin API call; the response body as JSON (null when the call failed, said on stderr).
+nlohmann::json Admin(const std::string& base, const web::http::method& method,
+                     const std::string& path, const std::string& body = "") {
+  try {
+    web::http::client::http_client client(base);
+    web::http::http_request req(method);
+    req.set_request_uri(path);
+    if (!body.empty()) req.set_body(body, "application/json");
+    auto resp = client.request(req).get();
+    std::string text = resp.extract_string().get();
+    if (resp.status_code() >= 300) {
+      std::cerr << method << " " << path << ": HTTP " << resp.status_code() << ": " << text << "\n";
+      return nullptr;
+    }
+    return nlohmann::json::parse(text, nullptr, false);
+  } catch (const std::exception& e) {
+    std::cerr << method << " " << path << ": " << e.what() << "\n";
+    return nullptr;
+  }
+}
+
+const char kDeployments[] = "/apis/serving.kiln.dev/v1alpha1/modeldeployments";
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,6 +101,8 @@ int main(int argc, char** argv) {
   int channels = 64;
   double seconds = 20;
   double period_s = 1.0;
+  std::string admin;
+  int deployments = 0;
   CLI::App app{"kiln-status-sim: simulated agents reporting Status to kiln-controller"};
   app.add_option("--controller", address, "ControlPlane HOST:PORT (loopback)")->required();
   app.add_option("--controller-pid", controller_pid, "The controller's PID (for its CPU)")
@@ -84,7 +116,20 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1.0, 3600.0));
   app.add_option("--period-seconds", period_s, "Status period of each agent")
       ->check(CLI::Range(0.05, 60.0));
+  app.add_option("--admin", admin, "The controller's admin API, http://127.0.0.1:PORT");
+  app.add_option("--deployments", deployments,
+                 "ModelDeployments to create for the reported replicas (needs --admin)")
+      ->check(CLI::Range(0, 100000));
   CLI11_PARSE(app, argc, argv);
+  if (deployments > 0 && admin.rfind("http://127.", 0) != 0) {
+    std::cerr << "--deployments: needs --admin http://127.x.x.x:PORT (loopback only)\n";
+    return 2;
+  }
+  if (deployments > nodes) {
+    std::cerr << "--deployments: at most --nodes (" << nodes << ")\n";
+    return 2;
+  }
+  const int groups = deployments > 0 ? deployments : 997;
   if (address.rfind("127.", 0) != 0 && address.rfind("localhost", 0) != 0) {
     std::cerr << "--controller: loopback addresses only\n";
     return 2;
@@ -121,7 +166,7 @@ int main(int argc, char** argv) {
       gi->set_memory_bytes(80LL << 30);
       gi->set_fake(true);
     }
-    for (int k = 0; k < replicas; ++k) *r->add_replicas() = Replica(i, k);
+    for (int k = 0; k < replicas; ++k) *r->add_replicas() = Replica(i, k, groups);
     if (!a.stream->Write(reg)) {
       std::cerr << "register sim-" << i << ": the stream broke: " << a.stream->Finish().error_message()
                 << "\n";
@@ -130,7 +175,7 @@ int main(int argc, char** argv) {
     auto* st = a.status.mutable_status();
     for (int k = 0; k < replicas; ++k) {
       auto* rs = st->add_replicas();
-      *rs = Replica(i, k);
+      *rs = Replica(i, k, groups);
       rs->mutable_load()->set_qps(50);
       rs->mutable_load()->set_in_flight(1);
       rs->mutable_load()->set_latency_p99_micros(4000);
@@ -142,6 +187,20 @@ int main(int argc, char** argv) {
     }
   }
   const double register_s = std::chrono::duration<double>(Clock::now() - t_reg).count();
+  for (int d = 0; d < deployments; ++d) {
+    const int members = nodes / deployments + (d < nodes % deployments ? 1 : 0);
+    nlohmann::json md = {
+        {"apiVersion", "serving.kiln.dev/v1alpha1"},
+        {"kind", "ModelDeployment"},
+        {"metadata", {{"name", "sim" + std::to_string(d)}}},
+        {"spec",
+         {{"model", {{"name", "encoder"}, {"version", "1"},
+                     {"uri", "file:///models/encoder/1/model.pt"}}},
+          {"replicas", members * replicas},
+          {"warmPool", 0},
+          {"resources", {{"gpus", 1}, {"gpuMemory", "10Gi"}, {"cpus", 2}}}}}};
+    if (Admin(admin, web::http::methods::POST, kDeployments, md.dump()).is_null()) return 1;
+  }
 
   const double ctl0 = CpuSeconds(controller_pid), self0 = CpuSeconds(getpid());
   auto t0 = Clock::now();
@@ -169,11 +228,23 @@ int main(int argc, char** argv) {
   }
   const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
   const double ctl = CpuSeconds(controller_pid) - ctl0, self = CpuSeconds(getpid()) - self0;
+  int64_t ready = -1;  // what the controller's status says serves, over all deployments
+  if (deployments > 0) {
+    nlohmann::json list = Admin(admin, web::http::methods::GET, kDeployments);
+    if (list.is_object() && list.contains("items")) {
+      ready = 0;
+      for (const auto& item : list["items"]) {
+        if (item.contains("status")) ready += item["status"].value("readyReplicas", 0);
+      }
+    }
+  }
   for (Agent& a : agents) {
     a.ctx->TryCancel();
   }
   nlohmann::json out = {{"nodes", nodes},
                         {"replicas", nodes * replicas},
+                        {"deployments", deployments},
+                        {"ready_replicas_in_status", ready},
                         {"period_s", period_s},
                         {"register_s", register_s},
                         {"measured_s", wall},

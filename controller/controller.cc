@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <unordered_map>
 
 #include "common/grpc_tls.h"
 #include "common/logging.h"
@@ -103,8 +105,7 @@ void Controller::Start() {
   });
 }
 
-class Controller::Stream final
-    : public grpc::ServerBidiReactor<v1::AgentMessage, v1::ControllerMessage> {
+class Controller::Stream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   Stream(Controller* controller, grpc::CallbackServerContext* context)
       : controller_(controller), context_(context) {}
@@ -113,18 +114,18 @@ class Controller::Stream final
   static Stream* Start(Controller* controller, grpc::CallbackServerContext* context) {
     auto s = std::make_shared<Stream>(controller, context);
     s->self_ = s;
-    s->StartRead(&s->in_);
+    s->StartRead(&s->in_bytes_);
     return s.get();
   }
 
   const std::string& node() const { return node_; }
 
-  // From the loop: the newest whole-state message of its kind, written once the agent has
-  // taken the one before.
-  void Offer(const v1::ControllerMessage& m) {
+  // From the loop: the newest whole-state message of its kind (a serialized
+  // ControllerMessage), written once the agent has taken the one before.
+  void Offer(bool assignment, const grpc::ByteBuffer& m) {
     absl::MutexLock lock(&mu_);
     if (ending_ || broken_) return;
-    (m.has_assignment() ? assignment_ : routing_) = m;
+    (assignment ? assignment_ : routing_) = m;  // shares the bytes
     if (!writing_) WriteNextLocked();
   }
 
@@ -157,8 +158,13 @@ class Controller::Stream final
       End(grpc::Status::OK);
       return;
     }
-    grpc::Status refused;
-    if (node_.empty()) {
+    grpc::Status refused =
+        grpc::SerializationTraits<v1::AgentMessage>::Deserialize(&in_bytes_, &in_);
+    if (!refused.ok()) {
+      refused = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                             "the message is not a kiln.v1.AgentMessage: " +
+                                 refused.error_message());
+    } else if (node_.empty()) {
       refused = First();
     } else {
       switch (in_.message_case()) {
@@ -187,7 +193,7 @@ class Controller::Stream final
       End(refused);
       return;
     }
-    StartRead(&in_);
+    StartRead(&in_bytes_);
   }
 
   void OnWriteDone(bool ok) override {
@@ -242,7 +248,7 @@ class Controller::Stream final
 
   void WriteNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // The assignment first: the routing table may name replicas it starts.
-    std::optional<v1::ControllerMessage>& next = assignment_ ? assignment_ : routing_;
+    std::optional<grpc::ByteBuffer>& next = assignment_ ? assignment_ : routing_;
     if (!next) return;
     out_ = std::move(*next);
     next.reset();
@@ -254,13 +260,14 @@ class Controller::Stream final
   grpc::CallbackServerContext* const context_;
   std::shared_ptr<Stream> self_;
   // Touched by the reactions only (one at a time per direction).
+  grpc::ByteBuffer in_bytes_;
   v1::AgentMessage in_;
   std::string node_;  // set once registered
 
   absl::Mutex mu_;
-  std::optional<v1::ControllerMessage> assignment_ ABSL_GUARDED_BY(mu_);
-  std::optional<v1::ControllerMessage> routing_ ABSL_GUARDED_BY(mu_);
-  v1::ControllerMessage out_ ABSL_GUARDED_BY(mu_);  // being written
+  std::optional<grpc::ByteBuffer> assignment_ ABSL_GUARDED_BY(mu_);
+  std::optional<grpc::ByteBuffer> routing_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer out_ ABSL_GUARDED_BY(mu_);  // being written
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool ending_ ABSL_GUARDED_BY(mu_) = false;  // End was called: no more writes
   bool broken_ ABSL_GUARDED_BY(mu_) = false;  // a write failed
@@ -282,7 +289,7 @@ void Controller::Stop() {
   }
 }
 
-grpc::ServerBidiReactor<v1::AgentMessage, v1::ControllerMessage>* Controller::Connect(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Controller::Connect(
     grpc::CallbackServerContext* context) {
   return Stream::Start(this, context);
 }
@@ -360,7 +367,20 @@ void Controller::TakeStatuses() {
 
 void Controller::Send(const std::string& node, const v1::ControllerMessage& m) {
   auto it = sessions_.find(node);
-  if (it != sessions_.end()) it->second->Offer(m);
+  if (it == sessions_.end()) return;
+  grpc::ByteBuffer bytes;
+  bool own = false;
+  grpc::Status s = grpc::SerializationTraits<v1::ControllerMessage>::Serialize(m, &bytes, &own);
+  if (!s.ok()) {  // only a message over 2 GiB fails
+    GetLogger("controller")->error("node {}: cannot serialize its message: {}", node, s.error_message());
+    return;
+  }
+  it->second->Offer(m.has_assignment(), bytes);
+}
+
+void Controller::SendRouting(const std::string& node, const grpc::ByteBuffer& table) {
+  auto it = sessions_.find(node);
+  if (it != sessions_.end()) it->second->Offer(/*assignment=*/false, table);
 }
 
 void Controller::Tick() {
@@ -411,11 +431,14 @@ void Controller::Tick() {
     TakeStatuses();
     std::vector<PlacementNode> nodes;
     std::set<std::string> retired;
+    nodes.reserve(registry_.nodes().size());
+    std::vector<const v1::Register*> registrations;  // nodes[i]'s
     for (const auto& [name, rec] : registry_.nodes()) {
       NodeHealth health = registry_.Health(name, now);
+      const Sent& sent = sent_[name];
       if (health == NodeHealth::kLost) {  // its replicas are placed again elsewhere
         for (const auto& r : rec.status.replicas()) retired.insert(r.replica_id());
-        for (const auto& r : sent_[name].replicas) retired.insert(r.replica_id());
+        for (const auto& r : sent.replicas) retired.insert(r.replica_id());
         continue;
       }
       PlacementNode n;
@@ -430,13 +453,32 @@ void Controller::Tick() {
         }
         n.gpus.push_back(pg);
       }
-      n.assigned = sent_[name].replicas;
+      // The registry's and sent_'s records themselves: nothing below changes them this tick.
+      for (const auto& spec : sent.replicas) n.assigned.push_back(&spec);
       for (const auto& r : rec.status.replicas()) {
-        n.reported.push_back(r);
+        n.reported.push_back(&r);
         n.load += static_cast<double>(r.load().in_flight());
       }
       nodes.push_back(std::move(n));
+      registrations.push_back(&rec.registration);
     }
+    // Each deployment's reported replicas (node order), found once instead of per deployment.
+    struct Seen {
+      const PlacementNode* node;
+      const v1::ReplicaStatus* replica;
+    };
+    std::unordered_map<std::string, std::vector<Seen>> reported_by_dep;
+    std::unordered_map<std::string, int64_t> assigned_by_dep;
+    for (const auto& n : nodes) {
+      for (const v1::ReplicaStatus* r : n.reported) {
+        reported_by_dep[DeploymentOfReplica(r->replica_id())].push_back({&n, r});
+      }
+    }
+    auto reported_of = [&reported_by_dep](const std::string& dep) -> const std::vector<Seen>& {
+      static const std::vector<Seen> kNone;
+      auto it = reported_by_dep.find(dep);
+      return it == reported_by_dep.end() ? kNone : it->second;
+    };
     // Autoscaled deployments: SERVING count from the in-flight requests their replicas report.
     for (size_t i = 0; i < deps.size(); ++i) {
       const ModelDeployment& d = deps[i].d;
@@ -447,12 +489,10 @@ void Controller::Tick() {
       }
       double in_flight = 0;
       bool reports = false;
-      for (const auto& n : nodes) {
-        for (const auto& r : n.reported) {
-          if (DeploymentOfReplica(r.replica_id()) != d.name || r.state() != v1::SERVING) continue;
-          in_flight += static_cast<double>(r.load().in_flight());
-          reports = true;
-        }
+      for (const Seen& seen : reported_of(d.name)) {
+        if (seen.replica->state() != v1::SERVING) continue;
+        in_flight += static_cast<double>(seen.replica->load().in_flight());
+        reports = true;
       }
       auto current = autoscaled_to_.find(d.name);
       int64_t now_count = current == autoscaled_to_.end() ? d.spec.autoscale->min : current->second;
@@ -498,15 +538,14 @@ void Controller::Tick() {
         known = rollouts_.emplace(d.name, seeded).first;
       }
       std::map<std::string, VersionStats> stats;  // by version, from the SERVING replicas
-      for (const auto& n : nodes) {
-        for (const auto& r : n.reported) {
-          if (DeploymentOfReplica(r.replica_id()) != d.name || r.state() != v1::SERVING) continue;
-          VersionStats& v = stats[r.version()];
-          if (r.healthy()) v.ready++;
-          v.requests += r.load().requests();
-          v.errors += r.load().errors();
-          v.p99_micros = std::max(v.p99_micros, r.load().latency_p99_micros());
-        }
+      for (const Seen& seen : reported_of(d.name)) {
+        const v1::ReplicaStatus& r = *seen.replica;
+        if (r.state() != v1::SERVING) continue;
+        VersionStats& v = stats[r.version()];
+        if (r.healthy()) v.ready++;
+        v.requests += r.load().requests();
+        v.errors += r.load().errors();
+        v.p99_micros = std::max(v.p99_micros, r.load().latency_p99_micros());
       }
       version_stats[d.name] = stats;
       ModelDeploymentSpec spec = d.spec;
@@ -549,6 +588,8 @@ void Controller::Tick() {
       plans[d.name] = plan;
     }
     PlacementResult placed = Place(all_demands, nodes, retired);
+    // The assignments below replace sent_'s records these point at.
+    for (auto& n : nodes) n.assigned.clear();
     if (placed.unplaced != last_unplaced_) {  // said once per change, not every tick
       for (const auto& line : placed.unplaced) {
         log->warn("unplaced: {}", line);
@@ -586,68 +627,100 @@ void Controller::Tick() {
     }
 
     // Routing: each node learns the SERVING replicas elsewhere, reached through their
-    // node's router; its own replicas it routes to itself.
-    for (const auto& n : nodes) {
-      v1::RoutingTable t;
-      for (const auto& dep : deps) {
-        v1::Route* route = t.add_routes();
-        route->set_model(dep.d.spec.model.name);
-        const RolloutPlan& plan = plans[dep.d.name];
-        auto* v = route->add_versions();
-        v->set_version(plan.stable_version);
-        v->set_weight(static_cast<int32_t>(100 - plan.canary_weight));
-        if (!plan.canary_version.empty() && plan.canary_weight > 0) {
-          auto* c = route->add_versions();
-          c->set_version(plan.canary_version);
-          c->set_weight(static_cast<int32_t>(plan.canary_weight));
-        }
-        route->set_sticky_key(dep.d.spec.rollout.sticky_key);
-        for (const auto& other : nodes) {
-          if (other.name == n.name || !other.schedulable) continue;  // NotReady: not routed to
-          const auto& reg = registry_.nodes().at(other.name).registration;
-          if (reg.ingress_grpc_address().empty()) continue;
-          for (const auto& r : other.reported) {
-            if (DeploymentOfReplica(r.replica_id()) != dep.d.name || r.state() != v1::SERVING ||
-                !r.healthy() ||
-                (r.version() != plan.stable_version && r.version() != plan.canary_version)) {
-              continue;
-            }
-            auto* e = route->add_endpoints();
-            e->set_replica_id(r.replica_id());
-            e->set_version(r.version());
-            e->set_node_name(other.name);
-            e->set_grpc_address(reg.ingress_grpc_address());
-            e->set_http_address(reg.ingress_http_address());
-          }
-        }
+    // node's router; its own replicas it routes to itself. Every node gets the same table (the
+    // agent leaves out its own replicas), built once per tick (one pass over the replicas) and
+    // serialized and sent only when it changed.
+    std::vector<v1::Route> routes;
+    routes.reserve(deps.size());
+    for (const auto& dep : deps) {
+      v1::Route& route = routes.emplace_back();
+      route.set_model(dep.d.spec.model.name);
+      const RolloutPlan& plan = plans[dep.d.name];
+      auto* v = route.add_versions();
+      v->set_version(plan.stable_version);
+      v->set_weight(static_cast<int32_t>(100 - plan.canary_weight));
+      if (!plan.canary_version.empty() && plan.canary_weight > 0) {
+        auto* c = route.add_versions();
+        c->set_version(plan.canary_version);
+        c->set_weight(static_cast<int32_t>(plan.canary_weight));
       }
-      Sent& s = sent_[n.name];
-      std::string ser;
-      for (const auto& r : t.routes()) ser += r.SerializeAsString() + "|";
-      if (ser == s.routing && s.routing_generation != 0) continue;
-      if (!sessions_.count(n.name)) continue;
-      const auto& rec = registry_.nodes().at(n.name);
-      int64_t gen = NextGeneration(s.routing_generation, rec.status.routing_generation(), now);
-      t.set_generation(gen);
+      route.set_sticky_key(dep.d.spec.rollout.sticky_key);
+      for (const Seen& seen : reported_of(dep.d.name)) {
+        const PlacementNode& other = *seen.node;
+        const v1::ReplicaStatus& r = *seen.replica;
+        if (!other.schedulable) continue;  // NotReady: not routed to
+        if (r.state() != v1::SERVING || !r.healthy() ||
+            (r.version() != plan.stable_version && r.version() != plan.canary_version)) {
+          continue;
+        }
+        const v1::Register& reg = *registrations[&other - nodes.data()];
+        if (reg.ingress_grpc_address().empty()) continue;
+        auto* e = route.add_endpoints();
+        e->set_replica_id(r.replica_id());
+        e->set_version(r.version());
+        e->set_node_name(other.name);
+        e->set_grpc_address(reg.ingress_grpc_address());
+        e->set_http_address(reg.ingress_http_address());
+      }
+    }
+    {
+      std::string all;
+      for (const auto& r : routes) all += r.SerializeAsString() + "|";
+      if (all != routes_serialized_) {
+        routes_serialized_ = std::move(all);
+        routes_version_++;
+      }
+    }
+    bool wanted = false;  // some connected node has not got this version of the table
+    for (const auto& n : nodes) {
+      wanted |= sent_[n.name].routes_version != routes_version_ && sessions_.count(n.name);
+    }
+    if (wanted && routing_bytes_version_ != routes_version_) {
+      // One generation above what every node applied (the agents keep theirs across restarts).
+      int64_t applied = 0;
+      for (const auto& [name, rec] : registry_.nodes()) {
+        applied = std::max(applied, rec.status.routing_generation());
+      }
+      routing_generation_ = NextGeneration(routing_generation_, applied, now);
       v1::ControllerMessage m;
-      *m.mutable_routing_table() = t;
-      s.routing = ser;
-      s.routing_generation = gen;
-      Send(n.name, m);
+      v1::RoutingTable* t = m.mutable_routing_table();
+      t->set_generation(routing_generation_);
+      for (auto& route : routes) *t->add_routes() = std::move(route);
+      grpc::ByteBuffer bytes;  // serializing needs an empty one
+      bool own = false;
+      grpc::Status ser = grpc::SerializationTraits<v1::ControllerMessage>::Serialize(m, &bytes, &own);
+      if (ser.ok()) {
+        routing_bytes_ = bytes;  // the streams that hold the previous one keep it
+        routing_bytes_version_ = routes_version_;
+        log->info("routing table generation {}: {} route(s), {} bytes", routing_generation_,
+                  t->routes_size(), m.ByteSizeLong());
+      } else {
+        log->error("routing table: cannot serialize: {}", ser.error_message());
+      }
+    }
+    for (const auto& n : nodes) {
+      Sent& s = sent_[n.name];
+      if (s.routes_version == routes_version_ || routing_bytes_version_ != routes_version_) continue;
+      if (!sessions_.count(n.name)) continue;  // sent once it reconnects
+      s.routes_version = routes_version_;
+      s.routing_generation = routing_generation_;
+      SendRouting(n.name, routing_bytes_);
     }
 
     // Status per deployment, from what the nodes report.
+    for (const auto& n : nodes) {
+      for (const auto& spec : sent_[n.name].replicas) {
+        assigned_by_dep[DeploymentOfReplica(spec.replica_id())]++;
+      }
+    }
     for (const auto& dep : deps) {
-      int64_t ready = 0, warm = 0, assigned = 0;
-      for (const auto& n : nodes) {
-        for (const auto& spec : sent_[n.name].replicas) {
-          if (DeploymentOfReplica(spec.replica_id()) == dep.d.name) assigned++;
-        }
-        for (const auto& r : n.reported) {
-          if (DeploymentOfReplica(r.replica_id()) != dep.d.name || !r.healthy()) continue;
-          if (r.state() == v1::SERVING) ready++;
-          if (r.state() == v1::WARM) warm++;
-        }
+      int64_t ready = 0, warm = 0;
+      int64_t assigned = assigned_by_dep[dep.d.name];
+      for (const Seen& seen : reported_of(dep.d.name)) {
+        const v1::ReplicaStatus& r = *seen.replica;
+        if (!r.healthy()) continue;
+        if (r.state() == v1::SERVING) ready++;
+        if (r.state() == v1::WARM) warm++;
       }
       std::string unplaced;
       for (const auto& line : placed.unplaced) {

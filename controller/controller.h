@@ -27,6 +27,7 @@
 #include "controller/node_registry.h"
 #include "controller/rollout.h"
 #include "controller/store.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
 
 namespace kiln {
@@ -41,7 +42,8 @@ struct ControllerOptions {
   bool require_node_identity = false;
 };
 
-class Controller : public v1::ControlPlane::CallbackService {
+class Controller
+    : public v1::ControlPlane::WithRawCallbackMethod_Connect<v1::ControlPlane::Service> {
  public:
   Controller(ControllerOptions options, Store* store, Clock* clock);
   ~Controller() override;
@@ -50,8 +52,10 @@ class Controller : public v1::ControlPlane::CallbackService {
   void Stop();   // ends the loop and every agent stream
 
   // One agent's stream, served without a thread of its own (gRPC's callback API): tens of
-  // thousands of agents cost no more threads than a few.
-  grpc::ServerBidiReactor<v1::AgentMessage, v1::ControllerMessage>* Connect(
+  // thousands of agents cost no more threads than a few. The messages are kiln.v1's
+  // AgentMessage and ControllerMessage; the stream moves their bytes so that one routing
+  // table, serialized once, goes to every node without a copy.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Connect(
       grpc::CallbackServerContext* context) override;
 
   // One pass of the loop (public for tests).
@@ -74,11 +78,13 @@ class Controller : public v1::ControlPlane::CallbackService {
     std::string assignment;  // serialised replicas of the last assignment sent
     std::vector<v1::ReplicaSpec> replicas;
     int64_t routing_generation = 0;
-    std::string routing;
+    uint64_t routes_version = 0;  // the routes_version_ it was last sent
     std::string nack;  // the last Nack's reason, if the last assignment was refused
   };
 
   void Send(const std::string& node, const v1::ControllerMessage& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendRouting(const std::string& node, const grpc::ByteBuffer& table)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The stream's side: a Register (first or again), an Ack or Nack, its end.
   grpc::Status Registered(const std::shared_ptr<Stream>& stream, const v1::Register& r,
@@ -98,6 +104,14 @@ class Controller : public v1::ControlPlane::CallbackService {
   std::map<std::string, std::shared_ptr<Stream>> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Sent> sent_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // The routing table every node gets (each leaves out its own replicas): every deployment's
+  // route with all its endpoints, as last built, a count of its changes, and the table's
+  // message, serialized once for all the streams.
+  std::string routes_serialized_ ABSL_GUARDED_BY(mu_);
+  uint64_t routes_version_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t routing_bytes_version_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t routing_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  grpc::ByteBuffer routing_bytes_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> last_unplaced_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> last_moves_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, AutoscaleHistory> autoscale_ ABSL_GUARDED_BY(mu_);

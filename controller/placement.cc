@@ -140,13 +140,15 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     // A node runs a handful of replicas: a vector searched by id beats a map.
     std::vector<Existing> seen;
     seen.reserve(n.assigned.size() + n.reported.size());
-    for (const auto& spec : n.assigned) {
+    for (const v1::ReplicaSpec* assigned : n.assigned) {
+      const v1::ReplicaSpec& spec = *assigned;
       Existing& e = seen.emplace_back();
       e.ns = &ns;
       e.assigned = &spec;
       e.gpu_memory = spec.gpu_memory_bytes();
     }
-    for (const auto& rs : n.reported) {
+    for (const v1::ReplicaStatus* reported : n.reported) {
+      const v1::ReplicaStatus& rs = *reported;
       auto it = std::find_if(seen.begin(), seen.end(), [&](const Existing& e) {
         return e.spec().replica_id() == rs.replica_id();
       });

@@ -47,9 +47,11 @@ struct PlacementNode {
   };
   std::vector<Gpu> gpus;
   // What the controller last assigned to the node (replicas it may not report yet) and what
-  // the node reports running (after a controller restart, the only source).
-  std::vector<v1::ReplicaSpec> assigned;
-  std::vector<v1::ReplicaStatus> reported;
+  // the node reports running (after a controller restart, the only source). The caller's
+  // records, not copies (the controller's loop would otherwise copy every replica of every
+  // node each tick): they must outlive the call.
+  std::vector<const v1::ReplicaSpec*> assigned;
+  std::vector<const v1::ReplicaStatus*> reported;
   double load = 0;                          // requests in flight on the node
   // False for a NotReady node: its replicas still count (the node may come back within the
   // grace), but nothing new goes there. Lost nodes are left out altogether.

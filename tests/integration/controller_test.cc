@@ -11,7 +11,11 @@
 #include <string>
 #include <thread>
 
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
 #include "gtest/gtest.h"
+#include "kiln/v1/control_plane.grpc.pb.h"
 #include "tests/support/shell.h"
 
 namespace {
@@ -47,6 +51,8 @@ class ControllerTest : public ::testing::Test {
       size_t at = text.find("admin=http://127.0.0.1:");
       if (at != std::string::npos) {
         port_ = std::stoi(text.substr(at + 23));
+        size_t control = text.find("control=127.0.0.1:");
+        if (control != std::string::npos) control_port_ = std::stoi(text.substr(control + 18));
         return;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -74,8 +80,59 @@ class ControllerTest : public ::testing::Test {
   std::string dir_;
   pid_t pid_ = -1;
   int port_ = 0;
+  int control_port_ = 0;
   int last_status_ = 0;
 };
+
+// One ControlPlane.Connect stream carrying `messages` as they are (bytes, not necessarily an
+// AgentMessage): the status the controller ends it with, or OK when it is still open `wait`
+// after them (then cancelled by the test).
+grpc::Status Connect(int port, const std::vector<std::string>& messages,
+                     std::chrono::milliseconds wait = std::chrono::seconds(10)) {
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                     grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + wait + std::chrono::seconds(10));
+  grpc::CompletionQueue cq;
+  void* tag = nullptr;
+  bool ok = false;
+  auto call = stub.PrepareCall(&ctx, "/kiln.v1.ControlPlane/Connect", &cq);
+  call->StartCall(reinterpret_cast<void*>(1));
+  if (!cq.Next(&tag, &ok) || !ok) return grpc::Status(grpc::StatusCode::UNKNOWN, "no call");
+  for (const auto& m : messages) {
+    grpc::Slice slice(m);
+    grpc::ByteBuffer bytes(&slice, 1);
+    call->Write(bytes, reinterpret_cast<void*>(2));
+    if (!cq.Next(&tag, &ok) || !ok) break;  // the controller ended the stream
+  }
+  // A message or the end: whichever comes first. The controller sends nothing to a node
+  // until its loop runs (not within this test's --observe-seconds), so a read means nothing
+  // but a close here.
+  grpc::ByteBuffer reply;
+  call->Read(&reply, reinterpret_cast<void*>(3));
+  grpc::Status status;
+  bool ended = false;
+  auto deadline = std::chrono::system_clock::now() + wait;
+  for (;;) {
+    auto r = cq.AsyncNext(&tag, &ok, deadline);
+    if (r != grpc::CompletionQueue::GOT_EVENT) break;  // still open
+    if (tag == reinterpret_cast<void*>(3) && !ok) {
+      ended = true;
+      break;
+    }
+  }
+  if (!ended) ctx.TryCancel();
+  call->Finish(&status, reinterpret_cast<void*>(4));
+  while (cq.Next(&tag, &ok) && tag != reinterpret_cast<void*>(4)) {
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return ended ? status : grpc::Status::OK;
+}
+
+std::string Bytes(const kiln::v1::AgentMessage& m) { return m.SerializeAsString(); }
 
 const char* kSpec = R"(apiVersion: serving.kiln.dev/v1alpha1
 kind: ModelDeployment
@@ -156,6 +213,48 @@ TEST_F(ControllerTest, AKilledControllerLosesNothing) {
   // SIGTERM is a clean stop (exit 0).
   Stop(SIGTERM);
   EXPECT_TRUE(WIFEXITED(last_status_) && WEXITSTATUS(last_status_) == 0) << last_status_;
+}
+
+TEST_F(ControllerTest, TheControlPlaneRefusesBadStreamsWithTheReason) {
+  Start({"--listen", "127.0.0.1:0", "--observe-seconds", "60"});
+  ASSERT_GT(control_port_, 0);
+  // Bytes that are no AgentMessage (a field 1 that claims more bytes than follow).
+  grpc::Status s = Connect(control_port_, {std::string("\x0a\x7f\x01", 3)});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("kiln.v1.AgentMessage"), std::string::npos) << s.error_message();
+  // A Status before any Register.
+  kiln::v1::AgentMessage status;
+  status.mutable_status();
+  s = Connect(control_port_, {Bytes(status)});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("must be Register"), std::string::npos) << s.error_message();
+  // A Register without a name, or with GPUs that share an index.
+  kiln::v1::AgentMessage reg;
+  reg.mutable_register_()->set_cpu_capacity(4);
+  s = Connect(control_port_, {Bytes(reg)});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("register.node_name"), std::string::npos) << s.error_message();
+  reg.mutable_register_()->set_node_name("n1");
+  reg.mutable_register_()->add_gpus()->set_index(0);
+  reg.mutable_register_()->add_gpus()->set_index(0);
+  s = Connect(control_port_, {Bytes(reg)});
+  EXPECT_NE(s.error_message().find("register.gpus[1].index"), std::string::npos) << s.error_message();
+  // A good Register stays open; the same stream cannot then speak for another node, and
+  // garbage later on ends it too.
+  reg.mutable_register_()->mutable_gpus()->RemoveLast();
+  const auto kOpen = std::chrono::milliseconds(500);  // refusals come at once
+  EXPECT_TRUE(Connect(control_port_, {Bytes(reg)}, kOpen).ok());
+  kiln::v1::AgentMessage other = reg;
+  other.mutable_register_()->set_node_name("n2");
+  s = Connect(control_port_, {Bytes(reg), Bytes(other)});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  s = Connect(control_port_, {Bytes(reg), std::string("\xff\xff", 2)});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  // None of it hurt the controller: it still answers.
+  EXPECT_TRUE(Connect(control_port_, {Bytes(reg)}, kOpen).ok());
+  auto nodes = Shell(Ctl("get nodes"));
+  EXPECT_EQ(nodes.rc, 0) << nodes.out;
+  EXPECT_NE(nodes.out.find("n1"), std::string::npos) << nodes.out;
 }
 
 TEST_F(ControllerTest, BearerTokenWhenConfigured) {

@@ -5,6 +5,7 @@
 #include "agent/fake_gpu_driver.h"
 #include "agent/gpu_monitor.h"
 #include "agent/gpu_power.h"
+#include "agent/router.h"
 #include "agent/router_policy.h"
 #include "common/clock.h"
 #include "gtest/gtest.h"
@@ -225,6 +226,37 @@ TEST(RouterPolicyTest, LocalFirstThenFewestOutstandingThenRetryElsewhere) {
   EXPECT_EQ(PickEndpoint(e, "1", {"r-idle", "r-busy", "r-remote"}).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(e[*PickEndpoint(e, "2", {})].id, "r-v2");
+}
+
+TEST(RouterPolicyTest, TheSharedTableLeavesOutTheNodesOwnEndpoints) {
+  // The controller sends every node one table; a node reaches its own replicas directly.
+  v1::RoutingTable t;
+  auto* route = t.add_routes();
+  route->set_model("enc");
+  auto* v = route->add_versions();
+  v->set_version("1");
+  v->set_weight(100);
+  for (const char* node : {"n1", "n2"}) {
+    auto* e = route->add_endpoints();
+    e->set_replica_id(std::string("enc.") + node);
+    e->set_version("1");
+    e->set_node_name(node);
+    e->set_grpc_address(std::string(node) + ":9000");
+  }
+  ReplicaView local;
+  local.spec.set_replica_id("enc.local");
+  local.spec.set_model("enc");
+  local.spec.set_version("1");
+  local.state = v1::SERVING;
+  local.healthy = true;
+  local.grpc_port = 4000;
+  local.http_port = 4001;
+  RouterTable mine = BuildRouterTable(t, {local}, "n1");
+  std::vector<std::string> ids;
+  for (const auto& e : mine.routes["enc"].endpoints) ids.push_back(e.id);
+  EXPECT_EQ(ids, (std::vector<std::string>{"enc.n2", "enc.local"}));
+  RouterTable other = BuildRouterTable(t, {}, "n3");
+  EXPECT_EQ(other.routes["enc"].endpoints.size(), 2u);
 }
 
 TEST(GpuPowerTest, PlanClampsAndSkipsWhatIsAlreadySet) {

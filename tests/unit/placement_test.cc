@@ -1,6 +1,7 @@
 // The controller's pure decisions: node leases and placement.
 #include "controller/placement.h"
 
+#include <deque>
 #include <map>
 #include <random>
 
@@ -98,6 +99,20 @@ v1::ReplicaStatus Reported(const std::string& id, v1::LifecycleState state,
   return s;
 }
 
+// Placement reads the caller's replica records where they lie; these keep a test's alive for
+// the whole run.
+template <typename T>
+std::vector<const T*> Keep(const std::vector<T>& items) {
+  static std::deque<T> kept;
+  std::vector<const T*> out;
+  for (const auto& i : items) out.push_back(&kept.emplace_back(i));
+  return out;
+}
+template <typename T>
+std::vector<const T*> Keep(std::initializer_list<T> items) {
+  return Keep(std::vector<T>(items));
+}
+
 std::vector<std::string> Ids(const std::vector<v1::ReplicaSpec>& specs) {
   std::vector<std::string> out;
   for (const auto& s : specs) out.push_back(s.replica_id() + ":" + v1::LifecycleState_Name(s.state()));
@@ -122,7 +137,7 @@ TEST(PlacementTest, SpreadsNewReplicasAcrossNodesAndZones) {
 
 TEST(PlacementTest, HealthyReplicasStayAndWarmOnesArePromotedFirst) {
   PlacementNode a = CpuNode("a", 8);
-  a.reported = {Reported("enc.0", v1::SERVING), Reported("enc.1", v1::WARM)};
+  a.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::SERVING), Reported("enc.1", v1::WARM)});
   PlacementNode b = CpuNode("b", 8);
   // Scale 1 -> 2 serving with a warm pool of 1: enc.1 (warm) is promoted in place, and a new
   // warm replica refills the pool on the other node.
@@ -133,8 +148,8 @@ TEST(PlacementTest, HealthyReplicasStayAndWarmOnesArePromotedFirst) {
 
 TEST(PlacementTest, ScaleDownDropsWarmThenExtraServing) {
   PlacementNode a = CpuNode("a", 8);
-  a.reported = {Reported("enc.0", v1::SERVING), Reported("enc.1", v1::SERVING),
-                Reported("enc.2", v1::WARM)};
+  a.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::SERVING), Reported("enc.1", v1::SERVING),
+                Reported("enc.2", v1::WARM)});
   auto p = Place({Cpu("enc", 1, 0)}, {a});
   EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING"}));
   auto none = Place({}, {a});
@@ -143,8 +158,8 @@ TEST(PlacementTest, ScaleDownDropsWarmThenExtraServing) {
 
 TEST(PlacementTest, CrashLoopingFailedOrOtherVersionReplicasAreReplacedWithNewIds) {
   PlacementNode a = CpuNode("a", 8);
-  a.reported = {Reported("enc.0", v1::SERVING, "1", /*crash_loop=*/true),
-                Reported("enc.1", v1::SERVING, "0"), Reported("enc.2", v1::FAILED)};
+  a.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::SERVING, "1", /*crash_loop=*/true),
+                Reported("enc.1", v1::SERVING, "0"), Reported("enc.2", v1::FAILED)});
   auto p = Place({Cpu("enc", 1, 0)}, {a});
   EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.3:SERVING"}));
 }
@@ -153,7 +168,7 @@ TEST(PlacementTest, AReplicaStillLoadingIsKeptNotReplaced) {
   PlacementNode a = CpuNode("a", 2);
   v1::ReplicaStatus loading = Reported("enc.1", v1::LOADING);
   loading.set_healthy(false);  // not routable yet
-  a.reported = {Reported("enc.0", v1::SERVING), loading};
+  a.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::SERVING), loading});
   auto p = Place({Cpu("enc", 1, 1)}, {a});
   EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING", "enc.1:WARM"}));
 }
@@ -167,7 +182,7 @@ TEST(PlacementTest, AssignedButNotYetReportedReplicasAreNotPlacedTwice) {
   spec.set_gpu(-1);
   spec.set_cpus(1);
   spec.set_state(v1::SERVING);
-  a.assigned = {spec};
+  a.assigned = Keep<v1::ReplicaSpec>({spec});
   auto p = Place({Cpu("enc", 1, 0)}, {a, CpuNode("b", 8)});
   EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING"}));
   EXPECT_TRUE(p.nodes["b"].empty());
@@ -197,7 +212,7 @@ TEST(PlacementTest, GpuReplicasBestFitByFreeMemoryAndSkipUnhealthyGpus) {
   r.set_device("cuda:0");
   r.set_gpu_memory_bytes(4LL << 30);
   r.set_measured_gpu_memory_bytes(20LL << 30);
-  used.reported = {r};
+  used.reported = Keep<v1::ReplicaStatus>({r});
   auto full = Place({d, [] {
                        PlacementDemand o = Cpu("other", 1, 0);
                        o.gpus = 1;
@@ -216,17 +231,19 @@ void Apply(const PlacementResult& p, std::vector<PlacementNode>* nodes,
            const std::set<std::string>& loading = {},
            const std::set<std::string>& unreported = {}) {
   for (PlacementNode& n : *nodes) {
-    n.assigned = p.nodes.at(n.name);
-    n.reported.clear();
-    for (const auto& spec : n.assigned) {
+    n.assigned = Keep(p.nodes.at(n.name));
+    std::vector<v1::ReplicaStatus> reported;
+    for (const auto* assigned : n.assigned) {
+      const v1::ReplicaSpec& spec = *assigned;
       if (unreported.count(spec.replica_id())) continue;
       v1::ReplicaStatus r = Reported(spec.replica_id(), loading.count(spec.replica_id())
                                                             ? v1::LOADING
                                                             : spec.state());
       r.set_device(spec.gpu() >= 0 ? "cuda:" + std::to_string(spec.gpu()) : "cpu");
       r.set_cpus(std::to_string(spec.cpus() - 1 + 3) == "3" ? "3" : "3-" + std::to_string(2 + spec.cpus()));
-      n.reported.push_back(r);
+      reported.push_back(r);
     }
+    n.reported = Keep(reported);
   }
 }
 
@@ -398,18 +415,18 @@ TEST(PlacementTest, AReplicaWhoseShapeChangedIsReplacedNotReshaped) {
   PlacementNode a = CpuNode("a", 8);
   v1::ReplicaStatus r = Reported("enc.0", v1::SERVING);
   r.set_cpus("4-5");  // two CPUs, the spec now wants one
-  a.reported = {r};
+  a.reported = Keep<v1::ReplicaStatus>({r});
   auto p = Place({Cpu("enc", 1, 0)}, {a});
   EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.1:SERVING"}));
   r.set_cpus("4-5,9");
-  a.reported = {r};
+  a.reported = Keep<v1::ReplicaStatus>({r});
   auto three = Place({Cpu("enc", 1, 0, 3)}, {a});
   EXPECT_EQ(Ids(three.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING"}));
 }
 
 TEST(PlacementTest, ANotReadyNodeKeepsItsReplicasButTakesNoNewOnes) {
   PlacementNode a = CpuNode("a", 8);
-  a.reported = {Reported("enc.0", v1::SERVING)};
+  a.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::SERVING)});
   a.schedulable = false;
   auto p = Place({Cpu("enc", 3, 0)}, {a, CpuNode("b", 8)});
   EXPECT_EQ(Ids(p.nodes["a"]), (std::vector<std::string>{"enc.0:SERVING"}));
@@ -423,7 +440,7 @@ TEST(PlacementTest, ANotReadyNodeKeepsItsReplicasButTakesNoNewOnes) {
 
 TEST(PlacementTest, TwoVersionsOfADeploymentDuringARollout) {
   PlacementNode a = CpuNode("a", 8);
-  a.reported = {Reported("enc.0", v1::SERVING), Reported("enc.1", v1::SERVING)};
+  a.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::SERVING), Reported("enc.1", v1::SERVING)});
   PlacementDemand canary = Cpu("enc", 1, 0);
   canary.version = "2";
   auto p = Place({Cpu("enc", 2, 0), canary}, {a});
@@ -431,7 +448,7 @@ TEST(PlacementTest, TwoVersionsOfADeploymentDuringARollout) {
             (std::vector<std::string>{"enc.0:SERVING", "enc.1:SERVING", "enc.2:SERVING"}));
   EXPECT_EQ(p.nodes["a"][2].version(), "2");
   // Promoted: version 2 at full count, version 1 drained; the canary replica stays.
-  a.reported.push_back(Reported("enc.2", v1::SERVING, "2"));
+  a.reported.push_back(Keep<v1::ReplicaStatus>({Reported("enc.2", v1::SERVING, "2")})[0]);
   PlacementDemand promoted = Cpu("enc", 2, 0);
   promoted.version = "2";
   auto q = Place({promoted}, {a});

@@ -280,13 +280,13 @@ TEST_F(SupervisorTest, UnderAControllerAnUnhealthyGpusReplicasServeUntilMoved) {
   pid_t a = View("a")->pid;
   runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6001);
   sup_->Tick();
-  ASSERT_EQ(BuildRouterTable({}, *sup_->Snapshot()).routes["enc"].endpoints.size(), 1u);
+  ASSERT_EQ(BuildRouterTable({}, *sup_->Snapshot(), "n1").routes["enc"].endpoints.size(), 1u);
   sup_->SetGpuHealth(0, false, "Xid 48: double-bit ECC error");
   sup_->Tick();
   EXPECT_TRUE(launcher_.signals().empty());  // still serving: the controller moves it
   EXPECT_EQ(View("a")->phase, "RUNNING");
   EXPECT_EQ(View("a")->pid, a);
-  EXPECT_EQ(BuildRouterTable({}, *sup_->Snapshot()).routes["enc"].endpoints.size(), 1u);
+  EXPECT_EQ(BuildRouterTable({}, *sup_->Snapshot(), "n1").routes["enc"].endpoints.size(), 1u);
   // Should it exit, it is not restarted on that GPU.
   launcher_.ExitCode(a, 1);
   sup_->Tick();
@@ -309,12 +309,12 @@ TEST_F(SupervisorTest, ProbeFailuresTakeAReplicaOutOfRoutingAndSilenceGetsItKill
   sup_->Tick();
   EXPECT_FALSE(View("a")->healthy);
   EXPECT_NE(View("a")->health_reason.find("model execution failed"), std::string::npos);
-  EXPECT_TRUE(BuildRouterTable({}, *sup_->Snapshot()).routes["enc"].endpoints.empty());
+  EXPECT_TRUE(BuildRouterTable({}, *sup_->Snapshot(), "n1").routes["enc"].endpoints.empty());
   prober_.Set("127.0.0.1:6001", absl::OkStatus());
   clock_.Advance(absl::Seconds(10));
   sup_->Tick();
   EXPECT_TRUE(View("a")->healthy);
-  EXPECT_EQ(BuildRouterTable({}, *sup_->Snapshot()).routes["enc"].endpoints.size(), 1u);
+  EXPECT_EQ(BuildRouterTable({}, *sup_->Snapshot(), "n1").routes["enc"].endpoints.size(), 1u);
   // The control socket goes silent: out of routing at once, killed after the probe timeout.
   pid_t pid = View("a")->pid;
   runtimes_.SetReachable(Socket("a"), false);
