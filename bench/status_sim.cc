@@ -4,7 +4,7 @@
 // from /proc/PID/stat (cores = CPU seconds / wall seconds) and its own, and prints one JSON
 // line.
 //
-//   kiln-status-sim --controller 127.0.0.1:7071 --controller-pid PID --nodes 1000 \
+//   kiln-status-sim --controller 127.0.0.1:7071 --controller-pid PID --nodes 1000
 //       --replicas-per-node 5 --seconds 20 [--admin http://127.0.0.1:PORT --deployments 100]
 //
 // With --deployments D, once every node has registered it creates D ModelDeployments through
@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
-#include "cpprest/http_client.h"
+#include "bench/admin_client.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
 #include "nlohmann/json.hpp"
 
@@ -68,28 +68,6 @@ kiln::v1::ReplicaStatus Replica(int node, int r, int deployments) {
   return s;
 }
 
-// One admin API call; the response body as JSON (null when the call failed, said on stderr).
-nlohmann::json Admin(const std::string& base, const web::http::method& method,
-                     const std::string& path, const std::string& body = "") {
-  try {
-    web::http::client::http_client client(base);
-    web::http::http_request req(method);
-    req.set_request_uri(path);
-    if (!body.empty()) req.set_body(body, "application/json");
-    auto resp = client.request(req).get();
-    std::string text = resp.extract_string().get();
-    if (resp.status_code() >= 300) {
-      std::cerr << method << " " << path << ": HTTP " << resp.status_code() << ": " << text << "\n";
-      return nullptr;
-    }
-    return nlohmann::json::parse(text, nullptr, false);
-  } catch (const std::exception& e) {
-    std::cerr << method << " " << path << ": " << e.what() << "\n";
-    return nullptr;
-  }
-}
-
-const char kDeployments[] = "/apis/serving.kiln.dev/v1alpha1/modeldeployments";
 
 }  // namespace
 
@@ -199,7 +177,11 @@ int main(int argc, char** argv) {
           {"replicas", members * replicas},
           {"warmPool", 0},
           {"resources", {{"gpus", 1}, {"gpuMemory", "10Gi"}, {"cpus", 2}}}}}};
-    if (Admin(admin, web::http::methods::POST, kDeployments, md.dump()).is_null()) return 1;
+    if (kiln::bench::AdminCall(admin, web::http::methods::POST, kiln::bench::kDeploymentsPath,
+                               md.dump())
+            .is_null()) {
+      return 1;
+    }
   }
 
   const double ctl0 = CpuSeconds(controller_pid), self0 = CpuSeconds(getpid());
@@ -230,7 +212,8 @@ int main(int argc, char** argv) {
   const double ctl = CpuSeconds(controller_pid) - ctl0, self = CpuSeconds(getpid()) - self0;
   int64_t ready = -1;  // what the controller's status says serves, over all deployments
   if (deployments > 0) {
-    nlohmann::json list = Admin(admin, web::http::methods::GET, kDeployments);
+    nlohmann::json list =
+        kiln::bench::AdminCall(admin, web::http::methods::GET, kiln::bench::kDeploymentsPath);
     if (list.is_object() && list.contains("items")) {
       ready = 0;
       for (const auto& item : list["items"]) {

@@ -215,6 +215,7 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     s.stable_errors0 = stable.errors;
     s.canary_requests0 = canary.requests;
     s.canary_errors0 = canary.errors;
+    s.recent.clear();
     p.events.push_back(where + ": weight " + std::to_string(s.weight) + "%");
   }
   p.canary_weight = s.weight;
@@ -229,8 +230,21 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
   std::string numbers = std::to_string(creq) + " requests, error rate " + Percent(error_rate) +
                         " (max " + Percent(a.max_error_rate) + "), p99 ratio " + Ratio(p99_ratio) +
                         " (max " + Ratio(a.max_latency_p99_ratio) + ")";
-  if (enough && creq > 0 &&
-      (error_rate > a.max_error_rate || p99_ratio > a.max_latency_p99_ratio)) {
+  // The recent window: from the newest sample at least kAnalysisWindow old (else the oldest).
+  s.recent.push_back({now, canary.requests, canary.errors});
+  while (s.recent.size() > 1 && s.recent[1].at <= now - kAnalysisWindow) s.recent.pop_front();
+  const uint64_t wreq = Since(canary.requests, s.recent.front().requests);
+  const uint64_t werr = Since(canary.errors, s.recent.front().errors);
+  const double window_rate = wreq > 0 ? static_cast<double>(werr) / static_cast<double>(wreq) : 0;
+  const bool window_bad = static_cast<int64_t>(wreq) >= a.min_requests && wreq > 0 &&
+                          window_rate > a.max_error_rate;
+  if (window_bad && !(enough && error_rate > a.max_error_rate)) {
+    numbers += "; over the last " + absl::FormatDuration(now - s.recent.front().at) + ": " +
+               std::to_string(wreq) + " requests, error rate " + Percent(window_rate);
+  }
+  if ((enough && creq > 0 &&
+       (error_rate > a.max_error_rate || p99_ratio > a.max_latency_p99_ratio)) ||
+      window_bad) {
     roll_back(where + " failed analysis: " + numbers + "; rolled back to " + s.stable_version);
     return p;
   }

@@ -8,7 +8,10 @@
 // analysis compares the canary with the stable version from the agents' reports, over the
 // requests since the step began: once at least `minRequests` reached the canary, an error
 // rate over `maxErrorRate` or a p99 latency over `maxLatencyP99Ratio` times the stable one
-// fails the rollout at once (weight back to 0, canary drained, condition Degraded, and the
+// fails the rollout at once. The error rate is also judged over the last kAnalysisWindow
+// (when at least `minRequests` fell in it), so a canary that turns bad late in a long step
+// is caught within a status report or two instead of being diluted by its good past; either
+// judgement (weight back to 0, canary drained, condition Degraded, and the
 // same version is not tried again until the spec changes). At the end of a step's pause,
 // with enough requests and no failure, it passes to the next step; after the last the canary
 // is promoted (it becomes stable, the old version is drained). A spec that changes version
@@ -18,6 +21,7 @@
 // promote makes the canary stable at once.
 
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <vector>
 
@@ -36,6 +40,8 @@ struct VersionStats {
   double p99_micros = 0;  // the worst replica's
 };
 
+inline constexpr absl::Duration kAnalysisWindow = absl::Seconds(5);
+
 struct RolloutState {
   std::string phase;           // "", Stable, Progressing, Degraded
   std::string stable_version;
@@ -51,6 +57,13 @@ struct RolloutState {
   std::string draining_version;
   absl::Time drain_until = absl::InfinitePast();
   bool paused = false;  // held by hand
+  // The canary's counters at each analysis of the current step, for the recent window (kept
+  // in memory only: after a controller restart the window starts again).
+  struct Sample {
+    absl::Time at;
+    uint64_t requests = 0, errors = 0;
+  };
+  std::deque<Sample> recent;
 
   nlohmann::json ToJson() const;
   static RolloutState FromJson(const nlohmann::json& j);

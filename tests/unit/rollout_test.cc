@@ -93,6 +93,53 @@ TEST(RolloutTest, ABadCanaryIsRolledBackAssoonAsTheNumbersSaySo) {
   EXPECT_EQ(p.canary_version, "3");
 }
 
+TEST(RolloutTest, ACanaryThatTurnsBadLateIsCaughtByTheRecentWindow) {
+  const std::vector<RolloutStep> long_step = {{10, absl::Minutes(30), false}};
+  RolloutState s = PlanRollout(Spec("1", long_step), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", long_step);
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(1, 0, 0), kT0);
+  ASSERT_EQ(p.canary_weight, 10);
+  // Ten clean minutes at 100 requests a second, reported each second.
+  uint64_t req = 0, err = 0;
+  absl::Time t = kT0;
+  for (int i = 0; i < 600; ++i) {
+    t += absl::Seconds(1);
+    req += 100;
+    p = PlanRollout(spec2, p.state, Stats(4, 10 * req, 0), Stats(1, req, err), t);
+    ASSERT_EQ(p.state.phase, "Progressing") << p.state.message;
+  }
+  EXPECT_LE(p.state.recent.size(), 7u);  // the window, not the whole step
+  // Then half its requests fail: the next report rolls it back, although over the whole step
+  // the error rate is still under 1% (50 of 60,100).
+  t += absl::Seconds(1);
+  req += 100;
+  err += 50;
+  p = PlanRollout(spec2, p.state, Stats(4, 10 * req, 0), Stats(1, req, err), t);
+  EXPECT_EQ(p.state.phase, "Degraded") << p.state.message;
+  EXPECT_EQ(p.canary_weight, 0);
+  EXPECT_NE(p.state.message.find("over the last 5s: 500 requests, error rate 10.00%"),
+            std::string::npos)
+      << p.state.message;
+}
+
+TEST(RolloutTest, TheRecentWindowNeedsMinRequestsToo) {
+  const std::vector<RolloutStep> long_step = {{10, absl::Minutes(30), false}};
+  RolloutState s = PlanRollout(Spec("1", long_step), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", long_step);
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(1, 0, 0), kT0);
+  // A trickle (5 requests a second, 25 in any window) with one failure now and then: the
+  // window never holds 100 requests, and the step as a whole stays under 1%.
+  uint64_t req = 0, err = 0;
+  absl::Time t = kT0;
+  for (int i = 1; i <= 120; ++i) {
+    t += absl::Seconds(1);
+    req += 5;
+    if (i % 40 == 0) err++;
+    p = PlanRollout(spec2, p.state, Stats(4, 10 * req, 0), Stats(1, req, err), t);
+  }
+  EXPECT_EQ(p.state.phase, "Progressing") << p.state.message;
+}
+
 TEST(RolloutTest, SlowCanaryFailsOnTheLatencyRatio) {
   RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
   auto spec2 = Spec("2", kTwoSteps);

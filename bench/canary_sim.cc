@@ -1,0 +1,358 @@
+// kiln-canary-sim: how long a bad canary takes to be rolled back, end to end through a running
+// kiln-controller, with simulated agents speaking the real kiln.v1.ControlPlane protocol.
+//
+//   kiln-canary-sim --controller 127.0.0.1:7071 --admin http://127.0.0.1:PORT
+//       --nodes 1000 --replicas-per-node 5 --samples 5
+//
+// Each node registers with its replicas (version 1 of deployment m<k>, k = node % --samples,
+// each deployment its own model), then reports a NodeStatus every --period-seconds as
+// kiln-agent does: every replica's request counter grows; the nodes apply the Assignments they
+// are sent (a canary replica they are given reports SERVING at once) and watch the
+// RoutingTables. Then, one deployment after the other: its spec moves to version 2 (a Canary
+// rollout: one step of 10% held for an hour, maxErrorRate 1%, minRequests 100); once the
+// routing tables give version 2 traffic and it has served cleanly for --clean-seconds, half of
+// the canary's requests start to fail. Measured: from the first report that carries the
+// failures to the first routing table that takes version 2's traffic away ("seen"), and the
+// same plus one status period (the failures may begin just after a report: the worst case).
+// Prints one JSON line.
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/synchronization/mutex.h"
+#include "bench/admin_client.h"
+#include "kiln/v1/control_plane.grpc.pb.h"
+#include "nlohmann/json.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace v1 = kiln::v1;
+
+
+nlohmann::json Spec(const std::string& model, const std::string& version, int replicas) {
+  return {{"model",
+           {{"name", model},
+            {"version", version},
+            {"uri", "file:///models/" + model + "/" + version + "/model.pt"}}},
+          {"replicas", replicas},
+          {"warmPool", 0},
+          {"resources", {{"gpus", 0}, {"cpus", 1}}},
+          {"rollout",
+           {{"strategy", "Canary"},
+            {"steps", nlohmann::json::array({{{"weight", 10}, {"pause", "1h"}}})},
+            {"analysis", {{"maxErrorRate", 0.01}, {"minRequests", 100}}}}}};
+}
+
+// What every simulated node saw of one model's route: when version 2 first got traffic and
+// when (after that) it lost it.
+struct RouteSeen {
+  Clock::time_point canary_routed{};
+  Clock::time_point canary_dropped{};
+};
+
+class Node {
+ public:
+  Node(int index, int replicas, int groups) : name_("sim-" + std::to_string(index)) {
+    for (int k = 0; k < replicas; ++k) {
+      Replica r;
+      r.id = "m" + std::to_string(index % groups) + "." + std::to_string(index * 64 + k);
+      r.model = "m" + std::to_string(index % groups);
+      r.version = "1";
+      replicas_.push_back(r);
+    }
+  }
+  const std::string& name() const { return name_; }
+
+  v1::AgentMessage Register() {
+    absl::MutexLock lock(&mu_);
+    v1::AgentMessage m;
+    auto* r = m.mutable_register_();
+    r->set_node_name(name_);
+    r->set_cpu_capacity(64);
+    r->set_ingress_grpc_address(name_ + ":7000");
+    r->set_ingress_http_address(name_ + ":7001");
+    for (const auto& rep : replicas_) *r->add_replicas() = Status(rep, 0, 0);
+    return m;
+  }
+
+  // This period's report: each replica served `per_period` more requests; a version-2 replica
+  // of a model in `failing` failed half of them.
+  v1::AgentMessage Report(uint64_t per_period, const std::map<std::string, bool>& failing) {
+    absl::MutexLock lock(&mu_);
+    v1::AgentMessage m;
+    auto* st = m.mutable_status();
+    st->set_assignment_generation(assignment_generation_);
+    st->set_routing_generation(routing_generation_);
+    for (auto& rep : replicas_) {
+      rep.requests += per_period;
+      auto it = failing.find(rep.model);
+      if (rep.version == "2" && it != failing.end() && it->second) rep.errors += per_period / 2;
+      *st->add_replicas() = Status(rep, rep.requests, rep.errors);
+    }
+    return m;
+  }
+
+  // An Assignment: its replicas are what this node runs now (each SERVING at once, counters
+  // kept for those it ran before). The Ack to send back.
+  v1::AgentMessage Apply(const v1::Assignment& a) {
+    absl::MutexLock lock(&mu_);
+    std::vector<Replica> next;
+    for (const auto& spec : a.replicas()) {
+      Replica r;
+      for (const auto& old : replicas_) {
+        if (old.id == spec.replica_id()) r = old;
+      }
+      r.id = spec.replica_id();
+      r.model = spec.model();
+      r.version = spec.version();
+      next.push_back(r);
+    }
+    replicas_ = std::move(next);
+    assignment_generation_ = a.generation();
+    v1::AgentMessage ack;
+    ack.mutable_ack()->set_kind(v1::Ack::ASSIGNMENT);
+    ack.mutable_ack()->set_generation(a.generation());
+    return ack;
+  }
+  void Routed(int64_t generation) {
+    absl::MutexLock lock(&mu_);
+    routing_generation_ = generation;
+  }
+
+ private:
+  struct Replica {
+    std::string id, model, version;
+    uint64_t requests = 0, errors = 0;
+  };
+  static v1::ReplicaStatus Status(const Replica& r, uint64_t requests, uint64_t errors) {
+    v1::ReplicaStatus s;
+    s.set_replica_id(r.id);
+    s.set_model(r.model);
+    s.set_version(r.version);
+    s.set_device("cpu");
+    s.set_cpus("1");
+    s.set_state(v1::SERVING);
+    s.set_healthy(true);
+    s.mutable_load()->set_requests(requests);
+    s.mutable_load()->set_errors(errors);
+    s.mutable_load()->set_latency_p99_micros(4000);
+    return s;
+  }
+
+  const std::string name_;
+  absl::Mutex mu_;
+  std::vector<Replica> replicas_ ABSL_GUARDED_BY(mu_);
+  int64_t assignment_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t routing_generation_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string address, admin;
+  int nodes = 1000, replicas = 5, samples = 5, channels = 64;
+  double period_s = 1.0, clean_s = 3.0, timeout_s = 60.0;
+  uint64_t per_period = 100;
+  CLI::App app{"kiln-canary-sim: bad-canary rollback latency through a running kiln-controller"};
+  app.add_option("--controller", address, "ControlPlane HOST:PORT (loopback)")->required();
+  app.add_option("--admin", admin, "Admin API http://127.0.0.1:PORT")->required();
+  app.add_option("--nodes", nodes, "Simulated agents")->check(CLI::Range(1, 20000));
+  app.add_option("--replicas-per-node", replicas, "Replicas each runs")->check(CLI::Range(1, 32));
+  app.add_option("--samples", samples, "Deployments rolled out, one after the other")
+      ->check(CLI::Range(1, 100));
+  app.add_option("--channels", channels, "Connections the streams share")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--period-seconds", period_s, "Status period of each agent")
+      ->check(CLI::Range(0.05, 60.0));
+  app.add_option("--clean-seconds", clean_s, "Clean serving of the canary before it fails")
+      ->check(CLI::Range(0.0, 600.0));
+  app.add_option("--requests-per-period", per_period, "Requests each replica serves a period")
+      ->check(CLI::Range(2, 1000000));
+  app.add_option("--timeout-seconds", timeout_s, "Give up on a sample after this")
+      ->check(CLI::Range(1.0, 3600.0));
+  CLI11_PARSE(app, argc, argv);
+  if (address.rfind("127.", 0) != 0 || admin.rfind("http://127.", 0) != 0) {
+    std::cerr << "--controller, --admin: loopback addresses only\n";
+    return 2;
+  }
+  if (samples > nodes) {
+    std::cerr << "--samples: at most --nodes (" << nodes << ")\n";
+    return 2;
+  }
+
+  std::vector<std::shared_ptr<grpc::Channel>> chans;
+  for (int i = 0; i < channels; ++i) {
+    grpc::ChannelArguments args;
+    args.SetInt("grpc.channel_id", i);
+    chans.push_back(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  }
+  struct Agent {
+    std::unique_ptr<Node> node;
+    std::unique_ptr<v1::ControlPlane::Stub> stub;
+    std::unique_ptr<grpc::ClientContext> ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::AgentMessage, v1::ControllerMessage>> stream;
+    absl::Mutex write_mu;  // the reader Acks while the main thread reports
+    std::thread reader;
+  };
+  absl::Mutex seen_mu;
+  std::map<std::string, RouteSeen> seen;  // by model, the first node to see it wins
+  std::vector<std::unique_ptr<Agent>> agents;
+  for (int i = 0; i < nodes; ++i) {
+    auto a = std::make_unique<Agent>();
+    a->node = std::make_unique<Node>(i, replicas, samples);
+    a->stub = v1::ControlPlane::NewStub(chans[i % channels]);
+    a->ctx = std::make_unique<grpc::ClientContext>();
+    a->stream = a->stub->Connect(a->ctx.get());
+    if (!a->stream->Write(a->node->Register())) {
+      std::cerr << "register " << a->node->name() << ": " << a->stream->Finish().error_message()
+                << "\n";
+      return 1;
+    }
+    Agent* self = a.get();
+    a->reader = std::thread([self, &seen_mu, &seen] {
+      v1::ControllerMessage m;
+      while (self->stream->Read(&m)) {
+        if (m.has_assignment()) {
+          v1::AgentMessage ack = self->node->Apply(m.assignment());
+          absl::MutexLock lock(&self->write_mu);
+          self->stream->Write(ack);
+        } else if (m.has_routing_table()) {
+          self->node->Routed(m.routing_table().generation());
+          const auto now = Clock::now();
+          absl::MutexLock lock(&seen_mu);
+          for (const auto& route : m.routing_table().routes()) {
+            bool canary = false;
+            for (const auto& v : route.versions()) canary |= v.version() == "2" && v.weight() > 0;
+            RouteSeen& s = seen[route.model()];
+            if (canary && s.canary_routed == Clock::time_point{}) s.canary_routed = now;
+            if (!canary && s.canary_routed != Clock::time_point{} &&
+                s.canary_dropped == Clock::time_point{}) {
+              s.canary_dropped = now;
+            }
+          }
+        }
+      }
+    });
+    agents.push_back(std::move(a));
+  }
+
+  // Reports every period from here on, with the current failures.
+  absl::Mutex failing_mu;
+  std::map<std::string, bool> failing;
+  std::map<std::string, Clock::time_point> first_failing_report;
+  std::atomic<bool> stop{false};
+  std::thread reporter([&] {
+    for (auto next = Clock::now(); !stop; next += std::chrono::microseconds(
+                                               static_cast<int64_t>(period_s * 1e6))) {
+      std::map<std::string, bool> now_failing;
+      {
+        absl::MutexLock lock(&failing_mu);
+        now_failing = failing;
+        for (const auto& [model, on] : failing) {
+          if (on && !first_failing_report.count(model)) first_failing_report[model] = Clock::now();
+        }
+      }
+      for (auto& a : agents) {
+        v1::AgentMessage m = a->node->Report(per_period, now_failing);
+        absl::MutexLock lock(&a->write_mu);
+        a->stream->Write(m);
+      }
+      std::this_thread::sleep_until(next);
+    }
+  });
+
+  auto wait_for = [&](auto pred) {
+    auto until = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6));
+    while (Clock::now() < until) {
+      if (pred()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  };
+  int exit_code = 0;
+  nlohmann::json results = nlohmann::json::array();
+  std::vector<double> seen_ms;
+  // Deployment d at `version`: created (POST) or changed (PUT).
+  auto apply = [&](int d, const std::string& version, bool create) {
+    const std::string model = "m" + std::to_string(d);
+    const int members = nodes / samples + (d < nodes % samples ? 1 : 0);
+    nlohmann::json md = {{"apiVersion", "serving.kiln.dev/v1alpha1"},
+                         {"kind", "ModelDeployment"},
+                         {"metadata", {{"name", model}}},
+                         {"spec", Spec(model, version, members * replicas)}};
+    const std::string path = create ? std::string(kiln::bench::kDeploymentsPath)
+                                    : std::string(kiln::bench::kDeploymentsPath) + "/" + model;
+    return !kiln::bench::AdminCall(admin, create ? web::http::methods::POST
+                                                 : web::http::methods::PUT,
+                                   path, md.dump())
+                .is_null();
+  };
+  // What the nodes saw of a model's route.
+  auto seen_of = [&](const std::string& model) {
+    absl::MutexLock lock(&seen_mu);
+    return seen[model];
+  };
+  const Clock::time_point kNever{};
+  for (int d = 0; d < samples; ++d) {
+    if (!apply(d, "1", /*create=*/true)) return 1;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(2 * period_s * 1e3)));
+  for (int d = 0; d < samples; ++d) {
+    const std::string model = "m" + std::to_string(d);
+    if (!apply(d, "2", /*create=*/false)) return 1;
+    if (!wait_for([&] { return seen_of(model).canary_routed != kNever; })) {
+      std::cerr << model << ": version 2 never got traffic\n";
+      exit_code = 1;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(clean_s * 1e3)));
+    if (seen_of(model).canary_dropped != kNever) {
+      std::cerr << model << ": rolled back before it failed\n";
+      exit_code = 1;
+      break;
+    }
+    {
+      absl::MutexLock lock(&failing_mu);
+      failing[model] = true;
+    }
+    if (!wait_for([&] { return seen_of(model).canary_dropped != kNever; })) {
+      std::cerr << model << ": the bad canary was not rolled back within --timeout-seconds\n";
+      exit_code = 1;
+      break;
+    }
+    Clock::time_point first, gone = seen_of(model).canary_dropped;
+    {
+      absl::MutexLock lock(&failing_mu);
+      first = first_failing_report[model];
+    }
+    double ms = std::chrono::duration<double, std::milli>(gone - first).count();
+    seen_ms.push_back(ms);
+    results.push_back({{"model", model},
+                       {"from_first_failing_report_ms", ms},
+                       {"worst_case_from_failure_ms", ms + period_s * 1e3}});
+  }
+  stop = true;
+  reporter.join();
+  for (auto& a : agents) a->ctx->TryCancel();
+  for (auto& a : agents) a->reader.join();
+  double worst = seen_ms.empty() ? 0 : *std::max_element(seen_ms.begin(), seen_ms.end());
+  nlohmann::json out = {{"nodes", nodes},
+                        {"replicas", nodes * replicas},
+                        {"period_s", period_s},
+                        {"samples", results},
+                        {"max_from_first_failing_report_ms", worst},
+                        {"max_worst_case_from_failure_ms", worst + period_s * 1e3}};
+  std::cout << out.dump() << std::endl;
+  return exit_code;
+}
