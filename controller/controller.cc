@@ -587,7 +587,45 @@ void Controller::Tick() {
       }
       plans[d.name] = plan;
     }
-    PlacementResult placed = Place(all_demands, nodes, retired);
+    std::map<std::string, std::string> moves;
+    for (const auto& [id, r] : rebalancing_) moves[id] = r.reason;
+    PlacementResult placed = Place(all_demands, nodes, retired, moves);
+    // Moves under way end when their replica is gone; skew that lasts starts one.
+    if (!rebalancing_.empty()) {
+      std::set<std::string> assigned;
+      for (const auto& [node, specs] : placed.nodes) {
+        for (const auto& spec : specs) assigned.insert(spec.replica_id());
+      }
+      for (auto it = rebalancing_.begin(); it != rebalancing_.end();) {
+        if (!assigned.count(it->first)) {
+          log->info("rebalancing: {} moved ({})", it->first, it->second.reason);
+          it = rebalancing_.erase(it);
+        } else if (now - it->second.since >= options_.move_deadline) {
+          log->warn("rebalancing: gave up moving {} after {} ({}): its replacement never served",
+                    it->first, absl::FormatDuration(options_.move_deadline), it->second.reason);
+          it = rebalancing_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto it = skew_seen_.begin(); it != skew_seen_.end();) {
+      it = placed.skewed.count(it->first) ? std::next(it) : skew_seen_.erase(it);
+    }
+    for (const auto& [id, reason] : placed.skewed) {
+      const std::string dep = DeploymentOfReplica(id);
+      auto plan = plans.find(dep);
+      if (plan != plans.end() && !plan->second.canary_version.empty()) continue;  // a rollout
+      bool busy = false;
+      for (const auto& [moving, r] : rebalancing_) busy |= DeploymentOfReplica(moving) == dep;
+      if (busy) continue;
+      auto [seen, fresh] = skew_seen_.emplace(id, Rebalance{reason, now});
+      if (now - seen->second.since < options_.rebalance_after) continue;
+      log->info("rebalancing: moving {} ({}) after {} of skew", id, reason,
+                absl::FormatDuration(now - seen->second.since));
+      rebalancing_[id] = Rebalance{reason, now};
+      skew_seen_.erase(seen);
+    }
     // The assignments below replace sent_'s records these point at.
     for (auto& n : nodes) n.assigned.clear();
     if (placed.unplaced != last_unplaced_) {  // said once per change, not every tick

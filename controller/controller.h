@@ -38,6 +38,11 @@ struct ControllerOptions {
   // Autoscaled deployments scale down only after their load has stayed low this long.
   absl::Duration scale_down_stabilization = absl::Minutes(5);
   NodeRegistry::Options leases;
+  // A deployment whose replicas pile up on a node (placement.h, skew) for this long gets one
+  // moved, make-before-break; a move whose replacement never serves is given up after
+  // `move_deadline`.
+  absl::Duration rebalance_after = absl::Seconds(30);
+  absl::Duration move_deadline = absl::Minutes(10);
   // Mutual TLS: a node registers only under a name its verified client certificate carries.
   bool require_node_identity = false;
 };
@@ -114,6 +119,14 @@ class Controller
   grpc::ByteBuffer routing_bytes_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> last_unplaced_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> last_moves_ ABSL_GUARDED_BY(mu_);
+  // Skew: candidates since when, and the moves under way (passed to placement each tick until
+  // the replica is gone).
+  struct Rebalance {
+    std::string reason;
+    absl::Time since;
+  };
+  std::map<std::string, Rebalance> skew_seen_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Rebalance> rebalancing_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, AutoscaleHistory> autoscale_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> autoscaled_to_ ABSL_GUARDED_BY(mu_);
   // Rollout state per deployment; seeded from the stored status after a restart.

@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   int port = 7070;
   std::string token_file;
   std::string listen = "127.0.0.1:7071";
-  double observe_s = 5, not_ready_s = 10, lost_s = 30, stabilization_s = 300;
+  double observe_s = 5, not_ready_s = 10, lost_s = 30, stabilization_s = 300, rebalance_s = 30;
   std::string store_kind = "sqlite";
   std::string kubeconfig, kube_namespace;
   bool leader_elect = false;
@@ -100,6 +100,11 @@ int main(int argc, char** argv) {
   app.add_option("--node-lost-seconds", lost_s,
                  "A silent node is Lost (its replicas placed elsewhere) after this")
       ->check(CLI::Range(0.1, 86400.0))
+      ->capture_default_str();
+  app.add_option("--rebalance-after-seconds", rebalance_s,
+                 "A deployment piled on one node (2+ more replicas than another node of its zone "
+                 "with room) this long gets one moved there, make-before-break")
+      ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
   app.add_option("--scale-down-stabilization-seconds", stabilization_s,
                  "Autoscaled deployments scale down only after load stayed low this long")
@@ -197,6 +202,7 @@ int main(int argc, char** argv) {
   co.leases.not_ready_after = absl::Seconds(not_ready_s);
   co.leases.lost_after = absl::Seconds(lost_s);
   co.scale_down_stabilization = absl::Seconds(stabilization_s);
+  co.rebalance_after = absl::Seconds(rebalance_s);
   co.require_node_identity = !tls.ca.empty() && node_identity;
   kiln::Controller controller(co, store, &clock);
   // In a Pod (POD_NAME set) under leader election, the leader labels its own Pod so that the

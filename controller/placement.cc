@@ -125,7 +125,8 @@ int GpuFromDevice(const std::string& device) {
 
 PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
                       const std::vector<PlacementNode>& nodes,
-                      const std::set<std::string>& retired_ids) {
+                      const std::set<std::string>& retired_ids,
+                      const std::map<std::string, std::string>& moves) {
   PlacementResult out;
   std::vector<PlacementDemand> demands = demands_in;
   // By deployment; a deployment's demands (stable, then canary) keep their order.
@@ -181,12 +182,15 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   }
   std::vector<NodeState*> order;  // by name (the map's order)
   std::map<std::string, int> zones;
+  std::vector<bool> unlabelled_zone;  // by zone id: a node without a zone label
   for (auto& [name, ns] : state) {
     ns.index = static_cast<int>(order.size());
     ns.gpu_used.assign(ns.node->gpus.size(), 0);
     order.push_back(&ns);
     std::string zone = ns.node->zone.empty() ? "node:" + name : ns.node->zone;
-    ns.zone_id = zones.emplace(zone, static_cast<int>(zones.size())).first->second;
+    auto [z, added] = zones.emplace(zone, static_cast<int>(zones.size()));
+    ns.zone_id = z->second;
+    if (added) unlabelled_zone.push_back(ns.node->zone.empty());
   }
   std::unordered_map<std::string, Spread> spread;
   auto spread_of = [&](const std::string& dep) -> Spread& {
@@ -214,6 +218,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     int64_t serving = 0, warm = 0;
     int64_t new_serving = 0;  // SERVING replicas to start (short of the count, within surge)
     int64_t keep_moving = 0;  // moving replicas kept serving (they cover a shortfall)
+    bool moving = false;      // some replica of it is moving
+    std::vector<const Existing*> ready_kept;  // SERVING, taking traffic, staying
   };
   std::unordered_map<std::string, Kept> kept;
   std::unordered_map<std::string, std::set<int>> ids_in_use;
@@ -248,14 +254,23 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       }
       return true;
     };
+    // Why a replica moves: an unhealthy GPU, or the caller's reason; empty when it stays.
+    auto move_reason = [&](const Existing& e) -> std::string {
+      if (on_bad_gpu(e)) return "GPU " + std::to_string(e.spec().gpu()) + " (unhealthy)";
+      auto it = moves.find(e.spec().replica_id());
+      return it == moves.end() ? "" : "(" + it->second + ")";
+    };
     // The replicas that stay, SERVING first (as reported, else as assigned), then by id; the
     // ones that move and take traffic now, by id. A moving replica not taking traffic goes.
     std::vector<Existing*> staying, moving;
+    std::map<const Existing*, std::string> why;
     for (Existing* e : mine) {
-      if (!on_bad_gpu(*e)) {
+      std::string reason = move_reason(*e);
+      if (reason.empty()) {
         staying.push_back(e);
       } else if (e->ready) {
         moving.push_back(e);
+        why[e] = std::move(reason);
       }
     }
     std::stable_sort(staying.begin(), staying.end(), [&](const Existing* a, const Existing* b) {
@@ -288,8 +303,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     std::set<const Existing*> leaving;
     for (int64_t i = 0; i < static_cast<int64_t>(moving.size()); ++i) {
       Existing* e = moving[i];
-      std::string where = e->spec().replica_id() + " on " + e->ns->node->name + " GPU " +
-                          std::to_string(e->spec().gpu()) + " (unhealthy)";
+      std::string where = e->spec().replica_id() + " on " + e->ns->node->name + " " + why[e];
       if (i < keep_moving) {
         e->keep_as = v1::SERVING;
         keep.push_back(e);
@@ -313,6 +327,10 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     counts.serving = serving;
     counts.warm = warm;
     counts.keep_moving = keep_moving;
+    counts.moving = !moving.empty();
+    for (Existing* e : keep) {
+      if (e->ready && e->keep_as == v1::SERVING && !leaving.count(e)) counts.ready_kept.push_back(e);
+    }
     // New SERVING replicas this pass, within maxSurge of the wanted count (the moving ones
     // kept count against it).
     counts.new_serving = std::clamp<int64_t>(d.serving + d.max_surge - serving - keep_moving, 0,
@@ -340,6 +358,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     slots_of(ns, [](std::set<Slot>& set, const Slot& slot) { set.erase(slot); });
   };
   bool indexed = false;  // built on first use: a steady tick places nothing
+  std::set<std::string> skew_checked;  // deployments (their first demand, the stable version)
 
   // Pass 2: new replicas.
   for (const PlacementDemand& d : demands) {
@@ -443,6 +462,50 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         serving++;
       } else {
         warm++;
+      }
+    }
+    // Skew: at full strength with nothing moving, the node with the most of the deployment
+    // against a node of its zone with room and at least two fewer.
+    if (serving == d.serving && warm == d.warm && !counts.moving && d.max_surge > 0 &&
+        !skew_checked.count(d.deployment)) {
+      skew_checked.insert(d.deployment);
+      const Existing* from = nullptr;
+      int most = 0;
+      for (const Existing* e : counts.ready_kept) {
+        int here = sp.on(e->ns->index);
+        if (here > most ||
+            (here == most && from && e->spec().replica_id() > from->spec().replica_id())) {
+          most = here;
+          from = e;
+        }
+      }
+      if (from && most >= 2) {
+        if (!indexed) {
+          for (const NodeState* ns : order) index(*ns);
+          indexed = true;
+        }
+        const bool gpu = d.gpus > 0;
+        // Its zone; nodes without a zone label count as one zone here (each is its own for
+        // spreading new replicas).
+        const int64_t need = gpu ? d.gpu_memory_bytes : d.cpus;
+        const std::string& label = from->ns->node->zone;
+        for (size_t z = 0; z < zones.size() && !out.skewed.count(from->spec().replica_id());
+             ++z) {
+          if (label.empty() ? !unlabelled_zone[z] : static_cast<int>(z) != from->ns->zone_id) {
+            continue;
+          }
+          const std::set<Slot>& slots = gpu ? gpu_slots[z] : cpu_slots[z];
+          for (auto it = slots.lower_bound(Slot{need, kLowest, -1, -1, -1}); it != slots.end();
+               ++it) {
+            const NodeState& to = *order[std::get<2>(*it)];
+            const int there = sp.on(to.index);
+            if (there > most - 2 || to.cpu_used + d.cpus > to.node->cpu_capacity) continue;
+            out.skewed[from->spec().replica_id()] =
+                "spread: " + from->ns->node->name + " runs " + std::to_string(most) + " of " +
+                d.deployment + ", " + to.node->name + " " + std::to_string(there);
+            break;
+          }
+        }
       }
     }
     // What is short of the wanted counts: serving slots that neither a replica nor a moving one

@@ -25,6 +25,12 @@
 //   maxSurge bounds SERVING replicas only: a warm pool emptied by a move (its replicas
 //   promoted as replacements) is refilled at once. It applies per demand, so during a canary
 //   each version may surge.
+// - Skew: a deployment at full strength whose replicas pile up on one node (at least two more
+//   there than on another node of the zone with room for one) gets one of them named in
+//   `skewed`. Placement keeps no memory: the caller decides whether to move it and then passes
+//   it in `moves` on every call until it is gone, so the move runs make-before-break exactly
+//   like one off an unhealthy GPU and is not undone when the skew it fixes disappears while
+//   the replacement loads.
 
 #include <cstdint>
 #include <map>
@@ -78,14 +84,19 @@ struct PlacementResult {
   std::map<std::string, std::vector<v1::ReplicaSpec>> nodes;
   // One line per deployment that could not get all its replicas: how many and why.
   std::vector<std::string> unplaced;
-  // One line per replica being moved off an unhealthy GPU ("deployment: ..."), while it is.
+  // One line per replica being moved ("deployment: ..."), while it is.
   std::vector<std::string> moves;
+  // Replicas that could move to even out their deployment (at most one per deployment), with
+  // why ("sim-3 runs 3 of enc, sim-7 1").
+  std::map<std::string, std::string> skewed;
 };
 
 // `retired_ids`: ids not to give to new replicas (those on Lost nodes, which may come back).
+// `moves`: replicas to move make-before-break (id -> why), as off an unhealthy GPU.
 PlacementResult Place(const std::vector<PlacementDemand>& demands,
                       const std::vector<PlacementNode>& ready_nodes,
-                      const std::set<std::string>& retired_ids = {});
+                      const std::set<std::string>& retired_ids = {},
+                      const std::map<std::string, std::string>& moves = {});
 
 // The deployment a replica id belongs to ("encoder.3" -> "encoder"); empty if not ours.
 std::string DeploymentOfReplica(const std::string& replica_id);

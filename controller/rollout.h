@@ -63,7 +63,7 @@ struct RolloutState {
     absl::Time at;
     uint64_t requests = 0, errors = 0;
   };
-  std::deque<Sample> recent;
+  std::deque<Sample> recent = {};
 
   nlohmann::json ToJson() const;
   static RolloutState FromJson(const nlohmann::json& j);

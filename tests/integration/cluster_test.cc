@@ -216,6 +216,34 @@ class ClusterTest : public ::testing::Test {
     }
   }
 
+  // Requests through a node's router every 5 ms on a thread of its own until Stop().
+  class Traffic {
+   public:
+    Traffic(ClusterTest* test, int router)
+        : thread_([this, test, router] {
+            while (!stop_) {
+              grpc::Status st = test->Infer(router);
+              if (st.ok()) {
+                ok++;
+              } else if (failed++ == 0) {
+                first_error = st.error_message();
+              }
+              std::this_thread::sleep_for(std::chrono::milliseconds(5));
+            }
+          }) {}
+    ~Traffic() { Stop(); }
+    void Stop() {
+      stop_ = true;
+      if (thread_.joinable()) thread_.join();
+    }
+    std::atomic<int> ok{0}, failed{0};
+    std::string first_error;  // read after Stop()
+
+   private:
+    std::atomic<bool> stop_{false};
+    std::thread thread_;  // last: it starts once the counters exist
+  };
+
   std::string dir_, clog_, alog_;
   pid_t controller_ = -1, agent_ = -1;
   int controllers_ = 0;
@@ -361,20 +389,7 @@ TEST_F(ClusterTest, AReplicaLeavesAFailedGpuWithoutAFailedRequest) {
   const std::string old_id = before[0]["id"];
   const int bad_gpu = before[0]["gpu"];
 
-  std::atomic<bool> stop{false};
-  std::atomic<int> ok{0}, failed{0};
-  std::string first_error;
-  std::thread traffic([&] {
-    while (!stop) {
-      grpc::Status st = Infer(g.router_grpc);
-      if (st.ok()) {
-        ok++;
-      } else if (failed++ == 0) {
-        first_error = st.error_message();
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  });
+  Traffic traffic(this, g.router_grpc);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   auto [code, text] = Http("POST", g.admin, "/v1/fake-gpus/" + std::to_string(bad_gpu) + "/xid/79");
   EXPECT_EQ(code, 200) << text;
@@ -387,11 +402,10 @@ TEST_F(ClusterTest, AReplicaLeavesAFailedGpuWithoutAFailedRequest) {
     if (!moved) std::this_thread::sleep_for(std::chrono::milliseconds(25));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  stop = true;
-  traffic.join();
+  traffic.Stop();
   EXPECT_TRUE(moved) << replicas().dump() << ReadFile(clog_);
-  EXPECT_GT(ok.load(), 20);
-  EXPECT_EQ(failed.load(), 0) << first_error;
+  EXPECT_GT(traffic.ok.load(), 20);
+  EXPECT_EQ(traffic.failed.load(), 0) << traffic.first_error;
   EXPECT_NE(ReadFile(clog_).find("rebalancing: emb: " + old_id + " on g1 GPU " +
                                  std::to_string(bad_gpu) + " (unhealthy)"),
             std::string::npos)
@@ -400,6 +414,44 @@ TEST_F(ClusterTest, AReplicaLeavesAFailedGpuWithoutAFailedRequest) {
   EXPECT_EQ(Http("POST", g.admin, "/v1/fake-gpus/7/xid/79").first, 404);
   EXPECT_EQ(Http("POST", g.admin, "/v1/fake-gpus/x/xid/79").first, 400);
   Kill(&g.pid, SIGTERM);
+}
+
+TEST_F(ClusterTest, ADeploymentPiledOnOneNodeSpreadsWhenAnotherJoins) {
+  StartController("127.0.0.1:0", {"--rebalance-after-seconds", "0.5"});
+  Agent a = StartAnotherAgent("a1");
+  ASSERT_GT(a.router_grpc, 0) << ReadFile(a.log);
+  std::string out = ApplySpec("enc", "encoder", "  replicas: 2\n  resources: {cpus: 1}\n");
+  ASSERT_EQ(last_rc_, 0) << out;
+  alog_ = a.log;
+  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+  ASSERT_EQ(Pids(a.admin).size(), 2u);
+
+  Traffic traffic(this, a.router_grpc);
+  // A second node joins: after the skew lasted half a second one replica moves there, its
+  // replacement serving before the old one drains (bounded poll, 30 s).
+  Agent b = StartAnotherAgent("a2");
+  bool spread = false;
+  for (int i = 0; i < 1200 && !spread; ++i) {
+    spread = Pids(a.admin).size() == 1 && Pids(b.admin).size() == 1 &&
+             Deployment("enc")["status"].value("readyReplicas", 0) == 2;
+    if (!spread) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  traffic.Stop();
+  EXPECT_TRUE(spread) << ReadFile(clog_);
+  EXPECT_GT(traffic.ok.load(), 20);
+  EXPECT_EQ(traffic.failed.load(), 0) << traffic.first_error;
+  const std::string log = ReadFile(clog_);
+  EXPECT_NE(log.find("(spread: a1 runs 2 of enc, a2 0) serves until its replacement does"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("rebalancing: enc.1 moved"), std::string::npos) << log;
+  // Even now (1 and 1): nothing else moves.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  EXPECT_EQ(Pids(a.admin).size(), 1u);
+  EXPECT_EQ(Pids(b.admin).size(), 1u);
+  Kill(&b.pid, SIGTERM);
+  Kill(&a.pid, SIGTERM);
 }
 
 TEST_F(ClusterTest, TlsFlagsAreCheckedAtStartup) {

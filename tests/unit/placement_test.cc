@@ -383,6 +383,71 @@ TEST(PlacementTest, AWarmReplicaIsTheFirstReplacementAndOneOnABadGpuGoesAtOnce) 
   EXPECT_TRUE(dropped.moves.empty());
 }
 
+TEST(PlacementTest, ASkewedDeploymentIsEvenedOutOneMakeBeforeBreakMoveAtATime) {
+  // Three replicas on a (it was the only node when they were placed), then b and c join.
+  std::vector<PlacementNode> nodes = {CpuNode("a", 8)};
+  PlacementDemand d = Cpu("enc", 3, 0);
+  Apply(Place({d}, nodes), &nodes);
+  nodes.push_back(CpuNode("b", 8));
+  nodes.push_back(CpuNode("c", 8));
+  for (auto& n : nodes) n.zone = "z1";
+  auto p = Place({d}, nodes);
+  EXPECT_EQ(All(p), (std::vector<std::string>{"a/-1:enc.0:SERVING", "a/-1:enc.1:SERVING",
+                                               "a/-1:enc.2:SERVING"}));
+  // Placement only names a candidate (the highest id on the fullest node).
+  ASSERT_EQ(p.skewed.size(), 1u);
+  EXPECT_EQ(p.skewed.begin()->first, "enc.2");
+  EXPECT_EQ(p.skewed.begin()->second, "spread: a runs 3 of enc, b 0");
+  // The caller moves it: it serves until its replacement on b does.
+  std::map<std::string, std::string> moves = {{"enc.2", "spread"}};
+  auto moving = Place({d}, nodes, {}, moves);
+  EXPECT_EQ(All(moving), (std::vector<std::string>{"a/-1:enc.0:SERVING", "a/-1:enc.1:SERVING",
+                                                    "a/-1:enc.2:SERVING", "b/-1:enc.3:SERVING"}));
+  ASSERT_EQ(moving.moves.size(), 1u);
+  EXPECT_EQ(moving.moves[0], "enc: enc.2 on a (spread) serves until its replacement does");
+  EXPECT_TRUE(moving.skewed.empty());  // one move at a time
+  // While the replacement loads the skew is gone (2 vs 1), yet nothing is undone.
+  Apply(moving, &nodes, /*loading=*/{"enc.3"});
+  EXPECT_EQ(All(Place({d}, nodes, {}, moves)), All(moving));
+  // Once it serves the old one goes; then a still runs 2 against c's 0: the next candidate.
+  Apply(moving, &nodes);
+  auto done = Place({d}, nodes, {}, moves);
+  EXPECT_EQ(All(done), (std::vector<std::string>{"a/-1:enc.0:SERVING", "a/-1:enc.1:SERVING",
+                                                  "b/-1:enc.3:SERVING"}));
+  Apply(done, &nodes);
+  auto next = Place({d}, nodes);
+  ASSERT_EQ(next.skewed.size(), 1u);
+  EXPECT_EQ(next.skewed.begin()->second, "spread: a runs 2 of enc, c 0");
+  Apply(Place({d}, nodes, {}, {{next.skewed.begin()->first, "spread"}}), &nodes);
+  auto even = Place({d}, nodes, {}, {{next.skewed.begin()->first, "spread"}});
+  Apply(even, &nodes);
+  auto settled = Place({d}, nodes);
+  EXPECT_EQ(All(settled), (std::vector<std::string>{"a/-1:enc.0:SERVING", "b/-1:enc.3:SERVING",
+                                                     "c/-1:enc.2:SERVING"}));  // ids are reused once free
+  EXPECT_TRUE(settled.skewed.empty());  // 1, 1, 1: nothing to even out
+}
+
+TEST(PlacementTest, NoSkewMoveWithoutRoomOrSurgeOrAcrossZones) {
+  std::vector<PlacementNode> nodes = {CpuNode("a", 8, "z1")};
+  PlacementDemand d = Cpu("enc", 3, 0);
+  Apply(Place({d}, nodes), &nodes);
+  // b has no room for one more; c is in another zone (zone spread is placement's to keep).
+  nodes.push_back(CpuNode("b", 0, "z1"));
+  nodes.push_back(CpuNode("c", 8, "z2"));
+  EXPECT_TRUE(Place({d}, nodes).skewed.empty());
+  nodes[1].cpu_capacity = 8;
+  EXPECT_EQ(Place({d}, nodes).skewed.size(), 1u);
+  d.max_surge = 0;  // no room to move make-before-break
+  EXPECT_TRUE(Place({d}, nodes).skewed.empty());
+  // Nodes without zone labels are one zone for this.
+  d.max_surge = 1;
+  for (auto& n : nodes) n.zone.clear();
+  nodes[1].cpu_capacity = 0;
+  auto p = Place({d}, nodes);
+  ASSERT_EQ(p.skewed.size(), 1u);
+  EXPECT_EQ(p.skewed.begin()->second, "spread: a runs 3 of enc, c 0");
+}
+
 // One node with one GPU of `gib` GiB, `serving` replicas of GpuDemand placed and applied, then
 // its GPU gone bad.
 std::vector<PlacementNode> OneBadGpu(int64_t gib, int64_t serving) {
