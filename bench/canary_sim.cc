@@ -54,10 +54,12 @@ nlohmann::json Spec(const std::string& model, const std::string& version, int re
             {"analysis", {{"maxErrorRate", 0.01}, {"minRequests", 100}}}}}};
 }
 
-// What every simulated node saw of one model's route: when version 2 first got traffic and
-// when (after that) it lost it.
+// What the simulated nodes saw of one model's route: when version 2 first got traffic (in
+// which table generation) and when a later table took it away. Nodes get each table at
+// slightly different times, so one still reading an older table is not news.
 struct RouteSeen {
   Clock::time_point canary_routed{};
+  int64_t routed_generation = 0;
   Clock::time_point canary_dropped{};
 };
 
@@ -235,9 +237,13 @@ int main(int argc, char** argv) {
             bool canary = false;
             for (const auto& v : route.versions()) canary |= v.version() == "2" && v.weight() > 0;
             RouteSeen& s = seen[route.model()];
-            if (canary && s.canary_routed == Clock::time_point{}) s.canary_routed = now;
+            const int64_t generation = m.routing_table().generation();
+            if (canary && s.canary_routed == Clock::time_point{}) {
+              s.canary_routed = now;
+              s.routed_generation = generation;
+            }
             if (!canary && s.canary_routed != Clock::time_point{} &&
-                s.canary_dropped == Clock::time_point{}) {
+                generation > s.routed_generation && s.canary_dropped == Clock::time_point{}) {
               s.canary_dropped = now;
             }
           }

@@ -88,7 +88,9 @@ Controller::Controller(ControllerOptions options, Store* store, Clock* clock)
       store_(store),
       clock_(clock),
       started_(clock->Now()),
-      registry_(options.leases) {}
+      registry_(options.leases) {
+  groups_.resize(std::max(1, options_.routing.groups));
+}
 
 Controller::~Controller() { Stop(); }
 
@@ -664,25 +666,28 @@ void Controller::Tick() {
       Send(node, m);
     }
 
-    // Routing: each node learns the SERVING replicas elsewhere, reached through their
-    // node's router; its own replicas it routes to itself. Every node gets the same table (the
-    // agent leaves out its own replicas), built once per tick (one pass over the replicas) and
-    // serialized and sent only when it changed.
-    std::vector<v1::Route> routes;
-    routes.reserve(deps.size());
+    // Routing (routing.h): each node learns which other nodes serve each version, reached
+    // through their routers; its own replicas it routes to itself (the agent leaves itself
+    // out). A deployment's group routes are made again only when what it is built from changed,
+    // a group's table is serialized once for its nodes and sent only when it changed.
+    bool routes_changed = false;
+    std::set<std::string> live;
     for (const auto& dep : deps) {
-      v1::Route& route = routes.emplace_back();
-      route.set_model(dep.d.spec.model.name);
+      live.insert(dep.d.name);
+      RouteInput in;
+      in.head.set_model(dep.d.spec.model.name);
       const RolloutPlan& plan = plans[dep.d.name];
-      auto* v = route.add_versions();
+      auto* v = in.head.add_versions();
       v->set_version(plan.stable_version);
       v->set_weight(static_cast<int32_t>(100 - plan.canary_weight));
       if (!plan.canary_version.empty() && plan.canary_weight > 0) {
-        auto* c = route.add_versions();
+        auto* c = in.head.add_versions();
         c->set_version(plan.canary_version);
         c->set_weight(static_cast<int32_t>(plan.canary_weight));
       }
-      route.set_sticky_key(dep.d.spec.rollout.sticky_key);
+      in.head.set_sticky_key(dep.d.spec.rollout.sticky_key);
+      std::string input = in.head.SerializeAsString();
+      std::set<std::pair<const PlacementNode*, std::string>> listed;  // (node, version)
       for (const Seen& seen : reported_of(dep.d.name)) {
         const PlacementNode& other = *seen.node;
         const v1::ReplicaStatus& r = *seen.replica;
@@ -693,56 +698,77 @@ void Controller::Tick() {
         }
         const v1::Register& reg = *registrations[&other - nodes.data()];
         if (reg.ingress_grpc_address().empty()) continue;
-        auto* e = route.add_endpoints();
-        e->set_replica_id(r.replica_id());
-        e->set_version(r.version());
-        e->set_node_name(other.name);
-        e->set_grpc_address(reg.ingress_grpc_address());
-        e->set_http_address(reg.ingress_http_address());
+        if (!listed.insert({&other, r.version()}).second) continue;
+        in.serving.push_back({other.name, r.version(), reg.ingress_grpc_address(),
+                              reg.ingress_http_address()});
+        input += "\n" + other.name + "\t" + r.version() + "\t" + reg.ingress_grpc_address() +
+                 "\t" + reg.ingress_http_address();
+      }
+      RouteCache& cache = route_cache_[dep.d.name];
+      if (cache.groups.empty() || cache.input != input) {
+        cache.input = std::move(input);
+        cache.groups = GroupRoutes(in, options_.routing);
+        routes_changed = true;
       }
     }
-    {
-      std::string all;
-      for (const auto& r : routes) all += r.SerializeAsString() + "|";
-      if (all != routes_serialized_) {
-        routes_serialized_ = std::move(all);
-        routes_version_++;
-      }
-    }
-    bool wanted = false;  // some connected node has not got this version of the table
-    for (const auto& n : nodes) {
-      wanted |= sent_[n.name].routes_version != routes_version_ && sessions_.count(n.name);
-    }
-    if (wanted && routing_bytes_version_ != routes_version_) {
-      // One generation above what every node applied (the agents keep theirs across restarts).
-      int64_t applied = 0;
-      for (const auto& [name, rec] : registry_.nodes()) {
-        applied = std::max(applied, rec.status.routing_generation());
-      }
-      routing_generation_ = NextGeneration(routing_generation_, applied, now);
-      v1::ControllerMessage m;
-      v1::RoutingTable* t = m.mutable_routing_table();
-      t->set_generation(routing_generation_);
-      for (auto& route : routes) *t->add_routes() = std::move(route);
-      grpc::ByteBuffer bytes;  // serializing needs an empty one
-      bool own = false;
-      grpc::Status ser = grpc::SerializationTraits<v1::ControllerMessage>::Serialize(m, &bytes, &own);
-      if (ser.ok()) {
-        routing_bytes_ = bytes;  // the streams that hold the previous one keep it
-        routing_bytes_version_ = routes_version_;
-        log->info("routing table generation {}: {} route(s), {} bytes", routing_generation_,
-                  t->routes_size(), m.ByteSizeLong());
+    for (auto it = route_cache_.begin(); it != route_cache_.end();) {
+      if (live.count(it->first)) {
+        ++it;
       } else {
-        log->error("routing table: cannot serialize: {}", ser.error_message());
+        it = route_cache_.erase(it);
+        routes_changed = true;
       }
     }
+    if (routes_changed) {
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        std::string serialized;
+        for (const auto& dep : deps) {
+          serialized += route_cache_[dep.d.name].groups[g].SerializeAsString() + "|";
+        }
+        if (serialized != groups_[g].serialized) {
+          groups_[g].serialized = std::move(serialized);
+          groups_[g].version++;
+        }
+      }
+    }
+    int64_t applied = -1;  // the highest routing generation any node applied, when needed
     for (const auto& n : nodes) {
       Sent& s = sent_[n.name];
-      if (s.routes_version == routes_version_ || routing_bytes_version_ != routes_version_) continue;
+      const int g = RoutingGroupOf(n.name, static_cast<int>(groups_.size()));
+      GroupTable& group = groups_[g];
+      if (s.routing_group == g && s.routes_version == group.version) continue;
       if (!sessions_.count(n.name)) continue;  // sent once it reconnects
-      s.routes_version = routes_version_;
-      s.routing_generation = routing_generation_;
-      SendRouting(n.name, routing_bytes_);
+      if (group.bytes_version != group.version) {
+        if (applied < 0) {
+          applied = 0;
+          for (const auto& [name, rec] : registry_.nodes()) {
+            applied = std::max(applied, rec.status.routing_generation());
+          }
+        }
+        // One generation above what every node applied (the agents keep theirs).
+        routing_generation_ = NextGeneration(routing_generation_, applied, now);
+        v1::ControllerMessage m;
+        v1::RoutingTable* t = m.mutable_routing_table();
+        t->set_generation(routing_generation_);
+        for (const auto& dep : deps) *t->add_routes() = route_cache_[dep.d.name].groups[g];
+        grpc::ByteBuffer bytes;  // serializing needs an empty one
+        bool own = false;
+        grpc::Status ser =
+            grpc::SerializationTraits<v1::ControllerMessage>::Serialize(m, &bytes, &own);
+        if (!ser.ok()) {
+          log->error("routing table of group {}: cannot serialize: {}", g, ser.error_message());
+          continue;
+        }
+        group.bytes = bytes;  // the streams holding the previous one keep it
+        group.bytes_version = group.version;
+        group.generation = routing_generation_;
+        log->debug("routing group {}: generation {}, {} route(s), {} bytes", g,
+                   routing_generation_, t->routes_size(), m.ByteSizeLong());
+      }
+      s.routing_group = g;
+      s.routes_version = group.version;
+      s.routing_generation = group.generation;
+      SendRouting(n.name, group.bytes);
     }
 
     // Status per deployment, from what the nodes report.

@@ -26,6 +26,7 @@
 #include "controller/autoscale.h"
 #include "controller/node_registry.h"
 #include "controller/rollout.h"
+#include "controller/routing.h"
 #include "controller/store.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
@@ -43,6 +44,7 @@ struct ControllerOptions {
   // `move_deadline`.
   absl::Duration rebalance_after = absl::Seconds(30);
   absl::Duration move_deadline = absl::Minutes(10);
+  RoutingOptions routing;
   // Mutual TLS: a node registers only under a name its verified client certificate carries.
   bool require_node_identity = false;
 };
@@ -83,7 +85,8 @@ class Controller
     std::string assignment;  // serialised replicas of the last assignment sent
     std::vector<v1::ReplicaSpec> replicas;
     int64_t routing_generation = 0;
-    uint64_t routes_version = 0;  // the routes_version_ it was last sent
+    int routing_group = -1;       // the group whose table it was last sent
+    uint64_t routes_version = 0;  // that table's version then
     std::string nack;  // the last Nack's reason, if the last assignment was refused
   };
 
@@ -109,14 +112,23 @@ class Controller
   std::map<std::string, std::shared_ptr<Stream>> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Sent> sent_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  // The routing table every node gets (each leaves out its own replicas): every deployment's
-  // route with all its endpoints, as last built, a count of its changes, and the table's
-  // message, serialized once for all the streams.
-  std::string routes_serialized_ ABSL_GUARDED_BY(mu_);
-  uint64_t routes_version_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t routing_bytes_version_ ABSL_GUARDED_BY(mu_) = 0;
+  // Routing (routing.h): per deployment, what its route was built from and each group's
+  // route; per group, its table, a count of its changes, and its message serialized once for
+  // all the group's streams.
+  struct RouteCache {
+    std::string input;
+    std::vector<v1::Route> groups;
+  };
+  std::map<std::string, RouteCache> route_cache_ ABSL_GUARDED_BY(mu_);
+  struct GroupTable {
+    std::string serialized;  // its routes
+    uint64_t version = 1;
+    uint64_t bytes_version = 0;
+    int64_t generation = 0;
+    grpc::ByteBuffer bytes;
+  };
+  std::vector<GroupTable> groups_ ABSL_GUARDED_BY(mu_);
   int64_t routing_generation_ ABSL_GUARDED_BY(mu_) = 0;
-  grpc::ByteBuffer routing_bytes_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> last_unplaced_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> last_moves_ ABSL_GUARDED_BY(mu_);
   // Skew: candidates since when, and the moves under way (passed to placement each tick until
