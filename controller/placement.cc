@@ -257,6 +257,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     // Why a replica moves: an unhealthy GPU, or the caller's reason; empty when it stays.
     auto move_reason = [&](const Existing& e) -> std::string {
       if (on_bad_gpu(e)) return "GPU " + std::to_string(e.spec().gpu()) + " (unhealthy)";
+      if (moves.empty()) return "";
       auto it = moves.find(e.spec().replica_id());
       return it == moves.end() ? "" : "(" + it->second + ")";
     };
@@ -358,10 +359,13 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     slots_of(ns, [](std::set<Slot>& set, const Slot& slot) { set.erase(slot); });
   };
   bool indexed = false;  // built on first use: a steady tick places nothing
-  std::set<std::string> skew_checked;  // deployments (their first demand, the stable version)
+  const std::string* previous_deployment = nullptr;  // demands come sorted by deployment
 
   // Pass 2: new replicas.
   for (const PlacementDemand& d : demands) {
+    const bool first_of_deployment =
+        previous_deployment == nullptr || *previous_deployment != d.deployment;
+    previous_deployment = &d.deployment;
     const Kept& counts = kept[key(d)];
     int64_t serving = counts.serving;
     int64_t warm = counts.warm;
@@ -466,9 +470,9 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     }
     // Skew: at full strength with nothing moving, the node with the most of the deployment
     // against a node of its zone with room and at least two fewer.
-    if (serving == d.serving && warm == d.warm && !counts.moving && d.max_surge > 0 &&
-        !skew_checked.count(d.deployment)) {
-      skew_checked.insert(d.deployment);
+    // (Once per deployment: its first demand, the stable version's.)
+    if (first_of_deployment && serving == d.serving && warm == d.warm && !counts.moving &&
+        d.max_surge > 0 && !counts.ready_kept.empty()) {
       const Existing* from = nullptr;
       int most = 0;
       for (const Existing* e : counts.ready_kept) {
