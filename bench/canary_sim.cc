@@ -210,6 +210,7 @@ int main(int argc, char** argv) {
   absl::Mutex seen_mu;
   std::map<std::string, RouteSeen> seen;  // by model, the first node to see it wins
   std::vector<std::unique_ptr<Agent>> agents;
+  int exit_code = 0;
   for (int i = 0; i < nodes; ++i) {
     auto a = std::make_unique<Agent>();
     a->node = std::make_unique<Node>(i, replicas, samples);
@@ -219,7 +220,8 @@ int main(int argc, char** argv) {
     if (!a->stream->Write(a->node->Register())) {
       std::cerr << "register " << a->node->name() << ": " << a->stream->Finish().error_message()
                 << "\n";
-      return 1;
+      exit_code = 1;  // the nodes registered so far are stopped below
+      break;
     }
     Agent* self = a.get();
     a->reader = std::thread([self, &seen_mu, &seen] {
@@ -286,7 +288,6 @@ int main(int argc, char** argv) {
     }
     return false;
   };
-  int exit_code = 0;
   nlohmann::json results = nlohmann::json::array();
   std::vector<double> seen_ms;
   // Deployment d at `version`: created (POST) or changed (PUT).
@@ -310,13 +311,19 @@ int main(int argc, char** argv) {
     return seen[model];
   };
   const Clock::time_point kNever{};
-  for (int d = 0; d < samples; ++d) {
-    if (!apply(d, "1", /*create=*/true)) return 1;
+  for (int d = 0; d < samples && exit_code == 0; ++d) {
+    if (!apply(d, "1", /*create=*/true)) exit_code = 1;
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(2 * period_s * 1e3)));
-  for (int d = 0; d < samples; ++d) {
+  if (exit_code == 0) {
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(static_cast<int64_t>(2 * period_s * 1e3)));
+  }
+  for (int d = 0; d < samples && exit_code == 0; ++d) {
     const std::string model = "m" + std::to_string(d);
-    if (!apply(d, "2", /*create=*/false)) return 1;
+    if (!apply(d, "2", /*create=*/false)) {
+      exit_code = 1;
+      break;
+    }
     if (!wait_for([&] { return seen_of(model).canary_routed != kNever; })) {
       std::cerr << model << ": version 2 never got traffic\n";
       exit_code = 1;

@@ -73,6 +73,16 @@ nlohmann::json VersionsJson(const RolloutPlan& plan,
   return out;
 }
 
+// A deployment's status less the numbers that move with every report.
+nlohmann::json WithoutCounters(nlohmann::json status) {
+  if (status.contains("versions") && status["versions"].is_array()) {
+    for (auto& v : status["versions"]) {
+      for (const char* key : {"requests", "errors", "errorRate", "latencyP99Ms"}) v.erase(key);
+    }
+  }
+  return status;
+}
+
 std::string ZoneOf(const v1::Register& r) {
   for (const char* key : {"topology.kubernetes.io/zone", "zone"}) {
     auto it = r.labels().find(key);
@@ -116,7 +126,17 @@ class Controller::Stream final : public grpc::ServerBidiReactor<grpc::ByteBuffer
   static Stream* Start(Controller* controller, grpc::CallbackServerContext* context) {
     auto s = std::make_shared<Stream>(controller, context);
     s->self_ = s;
-    s->StartRead(&s->in_bytes_);
+    bool open = false;
+    {
+      absl::MutexLock lock(&controller->mu_);
+      if (!controller->stopping_) controller->streams_[s.get()] = s;
+      open = !controller->stopping_;
+    }
+    if (open) {
+      s->StartRead(&s->in_bytes_);
+    } else {
+      s->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "controller stopping"));
+    }
     return s.get();
   }
 
@@ -195,6 +215,10 @@ class Controller::Stream final : public grpc::ServerBidiReactor<grpc::ByteBuffer
       End(refused);
       return;
     }
+    {
+      absl::MutexLock lock(&mu_);
+      if (ending_) return;  // Stop() or a cancel ended it meanwhile
+    }
     StartRead(&in_bytes_);
   }
 
@@ -217,6 +241,10 @@ class Controller::Stream final : public grpc::ServerBidiReactor<grpc::ByteBuffer
 
   void OnDone() override {
     if (!node_.empty()) controller_->Ended(node_, this);
+    {
+      absl::MutexLock lock(&controller_->mu_);
+      controller_->streams_.erase(this);
+    }
     self_.reset();  // the last owner may be this: nothing after it
   }
 
@@ -283,7 +311,9 @@ void Controller::Stop() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
-    for (const auto& [node, stream] : sessions_) streams.push_back(stream);
+    for (const auto& [ptr, weak] : streams_) {
+      if (auto stream = weak.lock()) streams.push_back(std::move(stream));
+    }
   }
   if (loop_.joinable()) loop_.join();
   for (const auto& s : streams) {
@@ -599,7 +629,13 @@ void Controller::Tick() {
         for (const auto& spec : specs) assigned.insert(spec.replica_id());
       }
       for (auto it = rebalancing_.begin(); it != rebalancing_.end();) {
-        if (!assigned.count(it->first)) {
+        // Done once no node runs it: unassigned, and no longer reported either (until its node
+        // reports again the old replica would otherwise count as staying).
+        bool reported = false;
+        for (const Seen& seen : reported_of(DeploymentOfReplica(it->first))) {
+          reported |= seen.replica->replica_id() == it->first;
+        }
+        if (!assigned.count(it->first) && !reported) {
           log->info("rebalancing: {} moved ({})", it->first, it->second.reason);
           it = rebalancing_.erase(it);
         } else if (now - it->second.since >= options_.move_deadline) {
@@ -652,7 +688,7 @@ void Controller::Tick() {
     for (const auto& [node, specs] : placed.nodes) {
       Sent& s = sent_[node];
       std::string ser = Serialize(specs);
-      if (ser == s.assignment && s.assignment_generation != 0) continue;
+      if (s.assignment_sent && ser == s.assignment) continue;
       if (!sessions_.count(node)) continue;  // sent once it reconnects
       const auto& rec = registry_.nodes().at(node);
       int64_t gen = NextGeneration(s.assignment_generation, rec.status.assignment_generation(), now);
@@ -660,6 +696,7 @@ void Controller::Tick() {
       m.mutable_assignment()->set_generation(gen);
       for (const auto& spec : specs) *m.mutable_assignment()->add_replicas() = spec;
       s.assignment = ser;
+      s.assignment_sent = true;
       s.replicas = specs;
       s.assignment_generation = gen;
       log->info("node {}: assignment generation {}: {} replica(s)", node, gen, specs.size());
@@ -833,18 +870,31 @@ void Controller::Tick() {
   for (const auto& e : events) {
     store_->RecordEvent(kModelDeploymentKind, e.name, e.type, e.reason, e.message);
   }
-  for (const auto& dep : deps) {
-    for (const auto& [name, st] : statuses) {
-      if (name != dep.object.name) continue;
-      std::string text = st.dump();
-      if (text == dep.object.status) continue;
-      absl::Status s =
-          store_->UpdateStatus(kModelDeploymentKind, name, text, dep.object.resource_version)
-              .status();
-      if (!s.ok() && s.code() != absl::StatusCode::kAborted) {
-        log->warn("status of {}: {}", name, s.ToString());
-      }
+  // One status per deployment, in the same order.
+  std::set<std::string> live;
+  for (size_t i = 0; i < deps.size() && i < statuses.size(); ++i) {
+    const auto& dep = deps[i];
+    const auto& [name, st] = statuses[i];
+    live.insert(name);
+    std::string text = st.dump();
+    if (text == dep.object.status) continue;
+    std::string without = WithoutCounters(st).dump();
+    auto written = status_written_.find(name);
+    if (written != status_written_.end() && written->second.without_counters == without &&
+        now - written->second.at < options_.status_counters_every) {
+      continue;  // only the counters moved, and they were written a moment ago
     }
+    absl::Status s =
+        store_->UpdateStatus(kModelDeploymentKind, name, text, dep.object.resource_version)
+            .status();
+    if (s.ok()) {
+      status_written_[name] = {std::move(without), now};
+    } else if (s.code() != absl::StatusCode::kAborted) {
+      log->warn("status of {}: {}", name, s.ToString());
+    }
+  }
+  for (auto it = status_written_.begin(); it != status_written_.end();) {
+    it = live.count(it->first) ? std::next(it) : status_written_.erase(it);
   }
 }
 

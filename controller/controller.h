@@ -45,6 +45,10 @@ struct ControllerOptions {
   absl::Duration rebalance_after = absl::Seconds(30);
   absl::Duration move_deadline = absl::Minutes(10);
   RoutingOptions routing;
+  // Status counters that move with every report (per-version requests, errors, error rate,
+  // p99) are written at most this often when nothing else in the status changed: each status
+  // write is a store transaction (on Kubernetes, an API request).
+  absl::Duration status_counters_every = absl::Seconds(10);
   // Mutual TLS: a node registers only under a name its verified client certificate carries.
   bool require_node_identity = false;
 };
@@ -83,6 +87,7 @@ class Controller
   struct Sent {
     int64_t assignment_generation = 0;
     std::string assignment;  // serialised replicas of the last assignment sent
+    bool assignment_sent = false;  // to this stream (an empty assignment is one too)
     std::vector<v1::ReplicaSpec> replicas;
     int64_t routing_generation = 0;
     int routing_group = -1;       // the group whose table it was last sent
@@ -110,6 +115,8 @@ class Controller
   absl::Mutex mu_;
   NodeRegistry registry_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<Stream>> sessions_ ABSL_GUARDED_BY(mu_);
+  // Every open stream, registered or not (Stop ends them all).
+  std::map<const Stream*, std::weak_ptr<Stream>> streams_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Sent> sent_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Routing (routing.h): per deployment, what its route was built from and each group's
@@ -139,6 +146,12 @@ class Controller
   };
   std::map<std::string, Rebalance> skew_seen_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Rebalance> rebalancing_ ABSL_GUARDED_BY(mu_);
+  // Per deployment: its last status written, without the counters, and when.
+  struct StatusWritten {
+    std::string without_counters;
+    absl::Time at;
+  };
+  std::map<std::string, StatusWritten> status_written_;  // the loop's own
   std::map<std::string, AutoscaleHistory> autoscale_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> autoscaled_to_ ABSL_GUARDED_BY(mu_);
   // Rollout state per deployment; seeded from the stored status after a restart.

@@ -31,7 +31,8 @@ int main(int argc, char** argv) {
   int port = 7070;
   std::string token_file;
   std::string listen = "127.0.0.1:7071";
-  double observe_s = 5, not_ready_s = 10, lost_s = 30, stabilization_s = 300, rebalance_s = 30;
+  double observe_s = 5, not_ready_s = 10, lost_s = 30, stabilization_s = 300, rebalance_s = 30,
+         counters_s = 10;
   std::string store_kind = "sqlite";
   std::string kubeconfig, kube_namespace;
   bool leader_elect = false;
@@ -100,6 +101,11 @@ int main(int argc, char** argv) {
   app.add_option("--node-lost-seconds", lost_s,
                  "A silent node is Lost (its replicas placed elsewhere) after this")
       ->check(CLI::Range(0.1, 86400.0))
+      ->capture_default_str();
+  app.add_option("--status-counters-seconds", counters_s,
+                 "Per-version request/error/p99 counters in status are written at most this often "
+                 "when nothing else in it changed (each write is a store transaction)")
+      ->check(CLI::Range(0.0, 3600.0))
       ->capture_default_str();
   app.add_option("--rebalance-after-seconds", rebalance_s,
                  "A deployment piled on one node (2+ more replicas than another node of its zone "
@@ -203,6 +209,7 @@ int main(int argc, char** argv) {
   co.leases.lost_after = absl::Seconds(lost_s);
   co.scale_down_stabilization = absl::Seconds(stabilization_s);
   co.rebalance_after = absl::Seconds(rebalance_s);
+  co.status_counters_every = absl::Seconds(counters_s);
   co.require_node_identity = !tls.ca.empty() && node_identity;
   kiln::Controller controller(co, store, &clock);
   // In a Pod (POD_NAME set) under leader election, the leader labels its own Pod so that the

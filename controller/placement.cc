@@ -263,23 +263,35 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     };
     // The replicas that stay, SERVING first (as reported, else as assigned), then by id; the
     // ones that move and take traffic now, by id. A moving replica not taking traffic goes.
+    // A move the caller asked for (not forced by a bad GPU) is voluntary: it never leaves a
+    // slot empty, and waits while its replica is briefly not ready.
     std::vector<Existing*> staying, moving;
     std::map<const Existing*, std::string> why;
+    std::set<const Existing*> voluntary;
     for (Existing* e : mine) {
       std::string reason = move_reason(*e);
-      if (reason.empty()) {
+      const bool forced = !reason.empty() && on_bad_gpu(*e);
+      if (reason.empty() || (!forced && !e->ready)) {
         staying.push_back(e);
       } else if (e->ready) {
         moving.push_back(e);
+        if (!forced) voluntary.insert(e);
         why[e] = std::move(reason);
       }
     }
+    // SERVING first, then what the node was assigned before what it only still reports (a
+    // replica already taken off the node, whose agent has not reported since, must not win its
+    // slot back from its replacement), then by id.
     std::stable_sort(staying.begin(), staying.end(), [&](const Existing* a, const Existing* b) {
       bool sa = serving_now(*a), sb = serving_now(*b);
       if (sa != sb) return sa;
+      bool aa = a->assigned != nullptr, ab = b->assigned != nullptr;
+      if (aa != ab) return aa;
       return a->spec().replica_id() < b->spec().replica_id();
     });
-    std::sort(moving.begin(), moving.end(), [](const Existing* a, const Existing* b) {
+    std::sort(moving.begin(), moving.end(), [&](const Existing* a, const Existing* b) {
+      bool va = voluntary.count(a) > 0, vb = voluntary.count(b) > 0;
+      if (va != vb) return va;
       return a->spec().replica_id() < b->spec().replica_id();
     });
     std::vector<Existing*> keep;
@@ -299,8 +311,12 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     }
     // Moving replicas stay while the staying ones that take traffic are too few: at least
     // `serving - maxUnavailable` must, counting the moving ones kept.
-    const int64_t keep_moving = std::clamp<int64_t>(d.serving - d.max_unavailable - ready, 0,
-                                                    static_cast<int64_t>(moving.size()));
+    // (Voluntary moves, sorted first, stay until their replacement serves, maxUnavailable or
+    // not.)
+    const int64_t keep_moving = std::max(
+        std::clamp<int64_t>(d.serving - d.max_unavailable - ready, 0,
+                            static_cast<int64_t>(moving.size())),
+        std::min(static_cast<int64_t>(voluntary.size()), std::max<int64_t>(0, d.serving - ready)));
     std::set<const Existing*> leaving;
     for (int64_t i = 0; i < static_cast<int64_t>(moving.size()); ++i) {
       Existing* e = moving[i];

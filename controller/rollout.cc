@@ -231,6 +231,12 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
                         " (max " + Percent(a.max_error_rate) + "), p99 ratio " + Ratio(p99_ratio) +
                         " (max " + Ratio(a.max_latency_p99_ratio) + ")";
   // The recent window: from the newest sample at least kAnalysisWindow old (else the oldest).
+  // A counter that went back (a canary replica restarted or stopped serving) makes the window's
+  // differences meaningless: it starts again from here.
+  if (!s.recent.empty() &&
+      (canary.requests < s.recent.back().requests || canary.errors < s.recent.back().errors)) {
+    s.recent.clear();
+  }
   s.recent.push_back({now, canary.requests, canary.errors});
   while (s.recent.size() > 1 && s.recent[1].at <= now - kAnalysisWindow) s.recent.pop_front();
   const uint64_t wreq = Since(canary.requests, s.recent.front().requests);

@@ -6,10 +6,13 @@
 // cannot serve itself. So nodes fall into `groups` groups by a hash of their name, and each
 // group gets one table that lists, per version, at most `per_version` serving nodes chosen for
 // that group by rendezvous hashing: stable as nodes come and go (a change reaches only the
-// groups whose choice it touches), different per group (traffic spreads over every serving
-// node), and all of them when fewer serve. The table's size and the work per change no longer
-// grow with the fleet: whole-state tables of every replica, sent to every node, grew with its
-// square.
+// groups whose choice it touches), different per group, and all of them when fewer serve. So
+// requests a node forwards go to at most groups x per_version (512) distinct serving nodes per
+// version: above that, some serving nodes take only the traffic that arrives at their own
+// ingress (load balancers in front of the nodes spread that). The table's size and the work
+// per change no longer grow with the fleet: whole-state tables of every replica, sent to every
+// node, grew with its square. Agents older than this table leave no endpoint out and could
+// forward to their own ingress: upgrade agents before the controller.
 
 #include <cstdint>
 #include <string>

@@ -448,8 +448,8 @@ TEST_F(ClusterTest, ADeploymentPiledOnOneNodeSpreadsWhenAnotherJoins) {
   EXPECT_NE(log.find("rebalancing: enc.1 moved"), std::string::npos) << log;
   // Even now (1 and 1): nothing else moves.
   std::this_thread::sleep_for(std::chrono::milliseconds(1000));
-  EXPECT_EQ(Pids(a.admin).size(), 1u);
-  EXPECT_EQ(Pids(b.admin).size(), 1u);
+  EXPECT_EQ(Pids(a.admin).size(), 1u) << Http("GET", a.admin, "/v1/replicas").second << ReadFile(clog_);
+  EXPECT_EQ(Pids(b.admin).size(), 1u) << Http("GET", b.admin, "/v1/replicas").second;
   Kill(&b.pid, SIGTERM);
   Kill(&a.pid, SIGTERM);
 }
@@ -482,7 +482,7 @@ TEST_F(ClusterTest, TlsFlagsAreCheckedAtStartup) {
 // A canary under steady traffic: version 2 is pre-warmed beside version 1, takes 50% after its
 // replica serves, passes the analysis and is promoted; version 1 is drained. No request fails.
 TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
-  StartController("127.0.0.1:0");
+  StartController("127.0.0.1:0", {"--status-counters-seconds", "0"});
   StartAgent();
   Agent n2 = StartAnotherAgent("n2");
   ASSERT_GT(n2.router_grpc, 0) << ReadFile(n2.log);

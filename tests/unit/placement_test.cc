@@ -414,6 +414,12 @@ TEST(PlacementTest, ASkewedDeploymentIsEvenedOutOneMakeBeforeBreakMoveAtATime) {
   auto done = Place({d}, nodes, {}, moves);
   EXPECT_EQ(All(done), (std::vector<std::string>{"a/-1:enc.0:SERVING", "a/-1:enc.1:SERVING",
                                                   "b/-1:enc.3:SERVING"}));
+  // Until a's agent reports again it still lists enc.2: that does not win its slot back from
+  // the replacement, with the move still named or not.
+  std::vector<PlacementNode> stale = nodes;
+  for (auto& n : stale) n.assigned = Keep(done.nodes.at(n.name));
+  EXPECT_EQ(All(Place({d}, stale, {}, moves)), All(done));
+  EXPECT_EQ(All(Place({d}, stale)), All(done));
   Apply(done, &nodes);
   auto next = Place({d}, nodes);
   ASSERT_EQ(next.skewed.size(), 1u);
@@ -425,6 +431,25 @@ TEST(PlacementTest, ASkewedDeploymentIsEvenedOutOneMakeBeforeBreakMoveAtATime) {
   EXPECT_EQ(All(settled), (std::vector<std::string>{"a/-1:enc.0:SERVING", "b/-1:enc.3:SERVING",
                                                      "c/-1:enc.2:SERVING"}));  // ids are reused once free
   EXPECT_TRUE(settled.skewed.empty());  // 1, 1, 1: nothing to even out
+}
+
+TEST(PlacementTest, AVoluntaryMoveNeverLeavesASlotEmpty) {
+  std::vector<PlacementNode> nodes = {CpuNode("a", 8, "z1")};
+  PlacementDemand d = Cpu("enc", 2, 0);
+  d.max_unavailable = 1;  // allowed for forced moves, not for these
+  Apply(Place({d}, nodes), &nodes);
+  nodes.push_back(CpuNode("b", 8, "z1"));
+  std::map<std::string, std::string> moves = {{"enc.1", "spread"}};
+  EXPECT_EQ(All(Place({d}, nodes, {}, moves)),
+            (std::vector<std::string>{"a/-1:enc.0:SERVING", "a/-1:enc.1:SERVING",
+                                      "b/-1:enc.2:SERVING"}));
+  // The moving replica briefly fails its probe: it stays, and nothing is started for it.
+  std::vector<v1::ReplicaStatus> reported;
+  for (const auto* r : nodes[0].reported) reported.push_back(*r);
+  reported[1].set_healthy(false);
+  nodes[0].reported = Keep(reported);
+  EXPECT_EQ(All(Place({d}, nodes, {}, moves)),
+            (std::vector<std::string>{"a/-1:enc.0:SERVING", "a/-1:enc.1:SERVING"}));
 }
 
 TEST(PlacementTest, NoSkewMoveWithoutRoomOrSurgeOrAcrossZones) {

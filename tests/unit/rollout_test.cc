@@ -140,6 +140,29 @@ TEST(RolloutTest, TheRecentWindowNeedsMinRequestsToo) {
   EXPECT_EQ(p.state.phase, "Progressing") << p.state.message;
 }
 
+TEST(RolloutTest, ACounterThatGoesBackRestartsTheWindowInsteadOfFailingIt) {
+  const std::vector<RolloutStep> long_step = {{10, absl::Minutes(30), false}};
+  RolloutState s = PlanRollout(Spec("1", long_step), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", long_step);
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(2, 0, 0), kT0);
+  // 0.5% errors for a while (under the 1% limit).
+  uint64_t req = 0, err = 0;
+  absl::Time t = kT0;
+  for (int i = 0; i < 100; ++i) {
+    t += absl::Seconds(1);
+    req += 1000;
+    err += 5;
+    p = PlanRollout(spec2, p.state, Stats(4, 10 * req, 0), Stats(2, req, err), t);
+  }
+  ASSERT_EQ(p.state.phase, "Progressing") << p.state.message;
+  // One canary replica stops serving: the sums lose its errors while the other one's requests
+  // still grow. Not a burst of errors.
+  t += absl::Seconds(1);
+  p = PlanRollout(spec2, p.state, Stats(4, 10 * req, 0), Stats(1, req + 500, err - 200), t);
+  EXPECT_EQ(p.state.phase, "Progressing") << p.state.message;
+  EXPECT_EQ(p.state.recent.size(), 1u);
+}
+
 TEST(RolloutTest, SlowCanaryFailsOnTheLatencyRatio) {
   RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
   auto spec2 = Spec("2", kTwoSteps);

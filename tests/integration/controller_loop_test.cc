@@ -1,0 +1,153 @@
+// The controller's loop, in process and driven by hand (Tick) with a simulated clock, against
+// a real SQLite store and a node speaking kiln.v1.ControlPlane over loopback gRPC.
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include "common/clock.h"
+#include "controller/controller.h"
+#include "controller/model_deployment.h"
+#include "controller/sqlite_store.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace kiln {
+namespace {
+
+namespace fs = std::filesystem;
+
+class ControllerLoopTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (fs::temp_directory_path() / ("kiln-loop-" + std::to_string(getpid()))).string();
+    fs::remove_all(dir_);
+    SqliteStore::Options so;
+    so.state_dir = dir_;
+    auto store = SqliteStore::Open(so, &clock_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+    ControllerOptions co;
+    co.observe_for = absl::ZeroDuration();
+    co.leases.not_ready_after = absl::Hours(1);  // the simulated clock jumps
+    co.leases.lost_after = absl::Hours(2);
+    controller_ = std::make_unique<Controller>(co, store_.get(), &clock_);
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(controller_.get());
+    server_ = b.BuildAndStart();
+    ASSERT_TRUE(server_ && port > 0);
+    stub_ = v1::ControlPlane::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    if (stream_) {
+      ctx_.TryCancel();
+      v1::ControllerMessage m;
+      while (stream_->Read(&m)) {
+      }
+      stream_->Finish();
+    }
+    server_->Shutdown(std::chrono::system_clock::now());
+    controller_->Stop();
+    server_.reset();
+    controller_.reset();
+    fs::remove_all(dir_);
+  }
+
+  // Node n1 with replica enc.0 of `enc` version 1, SERVING, having served `requests`; the
+  // report is marked with `mark` (its assignment generation) so the test can see it arrived.
+  void Report(int64_t requests, int64_t mark) {
+    v1::AgentMessage m;
+    auto* st = m.mutable_status();
+    st->set_assignment_generation(mark);
+    auto* r = st->add_replicas();
+    r->set_replica_id("enc.0");
+    r->set_model("encoder");
+    r->set_version("1");
+    r->set_device("cpu");
+    r->set_cpus("1");
+    r->set_state(v1::SERVING);
+    r->set_healthy(true);
+    r->mutable_load()->set_requests(requests);
+    r->mutable_load()->set_latency_p99_micros(3000);
+    ASSERT_TRUE(stream_->Write(m));
+    // Bounded poll until the controller has it.
+    const std::string seen = "\"assignmentGeneration\":" + std::to_string(mark);
+    for (int i = 0; i < 400; ++i) {
+      if (controller_->NodesJson().find(seen) != std::string::npos) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    FAIL() << "the report never arrived: " << controller_->NodesJson();
+  }
+  void Connect() {
+    stream_ = stub_->Connect(&ctx_);
+    v1::AgentMessage reg;
+    reg.mutable_register_()->set_node_name("n1");
+    reg.mutable_register_()->set_cpu_capacity(4);
+    ASSERT_TRUE(stream_->Write(reg));
+  }
+  // The stored status's request count of version 1.
+  int64_t StoredRequests() {
+    auto o = store_->Get(kModelDeploymentKind, "enc");
+    if (!o.ok()) return -1;
+    auto st = nlohmann::json::parse(o->status, nullptr, false);
+    if (!st.is_object() || !st.contains("versions")) return -1;
+    for (const auto& v : st["versions"]) {
+      if (v.value("version", "") == "1") return v.value("requests", int64_t{-1});
+    }
+    return -1;
+  }
+
+  std::string dir_;
+  SimulatedClock clock_;
+  std::unique_ptr<SqliteStore> store_;
+  std::unique_ptr<Controller> controller_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::ControlPlane::Stub> stub_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AgentMessage, v1::ControllerMessage>> stream_;
+};
+
+TEST_F(ControllerLoopTest, CountersAloneAreWrittenAtMostEveryTenSeconds) {
+  auto d = ParseModelDeployment(
+      "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
+      "spec:\n  model: {name: encoder, version: \"1\", uri: \"file:///m/encoder/1/model.pt\"}\n"
+      "  replicas: 1\n",
+      "test");
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "enc", EncodeForStore(*d)).ok());
+  Connect();
+  Report(100, 1);
+  controller_->Tick();
+  EXPECT_EQ(StoredRequests(), 100);
+  // A second later only the counters moved: not written yet.
+  clock_.Advance(absl::Seconds(1));
+  Report(200, 2);
+  controller_->Tick();
+  EXPECT_EQ(StoredRequests(), 100);
+  // Ten seconds after the last write they are.
+  clock_.Advance(absl::Seconds(9));
+  Report(300, 3);
+  controller_->Tick();
+  EXPECT_EQ(StoredRequests(), 300);
+  // Anything else that changes is written at once, with the counters of the moment.
+  clock_.Advance(absl::Seconds(1));
+  ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc",
+                             EncodeForStore([&] {
+                               ModelDeployment two = *d;
+                               two.spec.replicas = 2;
+                               return two;
+                             }()),
+                             0)
+                  .ok());
+  Report(400, 4);
+  controller_->Tick();
+  EXPECT_EQ(StoredRequests(), 400);
+}
+
+}  // namespace
+}  // namespace kiln
