@@ -149,5 +149,49 @@ TEST_F(ControllerLoopTest, CountersAloneAreWrittenAtMostEveryTenSeconds) {
   EXPECT_EQ(StoredRequests(), 400);
 }
 
+TEST_F(ControllerLoopTest, ANodeThatReconnectsIsToldAgainToRunNothing) {
+  // A node runs a replica no deployment wants: it is told so, also after it reconnects (the
+  // controller cannot know the node kept what it was told on the stream before).
+  for (int round = 0; round < 2; ++round) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    auto stream = stub_->Connect(&ctx);
+    v1::AgentMessage reg;
+    reg.mutable_register_()->set_node_name("n1");
+    reg.mutable_register_()->set_cpu_capacity(4);
+    auto* r = reg.mutable_register_()->add_replicas();
+    r->set_replica_id("orphan.0");
+    r->set_model("encoder");
+    r->set_version("1");
+    r->set_state(v1::SERVING);
+    r->set_healthy(true);
+    ASSERT_TRUE(stream->Write(reg));
+    for (int i = 0; i < 400 && controller_->NodesJson().find("\"connected\":true") == std::string::npos;
+         ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    clock_.Advance(absl::Seconds(1));
+    controller_->Tick();
+    v1::ControllerMessage m;
+    bool assigned = false;
+    while (!assigned && stream->Read(&m)) {  // the routing table may come too
+      if (m.has_assignment()) {
+        assigned = true;
+        EXPECT_EQ(m.assignment().replicas_size(), 0) << "round " << round;
+      }
+    }
+    EXPECT_TRUE(assigned) << "round " << round;
+    ctx.TryCancel();
+    while (stream->Read(&m)) {
+    }
+    stream->Finish();
+    // Bounded poll until the controller saw it go.
+    for (int i = 0; i < 400 && controller_->NodesJson().find("\"connected\":true") != std::string::npos;
+         ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kiln
