@@ -13,8 +13,11 @@
 // status of real deployments; at the end it reads their readyReplicas back.
 //
 // Streams are spread over --channels connections; one thread writes every stream's Status in
-// turn each period (the controller sends nothing to nodes without assignments, so nobody needs
-// to read).
+// turn each period. Nobody reads what the controller sends (a thread per stream to read would
+// cost the simulator more than the controller): with --deployments the unread assignments and
+// routing tables make the connections fail after about 20 s ("Connection reset by peer"; the
+// first failed round and the reason are printed), so measure 15-20 s.
+
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -125,6 +128,7 @@ int main(int argc, char** argv) {
     std::unique_ptr<grpc::ClientReaderWriter<kiln::v1::AgentMessage, kiln::v1::ControllerMessage>>
         stream;
     kiln::v1::AgentMessage status;
+    bool broken = false;  // a write failed: the stream is gone
   };
   std::vector<Agent> agents(nodes);
   auto t_reg = Clock::now();
@@ -188,16 +192,20 @@ int main(int argc, char** argv) {
   auto t0 = Clock::now();
   uint64_t sent = 0, failed = 0, late_rounds = 0, rounds = 0;
   uint64_t requests = 0;
+  int64_t first_failed_round = -1;
   for (auto next = t0; std::chrono::duration<double>(Clock::now() - t0).count() < seconds;) {
     requests += 50;
     for (Agent& a : agents) {
       for (auto& rs : *a.status.mutable_status()->mutable_replicas()) {
         rs.mutable_load()->set_requests(requests);
       }
+      if (a.broken) continue;
       if (a.stream->Write(a.status)) {
         sent++;
       } else {
         failed++;
+        a.broken = true;
+        if (first_failed_round < 0) first_failed_round = static_cast<int64_t>(rounds);
       }
     }
     rounds++;
@@ -221,9 +229,17 @@ int main(int argc, char** argv) {
       }
     }
   }
+  std::string first_error;  // why the first broken stream ended, as the controller said
+  for (Agent& a : agents) {
+    if (a.broken && first_error.empty()) {
+      grpc::Status st = a.stream->Finish();
+      first_error = std::to_string(st.error_code()) + ": " + st.error_message();
+    }
+  }
   for (Agent& a : agents) {
     a.ctx->TryCancel();
   }
+
   nlohmann::json out = {{"nodes", nodes},
                         {"replicas", nodes * replicas},
                         {"deployments", deployments},
@@ -234,6 +250,8 @@ int main(int argc, char** argv) {
                         {"status_messages", sent},
                         {"status_per_s", sent / wall},
                         {"failed_writes", failed},
+                        {"first_failed_round", first_failed_round},
+                        {"first_error", first_error},
                         {"rounds", rounds},
                         {"late_rounds", late_rounds},
                         {"controller_cores", ctl / wall},

@@ -212,6 +212,9 @@ class Controller::Stream final : public grpc::ServerBidiReactor<grpc::ByteBuffer
       }
     }
     if (!refused.ok()) {
+      GetLogger("controller")
+          ->warn("stream from {}{}: ended: {}", context_->peer(),
+                 node_.empty() ? "" : " (node " + node_ + ")", refused.error_message());
       End(refused);
       return;
     }
@@ -237,7 +240,10 @@ class Controller::Stream final : public grpc::ServerBidiReactor<grpc::ByteBuffer
     if (!ending_) WriteNextLocked();
   }
 
-  void OnCancel() override { End(grpc::Status::CANCELLED); }
+  void OnCancel() override {
+    GetLogger("controller")->debug("stream from {} cancelled", context_->peer());
+    End(grpc::Status::CANCELLED);
+  }
 
   void OnDone() override {
     if (!node_.empty()) controller_->Ended(node_, this);
