@@ -73,6 +73,9 @@ class ClusterTest : public ::testing::Test {
   }
   void TearDown() override {
     Kill(&agent_, SIGTERM);  // --stop-replicas-on-exit: drains and stops the runtimes
+    for (pid_t& pid : others_) {
+      if (pid > 0 && kill(pid, 0) == 0) Kill(&pid, SIGTERM);  // those a test left running
+    }
     Kill(&controller_, SIGKILL);
     fs::remove_all(dir_);
   }
@@ -113,6 +116,7 @@ class ClusterTest : public ::testing::Test {
         "--stop-timeout-ms", "5000", "--stop-replicas-on-exit"};
     args.insert(args.end(), extra.begin(), extra.end());
     a.pid = SpawnLogged(args, a.log);
+    others_.push_back(a.pid);
     a.admin = WaitForNumber(a.log, "admin_port=");
     a.router_grpc = WaitForNumber(a.log, "router listening grpc_port=");
     return a;
@@ -246,6 +250,7 @@ class ClusterTest : public ::testing::Test {
 
   std::string dir_, clog_, alog_;
   pid_t controller_ = -1, agent_ = -1;
+  std::vector<pid_t> others_;  // every StartAnotherAgent, stopped at the end if still running
   int controllers_ = 0;
   int admin_ = 0, control_ = 0, agent_admin_ = 0, router_grpc_ = 0;
   int last_rc_ = -1;
@@ -441,6 +446,12 @@ TEST_F(ClusterTest, ADeploymentPiledOnOneNodeSpreadsWhenAnotherJoins) {
   EXPECT_TRUE(spread) << ReadFile(clog_);
   EXPECT_GT(traffic.ok.load(), 20);
   EXPECT_EQ(traffic.failed.load(), 0) << traffic.first_error;
+  // The controller calls the move done once a1 no longer reports the old replica (its next
+  // status): a bounded poll.
+  for (int i = 0; i < 400 && ReadFile(clog_).find("rebalancing: enc.1 moved") == std::string::npos;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
   const std::string log = ReadFile(clog_);
   EXPECT_NE(log.find("(spread: a1 runs 2 of enc, a2 0) serves until its replacement does"),
             std::string::npos)
