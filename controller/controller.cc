@@ -73,6 +73,13 @@ nlohmann::json VersionsJson(const RolloutPlan& plan,
   return out;
 }
 
+// `m` as the bytes a stream writes (a fresh buffer each time: serializing needs an empty one).
+// Only a message over 2 GiB fails.
+grpc::Status ToBytes(const v1::ControllerMessage& m, grpc::ByteBuffer* bytes) {
+  bool own = false;
+  return grpc::SerializationTraits<v1::ControllerMessage>::Serialize(m, bytes, &own);
+}
+
 // A deployment's status less the numbers that move with every report.
 nlohmann::json WithoutCounters(nlohmann::json status) {
   if (status.contains("versions") && status["versions"].is_array()) {
@@ -407,9 +414,8 @@ void Controller::Send(const std::string& node, const v1::ControllerMessage& m) {
   auto it = sessions_.find(node);
   if (it == sessions_.end()) return;
   grpc::ByteBuffer bytes;
-  bool own = false;
-  grpc::Status s = grpc::SerializationTraits<v1::ControllerMessage>::Serialize(m, &bytes, &own);
-  if (!s.ok()) {  // only a message over 2 GiB fails
+  grpc::Status s = ToBytes(m, &bytes);
+  if (!s.ok()) {
     GetLogger("controller")->error("node {}: cannot serialize its message: {}", node, s.error_message());
     return;
   }
@@ -457,6 +463,8 @@ void Controller::Tick() {
     demands.push_back(pd);
     deps.push_back({o, *d});
   }
+  std::set<std::string> live;  // the deployments there are now: what is kept for others goes
+  for (const auto& dep : deps) live.insert(dep.d.name);
 
   std::vector<std::pair<std::string, nlohmann::json>> statuses;
   // Events for operators (Kubernetes Events on that store), recorded once the lock is released.
@@ -550,11 +558,11 @@ void Controller::Tick() {
     std::vector<PlacementDemand> all_demands;
     // Forget deployments that are gone (or were deleted and created again under the name).
     for (auto it = rollouts_.begin(); it != rollouts_.end();) {
-      bool live = false;
+      bool same = false;  // the very object the state was kept for
       for (const auto& dep : deps) {
-        live |= dep.object.name == it->first && dep.object.uid == rollout_uids_[it->first];
+        same |= dep.object.name == it->first && dep.object.uid == rollout_uids_[it->first];
       }
-      if (live) {
+      if (same) {
         ++it;
       } else {
         rollout_uids_.erase(it->first);
@@ -714,9 +722,7 @@ void Controller::Tick() {
     // out). A deployment's group routes are made again only when what it is built from changed,
     // a group's table is serialized once for its nodes and sent only when it changed.
     bool routes_changed = false;
-    std::set<std::string> live;
     for (const auto& dep : deps) {
-      live.insert(dep.d.name);
       RouteInput in;
       in.head.set_model(dep.d.spec.model.name);
       const RolloutPlan& plan = plans[dep.d.name];
@@ -794,10 +800,8 @@ void Controller::Tick() {
         v1::RoutingTable* t = m.mutable_routing_table();
         t->set_generation(routing_generation_);
         for (const auto& dep : deps) *t->add_routes() = route_cache_[dep.d.name].groups[g];
-        grpc::ByteBuffer bytes;  // serializing needs an empty one
-        bool own = false;
-        grpc::Status ser =
-            grpc::SerializationTraits<v1::ControllerMessage>::Serialize(m, &bytes, &own);
+        grpc::ByteBuffer bytes;
+        grpc::Status ser = ToBytes(m, &bytes);
         if (!ser.ok()) {
           log->error("routing table of group {}: cannot serialize: {}", g, ser.error_message());
           continue;
@@ -877,11 +881,9 @@ void Controller::Tick() {
     store_->RecordEvent(kModelDeploymentKind, e.name, e.type, e.reason, e.message);
   }
   // One status per deployment, in the same order.
-  std::set<std::string> live;
   for (size_t i = 0; i < deps.size() && i < statuses.size(); ++i) {
     const auto& dep = deps[i];
     const auto& [name, st] = statuses[i];
-    live.insert(name);
     std::string text = st.dump();
     if (text == dep.object.status) continue;
     std::string without = WithoutCounters(st).dump();

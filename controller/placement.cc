@@ -254,13 +254,6 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       }
       return true;
     };
-    // Why a replica moves: an unhealthy GPU, or the caller's reason; empty when it stays.
-    auto move_reason = [&](const Existing& e) -> std::string {
-      if (on_bad_gpu(e)) return "GPU " + std::to_string(e.spec().gpu()) + " (unhealthy)";
-      if (moves.empty()) return "";
-      auto it = moves.find(e.spec().replica_id());
-      return it == moves.end() ? "" : "(" + it->second + ")";
-    };
     // The replicas that stay, SERVING first (as reported, else as assigned), then by id; the
     // ones that move and take traffic now, by id. A moving replica not taking traffic goes.
     // A move the caller asked for (not forced by a bad GPU) is voluntary: it never leaves a
@@ -269,14 +262,19 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     std::map<const Existing*, std::string> why;
     std::set<const Existing*> voluntary;
     for (Existing* e : mine) {
-      std::string reason = move_reason(*e);
-      const bool forced = !reason.empty() && on_bad_gpu(*e);
-      if (reason.empty() || (!forced && !e->ready)) {
+      // Moved when its GPU went bad (forced) or the caller asks (voluntary).
+      const bool forced = on_bad_gpu(*e);
+      auto asked = forced || moves.empty() ? moves.end() : moves.find(e->spec().replica_id());
+      if (!forced && (asked == moves.end() || !e->ready)) {
         staying.push_back(e);
       } else if (e->ready) {
         moving.push_back(e);
-        if (!forced) voluntary.insert(e);
-        why[e] = std::move(reason);
+        if (forced) {
+          why[e] = "GPU " + std::to_string(e->spec().gpu()) + " (unhealthy)";
+        } else {
+          voluntary.insert(e);
+          why[e] = "(" + asked->second + ")";
+        }
       }
     }
     // SERVING first, then what the node was assigned before what it only still reports (a
@@ -375,6 +373,17 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     slots_of(ns, [](std::set<Slot>& set, const Slot& slot) { set.erase(slot); });
   };
   bool indexed = false;  // built on first use: a steady tick places nothing
+  // What one replica of `d` needs of a slot: free memory on a GPU, or free CPUs.
+  auto need_of = [](const PlacementDemand& d) { return d.gpus > 0 ? d.gpu_memory_bytes : d.cpus; };
+  // Zone z's slots with room for one replica of `d`, in the index's order (tightest first).
+  auto room_in = [&](const PlacementDemand& d, size_t z) {
+    if (!indexed) {
+      for (const NodeState* ns : order) index(*ns);
+      indexed = true;
+    }
+    const std::set<Slot>& slots = d.gpus > 0 ? gpu_slots[z] : cpu_slots[z];
+    return std::make_pair(slots.lower_bound(Slot{need_of(d), kLowest, -1, -1, -1}), slots.end());
+  };
   const std::string* previous_deployment = nullptr;  // demands come sorted by deployment
 
   // Pass 2: new replicas.
@@ -423,19 +432,12 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     // when no zone has such a node (then every node is scanned: the key's first field, the
     // deployment's count on the node, decides).
     auto best_fresh = [&]() -> std::optional<Key> {
-      if (!indexed) {
-        for (const NodeState* ns : order) index(*ns);
-        indexed = true;
-      }
       std::optional<Key> best;
+      const int64_t need = need_of(d);
       for (size_t z = 0; z < zones.size(); ++z) {
         const int zone_count = sp.per_zone[z];
         if (best && std::get<1>(*best) < zone_count) continue;
-        const bool gpu = d.gpus > 0;
-        const std::set<Slot>& slots = gpu ? gpu_slots[z] : cpu_slots[z];
-        const int64_t need = gpu ? d.gpu_memory_bytes : d.cpus;
-        for (auto it = slots.lower_bound(Slot{need, kLowest, -1, -1, -1}); it != slots.end();
-             ++it) {
+        for (auto [it, end] = room_in(d, z); it != end; ++it) {
           const NodeState& ns = *order[std::get<2>(*it)];
           if (sp.on(ns.index) != 0 || ns.cpu_used + d.cpus > ns.node->cpu_capacity) {
             continue;
@@ -500,23 +502,15 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         }
       }
       if (from && most >= 2) {
-        if (!indexed) {
-          for (const NodeState* ns : order) index(*ns);
-          indexed = true;
-        }
-        const bool gpu = d.gpus > 0;
         // Its zone; nodes without a zone label count as one zone here (each is its own for
         // spreading new replicas).
-        const int64_t need = gpu ? d.gpu_memory_bytes : d.cpus;
         const std::string& label = from->ns->node->zone;
         for (size_t z = 0; z < zones.size() && !out.skewed.count(from->spec().replica_id());
              ++z) {
           if (label.empty() ? !unlabelled_zone[z] : static_cast<int>(z) != from->ns->zone_id) {
             continue;
           }
-          const std::set<Slot>& slots = gpu ? gpu_slots[z] : cpu_slots[z];
-          for (auto it = slots.lower_bound(Slot{need, kLowest, -1, -1, -1}); it != slots.end();
-               ++it) {
+          for (auto [it, end] = room_in(d, z); it != end; ++it) {
             const NodeState& to = *order[std::get<2>(*it)];
             const int there = sp.on(to.index);
             if (there > most - 2 || to.cpu_used + d.cpus > to.node->cpu_capacity) continue;
