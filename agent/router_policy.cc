@@ -1,15 +1,10 @@
 #include "agent/router_policy.h"
 
+#include "common/hash.h"
+
 namespace kiln {
 
-uint64_t StickyHash(const std::string& key) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : key) {
-    h ^= c;
-    h *= 1099511628211ULL;
-  }
-  return h;
-}
+uint64_t StickyHash(const std::string& key) { return Fnv1a64(key); }
 
 absl::StatusOr<std::string> PickVersion(const std::vector<WeightedVersion>& versions,
                                         const std::optional<std::string>& sticky_key,

@@ -3,21 +3,17 @@
 #include <algorithm>
 #include <map>
 
+#include "common/hash.h"
+
 namespace kiln {
 
 namespace {
 
-// 64-bit FNV-1a, then a final mix: stable across processes and builds (std::hash is not).
+// FNV-1a over the strings (each closed by a 0xff byte, so ("ab", "c") differs from ("a", "bc")),
+// then a final mix so that nearby inputs spread over the whole range.
 uint64_t Hash(const std::string& a, const std::string& b = "") {
-  uint64_t h = 1469598103934665603ULL;
-  for (const std::string* s : {&a, &b}) {
-    for (unsigned char c : *s) {
-      h ^= c;
-      h *= 1099511628211ULL;
-    }
-    h ^= 0xff;  // separates ("ab", "c") from ("a", "bc")
-    h *= 1099511628211ULL;
-  }
+  uint64_t h = kFnv1aOffset;
+  for (const std::string* s : {&a, &b}) h = Fnv1a64("\xff", Fnv1a64(*s, h));
   h ^= h >> 33;
   h *= 0xff51afd7ed558ccdULL;
   h ^= h >> 33;
