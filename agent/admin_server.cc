@@ -7,18 +7,17 @@
 
 namespace kiln {
 
-namespace http = web::http;
-
 namespace {
 
 // POST /v1/fake-gpus/{index}/xid/{code}.
-void InjectXid(const AdminHandlers& handlers, const std::string& path, http::http_request& r) {
+void InjectXid(const AdminHandlers& handlers, const std::string& path, const std::string& method,
+               const HttpReply& r) {
   if (!handlers.inject_xid) {
-    ReplyQuietly(r, 404, "no fake GPUs on this agent (only with --fake-gpus)\n", "text/plain");
+    r.Send(404, "no fake GPUs on this agent (only with --fake-gpus)\n", "text/plain");
     return;
   }
-  if (r.method() != http::methods::POST) {
-    ReplyQuietly(r, 405, "POST /v1/fake-gpus/{index}/xid/{code}\n", "text/plain");
+  if (method != "POST") {
+    r.Send(405, "POST /v1/fake-gpus/{index}/xid/{code}\n", "text/plain");
     return;
   }
   // Digits only: /v1/fake-gpus/{index}/xid/{code}.
@@ -34,48 +33,55 @@ void InjectXid(const AdminHandlers& handlers, const std::string& path, http::htt
   uint64_t xid = 0;
   if (slash == std::string_view::npos || rest.substr(slash, 5) != "/xid/" ||
       !number(rest.substr(0, slash), &index) || !number(rest.substr(slash + 5), &xid)) {
-    ReplyQuietly(r, 400, "path: want /v1/fake-gpus/{index}/xid/{code} (digits), got " + path + "\n",
+    r.Send(400, "path: want /v1/fake-gpus/{index}/xid/{code} (digits), got " + path + "\n",
                  "text/plain");
     return;
   }
   absl::Status s = handlers.inject_xid(index, xid);
-  ReplyQuietly(r, s.ok() ? 200 : HttpStatusFromCode(s.code()),
+  r.Send(s.ok() ? 200 : HttpStatusFromCode(s.code()),
                s.ok() ? "xid " + std::to_string(xid) + " on fake GPU " + std::to_string(index) + "\n"
                       : std::string(s.message()) + "\n",
                "text/plain");
 }
 
-void Handle(const AdminHandlers& handlers, http::http_request r) {
-  std::string path = r.relative_uri().path();
+void Handle(const AdminHandlers& handlers, const HttpRequest& request, const HttpReply& r) {
+  const std::string& path = request.path;
   try {
-    if (path == "/healthz") {
+    if (request.method != "GET" && request.method != "POST") {
+      r.Send(405, "method " + request.method + " is not allowed here\n", "text/plain");
+    } else if (path == "/healthz") {
       bool ok = handlers.live();
-      ReplyQuietly(r, ok ? 200 : 503, ok ? "ok\n" : "event loop stalled\n", "text/plain");
+      r.Send(ok ? 200 : 503, ok ? "ok\n" : "event loop stalled\n", "text/plain");
     } else if (path == "/readyz") {
       bool ok = handlers.ready();
-      ReplyQuietly(r, ok ? 200 : 503, ok ? "ready\n" : "not serving the assignment yet\n", "text/plain");
+      r.Send(ok ? 200 : 503, ok ? "ready\n" : "not serving the assignment yet\n", "text/plain");
     } else if (path == "/metrics") {
-      ReplyQuietly(r, 200, handlers.metrics(), "text/plain; version=0.0.4; charset=utf-8");
+      r.Send(200, handlers.metrics(), "text/plain; version=0.0.4; charset=utf-8");
     } else if (path == "/v1/replicas") {
-      ReplyQuietly(r, 200, handlers.replicas(), "application/json");
+      r.Send(200, handlers.replicas(), "application/json");
     } else if (path.rfind("/v1/fake-gpus/", 0) == 0) {
-      InjectXid(handlers, path, r);
+      InjectXid(handlers, path, request.method, r);
     } else {
-      ReplyQuietly(r, 404, "no such endpoint\n", "text/plain");
+      r.Send(404, "no such endpoint\n", "text/plain");
     }
   } catch (const std::exception& e) {
-    ReplyQuietly(r, 500, std::string("internal error: ") + e.what() + "\n", "text/plain");
+    r.Send(500, std::string("internal error: ") + e.what() + "\n", "text/plain");
   }
 }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<HttpListener>> StartAdminServer(const std::string& bind, int port,
-                                                               AdminHandlers handlers) {
-  return HttpListener::Start(
-      bind, port, {http::methods::GET, http::methods::POST},
-      [handlers = std::move(handlers)](http::http_request r) { Handle(handlers, std::move(r)); },
-      "--admin-port/--admin-bind");
+absl::StatusOr<std::unique_ptr<HttpServer>> StartAdminServer(const std::string& bind, int port,
+                                                             AdminHandlers handlers) {
+  HttpServer::Options o;
+  o.bind_address = bind;
+  o.port = port;
+  o.threads = 1;
+  o.max_body_bytes = 64 * 1024;  // nothing it serves takes a body
+  o.flags = "--admin-port/--admin-bind";
+  return HttpServer::Start(o, [handlers = std::move(handlers)](HttpRequest request, HttpReply r) {
+    Handle(handlers, request, r);
+  });
 }
 
 }  // namespace kiln

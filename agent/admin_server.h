@@ -6,7 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/http_listener.h"
+#include "common/http_server.h"
 
 namespace kiln {
 
@@ -21,7 +21,7 @@ struct AdminHandlers {
   std::function<absl::Status(int index, uint64_t xid)> inject_xid;
 };
 
-absl::StatusOr<std::unique_ptr<HttpListener>> StartAdminServer(const std::string& bind, int port,
+absl::StatusOr<std::unique_ptr<HttpServer>> StartAdminServer(const std::string& bind, int port,
                                                                AdminHandlers handlers);
 
 }  // namespace kiln

@@ -46,7 +46,7 @@ struct AgentOptions {
 
 absl::Status ValidateAgentOptions(const AgentOptions& options);
 
-class HttpListener;
+class HttpServer;
 class Router;
 
 // One node: discovers its topology, runs the assignment through the supervisor on one loop
@@ -98,7 +98,7 @@ class Agent {
   absl::Time last_gpu_poll_ = absl::InfinitePast();
   mutable absl::Mutex health_mu_;
   std::map<int, GpuHealth> gpu_health_ ABSL_GUARDED_BY(health_mu_);
-  std::unique_ptr<HttpListener> admin_;
+  std::unique_ptr<HttpServer> admin_;
   std::unique_ptr<Router> router_;
   std::unique_ptr<class ControllerClient> controller_;
   std::atomic<int64_t> routing_generation_{0};

@@ -1,7 +1,6 @@
 #include "agent/router.h"
 
 #include <cpprest/http_client.h>
-#include <cpprest/http_listener.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/server_builder.h>
 
@@ -11,8 +10,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
 #include "common/grpc_status.h"
+#include "common/http_server.h"
 #include "common/logging.h"
-#include "common/net_util.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 
@@ -298,17 +297,13 @@ class RouterGrpcService final : public inference::GRPCInferenceService::Callback
   Router* router_;
 };
 
-void Reply(const http::http_request& request, int code, const std::string& body,
-           const std::string& version = "") {
-  http::http_response resp(static_cast<http::status_code>(code));
-  resp.set_body(body, "application/json");
-  if (!version.empty()) resp.headers().add("kiln-version", version);
-  request.reply(resp).then([](pplx::task<void> t) {
-    try {
-      t.get();
-    } catch (const std::exception&) {
-    }
-  });
+void Reply(const HttpReply& request, int code, std::string body, const std::string& version = "") {
+  HttpResponse r;
+  r.code = code;
+  r.body = std::move(body);
+  r.content_type = "application/json";
+  if (!version.empty()) r.headers.emplace_back("kiln-version", version);
+  request.Send(std::move(r));
 }
 
 std::string Error(const std::string& m) {
@@ -335,31 +330,23 @@ class Router::Impl {
       return absl::UnavailableError("--grpc-port: cannot listen on " + o.bind_address + ":" +
                                     std::to_string(o.grpc_port));
     }
-    max_request_bytes_ = o.max_request_bytes;
-    auto port = OpenOnPort(o.bind_address, o.http_port, [&](int p) -> absl::Status {
-      auto l = std::make_unique<http::experimental::listener::http_listener>(
-          "http://" + o.bind_address + ":" + std::to_string(p));
-      l->support([this](http::http_request r) { Handle(std::move(r)); });
-      try {
-        l->open().wait();
-      } catch (const std::exception& e) {
-        return absl::UnavailableError(std::string("cannot listen: ") + e.what());
-      }
-      listener_ = std::move(l);
-      return absl::OkStatus();
-    });
-    if (!port.ok()) return Annotate(port.status(), "--http-port/--ingress-bind");
-    http_port_ = *port;
+    HttpServer::Options h;
+    h.bind_address = o.bind_address;
+    h.port = o.http_port;
+    h.max_body_bytes = o.max_request_bytes;
+    h.flags = "--http-port/--ingress-bind";
+    auto server = HttpServer::Start(
+        h, [this](HttpRequest request, HttpReply reply) { Handle(std::move(request), reply); });
+    if (!server.ok()) return server.status();
+    http_server_ = std::move(*server);
+    http_port_ = http_server_->port();
     return absl::OkStatus();
   }
 
   void Stop() {
-    if (listener_) {
-      try {
-        listener_->close().wait();
-      } catch (const std::exception&) {
-      }
-      listener_.reset();
+    if (http_server_) {
+      http_server_->Stop(absl::Seconds(5));
+      http_server_.reset();
     }
     if (grpc_server_) {
       grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
@@ -382,92 +369,83 @@ class Router::Impl {
     return c;
   }
 
-  void Handle(http::http_request request) {
+  void Handle(HttpRequest request, const HttpReply& reply) {
     try {
-      Route(request);
+      Route(request, reply);
     } catch (const std::exception& e) {
-      Reply(request, 500, Error(std::string("internal error: ") + e.what()));
+      Reply(reply, 500, Error(std::string("internal error: ") + e.what()));
     }
   }
 
-  void Route(http::http_request& request) {
-    std::string path = request.relative_uri().path();
+  void Route(HttpRequest& request, const HttpReply& reply) {
+    const std::string& path = request.path;
     std::vector<std::string> parts = absl::StrSplit(path, '/', absl::SkipEmpty());
     if (parts.size() == 3 && parts[0] == "v2" && parts[1] == "health") {
       bool ok = parts[2] == "live" || router_->Ready("", "");
-      Reply(request, ok ? 200 : 503, json{{parts[2], ok}}.dump());
+      Reply(reply, ok ? 200 : 503, json{{parts[2], ok}}.dump());
       return;
     }
     if (parts.size() >= 3 && parts[0] == "v2" && parts[1] == "models") {
-      std::string model = web::uri::decode(parts[2]);
+      std::string model = PercentDecode(parts[2]);
       std::string version;
       size_t next = 3;
       if (parts.size() >= 5 && parts[3] == "versions") {
-        version = web::uri::decode(parts[4]);
+        version = PercentDecode(parts[4]);
         next = 5;
       }
       if (parts.size() == next + 1 && parts[next] == "ready") {
         bool ok = router_->Ready(model, version);
-        Reply(request, ok ? 200 : 503, json{{"name", model}, {"ready", ok}}.dump());
+        Reply(reply, ok ? 200 : 503, json{{"name", model}, {"ready", ok}}.dump());
         return;
       }
-      if (parts.size() == next + 1 && parts[next] == "infer" &&
-          request.method() == http::methods::POST) {
-        Infer(request, model, version, path);
+      if (parts.size() == next + 1 && parts[next] == "infer" && request.method == "POST") {
+        // The server has already refused a declared size over the limit (413).
+        if (!request.Header("Content-Length")) {
+          Reply(reply, 411, Error("Content-Length is required"));
+          return;
+        }
+        Sticky sticky = StickyOf(request, model);
+        Forward(reply, model, version, path, std::move(request.body), sticky, {}, 0);
         return;
       }
-      if (parts.size() == next && request.method() == http::methods::GET) {
-        Forward(request, model, version, path, "", {}, 0);
+      if (parts.size() == next && request.method == "GET") {
+        Forward(reply, model, version, path, "", StickyOf(request, model), {}, 0);
         return;
       }
     }
-    Reply(request, 404, Error("no such endpoint: " + path));
+    Reply(reply, 404, Error("no such endpoint: " + path));
   }
 
-  void Infer(http::http_request& request, const std::string& model, const std::string& version,
-             const std::string& path) {
-    if (!request.headers().has(http::header_names::content_length)) {
-      Reply(request, 411, Error("Content-Length is required"));
-      return;
-    }
-    if (static_cast<int64_t>(request.headers().content_length()) > max_request_bytes_) {
-      Reply(request, 413, Error("the request body exceeds the limit of " +
-                                std::to_string(max_request_bytes_) + " bytes"));
-      return;
-    }
-    request.extract_utf8string(true).then([this, request, model, version,
-                                           path](pplx::task<std::string> t) mutable {
-      try {
-        std::string body = t.get();
-        Forward(request, model, version, path, body, {}, 0);
-      } catch (const std::exception& e) {
-        Reply(request, 400, Error(std::string("cannot read the body: ") + e.what()));
-      }
-    });
-  }
-
-  // Forwards to the chosen replica; on 503 or a connection failure, once more elsewhere.
-  void Forward(http::http_request request, const std::string& model, const std::string& version,
-               const std::string& path, const std::string& body, std::set<std::string> exclude,
-               int attempt) {
-    std::string sticky;
+  struct Sticky {
+    std::string key;
     bool given = false;
+  };
+  // The request's sticky key: the model's header, else its `parameters` entry.
+  Sticky StickyOf(const HttpRequest& request, const std::string& model) {
+    Sticky out;
     auto [header, param] = router_->StickyKey(model);
-    if (!header.empty() && request.headers().has(header)) {
-      sticky = request.headers().find(header)->second;
-      given = true;
-    } else if (!param.empty() && !body.empty()) {
-      json doc = json::parse(body, nullptr, false);
+    if (!header.empty()) {
+      if (auto v = request.Header(header)) return {std::string(*v), true};
+    }
+    if (!param.empty() && !request.body.empty()) {
+      json doc = json::parse(request.body, nullptr, false);
       if (doc.is_object() && doc.contains("parameters") && doc["parameters"].is_object() &&
           doc["parameters"].contains(param)) {
         const json& v = doc["parameters"][param];
-        sticky = v.is_string() ? v.get<std::string>() : v.dump();
-        given = true;
+        out.key = v.is_string() ? v.get<std::string>() : v.dump();
+        out.given = true;
       }
     }
-    auto choice = router_->Choose(model, version, sticky, given, exclude);
+    return out;
+  }
+
+  // Forwards to the chosen replica; on 503 or a connection failure, once more elsewhere.
+  void Forward(HttpReply reply, const std::string& model, const std::string& version,
+               const std::string& path, std::string body, const Sticky& sticky,
+               std::set<std::string> exclude, int attempt) {
+    auto choice = router_->Choose(model, version, sticky.key, sticky.given, exclude);
     if (!choice.ok()) {
-      Reply(request, HttpStatusFromCode(choice.status().code()),
+      Reply(reply, HttpStatusFromCode(choice.status().code()),
             Error(std::string(choice.status().message())));
       return;
     }
@@ -479,8 +457,8 @@ class Router::Impl {
     router_->Begin(id);
     ClientFor(choice->endpoint.http_address)
         ->request(out)
-        .then([this, request, model, version, path, body, exclude, attempt, id,
-               chosen](pplx::task<http::http_response> t) mutable {
+        .then([this, reply, model, version, path, body = std::move(body), sticky, exclude, attempt,
+               id, chosen](pplx::task<http::http_response> t) mutable {
           router_->End(id);
           int code = 0;
           std::string text;
@@ -495,7 +473,7 @@ class Router::Impl {
           if (code == 503 && attempt == 0) {
             exclude.insert(id);
             router_->CountRetry();
-            Forward(request, model, version, path, body, exclude, 1);
+            Forward(reply, model, version, path, std::move(body), sticky, exclude, 1);
             return;
           }
           if (code == 200 && !body.empty()) {
@@ -505,15 +483,14 @@ class Router::Impl {
               text = doc.dump(-1, ' ', false, json::error_handler_t::replace);
             }
           }
-          Reply(request, code, text, code == 200 ? chosen : "");
+          Reply(reply, code, std::move(text), code == 200 ? chosen : "");
         });
   }
 
   Router* router_;
   RouterGrpcService grpc_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
-  std::unique_ptr<http::experimental::listener::http_listener> listener_;
-  int64_t max_request_bytes_ = 0;
+  std::unique_ptr<HttpServer> http_server_;
   absl::Mutex clients_mu_;
   std::map<std::string, std::shared_ptr<http::client::http_client>> clients_
       ABSL_GUARDED_BY(clients_mu_);

@@ -1,12 +1,10 @@
 #include "runtime/http_frontend.h"
 
-#include <cpprest/http_msg.h>
-
 #include <vector>
 
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
-#include "common/http_listener.h"
+#include "common/http_server.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "runtime/grpc_frontend.h"
@@ -14,7 +12,6 @@
 
 namespace kiln {
 
-namespace http = web::http;
 using nlohmann::json;
 
 namespace {
@@ -50,26 +47,14 @@ class RequestGate {
 };
 using Gate = std::shared_ptr<RequestGate>;
 
-// Sends the one reply of an entered request and leaves the gate once it is written.
-void Reply(const http::http_request& request, const Gate& gate, int code,
-           const std::string& body) {
-  http::http_response resp(static_cast<http::status_code>(code));
-  resp.set_body(body, "application/json");
-  try {
-    request.reply(resp).then([gate](pplx::task<void> t) {
-      try {
-        t.get();
-      } catch (const std::exception&) {
-        // The client went away; nothing to do.
-      }
-      gate->Exit();
-    });
-  } catch (const std::exception&) {
-    gate->Exit();
-  }
+// Sends the one reply of an entered request and leaves the gate (the server writes it out,
+// and its Stop waits for that).
+void Reply(const HttpReply& request, const Gate& gate, int code, std::string body) {
+  request.Send(code, std::move(body), "application/json");
+  gate->Exit();
 }
 
-void ReplyStatus(const http::http_request& request, const Gate& gate, const absl::Status& status,
+void ReplyStatus(const HttpReply& request, const Gate& gate, const absl::Status& status,
                  bool decoding = false) {
   int code = HttpStatusFromCode(status.code());
   // A payload over the limit can never succeed: 413, not 429 ("retry later").
@@ -102,49 +87,52 @@ class HttpFrontend::Impl {
       : host_(host), options_(std::move(options)), gate_(std::make_shared<RequestGate>()) {}
 
   absl::StatusOr<int> Listen() {
-    auto listener = HttpListener::Start(
-        options_.bind_address, options_.port, {},
-        [this](http::http_request request) { Handle(std::move(request)); },
-        "--http-port/--bind-address");
-    if (!listener.ok()) return listener.status();
-    listener_ = std::move(*listener);
-    return listener_->port();
+    HttpServer::Options o;
+    o.bind_address = options_.bind_address;
+    o.port = options_.port;
+    o.threads = options_.threads;
+    o.max_body_bytes = options_.max_request_bytes;
+    o.flags = "--http-port/--bind-address";
+    auto server = HttpServer::Start(
+        o, [this](HttpRequest request, HttpReply reply) { Handle(std::move(request), reply); });
+    if (!server.ok()) return server.status();
+    server_ = std::move(*server);
+    return server_->port();
   }
 
-  // New requests get 503; accepted ones get (bounded) time to have their replies written;
-  // then the listener closes, which aborts bodies still unread, and those are waited for too.
+  // New requests get 503; accepted ones get (bounded) time to have their replies sent; then
+  // the server stops, giving those replies time to be written.
   void Close() {
     gate_->Close();
-    bool idle = gate_->WaitIdle(absl::Seconds(10));
-    listener_.reset();
-    if (!idle && !gate_->WaitIdle(absl::Seconds(5))) {
-      GetLogger("runtime.http")->error("REST requests still open 15 s after close");
+    if (!gate_->WaitIdle(absl::Seconds(10))) {
+      GetLogger("runtime.http")->error("REST requests still unanswered 10 s after close");
     }
+    server_->Stop(absl::Seconds(5));
   }
 
  private:
-  void Handle(http::http_request request) {
+  void Handle(HttpRequest request, const HttpReply& reply) {
     if (!gate_->Enter()) {
-      ReplyQuietly(request, 503, JsonError("the server is shutting down"), "application/json");
+      reply.Send(503, JsonError("the server is shutting down"), "application/json");
       return;
     }
     try {
-      Route(request);
+      Route(request, reply);
     } catch (const std::exception& e) {
-      Reply(request, gate_, 500, JsonError(std::string("internal error: ") + e.what()));
+      Reply(reply, gate_, 500, JsonError(std::string("internal error: ") + e.what()));
     }
   }
 
-  void Route(http::http_request& request) {
-    const std::string path = request.relative_uri().path();
+  void Route(HttpRequest& http_request, const HttpReply& request) {
+    const std::string& path = http_request.path;
     std::vector<std::string> parts = absl::StrSplit(path, '/', absl::SkipEmpty());
-    const auto method = request.method();
+    const std::string& method = http_request.method;
     if (parts.empty() || parts[0] != "v2") {
       Reply(request, gate_, 404, JsonError("no such endpoint: " + path));
       return;
     }
     if (parts.size() == 1) {
-      if (method != http::methods::GET) return MethodNotAllowed(request);
+      if (method != "GET") return MethodNotAllowed(request, method);
       json meta = {{"name", "kiln"},
                    {"version", options_.server_version},
                    {"extensions", {"model_repository_layout", "dynamic_batching",
@@ -153,7 +141,7 @@ class HttpFrontend::Impl {
       return;
     }
     if (parts[1] == "health" && parts.size() == 3) {
-      if (method != http::methods::GET) return MethodNotAllowed(request);
+      if (method != "GET") return MethodNotAllowed(request, method);
       if (parts[2] == "live") {
         bool live = host_->Live();
         Reply(request, gate_, live ? 200 : 503, json{{"live", live}}.dump());
@@ -166,15 +154,15 @@ class HttpFrontend::Impl {
       }
     }
     if (parts[1] == "models" && parts.size() >= 3) {
-      std::string model = web::uri::decode(parts[2]);
+      std::string model = PercentDecode(parts[2]);
       std::string version;
       size_t next = 3;
       if (parts.size() >= 5 && parts[3] == "versions") {
-        version = web::uri::decode(parts[4]);
+        version = PercentDecode(parts[4]);
         next = 5;
       }
       if (parts.size() == next) {
-        if (method != http::methods::GET) return MethodNotAllowed(request);
+        if (method != "GET") return MethodNotAllowed(request, method);
         inference::ModelMetadataResponse meta;
         absl::Status s = FillModelMetadata(*host_, model, version, &meta);
         if (!s.ok()) return ReplyStatus(request, gate_, s);
@@ -182,7 +170,7 @@ class HttpFrontend::Impl {
         return;
       }
       if (parts.size() == next + 1 && parts[next] == "ready") {
-        if (method != http::methods::GET) return MethodNotAllowed(request);
+        if (method != "GET") return MethodNotAllowed(request, method);
         if (!host_->Serves(model, version)) {
           Reply(request, gate_, 404, JsonError("unknown model '" + model + "'"));
           return;
@@ -192,75 +180,52 @@ class HttpFrontend::Impl {
         return;
       }
       if (parts.size() == next + 1 && parts[next] == "infer") {
-        if (method != http::methods::POST) return MethodNotAllowed(request);
-        Infer(request, model, version);
+        if (method != "POST") return MethodNotAllowed(request, method);
+        Infer(http_request, request, model, version);
         return;
       }
     }
     Reply(request, gate_, 404, JsonError("no such endpoint: " + path));
   }
 
-  void MethodNotAllowed(const http::http_request& request) {
-    Reply(request, gate_, 405, JsonError("method " + request.method() + " is not allowed here"));
+  void MethodNotAllowed(const HttpReply& request, const std::string& method) {
+    Reply(request, gate_, 405, JsonError("method " + method + " is not allowed here"));
   }
 
-  void Infer(http::http_request& request, const std::string& model, const std::string& version) {
-    const auto& headers = request.headers();
-    if (headers.has("Inference-Header-Content-Length")) {
+  void Infer(HttpRequest& http_request, const HttpReply& request, const std::string& model,
+             const std::string& version) {
+    if (http_request.Header("Inference-Header-Content-Length")) {
       Reply(request, gate_, 400, JsonError("the binary data extension is not supported; send JSON data "
                                     "or use gRPC raw_input_contents"));
       return;
     }
-    if (!headers.has(http::header_names::content_length)) {
+    // The server has already refused a declared size over the limit (413) before the body.
+    if (!http_request.Header("Content-Length")) {
       Reply(request, gate_, 411, JsonError("Content-Length is required"));
       return;
     }
-    // The body is read only once its declared size is known to be within the limit.
-    if (static_cast<int64_t>(headers.content_length()) > options_.max_request_bytes) {
-      Reply(request, gate_, 413,
-            JsonError("the request body of " + std::to_string(headers.content_length()) +
-                      " bytes exceeds the limit of " +
-                      std::to_string(options_.max_request_bytes) + " bytes"));
+    auto params = std::make_shared<json>();
+    auto decoded = DecodeJsonInferRequest(http_request.body, model, version,
+                                          options_.max_request_bytes, params.get());
+    http_request.body.clear();
+    if (!decoded.ok()) {
+      ReplyStatus(request, gate_, decoded.status(), /*decoding=*/true);
       return;
     }
-    ModelHost* host = host_;
-    Gate gate = gate_;
-    int64_t max_bytes = options_.max_request_bytes;
-    request.extract_utf8string(true).then(
-        [request, host, gate, model, version, max_bytes](pplx::task<std::string> body_task) {
-          // An exception escaping a continuation would terminate the process.
-          try {
-            std::string body;
-            try {
-              body = body_task.get();
-            } catch (const std::exception& e) {
-              Reply(request, gate, 400, JsonError(std::string("cannot read the body: ") + e.what()));
-              return;
-            }
-            auto params = std::make_shared<json>();
-            auto decoded = DecodeJsonInferRequest(body, model, version, max_bytes, params.get());
-            if (!decoded.ok()) {
-              ReplyStatus(request, gate, decoded.status(), /*decoding=*/true);
-              return;
-            }
-            host->Infer(std::move(*decoded),
-                        [request, gate, params](absl::StatusOr<InferResponse> r) {
-                          if (!r.ok()) {
-                            ReplyStatus(request, gate, r.status());
-                            return;
-                          }
-                          Reply(request, gate, 200, EncodeJsonInferResponse(*r, *params));
-                        });
-          } catch (const std::exception& e) {
-            Reply(request, gate, 500, JsonError(std::string("internal error: ") + e.what()));
-          }
-        });
+    host_->Infer(std::move(*decoded),
+                 [request, gate = gate_, params](absl::StatusOr<InferResponse> r) {
+                   if (!r.ok()) {
+                     ReplyStatus(request, gate, r.status());
+                     return;
+                   }
+                   Reply(request, gate, 200, EncodeJsonInferResponse(*r, *params));
+                 });
   }
 
   ModelHost* host_;
   Options options_;
   Gate gate_;
-  std::unique_ptr<HttpListener> listener_;
+  std::unique_ptr<HttpServer> server_;
 };
 
 absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(ModelHost* host,

@@ -9,7 +9,7 @@
 
 namespace kiln {
 
-// The Open Inference Protocol REST frontend (cpprestsdk):
+// The Open Inference Protocol REST frontend (common/HttpServer):
 //   GET  /v2/health/live, /v2/health/ready, /v2
 //   GET  /v2/models/{m}[/versions/{v}], .../ready
 //   POST /v2/models/{m}[/versions/{v}]/infer
@@ -19,6 +19,7 @@ class HttpFrontend {
     std::string bind_address = "0.0.0.0";
     int port = 0;  // 0 = pick a free port
     int64_t max_request_bytes = 64LL * 1024 * 1024;
+    int threads = 2;  // HTTP threads: reading, JSON decoding and encoding
     std::string server_version;
   };
   static absl::StatusOr<std::unique_ptr<HttpFrontend>> Start(ModelHost* host, Options options);

@@ -1,0 +1,449 @@
+#include "common/http_server.h"
+
+#include <boost/asio/dispatch.hpp>
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <unordered_map>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/synchronization/mutex.h"
+
+namespace kiln {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace bhttp = boost::beast::http;
+using tcp = net::ip::tcp;
+
+namespace {
+
+std::chrono::steady_clock::duration Chrono(absl::Duration d) {
+  return absl::ToChronoNanoseconds(d);
+}
+
+std::string ErrorBody(const std::string& message) {
+  return nlohmann::json{{"error", message}}.dump() + "\n";
+}
+
+}  // namespace
+
+class Connection;
+
+namespace http_internal {
+
+class ReplySlot {
+ public:
+  explicit ReplySlot(std::shared_ptr<Connection> connection) : connection_(std::move(connection)) {}
+  ~ReplySlot();
+  void Send(HttpResponse response);
+
+ private:
+  std::atomic<bool> sent_{false};
+  std::shared_ptr<Connection> connection_;
+};
+
+}  // namespace http_internal
+
+class HttpServer::State : public std::enable_shared_from_this<HttpServer::State> {
+ public:
+  State(Options options, Handler handler)
+      : options(std::move(options)), handler(std::move(handler)), acceptor(net::make_strand(ioc)) {}
+
+  Options options;
+  Handler handler;
+  net::io_context ioc;
+  tcp::acceptor acceptor;
+  // Keeps the threads running while a connection waits for a handler's reply, when no socket
+  // operation is pending.
+  std::optional<net::executor_work_guard<net::io_context::executor_type>> work{ioc.get_executor()};
+  std::vector<std::thread> threads;
+
+  void Accept();
+  void Add(const std::shared_ptr<Connection>& c) {
+    absl::MutexLock lock(&mu);
+    connections[c.get()] = c;
+  }
+  void Remove(Connection* c) {
+    absl::MutexLock lock(&mu);
+    connections.erase(c);
+  }
+  bool stopping() {
+    absl::MutexLock lock(&mu);
+    return stopping_;
+  }
+
+  absl::Mutex mu;
+  bool stopping_ ABSL_GUARDED_BY(mu) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu) = false;
+  std::unordered_map<Connection*, std::shared_ptr<Connection>> connections ABSL_GUARDED_BY(mu);
+};
+
+// One client connection; everything it does runs on its own strand. The server's registry
+// holds it until it closes, so it lives while a handler is working on its request.
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  Connection(tcp::socket socket, std::shared_ptr<HttpServer::State> state)
+      : state_(std::move(state)), stream_(std::move(socket)) {}
+
+  void Start() {
+    net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->ReadHeader(); });
+  }
+
+  // On the strand: a connection waiting for a request closes now; one with a request in
+  // hand closes after its reply.
+  void OnStopping() {
+    net::dispatch(stream_.get_executor(), [self = shared_from_this()] {
+      if (self->reading_header_ || self->lingering_) self->Close();
+    });
+  }
+
+  // From any thread, once per request; dropped once the server has stopped.
+  void Reply(HttpResponse response) {
+    absl::MutexLock lock(&state_->mu);
+    if (state_->stopped_) return;
+    net::post(stream_.get_executor(), [self = shared_from_this(), r = std::move(response)]() mutable {
+      self->Write(std::move(r), /*close=*/false);
+    });
+  }
+
+ private:
+  void ReadHeader() {
+    if (closed_) return;
+    if (state_->stopping()) return Close();
+    parser_.emplace();
+    parser_->header_limit(static_cast<uint32_t>(state_->options.max_header_bytes));
+    parser_->body_limit(static_cast<uint64_t>(state_->options.max_body_bytes));
+    reading_header_ = true;
+    stream_.expires_after(Chrono(state_->options.header_timeout));
+    bhttp::async_read_header(stream_, buffer_, *parser_,
+                             [self = shared_from_this()](beast::error_code ec, size_t) {
+                               self->OnHeader(ec);
+                             });
+  }
+
+  void OnHeader(beast::error_code ec) {
+    reading_header_ = false;
+    if (ec == bhttp::error::header_limit) {
+      return Fail(431, "the request header exceeds the limit of " +
+                           std::to_string(state_->options.max_header_bytes) + " bytes");
+    }
+    if (ec == bhttp::error::end_of_stream || ec == beast::error::timeout ||
+        ec == net::error::operation_aborted || ec == net::error::connection_reset ||
+        ec == net::error::eof || closed_) {
+      return Close();
+    }
+    if (ec == bhttp::error::body_limit) {
+      // Refused from the declared length alone (the parser has the header fields by now).
+      auto declared = parser_->get()[bhttp::field::content_length];
+      return Fail(413, "the request body of " + std::string(declared.data(), declared.size()) +
+                           " bytes exceeds the limit of " +
+                           std::to_string(state_->options.max_body_bytes) + " bytes");
+    }
+    if (ec) return Fail(400, "malformed request: " + ec.message());
+    stream_.expires_after(Chrono(state_->options.body_timeout));
+    auto expect = parser_->get()[bhttp::field::expect];
+    if (!parser_->is_done() && beast::iequals(expect, "100-continue")) {
+      static const char kContinue[] = "HTTP/1.1 100 Continue\r\n\r\n";
+      net::async_write(stream_, net::buffer(kContinue, sizeof(kContinue) - 1),
+                       [self = shared_from_this()](beast::error_code ec, size_t) {
+                         if (ec) return self->Close();
+                         self->ReadBody();
+                       });
+      return;
+    }
+    ReadBody();
+  }
+
+  void ReadBody() {
+    bhttp::async_read(stream_, buffer_, *parser_,
+                      [self = shared_from_this()](beast::error_code ec, size_t) { self->OnBody(ec); });
+  }
+
+  void OnBody(beast::error_code ec) {
+    if (ec == bhttp::error::body_limit) {
+      return Fail(413, "the request body exceeds the limit of " +
+                           std::to_string(state_->options.max_body_bytes) + " bytes");
+    }
+    if (ec == bhttp::error::end_of_stream || ec == beast::error::timeout || ec == net::error::operation_aborted ||
+        ec == net::error::connection_reset || ec == net::error::eof || closed_) {
+      return Close();
+    }
+    if (ec) return Fail(400, "malformed request: " + ec.message());
+    stream_.expires_never();
+    auto message = parser_->release();
+    parser_.reset();
+    keep_alive_ = message.keep_alive();
+    HttpRequest request;
+    request.method = std::string(message.method_string());
+    std::string_view target(message.target().data(), message.target().size());
+    size_t q = target.find('?');
+    request.path = std::string(target.substr(0, q));
+    if (q != std::string_view::npos) request.query = std::string(target.substr(q + 1));
+    for (const auto& field : message) {
+      request.headers.emplace_back(std::string(field.name_string()), std::string(field.value()));
+    }
+    request.body = std::move(message.body());
+    HttpReply reply(std::make_shared<http_internal::ReplySlot>(shared_from_this()));
+    try {
+      state_->handler(std::move(request), reply);
+    } catch (const std::exception& e) {
+      reply.Send(500, ErrorBody(std::string("internal error: ") + e.what()), "application/json");
+    }
+  }
+
+  // Answers with the server's own error and closes the connection after it.
+  void Fail(int code, const std::string& message) {
+    HttpResponse r;
+    r.code = code;
+    r.body = ErrorBody(message);
+    r.content_type = "application/json";
+    Write(std::move(r), /*close=*/true);
+  }
+
+  void Write(HttpResponse r, bool close) {
+    if (closed_) return;
+    response_.emplace(static_cast<bhttp::status>(r.code), 11);
+    response_->set(bhttp::field::server, "kiln");
+    response_->set(bhttp::field::content_type, r.content_type);
+    for (auto& [name, value] : r.headers) response_->insert(name, value);
+    response_->body() = std::move(r.body);
+    response_->keep_alive(keep_alive_ && !close && !state_->stopping());
+    response_->prepare_payload();
+    stream_.expires_after(Chrono(state_->options.write_timeout));
+    bhttp::async_write(stream_, *response_,
+                       [self = shared_from_this()](beast::error_code ec, size_t) {
+                         bool again = !ec && self->response_->keep_alive();
+                         self->response_.reset();
+                         if (again) {
+                           self->ReadHeader();
+                         } else if (!ec) {
+                           self->Linger();
+                         } else {
+                           self->Close();
+                         }
+                       });
+  }
+
+  // After the last reply: the server's side is shut, and what the client still sends (the
+  // rest of a refused body) is read and thrown away for a while, so that the client reads the
+  // reply instead of a connection reset.
+  void Linger() {
+    beast::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    lingering_ = true;
+    stream_.expires_after(Chrono(state_->options.linger_timeout));
+    DiscardSome();
+  }
+  void DiscardSome() {
+    if (!scratch_) scratch_ = std::make_unique<std::array<char, 16384>>();
+    stream_.async_read_some(net::buffer(*scratch_),
+                            [self = shared_from_this()](beast::error_code ec, size_t) {
+                              if (ec || self->closed_) return self->Close();
+                              self->DiscardSome();
+                            });
+  }
+
+  void Close() {
+    if (closed_) return;
+    closed_ = true;
+    beast::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    stream_.close();
+    state_->Remove(this);
+  }
+
+ public:
+  // After the server's threads have stopped: ends what is left.
+  void CloseNow() {
+    net::post(stream_.get_executor(), [self = shared_from_this()] { self->Close(); });
+  }
+
+ private:
+
+  // Declared first so it goes last: the socket needs the io_context the state owns.
+  std::shared_ptr<HttpServer::State> state_;  // keeps the io_context for late replies
+  beast::tcp_stream stream_;
+  beast::flat_buffer buffer_;
+  std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
+  std::optional<bhttp::response<bhttp::string_body>> response_;
+  bool keep_alive_ = true;
+  bool reading_header_ = false;
+  bool lingering_ = false;
+  std::unique_ptr<std::array<char, 16384>> scratch_;
+  bool closed_ = false;
+};
+
+namespace http_internal {
+
+void ReplySlot::Send(HttpResponse response) {
+  if (sent_.exchange(true)) return;
+  connection_->Reply(std::move(response));
+  connection_.reset();
+}
+
+ReplySlot::~ReplySlot() {
+  HttpResponse r;
+  r.code = 500;
+  r.body = ErrorBody("the server dropped the request without an answer");
+  r.content_type = "application/json";
+  Send(std::move(r));
+}
+
+}  // namespace http_internal
+
+void HttpReply::Send(HttpResponse response) const { slot_->Send(std::move(response)); }
+
+void HttpReply::Send(int code, std::string body, std::string content_type) const {
+  HttpResponse r;
+  r.code = code;
+  r.body = std::move(body);
+  r.content_type = std::move(content_type);
+  slot_->Send(std::move(r));
+}
+
+void HttpServer::State::Accept() {
+  acceptor.async_accept(net::make_strand(ioc), [this](beast::error_code ec, tcp::socket socket) {
+    if (ec == net::error::operation_aborted || !acceptor.is_open()) return;
+    if (!ec) {
+      if (stopping()) {
+        beast::error_code ignored;
+        socket.close(ignored);
+      } else {
+        auto c = std::make_shared<Connection>(std::move(socket), shared_from_this());
+        Add(c);
+        c->Start();
+      }
+    }
+    Accept();
+  });
+}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(Options options, Handler handler) {
+  if (options.port < 0 || options.port > 65535) {
+    return absl::InvalidArgumentError(options.flags + ": port must be in 0..65535, got " +
+                                      std::to_string(options.port));
+  }
+  if (options.threads < 1) options.threads = 1;
+  auto state = std::make_shared<State>(options, std::move(handler));
+  beast::error_code ec;
+  auto address = net::ip::make_address(options.bind_address, ec);
+  if (ec) {
+    tcp::resolver resolver(state->ioc);
+    auto results = resolver.resolve(options.bind_address, "", ec);
+    if (ec || results.empty()) {
+      return absl::InvalidArgumentError(options.flags + ": cannot resolve bind address '" +
+                                        options.bind_address + "'");
+    }
+    address = results.begin()->endpoint().address();
+  }
+  tcp::endpoint endpoint(address, static_cast<uint16_t>(options.port));
+  auto fail = [&](const char* what) {
+    return absl::UnavailableError(options.flags + ": cannot listen on " + options.bind_address +
+                                  ":" + std::to_string(options.port) + " (" + what + ": " +
+                                  ec.message() + ")");
+  };
+  state->acceptor.open(endpoint.protocol(), ec);
+  if (ec) return fail("open");
+  state->acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (ec) return fail("reuse_address");
+  state->acceptor.bind(endpoint, ec);
+  if (ec) return fail("bind");
+  state->acceptor.listen(net::socket_base::max_listen_connections, ec);
+  if (ec) return fail("listen");
+  int port = state->acceptor.local_endpoint().port();
+  state->Accept();
+  for (int i = 0; i < options.threads; ++i) {
+    state->threads.emplace_back([s = state.get()] { s->ioc.run(); });
+  }
+  return std::unique_ptr<HttpServer>(new HttpServer(std::move(state), port));
+}
+
+HttpServer::HttpServer(std::shared_ptr<State> state, int port)
+    : state_(std::move(state)), port_(port) {}
+
+HttpServer::~HttpServer() { Stop(absl::Seconds(10)); }
+
+void HttpServer::Stop(absl::Duration grace) {
+  std::vector<std::shared_ptr<Connection>> open;
+  {
+    absl::MutexLock lock(&state_->mu);
+    if (state_->stopped_) return;
+    state_->stopping_ = true;
+    for (auto& [ptr, c] : state_->connections) open.push_back(c);
+  }
+  State* s = state_.get();
+  net::dispatch(s->acceptor.get_executor(), [s] {
+    beast::error_code ignored;
+    s->acceptor.close(ignored);
+  });
+  for (auto& c : open) c->OnStopping();
+  open.clear();
+  {
+    absl::MutexLock lock(&s->mu);
+    auto empty = [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->connections.empty(); };
+    s->mu.AwaitWithTimeout(absl::Condition(&empty), grace);
+    s->stopped_ = true;
+  }
+  s->work.reset();
+  s->ioc.stop();
+  for (auto& t : s->threads) t.join();
+  s->threads.clear();
+  // Close what is left and run the queue dry on this thread, so nothing queued keeps a
+  // connection (and through it this state) alive. Replies sent from now on are dropped.
+  std::unordered_map<Connection*, std::shared_ptr<Connection>> rest;
+  {
+    absl::MutexLock lock(&s->mu);
+    rest.swap(s->connections);
+  }
+  for (auto& [ptr, c] : rest) c->CloseNow();
+  rest.clear();
+  s->ioc.restart();
+  s->ioc.run();
+}
+
+std::optional<std::string_view> HttpRequest::Header(std::string_view name) const {
+  for (const auto& [n, v] : headers) {
+    if (beast::iequals(beast::string_view(n.data(), n.size()),
+                       beast::string_view(name.data(), name.size()))) {
+      return std::string_view(v);
+    }
+  }
+  return std::nullopt;
+}
+
+std::string PercentDecode(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '%' && i + 2 < text.size()) {
+      int hi = hex(text[i + 1]), lo = hex(text[i + 2]);
+      if (hi >= 0 && lo >= 0) {
+        out.push_back(static_cast<char>(hi * 16 + lo));
+        i += 2;
+        continue;
+      }
+    }
+    out.push_back(text[i]);
+  }
+  return out;
+}
+
+}  // namespace kiln

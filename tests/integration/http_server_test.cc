@@ -1,0 +1,386 @@
+// The Beast HTTP server over real loopback sockets: what it promises any client (limits,
+// timeouts, keep-alive, late and dropped replies, stopping).
+
+#include "common/http_server.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <future>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+
+namespace kiln {
+namespace {
+
+// A blocking client on a raw socket, so a test can send half a request or nothing.
+class RawClient {
+ public:
+  explicit RawClient(int port) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    timeval tv{10, 0};  // bound every read: a hang fails the test instead of stalling it
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }
+  ~RawClient() { close(fd_); }
+  bool connected() const { return connected_; }
+
+  bool Send(const std::string& data) {
+    return send(fd_, data.data(), data.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(data.size());
+  }
+
+  struct Response {
+    int code = 0;  // 0: the connection closed (or the read timed out) before a response
+    std::string head;
+    std::string body;
+  };
+  // Reads one response (Content-Length framed).
+  Response Read() {
+    Response r;
+    size_t end;
+    while ((end = pending_.find("\r\n\r\n")) == std::string::npos) {
+      if (!Fill()) return r;
+    }
+    r.head = pending_.substr(0, end + 4);
+    pending_.erase(0, end + 4);
+    r.code = std::stoi(r.head.substr(9, 3));
+    size_t length = 0;
+    auto at = r.head.find("Content-Length: ");
+    if (at != std::string::npos) length = std::stoul(r.head.substr(at + 16));
+    while (pending_.size() < length) {
+      if (!Fill()) {
+        r.code = 0;
+        return r;
+      }
+    }
+    r.body = pending_.substr(0, length);
+    pending_.erase(0, length);
+    return r;
+  }
+  // True when the server closes the connection (as opposed to the 10 s read bound expiring).
+  bool ClosedByServer() {
+    char buf[256];
+    for (;;) {
+      ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+      if (n == 0) return true;
+      if (n < 0) return errno == ECONNRESET;
+    }
+  }
+
+ private:
+  bool Fill() {
+    char buf[4096];
+    ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+    if (n <= 0) return false;
+    pending_.append(buf, static_cast<size_t>(n));
+    return true;
+  }
+  int fd_;
+  bool connected_ = false;
+  std::string pending_;
+};
+
+std::string Get(const std::string& path, const std::string& extra = "") {
+  return "GET " + path + " HTTP/1.1\r\nHost: x\r\n" + extra + "\r\n";
+}
+
+std::string Post(const std::string& path, const std::string& body, const std::string& extra = "") {
+  return "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) +
+         "\r\n" + extra + "\r\n" + body;
+}
+
+// Echoes what it was sent.
+void Echo(HttpRequest r, HttpReply reply) {
+  std::string out = r.method + " " + r.path + " ?" + r.query + " x-test=" +
+                    std::string(r.Header("X-TEST").value_or("-")) + " body=" + r.body;
+  reply.Send(200, out, "text/plain");
+}
+
+std::unique_ptr<HttpServer> StartServer(HttpServer::Handler handler,
+                                        HttpServer::Options options = {}) {
+  options.bind_address = "127.0.0.1";
+  auto server = HttpServer::Start(options, std::move(handler));
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? std::move(*server) : nullptr;
+}
+
+// A handler that keeps every reply for the test to send later, from its own thread.
+class Parked {
+ public:
+  HttpServer::Handler Handler() {
+    return [this](HttpRequest, HttpReply reply) {
+      absl::MutexLock lock(&mu_);
+      replies_.push_back(reply);
+    };
+  }
+  // Waits (bounded) until a request has arrived, and returns its reply.
+  std::optional<HttpReply> Next() {
+    absl::MutexLock lock(&mu_);
+    auto have_one = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !replies_.empty(); };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&have_one), absl::Seconds(10))) return std::nullopt;
+    HttpReply r = replies_.front();
+    replies_.erase(replies_.begin());
+    return r;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<HttpReply> replies_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST(HttpServer, AnswersSeveralRequestsOnOneKeptAliveConnection) {
+  auto server = StartServer(Echo);
+  ASSERT_NE(server->port(), 0);
+  RawClient c(server->port());
+  ASSERT_TRUE(c.connected());
+  ASSERT_TRUE(c.Send(Get("/a/b%20c?x=1&y=2", "x-test: hello\r\n")));
+  auto r1 = c.Read();
+  EXPECT_EQ(r1.code, 200);
+  EXPECT_EQ(r1.body, "GET /a/b%20c ?x=1&y=2 x-test=hello body=");
+  ASSERT_TRUE(c.Send(Post("/p", "payload")));
+  auto r2 = c.Read();
+  EXPECT_EQ(r2.code, 200);
+  EXPECT_EQ(r2.body, "POST /p ? x-test=- body=payload");
+  // Two pipelined requests are answered in order.
+  ASSERT_TRUE(c.Send(Post("/1", "one") + Post("/2", "two")));
+  EXPECT_EQ(c.Read().body, "POST /1 ? x-test=- body=one");
+  EXPECT_EQ(c.Read().body, "POST /2 ? x-test=- body=two");
+}
+
+TEST(HttpServer, ConnectionCloseIsHonoured) {
+  auto server = StartServer(Echo);
+  RawClient c(server->port());
+  ASSERT_TRUE(c.Send(Get("/", "Connection: close\r\n")));
+  auto r = c.Read();
+  EXPECT_EQ(r.code, 200);
+  EXPECT_NE(r.head.find("Connection: close"), std::string::npos) << r.head;
+  EXPECT_TRUE(c.ClosedByServer());
+}
+
+TEST(HttpServer, RefusesADeclaredOversizeBodyBeforeReadingIt) {
+  HttpServer::Options o;
+  o.max_body_bytes = 1000;
+  std::atomic<int> handled{0};
+  auto server = StartServer([&](HttpRequest, HttpReply reply) {
+    handled++;
+    reply.Send(200, "", "text/plain");
+  }, o);
+  RawClient c(server->port());
+  // Only the header is sent: the answer must come without the body.
+  ASSERT_TRUE(c.Send("POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n"));
+  auto r = c.Read();
+  EXPECT_EQ(r.code, 413);
+  EXPECT_NE(r.body.find("1000000000 bytes exceeds the limit of 1000 bytes"), std::string::npos)
+      << r.body;
+  EXPECT_NE(r.head.find("application/json"), std::string::npos);
+  EXPECT_TRUE(c.ClosedByServer());
+  EXPECT_EQ(handled.load(), 0);
+
+  // A client that sends the refused body anyway can finish sending it and then read the 413:
+  // the server drops the bytes instead of resetting the connection.
+  RawClient eager(server->port());
+  ASSERT_TRUE(eager.Send(Post("/x", std::string(4 << 20, 'z'))));
+  r = eager.Read();
+  EXPECT_EQ(r.code, 413);
+  EXPECT_TRUE(eager.ClosedByServer());
+  EXPECT_EQ(handled.load(), 0);
+
+  // A body at the limit is fine.
+  RawClient ok(server->port());
+  ASSERT_TRUE(ok.Send(Post("/x", std::string(1000, 'a'))));
+  EXPECT_EQ(ok.Read().code, 200);
+}
+
+TEST(HttpServer, CutsAChunkedBodyAtTheLimit) {
+  HttpServer::Options o;
+  o.max_body_bytes = 100;
+  auto server = StartServer(Echo, o);
+  RawClient c(server->port());
+  std::string chunk(80, 'a');
+  ASSERT_TRUE(c.Send("POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n50\r\n" +
+                     chunk + "\r\n50\r\n" + chunk + "\r\n0\r\n\r\n"));
+  auto r = c.Read();
+  EXPECT_EQ(r.code, 413);
+  EXPECT_NE(r.body.find("exceeds the limit of 100 bytes"), std::string::npos) << r.body;
+}
+
+TEST(HttpServer, DisconnectsAClientThatNeverFinishesItsHeader) {
+  HttpServer::Options o;
+  o.header_timeout = absl::Milliseconds(200);
+  auto server = StartServer(Echo, o);
+  RawClient c(server->port());
+  ASSERT_TRUE(c.Send("GET / HTTP/1.1\r\nHost: x\r\n"));  // no blank line, ever
+  EXPECT_TRUE(c.ClosedByServer());
+  // An idle kept-alive connection is also let go after the same time.
+  RawClient idle(server->port());
+  ASSERT_TRUE(idle.Send(Get("/")));
+  EXPECT_EQ(idle.Read().code, 200);
+  EXPECT_TRUE(idle.ClosedByServer());
+}
+
+TEST(HttpServer, DisconnectsAClientWhoseBodyNeverArrives) {
+  HttpServer::Options o;
+  o.body_timeout = absl::Milliseconds(200);
+  auto server = StartServer(Echo, o);
+  RawClient c(server->port());
+  ASSERT_TRUE(c.Send("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc"));
+  EXPECT_TRUE(c.ClosedByServer());
+}
+
+TEST(HttpServer, RefusesAnOversizeHeaderAndMalformedRequests) {
+  HttpServer::Options o;
+  o.max_header_bytes = 512;
+  auto server = StartServer(Echo, o);
+  {
+    RawClient c(server->port());
+    ASSERT_TRUE(c.Send(Get("/", "X-Big: " + std::string(2000, 'b') + "\r\n")));
+    auto r = c.Read();
+    EXPECT_EQ(r.code, 431);
+    EXPECT_NE(r.body.find("limit of 512 bytes"), std::string::npos) << r.body;
+  }
+  for (std::string bad : {"NOT HTTP AT ALL\r\n\r\n", "GET / HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+                          "GET / HTTP/1.1\r\nbad header line\r\n\r\n"}) {
+    RawClient c(server->port());
+    ASSERT_TRUE(c.Send(bad));
+    auto r = c.Read();
+    EXPECT_EQ(r.code, 400) << bad;
+    EXPECT_NE(r.body.find("malformed request"), std::string::npos) << r.body;
+    EXPECT_TRUE(c.ClosedByServer());
+  }
+  // Still serving.
+  RawClient c(server->port());
+  ASSERT_TRUE(c.Send(Get("/")));
+  EXPECT_EQ(c.Read().code, 200);
+}
+
+TEST(HttpServer, AnswersExpect100Continue) {
+  auto server = StartServer(Echo);
+  RawClient c(server->port());
+  ASSERT_TRUE(c.Send("POST /e HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n"));
+  auto interim = c.Read();
+  EXPECT_EQ(interim.code, 100);
+  ASSERT_TRUE(c.Send("data"));
+  auto r = c.Read();
+  EXPECT_EQ(r.code, 200);
+  EXPECT_EQ(r.body, "POST /e ? x-test=- body=data");
+}
+
+TEST(HttpServer, RepliesFromAnotherThreadLaterAndOnlyOnce) {
+  Parked parked;
+  auto server = StartServer(parked.Handler());
+  RawClient c(server->port());
+  ASSERT_TRUE(c.Send(Get("/late")));
+  auto reply = parked.Next();
+  ASSERT_TRUE(reply);
+  std::thread([&] {
+    HttpResponse r;
+    r.code = 201;
+    r.body = "first";
+    r.headers = {{"kiln-version", "3"}};
+    reply->Send(r);
+    reply->Send(500, "second", "text/plain");  // dropped
+  }).join();
+  auto r = c.Read();
+  EXPECT_EQ(r.code, 201);
+  EXPECT_EQ(r.body, "first");
+  EXPECT_NE(r.head.find("kiln-version: 3"), std::string::npos) << r.head;
+  // The connection carries on with the next request.
+  ASSERT_TRUE(c.Send(Get("/next")));
+  reply = parked.Next();
+  ASSERT_TRUE(reply);
+  reply->Send(200, "again", "text/plain");
+  EXPECT_EQ(c.Read().body, "again");
+}
+
+TEST(HttpServer, ARequestDroppedUnansweredGets500AndAThrowingHandlerToo) {
+  auto server = StartServer([](HttpRequest r, HttpReply) {
+    if (r.path == "/throw") throw std::runtime_error("boom");
+  });
+  RawClient c(server->port());
+  ASSERT_TRUE(c.Send(Get("/drop")));
+  auto r = c.Read();
+  EXPECT_EQ(r.code, 500);
+  EXPECT_NE(r.body.find("without an answer"), std::string::npos) << r.body;
+  ASSERT_TRUE(c.Send(Get("/throw")));
+  r = c.Read();
+  EXPECT_EQ(r.code, 500);
+  EXPECT_NE(r.body.find("boom"), std::string::npos) << r.body;
+}
+
+TEST(HttpServer, StopClosesIdleConnectionsAndLetsInFlightRepliesOut) {
+  Parked parked;
+  auto server = StartServer(parked.Handler());
+  RawClient idle(server->port());
+  RawClient busy(server->port());
+  ASSERT_TRUE(busy.Send(Get("/work")));
+  auto reply = parked.Next();
+  ASSERT_TRUE(reply);
+  auto stopped = std::async(std::launch::async, [&] { server->Stop(absl::Seconds(30)); });
+  EXPECT_TRUE(idle.ClosedByServer());
+  // Stop is still waiting for the busy request's reply.
+  EXPECT_EQ(stopped.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  reply->Send(200, "done", "text/plain");
+  auto r = busy.Read();
+  EXPECT_EQ(r.code, 200);
+  EXPECT_EQ(r.body, "done");
+  EXPECT_NE(r.head.find("Connection: close"), std::string::npos) << r.head;
+  stopped.get();
+  EXPECT_TRUE(busy.ClosedByServer());
+  RawClient late(server->port());
+  EXPECT_FALSE(late.connected());
+}
+
+TEST(HttpServer, AReplyAfterTheServerIsGoneIsDropped) {
+  Parked parked;
+  auto server = StartServer(parked.Handler());
+  RawClient c(server->port());
+  ASSERT_TRUE(c.Send(Get("/")));
+  auto reply = parked.Next();
+  ASSERT_TRUE(reply);
+  server->Stop(absl::Milliseconds(50));
+  server.reset();
+  reply->Send(200, "too late", "text/plain");
+  reply.reset();  // the last copy: its 500 is dropped too
+}
+
+TEST(HttpServer, NamesTheFlagsWhenItCannotListen) {
+  auto first = StartServer(Echo);
+  HttpServer::Options o;
+  o.bind_address = "127.0.0.1";
+  o.port = first->port();
+  o.flags = "--http-port";
+  // SO_REUSEADDR does not allow two listeners on one port.
+  auto second = HttpServer::Start(o, Echo);
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("--http-port"), std::string::npos) << second.status();
+  o.port = 70000;
+  auto bad = HttpServer::Start(o, Echo);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("--http-port: port must be in 0..65535"), std::string::npos);
+  o.port = 0;
+  o.bind_address = "no such host.invalid";
+  bad = HttpServer::Start(o, Echo);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("cannot resolve bind address"), std::string::npos);
+}
+
+TEST(PercentDecode, DecodesEscapesAndKeepsMalformedOnes) {
+  EXPECT_EQ(PercentDecode("a%20b%2Fc"), "a b/c");
+  EXPECT_EQ(PercentDecode("100%"), "100%");
+  EXPECT_EQ(PercentDecode("%zz%4"), "%zz%4");
+  EXPECT_EQ(PercentDecode("a+b"), "a+b");
+}
+
+}  // namespace
+}  // namespace kiln
