@@ -432,14 +432,17 @@ v1::NodeStatus Agent::MakeStatus() {
       load->set_mean_batch_size(stats->batch_size().sum() / static_cast<double>(stats->batches()));
     }
     auto prev = last_stats_.find(v.socket);
-    if (prev != last_stats_.end() && stats->requests() >= prev->second.second.requests()) {
-      double secs = absl::ToDoubleSeconds(now - prev->second.first);
-      uint64_t dr = stats->requests() - prev->second.second.requests();
-      uint64_t de = stats->errors() - std::min(stats->errors(), prev->second.second.errors());
+    absl::Time active = now;
+    if (prev != last_stats_.end() && stats->requests() >= prev->second.stats.requests()) {
+      double secs = absl::ToDoubleSeconds(now - prev->second.at);
+      uint64_t dr = stats->requests() - prev->second.stats.requests();
+      uint64_t de = stats->errors() - std::min(stats->errors(), prev->second.stats.errors());
       if (secs > 0) load->set_qps(dr / secs);
       if (dr > 0) load->set_error_rate(static_cast<double>(de) / dr);
+      if (dr == 0) active = prev->second.active;
     }
-    last_stats_[v.socket] = {now, *stats};
+    r->set_idle_ms(absl::ToInt64Milliseconds(now - active));
+    last_stats_[v.socket] = {now, *stats, active};
   }
   {
     absl::MutexLock lock(&health_mu_);

@@ -107,7 +107,14 @@ class Agent {
   std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(tasks_mu_);
   // For load figures between two Status messages (the controller client's thread).
   absl::Mutex load_mu_;
-  std::map<std::string, std::pair<absl::Time, v1::RuntimeStats>> last_stats_ ABSL_GUARDED_BY(load_mu_);
+  // Per replica socket: the last Stats and when they were taken, and when the replica was
+  // last seen serving (its request count moved) or first seen.
+  struct SeenStats {
+    absl::Time at;
+    v1::RuntimeStats stats;
+    absl::Time active;
+  };
+  std::map<std::string, SeenStats> last_stats_ ABSL_GUARDED_BY(load_mu_);
   std::map<std::string, std::unique_ptr<RuntimeClient>> stat_clients_ ABSL_GUARDED_BY(load_mu_);
   v1::RoutingTable routing_;  // loop thread only (set before the loop starts)
   std::map<int, GpuLoad> gpu_load_;  // loop thread only

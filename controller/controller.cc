@@ -635,7 +635,23 @@ void Controller::Tick() {
     }
     std::map<std::string, std::string> moves;
     for (const auto& [id, r] : rebalancing_) moves[id] = r.reason;
-    PlacementResult placed = Place(all_demands, nodes, retired, moves);
+    std::set<std::string> evicted;
+    for (const auto& [id, e] : evicted_) evicted.insert(id);
+    PlacementResult placed = Place(all_demands, nodes, retired, moves, evicted);
+    auto still_reported = [&](const std::string& id) {
+      for (const Seen& seen : reported_of(DeploymentOfReplica(id))) {
+        if (seen.replica->replica_id() == id) return true;
+      }
+      return false;
+    };
+    for (auto it = evicted_.begin(); it != evicted_.end();) {
+      it = still_reported(it->first) ? std::next(it) : evicted_.erase(it);
+    }
+    for (const auto& [id, line] : placed.evicted) {
+      log->warn("evicted: {}", line);
+      events.push_back({DeploymentOfReplica(id), "Warning", "WarmReplicaEvicted", line});
+      evicted_[id] = Rebalance{line, now};
+    }
     // Moves under way end when their replica is gone; skew that lasts starts one.
     if (!rebalancing_.empty()) {
       std::set<std::string> assigned;
@@ -645,10 +661,7 @@ void Controller::Tick() {
       for (auto it = rebalancing_.begin(); it != rebalancing_.end();) {
         // Done once no node runs it: unassigned, and no longer reported either (until its node
         // reports again the old replica would otherwise count as staying).
-        bool reported = false;
-        for (const Seen& seen : reported_of(DeploymentOfReplica(it->first))) {
-          reported |= seen.replica->replica_id() == it->first;
-        }
+        const bool reported = still_reported(it->first);
         if (!assigned.count(it->first) && !reported) {
           log->info("rebalancing: {} moved ({})", it->first, it->second.reason);
           it = rebalancing_.erase(it);

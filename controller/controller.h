@@ -146,6 +146,9 @@ class Controller
   };
   std::map<std::string, Rebalance> skew_seen_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Rebalance> rebalancing_ ABSL_GUARDED_BY(mu_);
+  // WARM replicas evicted to make room for SERVING ones, until no node runs them (placement
+  // must not keep them again from a node's stale report).
+  std::map<std::string, Rebalance> evicted_ ABSL_GUARDED_BY(mu_);
   // Per deployment: its last status written, without the counters, and when.
   struct StatusWritten {
     std::string without_counters;

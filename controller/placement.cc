@@ -78,6 +78,19 @@ struct Spread {
       few.clear();
     }
   }
+  void Remove(int node) {
+    if (!many.empty()) {
+      auto it = many.find(node);
+      if (it != many.end() && --it->second == 0) many.erase(it);
+      return;
+    }
+    for (size_t i = 0; i < few.size(); ++i) {
+      if (few[i].first == node && --few[i].second == 0) {
+        few.erase(few.begin() + static_cast<long>(i));
+        return;
+      }
+    }
+  }
 };
 
 // CPUs in a cpulist ("0-3,8" -> 5); 0 when it does not parse.
@@ -126,7 +139,8 @@ int GpuFromDevice(const std::string& device) {
 PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
                       const std::vector<PlacementNode>& nodes,
                       const std::set<std::string>& retired_ids,
-                      const std::map<std::string, std::string>& moves) {
+                      const std::map<std::string, std::string>& moves,
+                      const std::set<std::string>& evicted) {
   PlacementResult out;
   std::vector<PlacementDemand> demands = demands_in;
   // By deployment; a deployment's demands (stable, then canary) keep their order.
@@ -236,8 +250,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       // refuses to change a running replica's shape under the same id).
       bool same_shape = e.spec().cpus() == d.cpus && (e.spec().gpu() >= 0) == (d.gpus > 0);
       if (e.healthy && same_shape && e.spec().model() == d.model &&
-          e.spec().version() == d.version &&
-          e.ns != nullptr) {
+          e.spec().version() == d.version && e.ns != nullptr &&
+          (evicted.empty() || !evicted.count(e.spec().replica_id()))) {
         mine.push_back(&e);
       }
     }
@@ -386,12 +400,119 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   };
   const std::string* previous_deployment = nullptr;  // demands come sorted by deployment
 
+  // What a kept or placed replica was charged on its GPU: as pass 1 charges it (its old
+  // reservation or, only reported, the reported one; at least what it reports using and its
+  // new reservation).
+  auto charged_of = [](const NodeState& ns, const v1::ReplicaSpec& spec) {
+    int64_t base = -1, measured = 0;
+    for (const v1::ReplicaSpec* a : ns.node->assigned) {
+      if (a->replica_id() == spec.replica_id()) base = a->gpu_memory_bytes();
+    }
+    for (const v1::ReplicaStatus* r : ns.node->reported) {
+      if (r->replica_id() != spec.replica_id()) continue;
+      if (base < 0) base = r->gpu_memory_bytes();
+      measured = r->measured_gpu_memory_bytes();
+    }
+    return std::max({base, measured, spec.gpu_memory_bytes()});
+  };
+  auto idle_of = [](const NodeState& ns, const std::string& id) -> int64_t {
+    for (const v1::ReplicaStatus* r : ns.node->reported) {
+      if (r->replica_id() == id) return r->idle_ms();
+    }
+    return 0;  // placed but not reported yet: just made
+  };
+  using Key = std::tuple<int, int, int64_t, double, int, int>;
+  // Under memory pressure SERVING outranks WARM: a new SERVING replica of `d` with no room
+  // anywhere gets it by evicting WARM replicas of other deployments from one GPU (from one
+  // node, for a CPU replica), least recently used first. The spot that evicts the fewest
+  // replicas wins, then the fewest bytes, then node and GPU order. Nothing is evicted when no
+  // spot can be freed. The evicted replicas' deployments are short of their warm pool from
+  // now on (refilled where there is room).
+  auto evict_for = [&](const PlacementDemand& d) -> std::optional<Key> {
+    struct Plan {
+      size_t count = 0;
+      int64_t bytes = 0;
+      int node = 0;
+      int gpu = -1;
+      std::vector<size_t> victims;  // positions in the node's assignment
+    };
+    std::optional<Plan> best;
+    for (NodeState* nsp : order) {
+      NodeState& ns = *nsp;
+      const PlacementNode& n = *ns.node;
+      if (!n.schedulable) continue;
+      // (idle desc, id) order: least recently used first.
+      std::vector<std::tuple<int64_t, std::string, size_t>> warm;
+      for (size_t pos = 0; pos < ns.assignment->size(); ++pos) {
+        const v1::ReplicaSpec& spec = (*ns.assignment)[pos];
+        if (spec.state() != v1::WARM || DeploymentOfReplica(spec.replica_id()) == d.deployment) {
+          continue;
+        }
+        warm.emplace_back(-idle_of(ns, spec.replica_id()), spec.replica_id(), pos);
+      }
+      if (warm.empty()) continue;
+      std::sort(warm.begin(), warm.end());
+      const size_t spots = d.gpus > 0 ? n.gpus.size() : 1;
+      for (size_t gi = 0; gi < spots; ++gi) {
+        if (d.gpus > 0 && !n.gpus[gi].healthy) continue;
+        const int gpu = d.gpus > 0 ? n.gpus[gi].index : -1;
+        int64_t memory_free = d.gpus > 0 ? n.gpus[gi].memory_bytes - ns.gpu_used[gi] : 0;
+        int64_t cpus_free = n.cpu_capacity - ns.cpu_used;
+        Plan p;
+        p.node = ns.index;
+        p.gpu = gpu;
+        for (const auto& [neg_idle, id, pos] : warm) {
+          if (memory_free >= d.gpu_memory_bytes && cpus_free >= d.cpus) break;
+          const v1::ReplicaSpec& spec = (*ns.assignment)[pos];
+          if (d.gpus > 0 && spec.gpu() != gpu) continue;
+          const int64_t charged = spec.gpu() >= 0 ? charged_of(ns, spec) : 0;
+          memory_free += charged;
+          cpus_free += spec.cpus();
+          p.bytes += charged;
+          p.victims.push_back(pos);
+        }
+        p.count = p.victims.size();
+        if (p.count == 0 || memory_free < d.gpu_memory_bytes || cpus_free < d.cpus) continue;
+        if (!best || std::tie(p.count, p.bytes, p.node, p.gpu) <
+                         std::tie(best->count, best->bytes, best->node, best->gpu)) {
+          best = std::move(p);
+        }
+      }
+    }
+    if (!best) return std::nullopt;
+    NodeState& ns = *order[best->node];
+    if (indexed) unindex(ns);
+    std::sort(best->victims.rbegin(), best->victims.rend());  // erase from the back
+    for (size_t pos : best->victims) {
+      const v1::ReplicaSpec& spec = (*ns.assignment)[pos];
+      const std::string dep = DeploymentOfReplica(spec.replica_id());
+      const int64_t charged = spec.gpu() >= 0 ? charged_of(ns, spec) : 0;
+      ns.cpu_used -= spec.cpus();
+      for (size_t i = 0; i < ns.node->gpus.size(); ++i) {
+        if (ns.node->gpus[i].index == spec.gpu()) ns.gpu_used[i] -= charged;
+      }
+      Spread& victim_spread = spread_of(dep);
+      victim_spread.Remove(ns.index);
+      victim_spread.per_zone[ns.zone_id]--;
+      auto k = kept.find(dep + "\n" + spec.version());
+      if (k != kept.end()) k->second.warm--;
+      out.evicted[spec.replica_id()] =
+          spec.replica_id() + " (WARM, idle " +
+          std::to_string(idle_of(ns, spec.replica_id()) / 1000) + " s) on " + ns.node->name +
+          (spec.gpu() >= 0 ? " GPU " + std::to_string(spec.gpu()) : std::string()) +
+          " makes room for a SERVING replica of " + d.deployment;
+      ns.assignment->erase(ns.assignment->begin() + static_cast<long>(pos));
+    }
+    if (indexed) index(ns);
+    return Key{0, 0, 0, ns.node->load, ns.index, best->gpu};
+  };
+
   // Pass 2: new replicas.
   for (const PlacementDemand& d : demands) {
     const bool first_of_deployment =
         previous_deployment == nullptr || *previous_deployment != d.deployment;
     previous_deployment = &d.deployment;
-    const Kept& counts = kept[key(d)];
+    Kept& counts = kept[key(d)];
     int64_t serving = counts.serving;
     int64_t warm = counts.warm;
     std::set<int>& used_ids = ids_in_use[d.deployment];
@@ -405,7 +526,6 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     int64_t missing = new_serving + (d.warm - warm);
     // A node's best (node, gpu) for this demand now, by the documented order; lower tuples
     // win (the node index is the name order). Nothing when it has no room.
-    using Key = std::tuple<int, int, int64_t, double, int, int>;
     Spread& sp = spread_of(d.deployment);
     auto key_of = [&](NodeState& ns) -> std::optional<Key> {
       const PlacementNode& n = *ns.node;
@@ -466,6 +586,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
           if (key && (!best || *key < *best)) best = key;
         }
       }
+      if (!best && as_serving) best = evict_for(d);
       if (!best) continue;  // counted below, as the shortfall
       v1::ReplicaSpec spec;
       spec.set_replica_id(fresh_id());
@@ -522,10 +643,16 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         }
       }
     }
+    counts.serving = serving;
+    counts.warm = warm;  // a later demand's evictions may still lower it
+  }
+  for (const PlacementDemand& d : demands) {
     // What is short of the wanted counts: serving slots that neither a replica nor a moving one
     // (still serving until its replacement does) fills, and the warm pool's gap.
-    const int64_t unplaced = std::max<int64_t>(0, d.serving - serving - counts.keep_moving) +
-                             std::max<int64_t>(0, d.warm - warm);
+    const Kept& counts = kept[key(d)];
+    const int64_t unplaced =
+        std::max<int64_t>(0, d.serving - counts.serving - counts.keep_moving) +
+        std::max<int64_t>(0, d.warm - counts.warm);
     if (unplaced > 0) {
       out.unplaced.push_back(
           d.deployment + ": " + std::to_string(unplaced) + " of " +

@@ -31,6 +31,10 @@
 //   it in `moves` on every call until it is gone, so the move runs make-before-break exactly
 //   like one off an unhealthy GPU and is not undone when the skew it fixes disappears while
 //   the replacement loads.
+// - Memory pressure: SERVING outranks WARM. A new SERVING replica with no room anywhere evicts
+//   WARM replicas of other deployments from one GPU (one node, for CPU replicas), least
+//   recently used first (`idle_ms` as reported), choosing the spot that evicts the fewest.
+//   WARM replicas never evict anything.
 
 #include <cstdint>
 #include <map>
@@ -89,14 +93,19 @@ struct PlacementResult {
   // Replicas that could move to even out their deployment (at most one per deployment), with
   // why ("sim-3 runs 3 of enc, sim-7 1").
   std::map<std::string, std::string> skewed;
+  // WARM replicas evicted by this call to make room for SERVING ones (id -> what happened).
+  // The caller passes them back in `evicted` until no node runs them.
+  std::map<std::string, std::string> evicted;
 };
 
 // `retired_ids`: ids not to give to new replicas (those on Lost nodes, which may come back).
 // `moves`: replicas to move make-before-break (id -> why), as off an unhealthy GPU.
+// `evicted`: replicas evicted earlier that a node may still report: never kept again.
 PlacementResult Place(const std::vector<PlacementDemand>& demands,
                       const std::vector<PlacementNode>& ready_nodes,
                       const std::set<std::string>& retired_ids = {},
-                      const std::map<std::string, std::string>& moves = {});
+                      const std::map<std::string, std::string>& moves = {},
+                      const std::set<std::string>& evicted = {});
 
 // The deployment a replica id belongs to ("encoder.3" -> "encoder"); empty if not ours.
 std::string DeploymentOfReplica(const std::string& replica_id);

@@ -267,6 +267,107 @@ PlacementDemand GpuDemand(int64_t serving, int64_t surge, int64_t unavailable) {
   return d;
 }
 
+PlacementDemand GpuOf(const std::string& dep, int64_t serving, int64_t warm, int64_t gib) {
+  PlacementDemand d = Cpu(dep, serving, warm, 2);
+  d.gpus = 1;
+  d.gpu_memory_bytes = gib << 30;
+  return d;
+}
+
+// Sets what each listed replica reports as its idle time.
+void SetIdle(std::vector<PlacementNode>* nodes, const std::map<std::string, int64_t>& idle_ms) {
+  for (PlacementNode& n : *nodes) {
+    std::vector<v1::ReplicaStatus> reported;
+    for (const auto* r : n.reported) {
+      reported.push_back(*r);
+      auto it = idle_ms.find(r->replica_id());
+      if (it != idle_ms.end()) reported.back().set_idle_ms(it->second);
+    }
+    n.reported = Keep(reported);
+  }
+}
+
+TEST(PlacementTest, AServingReplicaEvictsTheLeastRecentlyUsedWarmReplicasOfOthers) {
+  std::vector<PlacementNode> nodes = {GpuNode("g", {24LL << 30})};
+  PlacementDemand cold = GpuOf("cold", 0, 2, 10);
+  auto p = Place({cold}, nodes);
+  ASSERT_EQ(All(p), (std::vector<std::string>{"g/0:cold.0:WARM", "g/0:cold.1:WARM"}));
+  Apply(p, &nodes);
+  SetIdle(&nodes, {{"cold.0", 5000}, {"cold.1", 90000}});
+
+  // 4 GiB free, 10 needed: cold.1, idle longest, makes room.
+  PlacementDemand hot = GpuOf("hot", 1, 0, 10);
+  p = Place({cold, hot}, nodes);
+  EXPECT_EQ(All(p), (std::vector<std::string>{"g/0:cold.0:WARM", "g/0:hot.0:SERVING"}));
+  ASSERT_EQ(p.evicted.size(), 1u);
+  EXPECT_NE(p.evicted["cold.1"].find("cold.1 (WARM, idle 90 s) on g GPU 0 makes room for a "
+                                     "SERVING replica of hot"),
+            std::string::npos)
+      << p.evicted["cold.1"];
+  ASSERT_EQ(p.unplaced.size(), 1u);
+  EXPECT_EQ(p.unplaced[0].rfind("cold: 1 of 2", 0), 0u) << p.unplaced[0];
+
+  // The node still reports cold.1 until it has drained it: passed back as evicted it is not
+  // kept again (which would overcommit the GPU), and nothing more is evicted.
+  std::vector<v1::ReplicaStatus> stale;
+  for (const auto* r : nodes[0].reported) stale.push_back(*r);
+  Apply(p, &nodes);
+  for (const auto* r : nodes[0].reported) {
+    if (r->replica_id() == "hot.0") stale.push_back(*r);
+  }
+  nodes[0].reported = Keep(stale);
+  auto next = Place({cold, hot}, nodes, {}, {}, {"cold.1"});
+  EXPECT_EQ(All(next), (std::vector<std::string>{"g/0:cold.0:WARM", "g/0:hot.0:SERVING"}));
+  EXPECT_TRUE(next.evicted.empty());
+  ASSERT_EQ(next.unplaced.size(), 1u);
+  EXPECT_EQ(next.unplaced[0].rfind("cold: 1 of 2", 0), 0u);
+}
+
+TEST(PlacementTest, EvictionPicksTheSpotThatEvictsFewestAndNeverHelpsWarmOrHopelessDemands) {
+  // n1: two 10 GiB WARM replicas (4 free); n2: three 6 GiB ones (6 free). 14 GiB needed:
+  // one eviction on n1, two on n2.
+  std::vector<PlacementNode> nodes = {GpuNode("n1", {24LL << 30}), GpuNode("n2", {24LL << 30})};
+  PlacementDemand a = GpuOf("a", 0, 2, 10);
+  PlacementDemand b = GpuOf("b", 0, 3, 6);
+  PlacementResult layout;
+  auto warm = [](const std::string& id, int64_t gib) {
+    v1::ReplicaSpec spec;
+    spec.set_replica_id(id);
+    spec.set_model("encoder");
+    spec.set_version("1");
+    spec.set_gpu(0);
+    spec.set_cpus(2);
+    spec.set_state(v1::WARM);
+    spec.set_gpu_memory_bytes(gib << 30);
+    return spec;
+  };
+  layout.nodes["n1"] = {warm("a.0", 10), warm("a.1", 10)};
+  layout.nodes["n2"] = {warm("b.0", 6), warm("b.1", 6), warm("b.2", 6)};
+  Apply(layout, &nodes);
+  auto p = Place({a, b}, nodes);
+  ASSERT_EQ(All(p), All(layout));
+  ASSERT_TRUE(p.unplaced.empty());
+  const std::string a_node = "n1";
+
+  // A WARM demand never evicts; a SERVING one that no eviction can fit evicts nothing.
+  auto warm_only = Place({a, b, GpuOf("w", 0, 1, 14)}, nodes);
+  EXPECT_TRUE(warm_only.evicted.empty());
+  auto hopeless = Place({a, b, GpuOf("huge", 1, 0, 30)}, nodes);
+  EXPECT_TRUE(hopeless.evicted.empty());
+  EXPECT_EQ(hopeless.unplaced.size(), 1u);
+
+  auto q = Place({a, b, GpuOf("c", 1, 0, 14)}, nodes);
+  ASSERT_EQ(q.evicted.size(), 1u);
+  EXPECT_EQ(DeploymentOfReplica(q.evicted.begin()->first), "a");
+  bool placed_beside_a = false;
+  for (const auto& s : q.nodes[a_node]) placed_beside_a |= s.replica_id() == "c.0";
+  EXPECT_TRUE(placed_beside_a);
+
+  // A deployment's own WARM replicas are promoted, never evicted for it.
+  auto own = Place({GpuOf("a", 1, 2, 10), b}, nodes);
+  EXPECT_TRUE(own.evicted.empty());
+}
+
 TEST(PlacementTest, ReplicasLeaveAnUnhealthyGpuMakeBeforeBreak) {
   std::vector<PlacementNode> nodes = {GpuNode("a", {80LL << 30, 80LL << 30}),
                                       GpuNode("b", {80LL << 30})};
