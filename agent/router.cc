@@ -348,6 +348,13 @@ class Router::Impl {
       http_server_->Stop(absl::Seconds(5));
       http_server_.reset();
     }
+    // Forwards still out (their continuations use this object) are cancelled and waited for.
+    cancel_.cancel();
+    {
+      absl::MutexLock lock(&forwards_mu_);
+      auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(forwards_mu_) { return forwards_ == 0; };
+      forwards_mu_.Await(absl::Condition(&idle));
+    }
     if (grpc_server_) {
       grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
       grpc_server_.reset();
@@ -455,10 +462,22 @@ class Router::Impl {
     std::string id = choice->endpoint.id;
     std::string chosen = choice->version;
     router_->Begin(id);
+    {
+      absl::MutexLock lock(&forwards_mu_);
+      forwards_++;
+    }
     ClientFor(choice->endpoint.http_address)
-        ->request(out)
+        ->request(out, cancel_.get_token())
         .then([this, reply, model, version, path, body = std::move(body), sticky, exclude, attempt,
                id, chosen](pplx::task<http::http_response> t) mutable {
+          // Counted out last, after any retry has counted itself in.
+          struct Done {
+            Impl* impl;
+            ~Done() {
+              absl::MutexLock lock(&impl->forwards_mu_);
+              impl->forwards_--;
+            }
+          } done{this};
           router_->End(id);
           int code = 0;
           std::string text;
@@ -491,6 +510,9 @@ class Router::Impl {
   RouterGrpcService grpc_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpServer> http_server_;
+  pplx::cancellation_token_source cancel_;
+  absl::Mutex forwards_mu_;
+  int forwards_ ABSL_GUARDED_BY(forwards_mu_) = 0;  // REST forwards out to replicas
   absl::Mutex clients_mu_;
   std::map<std::string, std::shared_ptr<http::client::http_client>> clients_
       ABSL_GUARDED_BY(clients_mu_);

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -192,17 +193,39 @@ void BM_GrpcTransportFloor(benchmark::State& state) {
   }
 }
 
-void BM_RestServed(benchmark::State& state) {
+// The REST target from KILN_HTTP_ADDRESS, or nothing (and the benchmark skipped with why).
+std::optional<HostPort> RestTarget(benchmark::State& state) {
   const std::string address = Env("KILN_HTTP_ADDRESS");
   if (address.empty()) {
     state.SkipWithError("KILN_HTTP_ADDRESS is not set (HOST:PORT of a running kiln-runtime)");
-    return;
+    return std::nullopt;
   }
   absl::StatusOr<HostPort> target = ParseHostPort(address);
   if (!target.ok()) {
     state.SkipWithError(std::string(target.status().message()).c_str());
-    return;
+    return std::nullopt;
   }
+  return *target;
+}
+
+// The REST round trip with no model work: GET /v2/health/live on a kept-alive connection.
+void BM_RestTransportFloor(benchmark::State& state) {
+  std::optional<HostPort> target = RestTarget(state);
+  if (!target) return;
+  HttpClient client(*target, std::chrono::milliseconds(10000));
+  for (auto _ : state) {
+    absl::StatusOr<HttpResponse> resp = client.Get("/v2/health/live");
+    if (!resp.ok() || resp->status != 200) {
+      state.SkipWithError(resp.ok() ? RestErrorMessage(resp->status, resp->body).c_str()
+                                    : absl::StrCat("GET: ", resp.status().message()).c_str());
+      break;
+    }
+  }
+}
+
+void BM_RestServed(benchmark::State& state) {
+  std::optional<HostPort> target = RestTarget(state);
+  if (!target) return;
   const int64_t batch = state.range(0);
   const int64_t seq_len = state.range(1);
   HttpClient client(*target, std::chrono::milliseconds(10000));
@@ -244,6 +267,7 @@ BENCHMARK(BM_GrpcServed)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_GrpcTransportFloor)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_RestTransportFloor)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_RestServed)
     ->ArgNames({"batch", "seq"})
     ->Args({1, 16})

@@ -5,6 +5,7 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
@@ -19,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/synchronization/mutex.h"
+#include "common/logging.h"
 
 namespace kiln {
 
@@ -34,7 +36,9 @@ std::chrono::steady_clock::duration Chrono(absl::Duration d) {
 }
 
 std::string ErrorBody(const std::string& message) {
-  return nlohmann::json{{"error", message}}.dump() + "\n";
+  return nlohmann::json{{"error", message}}.dump(-1, ' ', false,
+                                                 nlohmann::json::error_handler_t::replace) +
+         "\n";
 }
 
 }  // namespace
@@ -65,6 +69,7 @@ class HttpServer::State : public std::enable_shared_from_this<HttpServer::State>
   Handler handler;
   net::io_context ioc;
   tcp::acceptor acceptor;
+  net::steady_timer accept_retry{acceptor.get_executor()};
   // Keeps the threads running while a connection waits for a handler's reply, when no socket
   // operation is pending.
   std::optional<net::executor_work_guard<net::io_context::executor_type>> work{ioc.get_executor()};
@@ -82,6 +87,10 @@ class HttpServer::State : public std::enable_shared_from_this<HttpServer::State>
   bool stopping() {
     absl::MutexLock lock(&mu);
     return stopping_;
+  }
+  bool stopped() {
+    absl::MutexLock lock(&mu);
+    return stopped_;
   }
 
   absl::Mutex mu;
@@ -182,9 +191,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
     }
     if (ec) return Fail(400, "malformed request: " + ec.message());
     stream_.expires_never();
+    if (state_->stopped()) return Close();  // read in the final flush: too late to answer
     auto message = parser_->release();
     parser_.reset();
     keep_alive_ = message.keep_alive();
+    head_ = message.method() == bhttp::verb::head;
     HttpRequest request;
     request.method = std::string(message.method_string());
     std::string_view target(message.target().data(), message.target().size());
@@ -200,6 +211,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
       state_->handler(std::move(request), reply);
     } catch (const std::exception& e) {
       reply.Send(500, ErrorBody(std::string("internal error: ") + e.what()), "application/json");
+    } catch (...) {
+      reply.Send(500, ErrorBody("internal error"), "application/json");
     }
   }
 
@@ -209,6 +222,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     r.code = code;
     r.body = ErrorBody(message);
     r.content_type = "application/json";
+    linger_ = true;  // the client may still be sending what was refused
     Write(std::move(r), /*close=*/true);
   }
 
@@ -218,9 +232,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
     response_->set(bhttp::field::server, "kiln");
     response_->set(bhttp::field::content_type, r.content_type);
     for (auto& [name, value] : r.headers) response_->insert(name, value);
+    // No body where HTTP allows none (prepare_payload would throw on one).
+    if (r.code < 200 || r.code == 204 || r.code == 304) r.body.clear();
     response_->body() = std::move(r.body);
     response_->keep_alive(keep_alive_ && !close && !state_->stopping());
     response_->prepare_payload();
+    if (head_) response_->body().clear();  // the headers a GET would get, without the body
     stream_.expires_after(Chrono(state_->options.write_timeout));
     bhttp::async_write(stream_, *response_,
                        [self = shared_from_this()](beast::error_code ec, size_t) {
@@ -228,7 +245,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
                          self->response_.reset();
                          if (again) {
                            self->ReadHeader();
-                         } else if (!ec) {
+                         } else if (!ec && self->linger_) {
                            self->Linger();
                          } else {
                            self->Close();
@@ -280,6 +297,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::optional<bhttp::response<bhttp::string_body>> response_;
   bool keep_alive_ = true;
   bool reading_header_ = false;
+  bool head_ = false;
+  bool linger_ = false;  // after an error reply: drain what the client still sends
   bool lingering_ = false;
   std::unique_ptr<std::array<char, 16384>> scratch_;
   bool closed_ = false;
@@ -316,15 +335,21 @@ void HttpReply::Send(int code, std::string body, std::string content_type) const
 void HttpServer::State::Accept() {
   acceptor.async_accept(net::make_strand(ioc), [this](beast::error_code ec, tcp::socket socket) {
     if (ec == net::error::operation_aborted || !acceptor.is_open()) return;
-    if (!ec) {
-      if (stopping()) {
-        beast::error_code ignored;
-        socket.close(ignored);
-      } else {
-        auto c = std::make_shared<Connection>(std::move(socket), shared_from_this());
-        Add(c);
-        c->Start();
-      }
+    if (ec) {
+      // Out of descriptors, say: try again shortly instead of spinning.
+      accept_retry.expires_after(std::chrono::milliseconds(100));
+      accept_retry.async_wait([this](beast::error_code wait_ec) {
+        if (!wait_ec && acceptor.is_open()) Accept();
+      });
+      return;
+    }
+    if (stopping()) {
+      beast::error_code ignored;
+      socket.close(ignored);
+    } else {
+      auto c = std::make_shared<Connection>(std::move(socket), shared_from_this());
+      Add(c);
+      c->Start();
     }
     Accept();
   });
@@ -365,7 +390,18 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(Options options, H
   int port = state->acceptor.local_endpoint().port();
   state->Accept();
   for (int i = 0; i < options.threads; ++i) {
-    state->threads.emplace_back([s = state.get()] { s->ioc.run(); });
+    state->threads.emplace_back([s = state.get()] {
+      for (;;) {  // a handler that throws must not take the process down
+        try {
+          s->ioc.run();
+          return;
+        } catch (const std::exception& e) {
+          GetLogger("http")->error("HTTP handler failed: {}", e.what());
+        } catch (...) {
+          GetLogger("http")->error("HTTP handler failed");
+        }
+      }
+    });
   }
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(state), port));
 }
@@ -387,6 +423,7 @@ void HttpServer::Stop(absl::Duration grace) {
   net::dispatch(s->acceptor.get_executor(), [s] {
     beast::error_code ignored;
     s->acceptor.close(ignored);
+    s->accept_retry.cancel();
   });
   for (auto& c : open) c->OnStopping();
   open.clear();

@@ -9,6 +9,13 @@ void Send(const HttpReply& r, const ApiResponse& a) { r.Send(a.code, a.body, a.c
 // Bodies over the limit never get here: the server answers 413 from their declared length.
 void Handle(AdminApi* api, HttpRequest request, const HttpReply& r) {
   try {
+    if (request.method != "GET" && request.method != "POST" && request.method != "PUT" &&
+        request.method != "DELETE") {
+      ApiResponse a = ErrorResponse(
+          absl::UnimplementedError("method " + request.method + " is not allowed here"));
+      a.code = 405;
+      return Send(r, a);
+    }
     ApiRequest req;
     req.method = std::move(request.method);
     req.path = std::move(request.path);
@@ -28,7 +35,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> StartAdminHttpServer(const std::stri
   HttpServer::Options o;
   o.bind_address = bind;
   o.port = port;
-  o.threads = 2;
+  o.threads = 4;  // a handler may wait on the store (the Kubernetes API)
   o.max_body_bytes = static_cast<int64_t>(max_body_bytes);
   o.flags = "--admin-port/--admin-bind";
   return HttpServer::Start(

@@ -644,8 +644,11 @@ void Controller::Tick() {
       }
       return false;
     };
+    // Kept at least 30 s (a node may still start it from an assignment older than the
+    // eviction and report it late), then until no node reports it.
     for (auto it = evicted_.begin(); it != evicted_.end();) {
-      it = still_reported(it->first) ? std::next(it) : evicted_.erase(it);
+      const bool keep = now - it->second.since < absl::Seconds(30) || still_reported(it->first);
+      it = keep ? std::next(it) : evicted_.erase(it);
     }
     for (const auto& [id, line] : placed.evicted) {
       log->warn("evicted: {}", line);

@@ -422,13 +422,16 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     return 0;  // placed but not reported yet: just made
   };
   using Key = std::tuple<int, int, int64_t, double, int, int>;
-  // Under memory pressure SERVING outranks WARM: a new SERVING replica of `d` with no room
-  // anywhere gets it by evicting WARM replicas of other deployments from one GPU (from one
-  // node, for a CPU replica), least recently used first. The spot that evicts the fewest
-  // replicas wins, then the fewest bytes, then node and GPU order. Nothing is evicted when no
-  // spot can be freed. The evicted replicas' deployments are short of their warm pool from
-  // now on (refilled where there is room).
+  // Under GPU memory pressure SERVING outranks WARM: a new SERVING replica of `d` with no room
+  // anywhere gets it by evicting WARM replicas of other deployments from one GPU, least
+  // recently used first. Only GPU memory is freed this way: the node must have the CPUs
+  // already (an agent keeps a replica's CPUs until it is gone, so CPUs freed by an eviction
+  // could not be handed on in the same assignment). The spot that evicts the fewest replicas
+  // wins, then the fewest bytes, then node and GPU order. Nothing is evicted when no spot can
+  // be freed. The evicted replicas' deployments are short of their warm pool from now on
+  // (refilled where there is room).
   auto evict_for = [&](const PlacementDemand& d) -> std::optional<Key> {
+    if (d.gpus == 0) return std::nullopt;
     struct Plan {
       size_t count = 0;
       int64_t bytes = 0;
@@ -440,39 +443,37 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     for (NodeState* nsp : order) {
       NodeState& ns = *nsp;
       const PlacementNode& n = *ns.node;
-      if (!n.schedulable) continue;
+      if (!n.schedulable || ns.cpu_used + d.cpus > n.cpu_capacity) continue;
       // (idle desc, id) order: least recently used first.
       std::vector<std::tuple<int64_t, std::string, size_t>> warm;
       for (size_t pos = 0; pos < ns.assignment->size(); ++pos) {
         const v1::ReplicaSpec& spec = (*ns.assignment)[pos];
-        if (spec.state() != v1::WARM || DeploymentOfReplica(spec.replica_id()) == d.deployment) {
+        if (spec.state() != v1::WARM || spec.gpu() < 0 ||
+            DeploymentOfReplica(spec.replica_id()) == d.deployment) {
           continue;
         }
         warm.emplace_back(-idle_of(ns, spec.replica_id()), spec.replica_id(), pos);
       }
       if (warm.empty()) continue;
       std::sort(warm.begin(), warm.end());
-      const size_t spots = d.gpus > 0 ? n.gpus.size() : 1;
-      for (size_t gi = 0; gi < spots; ++gi) {
-        if (d.gpus > 0 && !n.gpus[gi].healthy) continue;
-        const int gpu = d.gpus > 0 ? n.gpus[gi].index : -1;
-        int64_t memory_free = d.gpus > 0 ? n.gpus[gi].memory_bytes - ns.gpu_used[gi] : 0;
-        int64_t cpus_free = n.cpu_capacity - ns.cpu_used;
+      for (size_t gi = 0; gi < n.gpus.size(); ++gi) {
+        if (!n.gpus[gi].healthy) continue;
+        const int gpu = n.gpus[gi].index;
+        int64_t memory_free = n.gpus[gi].memory_bytes - ns.gpu_used[gi];
         Plan p;
         p.node = ns.index;
         p.gpu = gpu;
         for (const auto& [neg_idle, id, pos] : warm) {
-          if (memory_free >= d.gpu_memory_bytes && cpus_free >= d.cpus) break;
+          if (memory_free >= d.gpu_memory_bytes) break;
           const v1::ReplicaSpec& spec = (*ns.assignment)[pos];
-          if (d.gpus > 0 && spec.gpu() != gpu) continue;
-          const int64_t charged = spec.gpu() >= 0 ? charged_of(ns, spec) : 0;
+          if (spec.gpu() != gpu) continue;
+          const int64_t charged = charged_of(ns, spec);
           memory_free += charged;
-          cpus_free += spec.cpus();
           p.bytes += charged;
           p.victims.push_back(pos);
         }
         p.count = p.victims.size();
-        if (p.count == 0 || memory_free < d.gpu_memory_bytes || cpus_free < d.cpus) continue;
+        if (p.count == 0 || memory_free < d.gpu_memory_bytes) continue;
         if (!best || std::tie(p.count, p.bytes, p.node, p.gpu) <
                          std::tie(best->count, best->bytes, best->node, best->gpu)) {
           best = std::move(p);
@@ -486,7 +487,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     for (size_t pos : best->victims) {
       const v1::ReplicaSpec& spec = (*ns.assignment)[pos];
       const std::string dep = DeploymentOfReplica(spec.replica_id());
-      const int64_t charged = spec.gpu() >= 0 ? charged_of(ns, spec) : 0;
+      const int64_t charged = charged_of(ns, spec);
       ns.cpu_used -= spec.cpus();
       for (size_t i = 0; i < ns.node->gpus.size(); ++i) {
         if (ns.node->gpus[i].index == spec.gpu()) ns.gpu_used[i] -= charged;
@@ -499,7 +500,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       out.evicted[spec.replica_id()] =
           spec.replica_id() + " (WARM, idle " +
           std::to_string(idle_of(ns, spec.replica_id()) / 1000) + " s) on " + ns.node->name +
-          (spec.gpu() >= 0 ? " GPU " + std::to_string(spec.gpu()) : std::string()) +
+          " GPU " + std::to_string(spec.gpu()) +
           " makes room for a SERVING replica of " + d.deployment;
       ns.assignment->erase(ns.assignment->begin() + static_cast<long>(pos));
     }
@@ -573,6 +574,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     // Once no node free of the deployment has room, none will within this call (its count on a
     // node only grows): later replicas go straight to the full scan.
     bool fresh_exhausted = false;
+    bool evict_exhausted = false;
     for (int64_t k = 0; k < missing; ++k) {
       bool as_serving = k < new_serving;
       std::optional<Key> best;
@@ -586,7 +588,13 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
           if (key && (!best || *key < *best)) best = key;
         }
       }
-      if (!best && as_serving) best = evict_for(d);
+      // Eviction only fills a SERVING slot that is empty (not one a moving replica still
+      // serves: a move may wait for room), and stops once it found nothing to evict.
+      if (!best && as_serving && !evict_exhausted &&
+          serving + counts.keep_moving < d.serving) {
+        best = evict_for(d);
+        evict_exhausted = !best.has_value();
+      }
       if (!best) continue;  // counted below, as the shortfall
       v1::ReplicaSpec spec;
       spec.set_replica_id(fresh_id());

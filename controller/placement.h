@@ -31,10 +31,11 @@
 //   it in `moves` on every call until it is gone, so the move runs make-before-break exactly
 //   like one off an unhealthy GPU and is not undone when the skew it fixes disappears while
 //   the replacement loads.
-// - Memory pressure: SERVING outranks WARM. A new SERVING replica with no room anywhere evicts
-//   WARM replicas of other deployments from one GPU (one node, for CPU replicas), least
-//   recently used first (`idle_ms` as reported), choosing the spot that evicts the fewest.
-//   WARM replicas never evict anything.
+// - GPU memory pressure: SERVING outranks WARM. A new GPU replica for an empty SERVING slot
+//   with no room anywhere evicts WARM replicas of other deployments from one GPU of a node
+//   with the CPUs free, least recently used first (`idle_ms` as reported), choosing the GPU
+//   that evicts the fewest. WARM replicas, CPU replicas and replacements of moving replicas
+//   (still serving) never evict anything.
 
 #include <cstdint>
 #include <map>

@@ -68,6 +68,16 @@ class RawClient {
     pending_.erase(0, length);
     return r;
   }
+  // Reads a response's head only (for HEAD requests: no body follows).
+  std::string ReadHead() {
+    size_t end;
+    while ((end = pending_.find("\r\n\r\n")) == std::string::npos) {
+      if (!Fill()) return "";
+    }
+    std::string head = pending_.substr(0, end + 4);
+    pending_.erase(0, end + 4);
+    return head;
+  }
   // True when the server closes the connection (as opposed to the 10 s read bound expiring).
   bool ClosedByServer() {
     char buf[256];
@@ -316,6 +326,39 @@ TEST(HttpServer, ARequestDroppedUnansweredGets500AndAThrowingHandlerToo) {
   r = c.Read();
   EXPECT_EQ(r.code, 500);
   EXPECT_NE(r.body.find("boom"), std::string::npos) << r.body;
+}
+
+TEST(HttpServer, HeadGetsTheHeadersWithoutTheBodyAndBodylessCodesDropTheirs) {
+  auto server = StartServer([](HttpRequest r, HttpReply reply) {
+    if (r.path == "/none") {
+      reply.Send(204, "ignored", "text/plain");
+    } else if (r.path == "/utf8") {
+      throw std::runtime_error("bad \xff\xfe bytes");
+    } else if (r.path == "/odd") {
+      throw 42;
+    } else {
+      reply.Send(200, "hello", "text/plain");
+    }
+  });
+  RawClient c(server->port());
+  ASSERT_TRUE(c.Send("HEAD /x HTTP/1.1\r\nHost: x\r\n\r\n"));
+  std::string head = c.ReadHead();
+  EXPECT_EQ(head.rfind("HTTP/1.1 200", 0), 0u) << head;
+  EXPECT_NE(head.find("Content-Length: 5"), std::string::npos) << head;
+  // Had a body followed the head, it would now sit before the next response.
+  ASSERT_TRUE(c.Send(Get("/none")));
+  auto none = c.Read();
+  EXPECT_EQ(none.code, 204) << none.head;
+  EXPECT_EQ(none.body, "");
+  ASSERT_TRUE(c.Send(Get("/y")));
+  auto y = c.Read();
+  EXPECT_EQ(y.code, 200);
+  EXPECT_EQ(y.body, "hello");
+  for (const char* path : {"/utf8", "/odd"}) {
+    RawClient t(server->port());
+    ASSERT_TRUE(t.Send(Get(path)));
+    EXPECT_EQ(t.Read().code, 500) << path;
+  }
 }
 
 TEST(HttpServer, StopClosesIdleConnectionsAndLetsInFlightRepliesOut) {

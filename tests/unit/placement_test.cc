@@ -363,6 +363,18 @@ TEST(PlacementTest, EvictionPicksTheSpotThatEvictsFewestAndNeverHelpsWarmOrHopel
   for (const auto& s : q.nodes[a_node]) placed_beside_a |= s.replica_id() == "c.0";
   EXPECT_TRUE(placed_beside_a);
 
+  // A CPU replica never evicts (the agent could not hand it CPUs a draining replica holds).
+  std::vector<PlacementNode> cpu_nodes = {CpuNode("c", 4)};
+  PlacementResult cpu_layout;
+  v1::ReplicaSpec idle_cpu = warm("idle.0", 0);
+  idle_cpu.set_gpu(-1);
+  idle_cpu.set_cpus(4);
+  cpu_layout.nodes["c"] = {idle_cpu};
+  Apply(cpu_layout, &cpu_nodes);
+  auto cpu = Place({Cpu("idle", 0, 1, 4), Cpu("busy", 1, 0, 2)}, cpu_nodes);
+  EXPECT_TRUE(cpu.evicted.empty());
+  EXPECT_EQ(cpu.unplaced.size(), 1u);
+
   // A deployment's own WARM replicas are promoted, never evicted for it.
   auto own = Place({GpuOf("a", 1, 2, 10), b}, nodes);
   EXPECT_TRUE(own.evicted.empty());
