@@ -194,7 +194,9 @@ absl::Status Batcher::Enqueue(Item item) {
   {
     absl::MutexLock lock(&mu_);
     executing_ = false;
-    changed_ = true;  // requests queued meanwhile are the executor thread's
+    // Requests queued meanwhile are the executor thread's; with none, it sleeps on (waking it
+    // for nothing costs a context switch per request).
+    if (!queue_.empty()) changed_ = true;
   }
   return absl::OkStatus();
 queue_it:
