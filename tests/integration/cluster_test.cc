@@ -421,6 +421,48 @@ TEST_F(ClusterTest, AReplicaLeavesAFailedGpuWithoutAFailedRequest) {
   Kill(&g.pid, SIGTERM);
 }
 
+TEST_F(ClusterTest, AWarmReplicaMakesRoomOnAFullGpuForAServingOne) {
+  StartController("127.0.0.1:0");
+  Agent g = StartAnotherAgent("g1", {"--fake-gpus", "1:16Gi"});
+  ASSERT_GT(g.router_grpc, 0) << ReadFile(g.log);
+  alog_ = g.log;
+  // cold: a warm pool of one 12 GiB replica on the one 16 GiB GPU (and one of the node's two
+  // CPUs; an eviction frees GPU memory only, so the newcomer needs the other CPU free).
+  std::string out = ApplySpec("cold", "encoder",
+                              "  replicas: 0\n  warmPool: 1\n"
+                              "  resources: {gpus: 1, gpuMemory: 12Gi, cpus: 1}\n");
+  ASSERT_EQ(last_rc_, 0) << out;
+  ASSERT_TRUE(WaitForStatus("cold", 0, 1));
+  // hot needs 6 GiB where 4 are free: cold's WARM replica gives way. (Another model: a node's
+  // routes are per model name.)
+  out = ApplySpec("hot", "slow", "  replicas: 1\n  resources: {gpus: 1, gpuMemory: 6Gi, cpus: 1}\n");
+  ASSERT_EQ(last_rc_, 0) << out;
+  ASSERT_TRUE(WaitForStatus("hot", 1, 0));
+  ASSERT_TRUE(WaitForStatus("cold", 0, 0));
+  const std::string log = ReadFile(clog_);
+  EXPECT_NE(log.find("evicted: cold."), std::string::npos) << log;
+  EXPECT_NE(log.find("makes room for a SERVING replica of hot"), std::string::npos) << log;
+  EXPECT_NE(log.find("unplaced: cold: 1 of 1 replicas have no node with room"), std::string::npos)
+      << log;
+  // The node ends up running just hot's SERVING replica (bounded poll: the evicted one drains
+  // first), and cold says its pool is short.
+  std::vector<std::string> states;
+  std::string text;
+  for (int i = 0; i < 1200; ++i) {
+    auto [code, body] = Http("GET", g.admin, "/v1/replicas");
+    text = body;
+    json j = json::parse(body, nullptr, false);
+    states.clear();
+    if (code == 200 && !j.is_discarded()) {
+      for (const auto& r : j["replicas"]) states.push_back(r["state"].get<std::string>());
+    }
+    if (states == std::vector<std::string>{"SERVING"}) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_EQ(states, (std::vector<std::string>{"SERVING"})) << text;
+  Kill(&g.pid, SIGTERM);
+}
+
 TEST_F(ClusterTest, ADeploymentPiledOnOneNodeSpreadsWhenAnotherJoins) {
   StartController("127.0.0.1:0", {"--rebalance-after-seconds", "0.5"});
   Agent a = StartAnotherAgent("a1");
