@@ -475,6 +475,37 @@ void Controller::Tick() {
   {
     absl::MutexLock lock(&mu_);
     TakeStatuses();
+    // One deployment per model name: a node's router routes requests by model name (and
+    // refuses a routing table that names a model twice). The deployment created first (then
+    // by name) serves it; the others are neither placed nor routed, and say why.
+    std::map<std::string, std::string> conflicts;  // deployment -> why
+    {
+      std::map<std::string, const Dep*> owner;  // model name -> its deployment
+      for (const auto& dep : deps) {
+        auto [it, fresh] = owner.emplace(dep.d.spec.model.name, &dep);
+        if (!fresh && std::tie(dep.object.created_unix_micros, dep.d.name) <
+                          std::tie(it->second->object.created_unix_micros, it->second->d.name)) {
+          it->second = &dep;
+        }
+      }
+      for (const auto& dep : deps) {
+        const Dep* first = owner[dep.d.spec.model.name];
+        if (first == &dep) continue;
+        conflicts[dep.d.name] = "model '" + dep.d.spec.model.name +
+                                "' is already served by deployment '" + first->d.name +
+                                "' (created first); requests are routed by model name, so this "
+                                "deployment is neither placed nor routed";
+      }
+      for (const auto& [name, why] : conflicts) {
+        if (name_conflicts_.insert(name).second) {
+          log->warn("deployment {}: {}", name, why);
+          events.push_back({name, "Warning", "ModelNameConflict", why});
+        }
+      }
+      for (auto it = name_conflicts_.begin(); it != name_conflicts_.end();) {
+        it = conflicts.count(*it) ? std::next(it) : name_conflicts_.erase(it);
+      }
+    }
     std::vector<PlacementNode> nodes;
     std::set<std::string> retired;
     nodes.reserve(registry_.nodes().size());
@@ -613,6 +644,10 @@ void Controller::Tick() {
                           rolled_back ? "RolledBack" : "RolloutStep", e});
       }
       known->second = plan.state;
+      if (conflicts.count(d.name)) {  // nothing placed: its replicas are dropped
+        plans[d.name] = plan;
+        continue;
+      }
       PlacementDemand stable = demands[i];
       stable.version = plan.stable_version;
       stable.serving = plan.stable_replicas;
@@ -738,7 +773,12 @@ void Controller::Tick() {
     // out). A deployment's group routes are made again only when what it is built from changed,
     // a group's table is serialized once for its nodes and sent only when it changed.
     bool routes_changed = false;
+    std::vector<const Dep*> routed;  // the deployments in the routing tables, in order
     for (const auto& dep : deps) {
+      if (!conflicts.count(dep.d.name)) routed.push_back(&dep);
+    }
+    for (const Dep* routed_dep : routed) {
+      const Dep& dep = *routed_dep;
       RouteInput in;
       in.head.set_model(dep.d.spec.model.name);
       const RolloutPlan& plan = plans[dep.d.name];
@@ -777,7 +817,7 @@ void Controller::Tick() {
       }
     }
     for (auto it = route_cache_.begin(); it != route_cache_.end();) {
-      if (live.count(it->first)) {
+      if (live.count(it->first) && !conflicts.count(it->first)) {
         ++it;
       } else {
         it = route_cache_.erase(it);
@@ -787,8 +827,8 @@ void Controller::Tick() {
     if (routes_changed) {
       for (size_t g = 0; g < groups_.size(); ++g) {
         std::string serialized;
-        for (const auto& dep : deps) {
-          serialized += route_cache_[dep.d.name].groups[g].SerializeAsString() + "|";
+        for (const Dep* dep : routed) {
+          serialized += route_cache_[dep->d.name].groups[g].SerializeAsString() + "|";
         }
         if (serialized != groups_[g].serialized) {
           groups_[g].serialized = std::move(serialized);
@@ -815,7 +855,7 @@ void Controller::Tick() {
         v1::ControllerMessage m;
         v1::RoutingTable* t = m.mutable_routing_table();
         t->set_generation(routing_generation_);
-        for (const auto& dep : deps) *t->add_routes() = route_cache_[dep.d.name].groups[g];
+        for (const Dep* dep : routed) *t->add_routes() = route_cache_[dep->d.name].groups[g];
         grpc::ByteBuffer bytes;
         grpc::Status ser = ToBytes(m, &bytes);
         if (!ser.ok()) {
@@ -873,7 +913,12 @@ void Controller::Tick() {
                               {"reason", "RolledBack"},
                               {"message", plan.state.message}});
       }
-      if (!unplaced.empty()) {
+      if (auto conflict = conflicts.find(dep.d.name); conflict != conflicts.end()) {
+        conditions.push_back({{"type", "Schedulable"},
+                              {"status", "False"},
+                              {"reason", "ModelNameConflict"},
+                              {"message", conflict->second}});
+      } else if (!unplaced.empty()) {
         conditions.push_back({{"type", "Schedulable"},
                               {"status", "False"},
                               {"reason", "NoRoom"},

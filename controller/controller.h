@@ -16,6 +16,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <memory>
 #include <string>
 #include <thread>
@@ -149,6 +150,8 @@ class Controller
   // WARM replicas evicted to make room for SERVING ones, until no node runs them (placement
   // must not keep them again from a node's stale report).
   std::map<std::string, Rebalance> evicted_ ABSL_GUARDED_BY(mu_);
+  // Deployments refused because another one serves their model name (said once each).
+  std::set<std::string> name_conflicts_ ABSL_GUARDED_BY(mu_);
   // Per deployment: its last status written, without the counters, and when.
   struct StatusWritten {
     std::string without_counters;

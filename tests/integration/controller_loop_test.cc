@@ -149,6 +149,49 @@ TEST_F(ControllerLoopTest, CountersAloneAreWrittenAtMostEveryTenSeconds) {
   EXPECT_EQ(StoredRequests(), 400);
 }
 
+TEST_F(ControllerLoopTest, ASecondDeploymentOfTheSameModelIsRefusedUntilTheFirstGoes) {
+  auto apply = [&](const std::string& name) {
+    auto d = ParseModelDeployment(
+        "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: " + name +
+            "}\nspec:\n  model: {name: encoder, version: \"1\", uri: "
+            "\"file:///m/encoder/1/model.pt\"}\n  replicas: 1\n",
+        "test");
+    ASSERT_TRUE(d.ok()) << d.status();
+    ASSERT_TRUE(store_->Create(kModelDeploymentKind, name, EncodeForStore(*d)).ok());
+  };
+  // "zeta" first, then "alpha": creation order decides, not the name.
+  apply("zeta");
+  clock_.Advance(absl::Seconds(1));
+  apply("alpha");
+  Connect();
+  for (int i = 0; i < 400 && controller_->NodesJson().find("\"n1\"") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // bounded: until it registers
+  }
+  auto status = [&](const std::string& name) {
+    auto o = store_->Get(kModelDeploymentKind, name);
+    return o.ok() ? nlohmann::json::parse(o->status, nullptr, false) : nlohmann::json();
+  };
+  auto reason = [&](const std::string& name) {
+    for (const auto& c : status(name).value("conditions", nlohmann::json::array())) {
+      if (c.value("type", "") == "Schedulable") return c.value("reason", "");
+    }
+    return std::string();
+  };
+  controller_->Tick();
+  EXPECT_EQ(status("zeta").value("replicas", -1), 1);
+  EXPECT_EQ(reason("zeta"), "");
+  EXPECT_EQ(status("alpha").value("replicas", -1), 0);
+  EXPECT_EQ(reason("alpha"), "ModelNameConflict");
+  EXPECT_NE(status("alpha").dump().find("already served by deployment 'zeta'"), std::string::npos)
+      << status("alpha").dump();
+  // Once the first is gone, the second serves the model.
+  ASSERT_TRUE(store_->Delete(kModelDeploymentKind, "zeta", 0).ok());
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  EXPECT_EQ(status("alpha").value("replicas", -1), 1);
+  EXPECT_EQ(reason("alpha"), "");
+}
+
 TEST_F(ControllerLoopTest, ANodeThatReconnectsIsToldAgainToRunNothing) {
   // A node runs a replica no deployment wants: it is told so, also after it reconnects (the
   // controller cannot know the node kept what it was told on the stream before).
