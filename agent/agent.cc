@@ -419,8 +419,15 @@ v1::NodeStatus Agent::MakeStatus() {
     *r = ToStatus(v);
     if (v.pid <= 0 || v.socket.empty()) continue;
     auto stats = ReplicaStats(v.socket);
-    if (!stats.ok()) continue;
     absl::MutexLock lock(&load_mu_);
+    if (!stats.ok()) {
+      // No numbers this time; its idle time still counts from its last known activity.
+      auto seen = last_stats_.find(v.socket);
+      if (seen != last_stats_.end()) {
+        r->set_idle_ms(absl::ToInt64Milliseconds(now - seen->second.active));
+      }
+      continue;
+    }
     v1::ReplicaLoad* load = r->mutable_load();
     load->set_in_flight(stats->in_flight());
     load->set_queue_depth(stats->queue_depth());

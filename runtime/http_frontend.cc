@@ -47,19 +47,24 @@ class RequestGate {
 };
 using Gate = std::shared_ptr<RequestGate>;
 
-// Sends the one reply of an entered request and leaves the gate (the server writes it out,
-// and its Stop waits for that).
-void Reply(const HttpReply& request, const Gate& gate, int code, std::string body) {
-  request.Send(code, std::move(body), "application/json");
-  gate->Exit();
+// An entered request's hold on the gate: it leaves the gate when the last copy goes, that is
+// once the request is answered or dropped (the server writes the reply out, and its Stop
+// waits for that).
+using Ticket = std::shared_ptr<void>;
+Ticket Enter(const Gate& gate) {
+  if (!gate->Enter()) return nullptr;
+  return Ticket(static_cast<void*>(gate.get()), [gate](void*) { gate->Exit(); });
 }
 
-void ReplyStatus(const HttpReply& request, const Gate& gate, const absl::Status& status,
-                 bool decoding = false) {
+void Reply(const HttpReply& request, int code, std::string body) {
+  request.Send(code, std::move(body), "application/json");
+}
+
+void ReplyStatus(const HttpReply& request, const absl::Status& status, bool decoding = false) {
   int code = HttpStatusFromCode(status.code());
   // A payload over the limit can never succeed: 413, not 429 ("retry later").
   if (decoding && status.code() == absl::StatusCode::kResourceExhausted) code = 413;
-  Reply(request, gate, code, JsonError(std::string(status.message())));
+  Reply(request, code, JsonError(std::string(status.message())));
 }
 
 json MetadataJson(const inference::ModelMetadataResponse& m) {
@@ -112,23 +117,24 @@ class HttpFrontend::Impl {
 
  private:
   void Handle(HttpRequest request, const HttpReply& reply) {
-    if (!gate_->Enter()) {
+    Ticket ticket = Enter(gate_);
+    if (!ticket) {
       reply.Send(503, JsonError("the server is shutting down"), "application/json");
       return;
     }
     try {
-      Route(request, reply);
+      Route(request, reply, ticket);
     } catch (const std::exception& e) {
-      Reply(reply, gate_, 500, JsonError(std::string("internal error: ") + e.what()));
+      Reply(reply, 500, JsonError(std::string("internal error: ") + e.what()));
     }
   }
 
-  void Route(HttpRequest& http_request, const HttpReply& request) {
+  void Route(HttpRequest& http_request, const HttpReply& request, const Ticket& ticket) {
     const std::string& path = http_request.path;
     std::vector<std::string> parts = absl::StrSplit(path, '/', absl::SkipEmpty());
     const std::string& method = http_request.method;
     if (parts.empty() || parts[0] != "v2") {
-      Reply(request, gate_, 404, JsonError("no such endpoint: " + path));
+      Reply(request, 404, JsonError("no such endpoint: " + path));
       return;
     }
     if (parts.size() == 1) {
@@ -137,19 +143,19 @@ class HttpFrontend::Impl {
                    {"version", options_.server_version},
                    {"extensions", {"model_repository_layout", "dynamic_batching",
                                    "response_cache", "priority", "timeout"}}};
-      Reply(request, gate_, 200, meta.dump());
+      Reply(request, 200, meta.dump());
       return;
     }
     if (parts[1] == "health" && parts.size() == 3) {
       if (method != "GET") return MethodNotAllowed(request, method);
       if (parts[2] == "live") {
         bool live = host_->Live();
-        Reply(request, gate_, live ? 200 : 503, json{{"live", live}}.dump());
+        Reply(request, live ? 200 : 503, json{{"live", live}}.dump());
         return;
       }
       if (parts[2] == "ready") {
         bool ready = host_->ModelReady(host_->config().name, "");
-        Reply(request, gate_, ready ? 200 : 503, json{{"ready", ready}}.dump());
+        Reply(request, ready ? 200 : 503, json{{"ready", ready}}.dump());
         return;
       }
     }
@@ -165,43 +171,43 @@ class HttpFrontend::Impl {
         if (method != "GET") return MethodNotAllowed(request, method);
         inference::ModelMetadataResponse meta;
         absl::Status s = FillModelMetadata(*host_, model, version, &meta);
-        if (!s.ok()) return ReplyStatus(request, gate_, s);
-        Reply(request, gate_, 200, MetadataJson(meta).dump());
+        if (!s.ok()) return ReplyStatus(request, s);
+        Reply(request, 200, MetadataJson(meta).dump());
         return;
       }
       if (parts.size() == next + 1 && parts[next] == "ready") {
         if (method != "GET") return MethodNotAllowed(request, method);
         if (!host_->Serves(model, version)) {
-          Reply(request, gate_, 404, JsonError("unknown model '" + model + "'"));
+          Reply(request, 404, JsonError("unknown model '" + model + "'"));
           return;
         }
         bool ready = host_->ModelReady(model, version);
-        Reply(request, gate_, ready ? 200 : 503, json{{"name", model}, {"ready", ready}}.dump());
+        Reply(request, ready ? 200 : 503, json{{"name", model}, {"ready", ready}}.dump());
         return;
       }
       if (parts.size() == next + 1 && parts[next] == "infer") {
         if (method != "POST") return MethodNotAllowed(request, method);
-        Infer(http_request, request, model, version);
+        Infer(http_request, request, model, version, ticket);
         return;
       }
     }
-    Reply(request, gate_, 404, JsonError("no such endpoint: " + path));
+    Reply(request, 404, JsonError("no such endpoint: " + path));
   }
 
   void MethodNotAllowed(const HttpReply& request, const std::string& method) {
-    Reply(request, gate_, 405, JsonError("method " + method + " is not allowed here"));
+    Reply(request, 405, JsonError("method " + method + " is not allowed here"));
   }
 
   void Infer(HttpRequest& http_request, const HttpReply& request, const std::string& model,
-             const std::string& version) {
+             const std::string& version, const Ticket& ticket) {
     if (http_request.Header("Inference-Header-Content-Length")) {
-      Reply(request, gate_, 400, JsonError("the binary data extension is not supported; send JSON data "
+      Reply(request, 400, JsonError("the binary data extension is not supported; send JSON data "
                                     "or use gRPC raw_input_contents"));
       return;
     }
     // The server has already refused a declared size over the limit (413) before the body.
     if (!http_request.Header("Content-Length")) {
-      Reply(request, gate_, 411, JsonError("Content-Length is required"));
+      Reply(request, 411, JsonError("Content-Length is required"));
       return;
     }
     auto params = std::make_shared<json>();
@@ -209,16 +215,17 @@ class HttpFrontend::Impl {
                                           options_.max_request_bytes, params.get());
     http_request.body.clear();
     if (!decoded.ok()) {
-      ReplyStatus(request, gate_, decoded.status(), /*decoding=*/true);
+      ReplyStatus(request, decoded.status(), /*decoding=*/true);
       return;
     }
     host_->Infer(std::move(*decoded),
-                 [request, gate = gate_, params](absl::StatusOr<InferResponse> r) {
+                 // `ticket` holds the gate until the reply is sent.
+                 [request, ticket, params](absl::StatusOr<InferResponse> r) {
                    if (!r.ok()) {
-                     ReplyStatus(request, gate, r.status());
+                     ReplyStatus(request, r.status());
                      return;
                    }
-                   Reply(request, gate, 200, EncodeJsonInferResponse(*r, *params));
+                   Reply(request, 200, EncodeJsonInferResponse(*r, *params));
                  });
   }
 
