@@ -4,8 +4,14 @@
 //   T0=$(date +%s%6N); kiln-runtime ... --initial-state warm --control-socket /tmp/k.sock &
 //   kiln-control-probe --socket /tmp/k.sock --wait-state WARM --since-unix-us $T0 --promote
 //
-// --wait-state polls GetState until the runtime reports the state (spawn -> WARM when given
-// the spawn time). --promote then checks that inference is refused while WARM, calls Promote
+//   kiln-runtime --prestart --control-socket /tmp/k.sock &
+//   kiln-control-probe --socket /tmp/k.sock --load-args "--model-repository R --model encoder
+//     --control-socket /tmp/k.sock --grpc-port 0 --http-port 0 --initial-state warm"
+//     --wait-state WARM --promote
+//
+// --load-args hands a pre-started runtime its model (RuntimeControl Load) and times from
+// there. --wait-state polls GetState until the runtime reports the state (spawn -> WARM when
+// given the spawn time; Load -> WARM after --load-args). --promote then checks that inference is refused while WARM, calls Promote
 // and sends ModelInfer (over an already-connected channel, as a router would hold) until the
 // first one succeeds: Promote -> first served request. Every wait is bounded by --timeout-s.
 
@@ -16,6 +22,7 @@
 #include <cstdio>
 #include <iostream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -43,6 +50,7 @@ struct Options {
   int64_t seq_len = 16;
   double timeout_s = 120;
   bool json = false;
+  std::string load_args;  // whitespace-separated
 };
 
 int64_t UnixMicros() {
@@ -92,6 +100,21 @@ int Run(const Options& opt) {
       grpc::CreateCustomChannel("unix:" + opt.socket, grpc::InsecureChannelCredentials(), args);
   auto control = kiln::v1::RuntimeControl::NewStub(control_channel);
 
+  int64_t since_us = opt.since_unix_us;
+  bool loading = false;
+  if (!opt.load_args.empty()) {
+    kiln::v1::LoadRequest load;
+    std::istringstream words(opt.load_args);
+    for (std::string w; words >> w;) load.add_args(w);
+    since_us = UnixMicros();
+    grpc::ClientContext ctx;
+    ctx.set_deadline(DeadlineIn(milliseconds(5000)));
+    kiln::v1::LoadResponse resp;
+    grpc::Status s = control->Load(&ctx, load, &resp);
+    if (!s.ok()) return Fail(opt, &out, absl::StrCat("Load: ", s.error_message()));
+    loading = true;
+  }
+
   kiln::v1::RuntimeState state;
   auto get_state = [&]() -> grpc::Status {
     grpc::ClientContext ctx;
@@ -115,6 +138,11 @@ int Run(const Options& opt) {
       }
       if (!s.ok()) {
         last_error = s.error_message();
+        if (loading) {  // the socket is served again by the loading runtime: reconnect now
+          control_channel = grpc::CreateCustomChannel("unix:" + opt.socket,
+                                                      grpc::InsecureChannelCredentials(), args);
+          control = kiln::v1::RuntimeControl::NewStub(control_channel);
+        }
       }
       if (Clock::now() >= give_up) {
         return Fail(opt, &out,
@@ -127,8 +155,9 @@ int Run(const Options& opt) {
     int64_t seen_us = UnixMicros();
     out["state"] = kiln::v1::LifecycleState_Name(state.state());
     out["load_time_ms"] = static_cast<double>(state.load_time_micros()) / 1000.0;
-    if (opt.since_unix_us > 0) {
-      out["spawn_to_state_ms"] = static_cast<double>(seen_us - opt.since_unix_us) / 1000.0;
+    if (since_us > 0) {
+      out[loading ? "load_to_state_ms" : "spawn_to_state_ms"] =
+          static_cast<double>(seen_us - since_us) / 1000.0;
     }
   } else {
     grpc::Status s = get_state();
@@ -251,6 +280,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.1, 3600.0))
       ->capture_default_str();
   app.add_flag("--json", opt.json, "Print the results as one JSON line");
+  app.add_option("--load-args", opt.load_args,
+                 "A pre-started runtime's Load: the cold-start command line, space-separated");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

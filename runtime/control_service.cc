@@ -1,8 +1,45 @@
 #include "runtime/control_service.h"
 
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include <grpcpp/server_builder.h>
+
 #include "common/grpc_status.h"
 
 namespace kiln {
+
+namespace {
+
+// A socket left by a crashed runtime is removed; anything else at the path, or a socket
+// another process still answers on, is an error rather than something to delete.
+absl::Status ClearStaleSocket(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::AlreadyExistsError("--control-socket: " + path + " exists and is not a socket");
+  }
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  bool live = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  if (fd >= 0) close(fd);
+  if (live) {
+    return absl::AlreadyExistsError("--control-socket: " + path +
+                                    " is in use by another process");
+  }
+  std::error_code ec;
+  std::filesystem::remove(path, ec);
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<absl::Duration> ControlService::Deadline(int64_t millis) const {
   if (millis < 0 || millis > 3'600'000) {
@@ -56,6 +93,28 @@ grpc::Status ControlService::Shutdown(grpc::ServerContext*, const v1::ShutdownRe
   if (!deadline.ok()) return ToGrpcStatus(deadline.status());
   resp->set_drained(target_->Shutdown(*deadline));
   return grpc::Status::OK;
+}
+
+grpc::Status ControlService::Load(grpc::ServerContext*, const v1::LoadRequest* req,
+                                  v1::LoadResponse*) {
+  return ToGrpcStatus(target_->Load({req->args().begin(), req->args().end()}));
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartControlServer(const std::string& path,
+                                                                 grpc::Service* service) {
+  if (auto s = ClearStaleSocket(path); !s.ok()) return s;
+  grpc::ServerBuilder b;
+  b.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
+  b.RegisterService(service);
+  // The socket is created 0600 (no window in which others could connect).
+  mode_t old_umask = umask(0177);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  umask(old_umask);
+  if (!server) return absl::UnavailableError("--control-socket: cannot listen on " + path);
+  if (chmod(path.c_str(), 0600) != 0) {
+    return absl::PermissionDeniedError("--control-socket: cannot chmod 0600 " + path);
+  }
+  return server;
 }
 
 }  // namespace kiln

@@ -1,5 +1,11 @@
 #pragma once
 
+#include <grpcpp/server.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -20,6 +26,11 @@ class ControlTarget {
   // Drains (bounded) and asks the process to exit once the reply is sent.
   virtual bool Shutdown(absl::Duration deadline) = 0;
   virtual int64_t InFlight() = 0;
+  // A pre-started runtime takes its model; a loaded one refuses.
+  virtual absl::Status Load(const std::vector<std::string>& args) {
+    (void)args;
+    return absl::FailedPreconditionError("a model is already loaded; Load is for --prestart");
+  }
 };
 
 // kiln.v1.RuntimeControl, served on the runtime's unix socket.
@@ -40,6 +51,8 @@ class ControlService final : public v1::RuntimeControl::Service {
                      v1::RuntimeStats* resp) override;
   grpc::Status Shutdown(grpc::ServerContext*, const v1::ShutdownRequest* req,
                         v1::ShutdownResponse* resp) override;
+  grpc::Status Load(grpc::ServerContext*, const v1::LoadRequest* req,
+                    v1::LoadResponse* resp) override;
 
  private:
   absl::StatusOr<absl::Duration> Deadline(int64_t millis) const;
@@ -47,5 +60,11 @@ class ControlService final : public v1::RuntimeControl::Service {
   ControlTarget* target_;
   const absl::Duration default_drain_;
 };
+
+// Serves `service` on the unix socket `path`, created mode 0600. A socket left by a crashed
+// runtime is removed first; anything else at the path, or a socket another process still
+// answers on, is an error naming --control-socket.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartControlServer(const std::string& path,
+                                                                 grpc::Service* service);
 
 }  // namespace kiln

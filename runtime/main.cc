@@ -4,13 +4,21 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "common/config_node.h"
 #include "common/cli.h"
 #include "common/logging.h"
 #include "common/process_start.h"
 #include "runtime/aoti_backend.h"
+#include "runtime/control_service.h"
 #include "runtime/runtime_server.h"
 #include "runtime/torchscript_backend.h"
 
@@ -38,20 +46,23 @@ bool InstallSignalHandlers() {
   return true;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  // Includes the time the loader spent on LibTorch before main().
-  const absl::Time process_start = kiln::ProcessStartTime(absl::Now());
+// The flags of a cold start, also what a pre-started runtime's Load carries.
+struct Flags {
   kiln::RuntimeOptions o;
   std::string max_request = "64Mi";
   int64_t drain_ms = 30000;
+};
 
-  CLI::App app{"kiln-runtime: serves one model version over the Open Inference Protocol v2"};
-  app.add_option("--model-repository", o.model_repository,
-                 "Model repository (DIR/NAME/config.yaml, DIR/NAME/V/model.pt or model.pt2)")
-      ->required();
-  app.add_option("--model", o.model, "Model name")->required();
+void AddRuntimeFlags(CLI::App& app, Flags* f, bool model_required) {
+  kiln::RuntimeOptions& o = f->o;
+  auto* repo = app.add_option("--model-repository", o.model_repository,
+                              "Model repository (DIR/NAME/config.yaml, DIR/NAME/V/model.pt or "
+                              "model.pt2)");
+  auto* model = app.add_option("--model", o.model, "Model name");
+  if (model_required) {
+    repo->required();
+    model->required();
+  }
   app.add_option("--version", o.version, "Model version (default: the highest numeric one)");
   app.add_option("--grpc-port", o.grpc_port, "gRPC port (0 = pick a free one)")
       ->capture_default_str();
@@ -64,23 +75,131 @@ int main(int argc, char** argv) {
   app.add_option("--initial-state", o.initial_state, "warm or serving")->capture_default_str();
   app.add_option("--device", o.device, "cpu or cuda:N (default: the config's instance.device)");
   app.add_option("--threads", o.threads, "Intra-op threads (0 = the config's or LibTorch's)");
-  app.add_option("--max-request-bytes", max_request, "Largest request payload (bytes, or 64Mi)")
+  app.add_option("--max-request-bytes", f->max_request,
+                 "Largest request payload (bytes, or 64Mi)")
       ->capture_default_str();
-  app.add_option("--drain-timeout-ms", drain_ms, "Default drain deadline")->capture_default_str();
+  app.add_option("--drain-timeout-ms", f->drain_ms, "Default drain deadline")
+      ->capture_default_str();
   // Default on for a power-parked replica (the agent sets CUDA_DISABLE_PERF_BOOST=1).
   const char* parked = getenv("CUDA_DISABLE_PERF_BOOST");
   o.warmup_on_promote = parked != nullptr && std::string(parked) == "1";
   app.add_flag("--warmup-on-promote,!--no-warmup-on-promote", o.warmup_on_promote,
                "Run one warm-up inference before a promoted replica is routed");
+}
+
+// The values flags carry as text, converted; errors name the flag.
+absl::Status FinishFlags(Flags* f) {
+  auto max_bytes = kiln::ParseByteSize(f->max_request, "--max-request-bytes");
+  if (!max_bytes.ok()) return max_bytes.status();
+  f->o.max_request_bytes = *max_bytes;
+  f->o.drain_timeout = absl::Milliseconds(f->drain_ms);
+  return absl::OkStatus();
+}
+
+// A Load request's arguments as a cold start's command line; errors name the flag.
+absl::StatusOr<Flags> ParseLoadArgs(const std::vector<std::string>& args) {
+  Flags f;
+  CLI::App app{"kiln-runtime Load"};
+  AddRuntimeFlags(app, &f, /*model_required=*/true);
+  std::string log_level;  // accepted for a cold start's command line; the process keeps its own
+  app.add_option("--log-level", log_level);
+  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 takes them last first
+  try {
+    app.parse(reversed);
+  } catch (const CLI::ParseError& e) {
+    return absl::InvalidArgumentError(std::string("args: ") + e.what());
+  }
+  if (auto s = FinishFlags(&f); !s.ok()) return s;
+  if (auto s = kiln::ValidateRuntimeOptions(f.o); !s.ok()) return s;
+  if (f.o.control_socket.empty()) {
+    return absl::InvalidArgumentError("--control-socket: a pre-started runtime needs one to be "
+                                      "driven after it loads");
+  }
+  return f;
+}
+
+// A pre-started runtime: answers RuntimeControl with no model (LOADING, empty model name) until
+// a Load with good arguments arrives.
+class Prestarted : public kiln::ControlTarget {
+ public:
+  kiln::v1::RuntimeState GetState() override {
+    kiln::v1::RuntimeState s;
+    s.set_state(kiln::v1::LOADING);
+    s.set_pid(getpid());
+    return s;
+  }
+  absl::Status Promote() override { return NoModel(); }
+  absl::Status Demote() override { return NoModel(); }
+  absl::StatusOr<bool> Drain(absl::Duration) override { return true; }
+  kiln::v1::RuntimeStats Stats() override { return {}; }
+  bool Shutdown(absl::Duration) override {
+    absl::MutexLock lock(&mu_);
+    shutdown_ = true;
+    return true;
+  }
+  int64_t InFlight() override { return 0; }
+  absl::Status Load(const std::vector<std::string>& args) override {
+    auto f = ParseLoadArgs(args);
+    if (!f.ok()) return f.status();
+    absl::MutexLock lock(&mu_);
+    if (loaded_) return absl::FailedPreconditionError("a Load was already accepted");
+    loaded_ = std::move(*f);
+    return absl::OkStatus();
+  }
+  // Waits up to `timeout` for a Load (its flags) or a Shutdown (true in `*shutdown`).
+  std::optional<Flags> Wait(absl::Duration timeout, bool* shutdown) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return loaded_.has_value() || shutdown_;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+    *shutdown = shutdown_;
+    return loaded_;
+  }
+
+ private:
+  static absl::Status NoModel() {
+    return absl::FailedPreconditionError("no model loaded yet (pre-started: send Load)");
+  }
+  absl::Mutex mu_;
+  std::optional<Flags> loaded_ ABSL_GUARDED_BY(mu_);
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Polls the signal pipe for `timeout`; true when SIGTERM/SIGINT arrived.
+bool Signalled(int timeout_ms) {
+  pollfd pfd{signal_pipe[0], POLLIN, 0};
+  if (poll(&pfd, 1, timeout_ms) > 0) {
+    char sig = 0;
+    if (read(signal_pipe[0], &sig, 1) == 1) {
+      kiln::GetLogger("runtime.main")->info("signal {}: draining", static_cast<int>(sig));
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+
+int main(int argc, char** argv) {
+  // Includes the time the loader spent on LibTorch before main().
+  const absl::Time process_start = kiln::ProcessStartTime(absl::Now());
+  bool prestart = false;
+  for (int i = 1; i < argc; ++i) prestart |= std::string(argv[i]) == "--prestart";
+
+  Flags f;
+  CLI::App app{"kiln-runtime: serves one model version over the Open Inference Protocol v2"};
+  AddRuntimeFlags(app, &f, /*model_required=*/!prestart);
+  app.add_flag("--prestart", prestart,
+               "Start with LibTorch loaded and the device ready but no model; RuntimeControl "
+               "Load on --control-socket hands it one (model flags then come with the Load)");
   if (auto code = kiln::ParseCommandLine(app, argc, argv)) return *code;
   auto log = kiln::GetLogger("runtime.main");
-  auto max_bytes = kiln::ParseByteSize(max_request, "--max-request-bytes");
-  if (!max_bytes.ok()) {
-    log->error("{}", std::string(max_bytes.status().message()));
+  if (auto s = FinishFlags(&f); !s.ok()) {
+    log->error("{}", std::string(s.message()));
     return 2;
   }
-  o.max_request_bytes = *max_bytes;
-  o.drain_timeout = absl::Milliseconds(drain_ms);
   if (!InstallSignalHandlers()) {
     log->error("cannot install signal handlers");
     return 1;
@@ -91,7 +210,47 @@ int main(int argc, char** argv) {
   kiln::RegisterAotiBackend(&backends);
   kiln::RealClock clock;
 
-  auto server = kiln::RuntimeServer::Create(o, &backends, &clock, process_start);
+  absl::Time start = process_start;
+  if (prestart) {
+    if (f.o.control_socket.empty()) {
+      log->error("--prestart: needs --control-socket (Load arrives there)");
+      return 2;
+    }
+    if (auto s = kiln::PrepareTorchDevice(f.o.device); !s.ok()) {
+      log->error("{}", std::string(s.message()));
+      return 1;
+    }
+    Prestarted waiting;
+    kiln::ControlService service(&waiting, f.o.drain_timeout);
+    auto server = kiln::StartControlServer(f.o.control_socket, &service);
+    if (!server.ok()) {
+      log->error("{}", std::string(server.status().message()));
+      return 2;
+    }
+    log->info("pre-started in {:.0f} ms: device {} ready, waiting for Load on {}",
+              absl::ToDoubleMilliseconds(absl::Now() - process_start),
+              f.o.device.empty() ? "cpu" : f.o.device, f.o.control_socket);
+    std::optional<Flags> loaded;
+    for (;;) {
+      bool shutdown = false;
+      loaded = waiting.Wait(absl::Milliseconds(100), &shutdown);
+      if (loaded || shutdown || Signalled(0)) break;
+    }
+    (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    std::error_code ec;
+    std::filesystem::remove(f.o.control_socket, ec);
+    if (!loaded) {
+      log->info("stopped before any Load");
+      return 0;
+    }
+    log->info("Load accepted after {:.0f} ms: model {} from {}",
+              absl::ToDoubleMilliseconds(absl::Now() - process_start), loaded->o.model,
+              loaded->o.model_repository);
+    f = std::move(*loaded);
+    start = absl::Now();  // its load time counts from the Load, not from the pre-start
+  }
+
+  auto server = kiln::RuntimeServer::Create(f.o, &backends, &clock, start);
   if (!server.ok()) {
     log->error("{}", std::string(server.status().message()));
     return 2;
@@ -106,14 +265,7 @@ int main(int argc, char** argv) {
       log->info("shutdown requested over the control socket");
       break;
     }
-    pollfd pfd{signal_pipe[0], POLLIN, 0};
-    if (poll(&pfd, 1, 100) > 0) {
-      char sig = 0;
-      if (read(signal_pipe[0], &sig, 1) == 1) {
-        log->info("signal {}: draining", static_cast<int>(sig));
-        break;
-      }
-    }
+    if (Signalled(100)) break;
   }
   (*server)->Stop();
   log->info("stopped");

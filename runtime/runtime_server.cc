@@ -1,11 +1,6 @@
 #include "runtime/runtime_server.h"
 
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
-
-#include <cstring>
 
 #include <filesystem>
 
@@ -41,29 +36,6 @@ void ToProto(const Histogram::Snapshot& h, v1::Histogram* out) {
   for (uint64_t c : h.counts) out->add_counts(c);
   out->set_sum(h.sum);
   out->set_count(h.count);
-}
-
-// A socket left by a crashed runtime is removed; anything else at the path, or a socket
-// another process still answers on, is an error rather than something to delete.
-absl::Status ClearStaleSocket(const std::string& path) {
-  struct stat st;
-  if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();
-  if (!S_ISSOCK(st.st_mode)) {
-    return absl::AlreadyExistsError("--control-socket: " + path + " exists and is not a socket");
-  }
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  bool live = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  if (fd >= 0) close(fd);
-  if (live) {
-    return absl::AlreadyExistsError("--control-socket: " + path +
-                                    " is in use by another process");
-  }
-  std::error_code ec;
-  std::filesystem::remove(path, ec);
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -145,23 +117,9 @@ absl::Status RuntimeServer::Start() {
 absl::Status RuntimeServer::StartListening() {
   auto log = GetLogger("runtime.server");
   if (!options_.control_socket.empty()) {
-    KILN_RETURN_IF_ERROR(ClearStaleSocket(options_.control_socket));
     control_service_ = std::make_unique<ControlService>(this, options_.drain_timeout);
-    grpc::ServerBuilder b;
-    b.AddListeningPort("unix:" + options_.control_socket, grpc::InsecureServerCredentials());
-    b.RegisterService(control_service_.get());
-    // The socket is created 0600 (no window in which others could connect).
-    mode_t old_umask = umask(0177);
-    control_server_ = b.BuildAndStart();
-    umask(old_umask);
-    if (!control_server_) {
-      return absl::UnavailableError("--control-socket: cannot listen on " +
-                                    options_.control_socket);
-    }
-    if (chmod(options_.control_socket.c_str(), 0600) != 0) {
-      return absl::PermissionDeniedError("--control-socket: cannot chmod 0600 " +
-                                         options_.control_socket);
-    }
+    KILN_ASSIGN_OR_RETURN(control_server_,
+                          StartControlServer(options_.control_socket, control_service_.get()));
   }
   grpc_service_ = std::make_unique<GrpcInferenceService>(&host_, options_.max_request_bytes,
                                                          options_.server_version);

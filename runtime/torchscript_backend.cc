@@ -142,3 +142,23 @@ void RegisterTorchScriptBackend(BackendRegistry* registry) {
 }
 
 }  // namespace kiln
+
+namespace kiln {
+
+absl::Status PrepareTorchDevice(const std::string& device) {
+  try {
+    torch::Device d(device.empty() ? std::string("cpu") : device);
+    if (d.is_cuda() && !torch::cuda::is_available()) {
+      return absl::FailedPreconditionError("--device: " + device +
+                                           " asked for, but this LibTorch has no CUDA device");
+    }
+    torch::NoGradGuard no_grad;
+    torch::Tensor t = torch::ones({16, 16}, torch::TensorOptions().device(d));
+    (void)torch::matmul(t, t).sum().item<float>();
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    return absl::FailedPreconditionError("--device: cannot prepare " + device + ": " + e.what());
+  }
+}
+
+}  // namespace kiln

@@ -25,6 +25,8 @@ class RuntimeProcess {
     std::vector<std::string> extra_args;
     // Wait until the state is one of these (or the process exits).
     bool wait_until_loaded = true;
+    // Start with --prestart (no model flags) and wait until it answers on its socket.
+    bool prestart = false;
   };
 
   static absl::StatusOr<std::unique_ptr<RuntimeProcess>> Start(Options options);
@@ -38,6 +40,13 @@ class RuntimeProcess {
   v1::RuntimeControl::Stub* control() { return control_.get(); }
 
   absl::StatusOr<v1::RuntimeState> GetState();
+  // A pre-started runtime: sends Load with the cold-start arguments for `model` (its
+  // repository, ports 0, this process's control socket, `initial_state`) plus `extra`, then,
+  // when accepted, polls (bounded) until it has loaded and records its ports.
+  grpc::Status Load(const std::string& repository, const std::string& model,
+                    const std::string& initial_state, const std::vector<std::string>& extra = {});
+  // Sends Load with exactly `args`.
+  grpc::Status LoadArgs(const std::vector<std::string>& args);
   // Polls (bounded) until the process exits; returns its wait status.
   absl::StatusOr<int> WaitExit(absl::Duration timeout);
   void Signal(int sig);

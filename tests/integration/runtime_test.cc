@@ -173,6 +173,75 @@ TEST(RuntimeTest, BothProtocolsReturnTheReferenceOutputs) {
   }
 }
 
+TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
+  RuntimeProcess::Options o;
+  o.prestart = true;
+  auto started = RuntimeProcess::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status();
+  auto& rt = *started;
+  // Pre-started: LOADING, no model; nothing but Load (and Shutdown) does anything.
+  auto st = rt->GetState();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state(), v1::LOADING);
+  EXPECT_EQ(st->model_name(), "");
+  {
+    grpc::ClientContext ctx;
+    v1::RuntimeState out;
+    grpc::Status s = rt->control()->Promote(&ctx, v1::PromoteRequest(), &out);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_NE(s.error_message().find("pre-started"), std::string::npos) << s.error_message();
+  }
+  // Bad arguments are refused naming the flag, and it stays pre-started.
+  grpc::Status bad = rt->LoadArgs({"--model", "encoder"});
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.error_message().find("--model-repository"), std::string::npos)
+      << bad.error_message();
+  bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "encoder", "--grpc-port", "99999",
+                      "--control-socket", rt->control_socket()});
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.error_message().find("--grpc-port"), std::string::npos) << bad.error_message();
+  bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "encoder", "--no-such-flag"});
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.error_message().find("--no-such-flag"), std::string::npos) << bad.error_message();
+  bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "encoder"});
+  EXPECT_NE(bad.error_message().find("--control-socket"), std::string::npos) << bad.error_message();
+  EXPECT_EQ(rt->GetState()->model_name(), "");
+
+  // A good Load: it loads, serves the reference outputs and is a normal runtime from then on.
+  grpc::Status loaded = rt->Load(kRepo, "encoder", "serving", {"--version", "1"});
+  ASSERT_TRUE(loaded.ok()) << loaded.error_message() << rt->Log();
+  st = rt->GetState();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state(), v1::SERVING);
+  EXPECT_EQ(st->model_name(), "encoder");
+  EXPECT_GT(st->load_time_micros(), 0);
+  auto stub = Stub(*rt);
+  const json refs = References("1");
+  const json& c = refs[0];
+  grpc::ClientContext ctx;
+  inference::ModelInferResponse resp;
+  grpc::Status s = stub->ModelInfer(&ctx, GrpcEncoderRequest(c, true), &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_LT(MaxDiff(GrpcFloats(resp), c["embedding"]), 1e-5);
+  grpc::Status again = rt->LoadArgs({"--model", "x"});
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+TEST(RuntimeTest, APrestartedRuntimeStopsCleanlyWithoutALoad) {
+  RuntimeProcess::Options o;
+  o.prestart = true;
+  auto rt = RuntimeProcess::Start(o);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  (*rt)->Signal(SIGTERM);
+  auto status = (*rt)->WaitExit(absl::Seconds(30));
+  ASSERT_TRUE(status.ok());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << (*rt)->Log();
+  // --prestart needs the socket its Load arrives on.
+  auto r = kiln::testing::RunToCompletion({KILN_RUNTIME_BIN, "--prestart"}, absl::Seconds(30));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("--prestart: needs --control-socket"), std::string::npos) << r.output;
+}
+
 TEST(RuntimeTest, HealthAndMetadataOnBothProtocols) {
   auto rt = StartRuntime("encoder");
   ASSERT_NE(rt, nullptr);
