@@ -476,25 +476,40 @@ void Controller::Tick() {
     absl::MutexLock lock(&mu_);
     TakeStatuses();
     // One deployment per model name: a node's router routes requests by model name (and
-    // refuses a routing table that names a model twice). The deployment created first (then
-    // by name) serves it; the others are neither placed nor routed, and say why.
+    // refuses a routing table that names a model twice). The deployment that serves a model
+    // keeps it while it names it (an edit elsewhere cannot take it away); a model without one
+    // goes to the deployment created first (then by name). The others are neither placed nor
+    // routed, and say why.
     std::map<std::string, std::string> conflicts;  // deployment -> why
     {
       std::map<std::string, const Dep*> owner;  // model name -> its deployment
       for (const auto& dep : deps) {
-        auto [it, fresh] = owner.emplace(dep.d.spec.model.name, &dep);
-        if (!fresh && std::tie(dep.object.created_unix_micros, dep.d.name) <
-                          std::tie(it->second->object.created_unix_micros, it->second->d.name)) {
+        auto kept = model_owner_.find(dep.d.spec.model.name);
+        if (kept != model_owner_.end() && kept->second == dep.d.name) {
+          owner[dep.d.spec.model.name] = &dep;
+        }
+      }
+      for (const auto& dep : deps) {
+        const std::string& model = dep.d.spec.model.name;
+        auto kept = model_owner_.find(model);
+        const bool sticky = kept != model_owner_.end() && owner.count(model) &&
+                            owner[model]->d.name == kept->second;
+        auto [it, fresh] = owner.emplace(model, &dep);
+        if (!fresh && !sticky &&
+            std::tie(dep.object.created_unix_micros, dep.d.name) <
+                std::tie(it->second->object.created_unix_micros, it->second->d.name)) {
           it->second = &dep;
         }
       }
+      model_owner_.clear();
+      for (const auto& [model, dep] : owner) model_owner_[model] = dep->d.name;
       for (const auto& dep : deps) {
         const Dep* first = owner[dep.d.spec.model.name];
         if (first == &dep) continue;
         conflicts[dep.d.name] = "model '" + dep.d.spec.model.name +
                                 "' is already served by deployment '" + first->d.name +
-                                "' (created first); requests are routed by model name, so this "
-                                "deployment is neither placed nor routed";
+                                "'; requests are routed by model name, so this deployment is "
+                                "neither placed nor routed";
       }
       for (const auto& [name, why] : conflicts) {
         if (name_conflicts_.insert(name).second) {
@@ -625,6 +640,13 @@ void Controller::Tick() {
         v.p99_micros = std::max(v.p99_micros, r.load().latency_p99_micros());
       }
       version_stats[d.name] = stats;
+      if (conflicts.count(d.name)) {  // not placed: no rollout moves, actions wait
+        RolloutPlan held;
+        held.state = known->second;
+        held.stable_version = known->second.stable_version;
+        plans[d.name] = held;
+        continue;
+      }
       ModelDeploymentSpec spec = d.spec;
       spec.replicas = demands[i].serving;
       const RolloutState& st = known->second;
@@ -644,10 +666,6 @@ void Controller::Tick() {
                           rolled_back ? "RolledBack" : "RolloutStep", e});
       }
       known->second = plan.state;
-      if (conflicts.count(d.name)) {  // nothing placed: its replicas are dropped
-        plans[d.name] = plan;
-        continue;
-      }
       PlacementDemand stable = demands[i];
       stable.version = plan.stable_version;
       stable.serving = plan.stable_replicas;

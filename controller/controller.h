@@ -152,6 +152,8 @@ class Controller
   std::map<std::string, Rebalance> evicted_ ABSL_GUARDED_BY(mu_);
   // Deployments refused because another one serves their model name (said once each).
   std::set<std::string> name_conflicts_ ABSL_GUARDED_BY(mu_);
+  // Model name -> the deployment serving it (kept across ticks: an owner keeps its name).
+  std::map<std::string, std::string> model_owner_ ABSL_GUARDED_BY(mu_);
   // Per deployment: its last status written, without the counters, and when.
   struct StatusWritten {
     std::string without_counters;

@@ -119,13 +119,20 @@ absl::StatusOr<Flags> ParseLoadArgs(const std::vector<std::string>& args) {
 }
 
 // A pre-started runtime: answers RuntimeControl with no model (LOADING, empty model name) until
-// a Load with good arguments arrives.
+// a Load with good arguments arrives. A Load is checked as far as a cold start checks before
+// it binds or loads anything (flags, the model's repository, version and config.yaml, the
+// device) and answered only then; a Shutdown (or SIGTERM) wins over a Load.
 class Prestarted : public kiln::ControlTarget {
  public:
+  Prestarted(std::string device, const kiln::BackendRegistry* backends, kiln::Clock* clock)
+      : device_(std::move(device)), backends_(backends), clock_(clock) {}
+
   kiln::v1::RuntimeState GetState() override {
     kiln::v1::RuntimeState s;
     s.set_state(kiln::v1::LOADING);
     s.set_pid(getpid());
+    absl::MutexLock lock(&mu_);
+    if (loaded_) s.set_model_name(model_);
     return s;
   }
   absl::Status Promote() override { return NoModel(); }
@@ -139,30 +146,57 @@ class Prestarted : public kiln::ControlTarget {
   }
   int64_t InFlight() override { return 0; }
   absl::Status Load(const std::vector<std::string>& args) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (shutdown_) return absl::FailedPreconditionError("shutting down");
+      if (loaded_) return absl::FailedPreconditionError("a Load was already accepted");
+    }
     auto f = ParseLoadArgs(args);
     if (!f.ok()) return f.status();
+    // The device made ready at pre-start is the one to use; another would leave that one's
+    // context idle for the process's life.
+    if (!device_.empty()) {
+      if (f->o.device.empty()) f->o.device = device_;
+      if (f->o.device != device_) {
+        return absl::InvalidArgumentError("--device: this runtime was pre-started for " + device_ +
+                                          ", not " + f->o.device);
+      }
+    }
+    auto server = kiln::RuntimeServer::Create(f->o, backends_, clock_, absl::Now());
+    if (!server.ok()) return server.status();
     absl::MutexLock lock(&mu_);
+    if (shutdown_) return absl::FailedPreconditionError("shutting down");
     if (loaded_) return absl::FailedPreconditionError("a Load was already accepted");
-    loaded_ = std::move(*f);
+    model_ = f->o.model;
+    loaded_ = std::move(*server);
     return absl::OkStatus();
   }
-  // Waits up to `timeout` for a Load (its flags) or a Shutdown (true in `*shutdown`).
-  std::optional<Flags> Wait(absl::Duration timeout, bool* shutdown) {
+  // Waits up to `timeout` for a Load or a Shutdown; true once either came.
+  bool Wait(absl::Duration timeout) {
     absl::MutexLock lock(&mu_);
     auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return loaded_.has_value() || shutdown_;
+      return loaded_ != nullptr || shutdown_;
     };
-    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
-    *shutdown = shutdown_;
-    return loaded_;
+    return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
   }
+  // The runtime a Load made, unless a Shutdown came (then nothing).
+  std::unique_ptr<kiln::RuntimeServer> Take() {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_) return nullptr;
+    return std::move(loaded_);
+  }
+  void RequestShutdown() { Shutdown(absl::ZeroDuration()); }
 
  private:
   static absl::Status NoModel() {
     return absl::FailedPreconditionError("no model loaded yet (pre-started: send Load)");
   }
+  const std::string device_;
+  const kiln::BackendRegistry* backends_;
+  kiln::Clock* clock_;
   absl::Mutex mu_;
-  std::optional<Flags> loaded_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<kiln::RuntimeServer> loaded_ ABSL_GUARDED_BY(mu_);
+  std::string model_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -210,7 +244,7 @@ int main(int argc, char** argv) {
   kiln::RegisterAotiBackend(&backends);
   kiln::RealClock clock;
 
-  absl::Time start = process_start;
+  std::unique_ptr<kiln::RuntimeServer> server;
   if (prestart) {
     if (f.o.control_socket.empty()) {
       log->error("--prestart: needs --control-socket (Load arrives there)");
@@ -220,54 +254,51 @@ int main(int argc, char** argv) {
       log->error("{}", std::string(s.message()));
       return 1;
     }
-    Prestarted waiting;
+    Prestarted waiting(f.o.device, &backends, &clock);
     kiln::ControlService service(&waiting, f.o.drain_timeout);
-    auto server = kiln::StartControlServer(f.o.control_socket, &service);
-    if (!server.ok()) {
-      log->error("{}", std::string(server.status().message()));
+    auto control = kiln::StartControlServer(f.o.control_socket, &service);
+    if (!control.ok()) {
+      log->error("{}", std::string(control.status().message()));
       return 2;
     }
     log->info("pre-started in {:.0f} ms: device {} ready, waiting for Load on {}",
               absl::ToDoubleMilliseconds(absl::Now() - process_start),
               f.o.device.empty() ? "cpu" : f.o.device, f.o.control_socket);
-    std::optional<Flags> loaded;
-    for (;;) {
-      bool shutdown = false;
-      loaded = waiting.Wait(absl::Milliseconds(100), &shutdown);
-      if (loaded || shutdown || Signalled(0)) break;
+    while (!waiting.Wait(absl::Milliseconds(100))) {
+      if (Signalled(0)) waiting.RequestShutdown();
     }
-    (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    // Shutdown waits for a Load still being handled; what it left decides.
+    (*control)->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
     std::error_code ec;
     std::filesystem::remove(f.o.control_socket, ec);
-    if (!loaded) {
+    if (Signalled(0)) waiting.RequestShutdown();
+    server = waiting.Take();
+    if (!server) {
       log->info("stopped before any Load");
       return 0;
     }
-    log->info("Load accepted after {:.0f} ms: model {} from {}",
-              absl::ToDoubleMilliseconds(absl::Now() - process_start), loaded->o.model,
-              loaded->o.model_repository);
-    f = std::move(*loaded);
-    start = absl::Now();  // its load time counts from the Load, not from the pre-start
+    log->info("Load accepted after {:.0f} ms", absl::ToDoubleMilliseconds(absl::Now() - process_start));
+  } else {
+    auto created = kiln::RuntimeServer::Create(f.o, &backends, &clock, process_start);
+    if (!created.ok()) {
+      log->error("{}", std::string(created.status().message()));
+      return 2;
+    }
+    server = std::move(*created);
   }
-
-  auto server = kiln::RuntimeServer::Create(f.o, &backends, &clock, start);
-  if (!server.ok()) {
-    log->error("{}", std::string(server.status().message()));
-    return 2;
-  }
-  if (auto s = (*server)->Start(); !s.ok()) {
+  if (auto s = server->Start(); !s.ok()) {
     log->error("startup failed: {}", std::string(s.message()));
-    (*server)->Stop();
+    server->Stop();
     return 1;
   }
   for (;;) {
-    if ((*server)->WaitForShutdownRequest(absl::ZeroDuration())) {
+    if (server->WaitForShutdownRequest(absl::ZeroDuration())) {
       log->info("shutdown requested over the control socket");
       break;
     }
     if (Signalled(100)) break;
   }
-  (*server)->Stop();
+  server->Stop();
   log->info("stopped");
   return 0;
 }

@@ -159,6 +159,14 @@ TEST_F(ControllerLoopTest, ASecondDeploymentOfTheSameModelIsRefusedUntilTheFirst
     ASSERT_TRUE(d.ok()) << d.status();
     ASSERT_TRUE(store_->Create(kModelDeploymentKind, name, EncodeForStore(*d)).ok());
   };
+  auto other = ParseModelDeployment(
+      "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: old}\n"
+      "spec:\n  model: {name: other, version: \"1\", uri: \"file:///m/other/1/model.pt\"}\n"
+      "  replicas: 1\n",
+      "test");
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "old", EncodeForStore(*other)).ok());
+  clock_.Advance(absl::Seconds(1));
   // "zeta" first, then "alpha": creation order decides, not the name.
   apply("zeta");
   clock_.Advance(absl::Seconds(1));
@@ -190,6 +198,19 @@ TEST_F(ControllerLoopTest, ASecondDeploymentOfTheSameModelIsRefusedUntilTheFirst
   controller_->Tick();
   EXPECT_EQ(status("alpha").value("replicas", -1), 1);
   EXPECT_EQ(reason("alpha"), "");
+  // A serving deployment keeps its model: "old", created before everything else for another
+  // model, is refused once edited to name this one.
+  EXPECT_EQ(status("old").value("replicas", -1), 1);
+  ModelDeployment edited = *other;
+  edited.spec.model.name = "encoder";
+  edited.spec.model.uri = "file:///m/encoder/1/model.pt";
+  ASSERT_TRUE(store_->Update(kModelDeploymentKind, "old", EncodeForStore(edited), 0).ok());
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  EXPECT_EQ(status("alpha").value("replicas", -1), 1);
+  EXPECT_EQ(reason("alpha"), "");
+  EXPECT_EQ(reason("old"), "ModelNameConflict");
+  EXPECT_EQ(status("old").value("replicas", -1), 0);
 }
 
 TEST_F(ControllerLoopTest, ANodeThatReconnectsIsToldAgainToRunNothing) {

@@ -205,6 +205,12 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   EXPECT_NE(bad.error_message().find("--no-such-flag"), std::string::npos) << bad.error_message();
   bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "encoder"});
   EXPECT_NE(bad.error_message().find("--control-socket"), std::string::npos) << bad.error_message();
+  // A model the repository does not have is refused before the answer, as a cold start would
+  // exit on it.
+  bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "nosuch", "--control-socket",
+                      rt->control_socket()});
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.error_message().find("nosuch"), std::string::npos) << bad.error_message();
   EXPECT_EQ(rt->GetState()->model_name(), "");
 
   // A good Load: it loads, serves the reference outputs and is a normal runtime from then on.
@@ -230,8 +236,17 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
 TEST(RuntimeTest, APrestartedRuntimeStopsCleanlyWithoutALoad) {
   RuntimeProcess::Options o;
   o.prestart = true;
+  o.extra_args = {"--device", "cpu"};
   auto rt = RuntimeProcess::Start(o);
   ASSERT_TRUE(rt.ok()) << rt.status();
+  // Made ready for one device, it takes no model for another.
+  grpc::Status other = (*rt)->LoadArgs({"--model-repository", kRepo, "--model", "encoder",
+                                        "--device", "cuda:0", "--control-socket",
+                                        (*rt)->control_socket()});
+  EXPECT_EQ(other.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(other.error_message().find("--device: this runtime was pre-started for cpu"),
+            std::string::npos)
+      << other.error_message();
   (*rt)->Signal(SIGTERM);
   auto status = (*rt)->WaitExit(absl::Seconds(30));
   ASSERT_TRUE(status.ok());
