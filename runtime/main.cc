@@ -220,7 +220,10 @@ int main(int argc, char** argv) {
   // Includes the time the loader spent on LibTorch before main().
   const absl::Time process_start = kiln::ProcessStartTime(absl::Now());
   bool prestart = false;
-  for (int i = 1; i < argc; ++i) prestart |= std::string(argv[i]) == "--prestart";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    prestart |= a == "--prestart" || (a.rfind("--prestart=", 0) == 0 && a != "--prestart=false");
+  }
 
   Flags f;
   CLI::App app{"kiln-runtime: serves one model version over the Open Inference Protocol v2"};
@@ -249,6 +252,14 @@ int main(int argc, char** argv) {
     if (f.o.control_socket.empty()) {
       log->error("--prestart: needs --control-socket (Load arrives there)");
       return 2;
+    }
+    // The model and how it is served come with the Load; said here, they would be ignored.
+    for (const char* flag : {"--model-repository", "--model", "--version", "--grpc-port",
+                             "--http-port", "--initial-state", "--threads"}) {
+      if (app.count(flag) > 0) {
+        log->error("{}: not with --prestart (it comes with the Load)", flag);
+        return 2;
+      }
     }
     if (auto s = kiln::PrepareTorchDevice(f.o.device); !s.ok()) {
       log->error("{}", std::string(s.message()));

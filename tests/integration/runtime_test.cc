@@ -255,6 +255,11 @@ TEST(RuntimeTest, APrestartedRuntimeStopsCleanlyWithoutALoad) {
   auto r = kiln::testing::RunToCompletion({KILN_RUNTIME_BIN, "--prestart"}, absl::Seconds(30));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("--prestart: needs --control-socket"), std::string::npos) << r.output;
+  r = kiln::testing::RunToCompletion({KILN_RUNTIME_BIN, "--prestart", "--control-socket",
+                                      "/tmp/kiln-unused.sock", "--model", "encoder"},
+                                     absl::Seconds(30));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("--model: not with --prestart"), std::string::npos) << r.output;
 }
 
 TEST(RuntimeTest, HealthAndMetadataOnBothProtocols) {
