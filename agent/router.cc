@@ -306,10 +306,6 @@ void Reply(const HttpReply& request, int code, std::string body, const std::stri
   request.Send(std::move(r));
 }
 
-std::string Error(const std::string& m) {
-  return json{{"error", m}}.dump(-1, ' ', false, json::error_handler_t::replace);
-}
-
 }  // namespace
 
 class Router::Impl {
@@ -380,7 +376,7 @@ class Router::Impl {
     try {
       Route(request, reply);
     } catch (const std::exception& e) {
-      Reply(reply, 500, Error(std::string("internal error: ") + e.what()));
+      Reply(reply, 500, JsonError(std::string("internal error: ") + e.what()));
     }
   }
 
@@ -408,7 +404,7 @@ class Router::Impl {
       if (parts.size() == next + 1 && parts[next] == "infer" && request.method == "POST") {
         // The server has already refused a declared size over the limit (413).
         if (!request.Header("Content-Length")) {
-          Reply(reply, 411, Error("Content-Length is required"));
+          Reply(reply, 411, JsonError("Content-Length is required"));
           return;
         }
         Sticky sticky = StickyOf(request, model);
@@ -420,7 +416,7 @@ class Router::Impl {
         return;
       }
     }
-    Reply(reply, 404, Error("no such endpoint: " + path));
+    Reply(reply, 404, JsonError("no such endpoint: " + path));
   }
 
   struct Sticky {
@@ -453,7 +449,7 @@ class Router::Impl {
     auto choice = router_->Choose(model, version, sticky.key, sticky.given, exclude);
     if (!choice.ok()) {
       Reply(reply, HttpStatusFromCode(choice.status().code()),
-            Error(std::string(choice.status().message())));
+            JsonError(std::string(choice.status().message())));
       return;
     }
     http::http_request out(body.empty() ? http::methods::GET : http::methods::POST);
@@ -487,7 +483,7 @@ class Router::Impl {
             text = r.extract_utf8string(true).get();
           } catch (const std::exception& e) {
             code = 503;  // connection refused or reset: the replica is gone
-            text = Error(std::string("replica unreachable: ") + e.what());
+            text = JsonError(std::string("replica unreachable: ") + e.what());
           }
           if (code == 503 && attempt == 0) {
             exclude.insert(id);

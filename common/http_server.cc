@@ -35,10 +35,15 @@ std::chrono::steady_clock::duration Chrono(absl::Duration d) {
   return absl::ToChronoNanoseconds(d);
 }
 
-std::string ErrorBody(const std::string& message) {
-  return nlohmann::json{{"error", message}}.dump(-1, ' ', false,
-                                                 nlohmann::json::error_handler_t::replace) +
-         "\n";
+// The server's own error replies: a JSON error and a newline.
+std::string ErrorBody(const std::string& message) { return JsonError(message) + "\n"; }
+
+// The client closed, reset or timed out, or the server closed the connection: nothing to
+// answer.
+bool ClientGone(const beast::error_code& ec) {
+  return ec == bhttp::error::end_of_stream || ec == beast::error::timeout ||
+         ec == net::error::operation_aborted || ec == net::error::connection_reset ||
+         ec == net::error::eof;
 }
 
 }  // namespace
@@ -118,6 +123,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
     });
   }
 
+  // After the server's threads have stopped: ends what is left.
+  void CloseNow() {
+    net::post(stream_.get_executor(), [self = shared_from_this()] { self->Close(); });
+  }
+
   // From any thread, once per request; dropped once the server has stopped.
   void Reply(HttpResponse response) {
     absl::MutexLock lock(&state_->mu);
@@ -148,11 +158,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       return Fail(431, "the request header exceeds the limit of " +
                            std::to_string(state_->options.max_header_bytes) + " bytes");
     }
-    if (ec == bhttp::error::end_of_stream || ec == beast::error::timeout ||
-        ec == net::error::operation_aborted || ec == net::error::connection_reset ||
-        ec == net::error::eof || closed_) {
-      return Close();
-    }
+    if (ClientGone(ec) || closed_) return Close();
     if (ec == bhttp::error::body_limit) {
       // Refused from the declared length alone (the parser has the header fields by now).
       auto declared = parser_->get()[bhttp::field::content_length];
@@ -185,10 +191,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       return Fail(413, "the request body exceeds the limit of " +
                            std::to_string(state_->options.max_body_bytes) + " bytes");
     }
-    if (ec == bhttp::error::end_of_stream || ec == beast::error::timeout || ec == net::error::operation_aborted ||
-        ec == net::error::connection_reset || ec == net::error::eof || closed_) {
-      return Close();
-    }
+    if (ClientGone(ec) || closed_) return Close();
     if (ec) return Fail(400, "malformed request: " + ec.message());
     stream_.expires_never();
     if (state_->stopped()) return Close();  // read in the final flush: too late to answer
@@ -280,14 +283,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
     stream_.close();
     state_->Remove(this);
   }
-
- public:
-  // After the server's threads have stopped: ends what is left.
-  void CloseNow() {
-    net::post(stream_.get_executor(), [self = shared_from_this()] { self->Close(); });
-  }
-
- private:
 
   // Declared first so it goes last: the socket needs the io_context the state owns.
   std::shared_ptr<HttpServer::State> state_;  // keeps the io_context for late replies
@@ -458,6 +453,11 @@ std::optional<std::string_view> HttpRequest::Header(std::string_view name) const
     }
   }
   return std::nullopt;
+}
+
+std::string JsonError(const std::string& message) {
+  return nlohmann::json{{"error", message}}.dump(-1, ' ', false,
+                                                 nlohmann::json::error_handler_t::replace);
 }
 
 std::string PercentDecode(std::string_view text) {

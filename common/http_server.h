@@ -103,6 +103,10 @@ class HttpServer {
   int port_;
 };
 
+// The JSON error body of the Open Inference Protocol's REST errors, {"error": "..."} (bytes
+// that are not UTF-8 are replaced, never thrown on).
+std::string JsonError(const std::string& message);
+
 // Decodes %XX escapes (and nothing else: '+' stays '+'); a malformed escape is kept as is.
 std::string PercentDecode(std::string_view text);
 

@@ -11,10 +11,9 @@ void Handle(AdminApi* api, HttpRequest request, const HttpReply& r) {
   try {
     if (request.method != "GET" && request.method != "POST" && request.method != "PUT" &&
         request.method != "DELETE") {
-      ApiResponse a = ErrorResponse(
-          absl::UnimplementedError("method " + request.method + " is not allowed here"));
-      a.code = 405;
-      return Send(r, a);
+      // UNIMPLEMENTED is the admin API's 405.
+      return Send(r, ErrorResponse(absl::UnimplementedError("method " + request.method +
+                                                            " is not allowed here")));
     }
     ApiRequest req;
     req.method = std::move(request.method);

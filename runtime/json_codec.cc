@@ -315,8 +315,4 @@ std::string EncodeJsonInferResponse(const InferResponse& response, const json& p
   return out.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-std::string JsonError(const std::string& message) {
-  return json{{"error", message}}.dump(-1, ' ', false, json::error_handler_t::replace);
-}
-
 }  // namespace kiln

@@ -27,6 +27,4 @@ std::string EncodeJsonInferResponse(const InferResponse& response,
 // Appends a tensor's elements to a JSON array, as numbers (or booleans).
 void AppendTensorData(const Tensor& t, nlohmann::json* array);
 
-std::string JsonError(const std::string& message);
-
 }  // namespace kiln

@@ -6,12 +6,6 @@
 #include <chrono>
 #include <memory>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/time.h>
-#include <unistd.h>
-
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
@@ -19,6 +13,7 @@
 #include "common/http_server.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
+#include "tests/support/raw_http_client.h"
 
 namespace kiln {
 namespace {
@@ -93,27 +88,6 @@ TEST(RouterRetryTest, ACallCancelledByTheReplicaIsRetriedElsewhere) {
   for (auto& s : servers) s->Shutdown();
 }
 
-// The status code of one REST request sent on a fresh loopback connection (0: no response).
-int RestStatus(int port, const std::string& request) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  timeval tv{30, 0};  // bounded
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  int code = 0;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
-          static_cast<ssize_t>(request.size())) {
-    char buf[512];
-    ssize_t n = recv(fd, buf, sizeof(buf) - 1, 0);
-    if (n > 12) code = std::atoi(std::string(buf + 9, 3).c_str());
-  }
-  close(fd);
-  return code;
-}
-
 // A REST forward still waiting on its replica when the router stops: Stop cancels it and
 // waits for it (its continuation uses the router), and the client is answered, not left
 // hanging. Before, the continuation could run on the freed router.
@@ -130,12 +104,10 @@ TEST(RouterStopTest, StopsWithARestForwardInFlight) {
   auto router = StartRouter(
       {{"slow.0", "1", "127.0.0.1:1", "127.0.0.1:" + std::to_string((*replica)->port()), false}});
   ASSERT_NE(router, nullptr);
-  const std::string body = "{}";
   std::atomic<int> code{-1};
   std::thread client([&] {
-    code = RestStatus(router->http_port(),
-                      "POST /v2/models/encoder/infer HTTP/1.1\r\nHost: x\r\nContent-Length: " +
-                          std::to_string(body.size()) + "\r\n\r\n" + body);
+    testing::RawHttpClient c(router->http_port());
+    code = c.Send(testing::Post("/v2/models/encoder/infer", "{}")) ? c.Read().code : 0;
   });
   {
     absl::MutexLock lock(&mu);
