@@ -98,6 +98,10 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
     }
     KILN_RETURN_IF_ERROR(MakeChannelCredentials(o.controller_tls).status());
   }
+  for (auto [flag, n] : {std::pair<const char*, int>{"--prestart-per-gpu", o.prestart_per_gpu},
+                          {"--prestart-cpu", o.prestart_cpu}}) {
+    if (n < 0 || n > 16) return absl::InvalidArgumentError(std::string(flag) + ": must be in 0..16");
+  }
   if (o.tick < absl::Milliseconds(10) || o.tick > absl::Seconds(10)) {
     return absl::InvalidArgumentError("--tick-ms: must be in 10..10000");
   }
@@ -181,6 +185,8 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   so.reserved_cpus = options_.reserved_cpus;
   so.fake_gpus = t.fake_gpus;
   so.runtime_log_level = options_.runtime_log_level;
+  so.prestart_per_gpu = options_.prestart_per_gpu;
+  so.prestart_cpu = options_.prestart_cpu;
   // With a controller, replicas on a failing GPU serve until it has moved them elsewhere.
   so.drain_on_unhealthy_gpu = options_.controller.empty();
   PowerMode mode = *ParsePowerMode(options_.gpu_power);
@@ -595,8 +601,10 @@ void Agent::Loop() {
     v1::Assignment none;
     none.set_generation(generation_ + 1);
     (void)supervisor_->Apply(none);
+    supervisor_->StopPrestarted();
     absl::Time deadline = absl::Now() + options_.stop_timeout + absl::Seconds(5);
-    while (!supervisor_->Snapshot()->empty() && absl::Now() < deadline) {
+    while ((!supervisor_->Snapshot()->empty() || !supervisor_->PrestartedSnapshot()->empty()) &&
+           absl::Now() < deadline) {
       supervisor_->Tick();
       absl::SleepFor(absl::Milliseconds(50));
     }
@@ -641,6 +649,15 @@ std::string Agent::ReplicasJson() const {
                                {"cpus", v.cpus},
                                {"device_memory_bytes", v.device_memory_bytes},
                                {"last_error", v.last_error}});
+  }
+  out["prestarted"] = nlohmann::json::array();
+  for (const auto& p : *supervisor_->PrestartedSnapshot()) {
+    out["prestarted"].push_back({{"name", p.name},
+                                 {"gpu", p.gpu},
+                                 {"pid", p.pid},
+                                 {"ready", p.ready},
+                                 {"adopted", p.adopted},
+                                 {"stopping", p.stopping}});
   }
   return out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
 }
@@ -699,6 +716,24 @@ std::string Agent::MetricsText() {
        [](const v1::RuntimeStats& s) { return s.queue_depth(); });
   emit("kiln_replica_latency_p99_seconds", "gauge", "p99 request latency since start.",
        [](const v1::RuntimeStats& s) { return s.latency_p99_micros() / 1e6; });
+  {
+    std::map<std::pair<int, bool>, int> pool;  // (gpu, ready) -> count
+    int per_gpu = options_.prestart_per_gpu;
+    for (int g = 0; per_gpu > 0 && g < static_cast<int>(topology_.gpus.size()); ++g) {
+      pool[{g, true}] = pool[{g, false}] = 0;
+    }
+    if (options_.prestart_cpu > 0) pool[{-1, true}] = pool[{-1, false}] = 0;
+    for (const auto& p : *supervisor_->PrestartedSnapshot()) {
+      if (!p.stopping) pool[{p.gpu, p.ready}]++;
+    }
+    m << "# HELP kiln_agent_prestarted_runtimes Pre-started runtimes (no model yet) by GPU "
+         "(-1 = for CPU replicas), ready or still starting.\n"
+      << "# TYPE kiln_agent_prestarted_runtimes gauge\n";
+    for (const auto& [key, n] : pool) {
+      m << "kiln_agent_prestarted_runtimes{" << node << ",gpu=\"" << key.first << "\",ready=\""
+        << (key.second ? "true" : "false") << "\"} " << n << "\n";
+    }
+  }
   m << "# HELP kiln_replica_crash_loop 1 while the replica is in a crash loop.\n"
     << "# TYPE kiln_replica_crash_loop gauge\n";
   for (const auto& v : *snapshot) m << "kiln_replica_crash_loop{" << labels(v) << "} " << (v.crash_loop ? 1 : 0) << "\n";

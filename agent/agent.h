@@ -42,6 +42,10 @@ struct AgentOptions {
   absl::Duration stop_timeout = absl::Seconds(30);
   bool stop_replicas_on_exit = false;
   std::string runtime_log_level = "info";
+  // Pre-started runtimes kept ready per GPU (--prestart-per-gpu) and for CPU replicas
+  // (--prestart-cpu): a replica that starts is handed one instead of spawning cold.
+  int prestart_per_gpu = 0;
+  int prestart_cpu = 0;
 };
 
 absl::Status ValidateAgentOptions(const AgentOptions& options);

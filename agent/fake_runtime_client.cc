@@ -1,5 +1,7 @@
 #include "agent/fake_runtime_client.h"
 
+#include <utility>
+
 namespace kiln {
 
 class FakeRuntimeClient : public RuntimeClient {
@@ -24,6 +26,15 @@ class FakeRuntimeClient : public RuntimeClient {
     auto* r = Find();
     if (!r) return absl::UnavailableError("no runtime at " + socket_);
     return r->stats;
+  }
+  absl::Status Load(const std::vector<std::string>& args) override {
+    absl::MutexLock lock(&f_->mu_);
+    auto* r = Find();
+    if (!r) return absl::UnavailableError("no runtime at " + socket_);
+    if (!r->load_error.ok()) return std::exchange(r->load_error, absl::OkStatus());
+    if (!r->loads.empty()) return absl::FailedPreconditionError("a Load was already accepted");
+    r->loads.push_back(args);
+    return absl::OkStatus();
   }
 
  private:
@@ -67,6 +78,11 @@ void FakeRuntimeClientFactory::Set(const std::string& socket, v1::LifecycleState
 void FakeRuntimeClientFactory::SetDeviceMemory(const std::string& socket, int64_t bytes) {
   absl::MutexLock lock(&mu_);
   runtimes_[socket].state.set_device_memory_bytes(bytes);
+}
+
+void FakeRuntimeClientFactory::FailNextLoad(const std::string& socket, absl::Status error) {
+  absl::MutexLock lock(&mu_);
+  runtimes_[socket].load_error = std::move(error);
 }
 
 void FakeRuntimeClientFactory::SetReachable(const std::string& socket, bool reachable) {

@@ -3,6 +3,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "agent/runtime_client.h"
@@ -18,6 +19,9 @@ class FakeRuntimeClientFactory : public RuntimeClientFactory {
     bool reachable = true;
     int promotes = 0;
     int demotes = 0;
+    // Load: every accepted call's arguments; `load_error` refuses the next one.
+    std::vector<std::vector<std::string>> loads;
+    absl::Status load_error;
   };
 
   std::unique_ptr<RuntimeClient> Connect(const std::string& socket_path) override;
@@ -27,6 +31,7 @@ class FakeRuntimeClientFactory : public RuntimeClientFactory {
            const std::string& version = "", int grpc_port = 0);
   void SetReachable(const std::string& socket, bool reachable);
   void SetDeviceMemory(const std::string& socket, int64_t bytes);
+  void FailNextLoad(const std::string& socket, absl::Status error);
   Runtime Get(const std::string& socket) const;
 
  private:

@@ -72,6 +72,13 @@ int main(int argc, char** argv) {
                "and the next agent adopts them)");
   app.add_option("--runtime-log-level", o.runtime_log_level, "Log level for replicas")
       ->capture_default_str();
+  app.add_option("--prestart-per-gpu", o.prestart_per_gpu,
+                 "Pre-started runtimes (LibTorch loaded, device context made, no model) kept "
+                 "per GPU: a starting replica is handed one instead of spawning cold (0..16)")
+      ->capture_default_str();
+  app.add_option("--prestart-cpu", o.prestart_cpu,
+                 "Pre-started runtimes kept for CPU replicas (0..16)")
+      ->capture_default_str();
   if (auto code = kiln::ParseCommandLine(app, argc, argv)) return *code;
   auto log = kiln::GetLogger("agent.main");
   o.tick = absl::Milliseconds(tick_ms);

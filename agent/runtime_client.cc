@@ -2,6 +2,8 @@
 
 #include <grpcpp/create_channel.h>
 
+#include <algorithm>
+
 #include "common/grpc_status.h"
 
 namespace kiln {
@@ -36,6 +38,15 @@ class GrpcRuntimeClient : public RuntimeClient {
   }
   absl::StatusOr<v1::RuntimeStats> Stats() override {
     return Call<v1::StatsRequest, v1::RuntimeStats>(&v1::RuntimeControl::Stub::Stats);
+  }
+  absl::Status Load(const std::vector<std::string>& args) override {
+    grpc::ClientContext ctx;
+    // The runtime reads the model's config (and checks its files) before it answers.
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::max(timeout_, absl::Seconds(10))));
+    v1::LoadRequest req;
+    for (const auto& a : args) req.add_args(a);
+    v1::LoadResponse resp;
+    return FromGrpcStatus(stub_->Load(&ctx, req, &resp));
   }
 
  private:

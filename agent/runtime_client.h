@@ -2,6 +2,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -17,6 +18,9 @@ class RuntimeClient {
   virtual absl::StatusOr<v1::RuntimeState> Promote() = 0;
   virtual absl::StatusOr<v1::RuntimeState> Demote() = 0;
   virtual absl::StatusOr<v1::RuntimeStats> Stats() = 0;
+  // Hands a pre-started runtime (kiln-runtime --prestart) its replica: `args` are the command
+  // line a cold start would have had. OK once the runtime accepted them.
+  virtual absl::Status Load(const std::vector<std::string>& args) = 0;
 };
 
 class RuntimeClientFactory {

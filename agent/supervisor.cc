@@ -11,6 +11,7 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include "absl/strings/numbers.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 
@@ -172,9 +173,14 @@ absl::Status Supervisor::Launch(Replica& r) {
       req.env.push_back("CUDA_DISABLE_PERF_BOOST=1");
     }
   }
-  auto pid = launcher_->Launch(req);
-  if (!pid.ok()) return pid.status();
-  r.pid = *pid;
+  auto handed = HandOver(r, req);
+  if (!handed.ok()) return handed.status();
+  if (!*handed) {
+    auto pid = launcher_->Launch(req);
+    if (!pid.ok()) return pid.status();
+    r.pid = *pid;
+    r.launch_socket = r.socket;
+  }
   r.phase = Phase::kStarting;
   r.observed = v1::LOADING;
   r.control_ok = false;
@@ -183,11 +189,171 @@ absl::Status Supervisor::Launch(Replica& r) {
   r.last_answer = clock_->Now();
   r.client = clients_->Connect(r.socket);
   OnStart(r.crashes, clock_->Now());
-  log_("replica " + s.replica_id() + ": started pid " + std::to_string(r.pid) + " (" + s.model() +
+  log_("replica " + s.replica_id() + ": " + (*handed ? "handed pre-started" : "started") +
+       " pid " + std::to_string(r.pid) + " (" + s.model() +
        " v" + s.version() + " on " + Device(s) + ", cpus " + FormatCpuList(r.cpus.cpus) +
        (r.cpus.memory_node >= 0 ? ", memory node " + std::to_string(r.cpus.memory_node) : "") +
        ")");
   return absl::OkStatus();
+}
+
+int Supervisor::PoolTarget(int gpu) const {
+  return gpu < 0 ? options_.prestart_cpu : options_.prestart_per_gpu;
+}
+
+absl::StatusOr<bool> Supervisor::HandOver(Replica& r, const LaunchRequest& cold) {
+  const int slot = r.spec.gpu() >= 0 ? r.spec.gpu() : -1;
+  for (auto it = prestarted_.begin(); it != prestarted_.end(); ++it) {
+    Prestarted& p = it->second;
+    if (p.gpu != slot || !p.ready || p.stopping || p.pid <= 0) continue;
+    // The cold start's command line, plus where the process now pins itself: it was started
+    // on all of its GPU's local CPUs, and memory policy can only be set from inside.
+    std::vector<std::string> args(cold.argv.begin() + 1, cold.argv.end());
+    if (!cold.cpus.empty()) {
+      args.push_back("--cpu-set");
+      args.push_back(FormatCpuList(cold.cpus));
+    }
+    if (cold.memory_node >= 0) {
+      args.push_back("--memory-node");
+      args.push_back(std::to_string(cold.memory_node));
+    }
+    absl::Status s = p.client->Load(args);
+    if (absl::IsInvalidArgument(s) || absl::IsNotFound(s) || absl::IsFailedPrecondition(s) ||
+        absl::IsAlreadyExists(s) || absl::IsPermissionDenied(s) || absl::IsUnimplemented(s)) {
+      // The replica's arguments (its model, version or config) are at fault, not the
+      // pre-started runtime, which stays in the pool.
+      return Annotate(s, "pre-started runtime " + it->first + " refused the replica");
+    }
+    if (!s.ok()) {
+      log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) +
+           "): Load failed (" + std::string(s.message()) + "); killed, replica " +
+           r.spec.replica_id() + " starts cold");
+      (void)launcher_->Signal(p.pid, SIGKILL);
+      prestarted_.erase(it);
+      return false;
+    }
+    r.pid = p.pid;
+    r.launch_socket = p.socket;
+    // Its output goes on in the replica's log, the previous one kept as .1.
+    std::error_code ec;
+    if (fs::exists(cold.log_file, ec)) fs::rename(cold.log_file, cold.log_file + ".1", ec);
+    fs::rename(p.log_file, cold.log_file, ec);
+    r.log_file = ec ? p.log_file : cold.log_file;
+    prestarted_.erase(it);
+    return true;
+  }
+  return false;
+}
+
+absl::Status Supervisor::LaunchPrestarted(int gpu) {
+  const std::string name = "prestart-" + std::to_string(++prestart_seq_);
+  Prestarted p;
+  p.gpu = gpu;
+  p.socket = options_.state_dir + "/sockets/" + name + ".sock";
+  p.log_file = options_.state_dir + "/logs/" + name + ".log";
+  if (p.socket.size() > 99) {
+    return absl::InvalidArgumentError("--state-dir: too long for a unix socket path (" + p.socket +
+                                      ")");
+  }
+  const bool real_gpu = gpu >= 0 && !options_.fake_gpus;
+  LaunchRequest req;
+  req.argv = {options_.runtime_binary, "--prestart",
+              "--control-socket", p.socket,
+              "--device", real_gpu ? "cuda:0" : "cpu",
+              "--log-level", options_.runtime_log_level};
+  // Idle until handed a replica: any of the CPUs its replicas could get, memory on its GPU's
+  // node (the replica's own CPUs and node are set at the Load).
+  if (gpu >= 0) {
+    const GpuTopology& g = topology_.gpus[gpu];
+    for (int c : g.local_cpus) {
+      if (std::find(reserved_.begin(), reserved_.end(), c) == reserved_.end()) req.cpus.push_back(c);
+    }
+    req.memory_node = g.numa_node;
+  } else {
+    for (int c : topology_.allowed_cpus) {
+      if (std::find(reserved_.begin(), reserved_.end(), c) == reserved_.end()) req.cpus.push_back(c);
+    }
+  }
+  req.log_file = p.log_file;
+  if (real_gpu) {
+    req.env.push_back("CUDA_VISIBLE_DEVICES=" + topology_.gpus[gpu].identity.uuid);
+    // It holds a context and does nothing: parked like a WARM replica.
+    if (options_.park_warm_replicas) req.env.push_back("CUDA_DISABLE_PERF_BOOST=1");
+  }
+  auto pid = launcher_->Launch(req);
+  if (!pid.ok()) return pid.status();
+  p.pid = *pid;
+  p.started = clock_->Now();
+  p.client = clients_->Connect(p.socket);
+  OnStart(pool_slots_[gpu].crashes, p.started);
+  log_("pre-started runtime " + name + ": pid " + std::to_string(p.pid) + " for " +
+       (gpu >= 0 ? "gpu " + std::to_string(gpu) : std::string("cpu replicas")));
+  prestarted_.emplace(name, std::move(p));
+  return absl::OkStatus();
+}
+
+void Supervisor::StopPrestarted() {
+  pool_stopped_ = true;
+  for (auto& [name, p] : prestarted_) {
+    if (p.stopping || p.pid <= 0) continue;
+    (void)launcher_->Signal(p.pid, SIGTERM);
+    p.stopping = true;
+  }
+  Publish();
+}
+
+void Supervisor::TickPool() {
+  const absl::Time now = clock_->Now();
+  for (auto it = prestarted_.begin(); it != prestarted_.end();) {
+    Prestarted& p = it->second;
+    if (p.ready || p.stopping) {
+      ++it;
+      continue;
+    }
+    auto st = p.client->GetState();
+    if (st.ok() && st->state() == v1::LOADING && st->model_name().empty()) {
+      p.ready = true;
+      log_("pre-started runtime " + it->first + ": ready after " +
+           absl::FormatDuration(absl::Trunc(now - p.started, absl::Milliseconds(1))));
+    } else if (st.ok() && !st->model_name().empty()) {
+      // Not a pre-started runtime waiting (it already has a model): not for the pool.
+      log_("pre-started runtime " + it->first + ": has model " + st->model_name() + "; stopped");
+      (void)launcher_->Signal(p.pid, SIGTERM);
+      p.stopping = true;
+    } else if (now - p.started >= options_.prestart_timeout) {
+      log_("pre-started runtime " + it->first + ": not ready after " +
+           absl::FormatDuration(options_.prestart_timeout) + "; killed");
+      (void)launcher_->Signal(p.pid, SIGKILL);
+      RestartDecision d = OnCrash(pool_slots_[p.gpu].crashes, now, options_.restart);
+      pool_slots_[p.gpu].due = d.restart_at;
+      it = prestarted_.erase(it);
+      continue;
+    }
+    ++it;
+  }
+  std::vector<int> slots;
+  if (pool_stopped_) return;
+  if (options_.prestart_cpu > 0) slots.push_back(-1);
+  if (options_.prestart_per_gpu > 0) {
+    for (int g = 0; g < static_cast<int>(topology_.gpus.size()); ++g) slots.push_back(g);
+  }
+  for (int gpu : slots) {
+    if (gpu >= 0 && unhealthy_gpus_.count(gpu)) continue;
+    int have = 0;
+    for (const auto& [name, p] : prestarted_) have += p.gpu == gpu && !p.stopping;
+    PoolSlot& slot = pool_slots_[gpu];
+    for (; have < PoolTarget(gpu) && now >= slot.due; ++have) {
+      absl::Status s = LaunchPrestarted(gpu);
+      if (!s.ok()) {
+        RestartDecision d = OnCrash(slot.crashes, now, options_.restart);
+        slot.due = d.restart_at;
+        log_(std::string("pre-started runtime for ") +
+             (gpu >= 0 ? "gpu " + std::to_string(gpu) : "cpu replicas") + ": cannot start: " +
+             std::string(s.message()) + "; next try in " + absl::FormatDuration(d.backoff));
+        break;
+      }
+    }
+  }
 }
 
 void Supervisor::BeginStop(Replica& r, const std::string& why) {
@@ -212,6 +378,14 @@ void Supervisor::SetGpuHealth(int gpu, bool healthy, const std::string& reason) 
   }
   if (was_healthy == healthy) return;
   log_("gpu " + std::to_string(gpu) + (healthy ? ": healthy again" : ": UNHEALTHY (" + reason + ")"));
+  if (!healthy) {
+    for (auto& [name, p] : prestarted_) {
+      if (p.gpu != gpu || p.stopping || p.pid <= 0) continue;
+      (void)launcher_->Signal(p.pid, SIGTERM);
+      p.stopping = true;
+      log_("pre-started runtime " + name + ": stopped (gpu " + std::to_string(gpu) + " unhealthy)");
+    }
+  }
   for (auto& [id, r] : replicas_) {
     if (r.spec.gpu() != gpu || r.removing) continue;
     if (!healthy) {
@@ -240,6 +414,20 @@ void Supervisor::SetGpuHealth(int gpu, bool healthy, const std::string& reason) 
 }
 
 void Supervisor::HandleExit(const ProcessExit& e) {
+  for (auto it = prestarted_.begin(); it != prestarted_.end(); ++it) {
+    Prestarted& p = it->second;
+    if (p.pid != e.pid || p.pid == 0) continue;
+    if (!p.stopping) {
+      RestartDecision d = OnCrash(pool_slots_[p.gpu].crashes, clock_->Now(), options_.restart);
+      pool_slots_[p.gpu].due = d.restart_at;
+      log_("pre-started runtime " + it->first + ": " + ExitText(e.status) + "; replaced in " +
+           absl::FormatDuration(d.backoff));
+    }
+    std::error_code ec;
+    fs::remove(p.socket, ec);
+    prestarted_.erase(it);
+    return;
+  }
   for (auto it = replicas_.begin(); it != replicas_.end(); ++it) {
     Replica& r = it->second;
     if (r.pid != e.pid || r.pid == 0) continue;
@@ -344,6 +532,8 @@ void Supervisor::Observe(Replica& r) {
 }
 
 void Supervisor::Tick() {
+  const size_t pool_before = prestarted_.size();
+  const int64_t seq_before = prestart_seq_;
   for (const auto& e : launcher_->CollectExits()) HandleExit(e);
   absl::Time now = clock_->Now();
   bool changed_set = false;
@@ -381,6 +571,10 @@ void Supervisor::Tick() {
     }
     ++it;
   }
+  // After the replicas, so that a replica starting this tick takes a ready runtime before
+  // the pool counts what it has.
+  TickPool();
+  if (prestarted_.size() != pool_before || prestart_seq_ != seq_before) changed_set = true;
   if (changed_set) {
     absl::Status s = WriteStateFile();
     if (!s.ok()) log_("state file: " + std::string(s.message()));
@@ -405,11 +599,21 @@ absl::Status Supervisor::WriteStateFile() {
     doc["replicas"].push_back({{"id", id},
                                {"pid", r.pid},
                                {"socket", r.socket},
+                               {"launch_socket", r.launch_socket},
                                {"log", r.log_file},
                                {"cpus", FormatCpuList(r.cpus.cpus)},
                                {"memory_node", r.cpus.memory_node},
                                {"restarts", r.restarts},
                                {"spec", json::parse(spec)}});
+  }
+  doc["prestarted"] = json::array();
+  for (const auto& [name, p] : prestarted_) {
+    if (p.pid <= 0 || p.stopping) continue;
+    doc["prestarted"].push_back({{"name", name},
+                                 {"pid", p.pid},
+                                 {"gpu", p.gpu},
+                                 {"socket", p.socket},
+                                 {"log", p.log_file}});
   }
   std::string path = options_.state_dir + "/replicas.json";
   std::string tmp = path + ".tmp";
@@ -443,9 +647,15 @@ absl::Status Supervisor::Recover() {
     std::string socket = e["socket"].get<std::string>();
     v1::ReplicaSpec spec;
     if (!google::protobuf::util::JsonStringToMessage(e["spec"].dump(), &spec).ok()) continue;
-    // The pid must still be our runtime: its command line names its control socket.
+    // The pid must still be our runtime: its command line names its control socket (a
+    // pre-started runtime's own, when it was handed this replica).
+    std::string launch_socket = socket;
+    if (e.contains("launch_socket") && e["launch_socket"].is_string() &&
+        !e["launch_socket"].get<std::string>().empty()) {
+      launch_socket = e["launch_socket"].get<std::string>();
+    }
     std::string cmdline = launcher_->CommandLine(pid);
-    bool ours = launcher_->Alive(pid) && cmdline.find(socket) != std::string::npos;
+    bool ours = launcher_->Alive(pid) && cmdline.find(launch_socket) != std::string::npos;
     auto client = clients_->Connect(socket);
     absl::StatusOr<v1::RuntimeState> st =
         ours ? client->GetState() : absl::StatusOr<v1::RuntimeState>(absl::NotFoundError("gone"));
@@ -464,6 +674,7 @@ absl::Status Supervisor::Recover() {
     r.cpus.memory_node = e.value("memory_node", -1);
     r.pid = pid;
     r.socket = socket;
+    r.launch_socket = launch_socket;
     r.log_file = e.value("log", "");
     r.client = std::move(client);
     r.phase = Phase::kRunning;
@@ -480,8 +691,51 @@ absl::Status Supervisor::Recover() {
          v1::LifecycleState_Name(r.observed) + ")");
     replicas_.emplace(spec.replica_id(), std::move(r));
   }
+  RecoverPrestarted(doc);
   Publish();
   return WriteStateFile();
+}
+
+void Supervisor::RecoverPrestarted(const json& doc) {
+  if (!doc.contains("prestarted") || !doc["prestarted"].is_array()) return;
+  for (const auto& e : doc["prestarted"]) {
+    if (!e.is_object() || !e.contains("pid") || !e["pid"].is_number_integer() ||
+        !e.contains("socket") || !e["socket"].is_string() || !e.contains("name") ||
+        !e["name"].is_string() || !e.contains("gpu") || !e["gpu"].is_number_integer()) {
+      continue;
+    }
+    const std::string name = e["name"].get<std::string>();
+    const pid_t pid = e["pid"].get<pid_t>();
+    Prestarted p;
+    p.gpu = e["gpu"].get<int>();
+    p.socket = e["socket"].get<std::string>();
+    p.log_file = e.value("log", "");
+    int64_t seq = 0;
+    if (name.rfind("prestart-", 0) == 0 && absl::SimpleAtoi(name.substr(9), &seq)) {
+      prestart_seq_ = std::max(prestart_seq_, seq);  // new names never reuse a socket
+    }
+    const bool ours = launcher_->Alive(pid) &&
+                      launcher_->CommandLine(pid).find(p.socket) != std::string::npos;
+    if (!ours) continue;
+    p.client = clients_->Connect(p.socket);
+    auto st = p.client->GetState();
+    const bool waiting = st.ok() && st->state() == v1::LOADING && st->model_name().empty();
+    const bool wanted = p.gpu >= -1 && p.gpu < static_cast<int>(topology_.gpus.size()) &&
+                        PoolTarget(p.gpu) > 0;
+    if (!waiting || !wanted || !launcher_->Adopt(pid).ok()) {
+      // A pool nobody wants now, or a process that is not waiting for a Load: not kept.
+      (void)launcher_->Signal(pid, waiting ? SIGTERM : SIGKILL);
+      log_("pre-started runtime " + name + ": pid " + std::to_string(pid) + " stopped (" +
+           (!waiting ? "not waiting for a Load" : "no pool for it") + ")");
+      continue;
+    }
+    p.pid = pid;
+    p.ready = true;
+    p.adopted = true;
+    p.started = clock_->Now();
+    log_("pre-started runtime " + name + ": adopted pid " + std::to_string(pid));
+    prestarted_.emplace(name, std::move(p));
+  }
 }
 
 std::shared_ptr<const std::vector<ReplicaView>> Supervisor::Snapshot() const {
@@ -516,8 +770,18 @@ void Supervisor::Publish() {
     v.device_memory_bytes = r.device_memory_bytes;
     views->push_back(std::move(v));
   }
+  auto pool = std::make_shared<std::vector<PrestartedView>>();
+  for (const auto& [name, p] : prestarted_) {
+    pool->push_back({name, p.gpu, p.pid, p.ready, p.adopted, p.stopping, p.socket});
+  }
   absl::MutexLock lock(&snapshot_mu_);
   snapshot_ = std::move(views);
+  prestarted_snapshot_ = std::move(pool);
+}
+
+std::shared_ptr<const std::vector<PrestartedView>> Supervisor::PrestartedSnapshot() const {
+  absl::MutexLock lock(&snapshot_mu_);
+  return prestarted_snapshot_;
 }
 
 }  // namespace kiln

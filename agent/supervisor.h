@@ -20,6 +20,7 @@
 #include "common/clock.h"
 #include "health/restart_policy.h"
 #include "kiln/v1/control_plane.pb.h"
+#include "nlohmann/json_fwd.hpp"
 
 namespace kiln {
 
@@ -47,6 +48,24 @@ struct SupervisorOptions {
   // they keep serving while they can (a controller moves them make-before-break). Either way
   // none is restarted on that GPU until it is healthy again.
   bool drain_on_unhealthy_gpu = true;
+  // Pre-started runtimes (kiln-runtime --prestart: LibTorch loaded and the device ready, no
+  // model) kept per GPU and for CPU replicas. A replica that starts takes one (RuntimeControl
+  // Load) instead of spawning cold, and the pool refills in the background. 0 = none.
+  int prestart_per_gpu = 0;
+  int prestart_cpu = 0;
+  // A pre-started runtime not ready within this long is killed (and replaced, with backoff).
+  absl::Duration prestart_timeout = absl::Seconds(120);
+};
+
+// One pre-started runtime waiting for a replica.
+struct PrestartedView {
+  std::string name;
+  int gpu = -1;  // -1 = for CPU replicas
+  pid_t pid = 0;
+  bool ready = false;  // answers its control socket with no model
+  bool adopted = false;
+  bool stopping = false;  // told to exit; leaves the list when it has
+  std::string socket;
 };
 
 // What the agent reports and routes by, for one replica.
@@ -101,6 +120,11 @@ class Supervisor {
   // The replicas as last published. Keep the returned pointer while reading: iterating
   // `*Snapshot()` directly lets the vector be freed mid-loop when a newer one is published.
   std::shared_ptr<const std::vector<ReplicaView>> Snapshot() const;
+  // Stops every pre-started runtime and keeps the pool empty (the agent stopping its
+  // replicas on exit).
+  void StopPrestarted();
+  // The pre-started runtimes as last published.
+  std::shared_ptr<const std::vector<PrestartedView>> PrestartedSnapshot() const;
   int64_t applied_generation() const { return applied_generation_; }
   // True once every assigned replica has reached its assigned state.
   bool Converged() const;
@@ -114,6 +138,9 @@ class Supervisor {
     Phase phase = Phase::kPending;
     pid_t pid = 0;
     std::string socket;
+    // The socket named on the process's command line: `socket`, or the pre-started
+    // runtime's own when one was handed this replica (what re-adoption checks).
+    std::string launch_socket;
     std::string log_file;
     std::unique_ptr<RuntimeClient> client;
     v1::LifecycleState observed = v1::LIFECYCLE_STATE_UNSPECIFIED;
@@ -133,7 +160,32 @@ class Supervisor {
     std::string last_error;
   };
 
+  struct Prestarted {
+    int gpu = -1;
+    pid_t pid = 0;
+    std::string socket;
+    std::string log_file;
+    std::unique_ptr<RuntimeClient> client;
+    absl::Time started;
+    bool ready = false;
+    bool adopted = false;
+    bool stopping = false;  // told to exit (its GPU went unhealthy, or the pool shrank)
+  };
+  struct PoolSlot {
+    CrashHistory crashes;
+    absl::Time due = absl::InfinitePast();  // no new one before this (after a failure)
+  };
+
   absl::Status Launch(Replica& r);
+  // Gives `r` a ready pre-started runtime of its GPU (or of the CPU pool): true when one took
+  // it, false when none could (then it starts cold); an error when the runtime refused the
+  // replica's arguments (a bad model, say), which fails this start like a cold one.
+  absl::StatusOr<bool> HandOver(Replica& r, const LaunchRequest& cold);
+  absl::Status LaunchPrestarted(int gpu);
+  void TickPool();
+  // Adopts the pre-started runtimes of the state file (`doc`) still waiting for a Load.
+  void RecoverPrestarted(const nlohmann::json& doc);
+  int PoolTarget(int gpu) const;
   void HandleExit(const ProcessExit& e);
   void Observe(Replica& r);
   void BeginStop(Replica& r, const std::string& why);
@@ -152,10 +204,16 @@ class Supervisor {
   std::vector<int> reserved_;
   std::map<std::string, Replica> replicas_;  // by replica id
   std::map<int, std::string> unhealthy_gpus_;  // gpu -> reason
+  std::map<std::string, Prestarted> prestarted_;  // by name, "prestart-7"
+  std::map<int, PoolSlot> pool_slots_;           // gpu (-1 = the CPU pool)
+  int64_t prestart_seq_ = 0;
+  bool pool_stopped_ = false;
   int64_t applied_generation_ = 0;
 
   mutable absl::Mutex snapshot_mu_;
   std::shared_ptr<const std::vector<ReplicaView>> snapshot_ ABSL_GUARDED_BY(snapshot_mu_);
+  std::shared_ptr<const std::vector<PrestartedView>> prestarted_snapshot_
+      ABSL_GUARDED_BY(snapshot_mu_);
 };
 
 }  // namespace kiln

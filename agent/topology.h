@@ -6,14 +6,11 @@
 
 #include "absl/status/statusor.h"
 #include "agent/gpu_driver.h"
+#include "common/cpu_list.h"
 #include "common/filesystem.h"
 
 namespace kiln {
 
-// "0-3,8,10-11" -> {0,1,2,3,8,10,11}. `field` names the source in errors.
-absl::StatusOr<std::vector<int>> ParseCpuList(const std::string& text, const std::string& field);
-// {0,1,2,3,8} -> "0-3,8".
-std::string FormatCpuList(const std::vector<int>& cpus);
 std::vector<int> IntersectCpus(const std::vector<int>& a, const std::vector<int>& b);
 
 struct NumaNode {

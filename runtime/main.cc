@@ -1,6 +1,7 @@
 // kiln-runtime: serves one model version as one replica.
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -15,7 +16,9 @@
 #include "common/clock.h"
 #include "common/config_node.h"
 #include "common/cli.h"
+#include "common/cpu_list.h"
 #include "common/logging.h"
+#include "common/pinning.h"
 #include "common/process_start.h"
 #include "runtime/aoti_backend.h"
 #include "runtime/control_service.h"
@@ -51,6 +54,11 @@ struct Flags {
   kiln::RuntimeOptions o;
   std::string max_request = "64Mi";
   int64_t drain_ms = 30000;
+  // Where the process pins itself before it loads: what a pre-started runtime handed a
+  // replica needs (a cold start is pinned by whoever starts it).
+  std::string cpu_set;
+  std::vector<int> cpus;
+  int memory_node = -1;
 };
 
 void AddRuntimeFlags(CLI::App& app, Flags* f, bool model_required) {
@@ -80,6 +88,11 @@ void AddRuntimeFlags(CLI::App& app, Flags* f, bool model_required) {
       ->capture_default_str();
   app.add_option("--drain-timeout-ms", f->drain_ms, "Default drain deadline")
       ->capture_default_str();
+  app.add_option("--cpu-set", f->cpu_set,
+                 "Pin every thread to these CPUs (\"2-5,8\") before loading");
+  app.add_option("--memory-node", f->memory_node,
+                 "Bind memory allocated from loading on to this NUMA node (-1 = no binding)")
+      ->capture_default_str();
   // Default on for a power-parked replica (the agent sets CUDA_DISABLE_PERF_BOOST=1).
   const char* parked = getenv("CUDA_DISABLE_PERF_BOOST");
   o.warmup_on_promote = parked != nullptr && std::string(parked) == "1";
@@ -93,6 +106,19 @@ absl::Status FinishFlags(Flags* f) {
   if (!max_bytes.ok()) return max_bytes.status();
   f->o.max_request_bytes = *max_bytes;
   f->o.drain_timeout = absl::Milliseconds(f->drain_ms);
+  if (!f->cpu_set.empty()) {
+    auto cpus = kiln::ParseCpuList(f->cpu_set, "--cpu-set");
+    if (!cpus.ok()) return cpus.status();
+    if (cpus->empty() || cpus->back() >= CPU_SETSIZE) {
+      return absl::InvalidArgumentError("--cpu-set: '" + f->cpu_set + "' must list CPUs 0.." +
+                                        std::to_string(CPU_SETSIZE - 1));
+    }
+    f->cpus = *cpus;
+  }
+  if (f->memory_node < -1 || f->memory_node >= 1024) {
+    return absl::InvalidArgumentError("--memory-node: must be -1..1023, got " +
+                                      std::to_string(f->memory_node));
+  }
   return absl::OkStatus();
 }
 
@@ -169,6 +195,8 @@ class Prestarted : public kiln::ControlTarget {
     if (loaded_) return absl::FailedPreconditionError("a Load was already accepted");
     model_ = f->o.model;
     loaded_ = std::move(*server);
+    cpus_ = f->cpus;
+    memory_node_ = f->memory_node;
     return absl::OkStatus();
   }
   // Waits up to `timeout` for a Load or a Shutdown; true once either came.
@@ -179,10 +207,13 @@ class Prestarted : public kiln::ControlTarget {
     };
     return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
   }
-  // The runtime a Load made, unless a Shutdown came (then nothing).
-  std::unique_ptr<kiln::RuntimeServer> Take() {
+  // The runtime a Load made, unless a Shutdown came (then nothing), and where the Load said
+  // to pin the process.
+  std::unique_ptr<kiln::RuntimeServer> Take(std::vector<int>* cpus, int* memory_node) {
     absl::MutexLock lock(&mu_);
     if (shutdown_) return nullptr;
+    *cpus = cpus_;
+    *memory_node = memory_node_;
     return std::move(loaded_);
   }
   void RequestShutdown() { Shutdown(absl::ZeroDuration()); }
@@ -197,6 +228,8 @@ class Prestarted : public kiln::ControlTarget {
   absl::Mutex mu_;
   std::unique_ptr<kiln::RuntimeServer> loaded_ ABSL_GUARDED_BY(mu_);
   std::string model_ ABSL_GUARDED_BY(mu_);
+  std::vector<int> cpus_ ABSL_GUARDED_BY(mu_);
+  int memory_node_ ABSL_GUARDED_BY(mu_) = -1;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -255,7 +288,8 @@ int main(int argc, char** argv) {
     }
     // The model and how it is served come with the Load; said here, they would be ignored.
     for (const char* flag : {"--model-repository", "--model", "--version", "--grpc-port",
-                             "--http-port", "--initial-state", "--threads"}) {
+                             "--http-port", "--initial-state", "--threads", "--cpu-set",
+                             "--memory-node"}) {
       if (app.count(flag) > 0) {
         log->error("{}: not with --prestart (it comes with the Load)", flag);
         return 2;
@@ -283,7 +317,7 @@ int main(int argc, char** argv) {
     std::error_code ec;
     std::filesystem::remove(f.o.control_socket, ec);
     if (Signalled(0)) waiting.RequestShutdown();
-    server = waiting.Take();
+    server = waiting.Take(&f.cpus, &f.memory_node);
     if (!server) {
       log->info("stopped before any Load");
       return 0;
@@ -296,6 +330,16 @@ int main(int argc, char** argv) {
       return 2;
     }
     server = std::move(*created);
+  }
+  // The main thread loads the model and starts the serving threads: pinned here, they all are.
+  if (auto s = kiln::PinThisProcess(f.cpus, f.memory_node); !s.ok()) {
+    log->error("pinning to cpus {} / memory node {}: {}", kiln::FormatCpuList(f.cpus),
+               f.memory_node, std::string(s.message()));
+    return 1;
+  }
+  if (!f.cpus.empty() || f.memory_node >= 0) {
+    log->info("pinned to cpus {}, memory node {}", f.cpus.empty() ? "(unchanged)" : kiln::FormatCpuList(f.cpus),
+              f.memory_node);
   }
   if (auto s = server->Start(); !s.ok()) {
     log->error("startup failed: {}", std::string(s.message()));

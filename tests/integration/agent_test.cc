@@ -79,6 +79,7 @@ class AgentTest : public ::testing::Test {
                                      "--grpc-port",        "0",
                                      "--http-port",        "0",
                                      "--stop-timeout-ms",  "5000"};
+    args.insert(args.end(), extra_args_.begin(), extra_args_.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -147,6 +148,9 @@ class AgentTest : public ::testing::Test {
     for (const auto& r : j["replicas"]) {
       if (r["pid"].get<int>() > 0) seen_pids_.insert(r["pid"].get<int>());
     }
+    for (const auto& p : j.value("prestarted", json::array())) {
+      if (p["pid"].get<int>() > 0) seen_pids_.insert(p["pid"].get<int>());
+    }
     return j;
   }
 
@@ -202,7 +206,32 @@ class AgentTest : public ::testing::Test {
   int router_http_ = 0;
   int agents_ = 0;
   std::set<int> seen_pids_;
+  std::vector<std::string> extra_args_;
 };
+
+// The ready pre-started runtime for `gpu` (-1 = CPU replicas) in /v1/replicas, or null.
+json Prestarted(const json& j, int gpu) {
+  for (const auto& p : j.value("prestarted", json::array())) {
+    if (p["gpu"] == gpu && p["ready"] == true && p["stopping"] == false) return p;
+  }
+  return json();
+}
+
+// Every thread of `pid` may run only on `cpus` (the agent's "2-3" form).
+std::string ThreadAffinities(int pid) {
+  std::set<std::string> lists;
+  std::error_code ec;
+  for (const auto& t : fs::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::string status = ReadFile(t.path().string() + "/status");
+    size_t at = status.find("Cpus_allowed_list:");
+    if (at == std::string::npos) continue;
+    size_t start = status.find_first_not_of(" \t", at + 18);
+    lists.insert(status.substr(start, status.find('\n', start) - start));
+  }
+  std::string out;
+  for (const auto& l : lists) out += (out.empty() ? "" : " | ") + l;
+  return out;
+}
 
 TEST_F(AgentTest, AssignmentBringsUpReplicasAndScaleUpPromotesTheWarmOne) {
   WriteAssignment("replicas:\n" + Replica("s0", "SERVING", 0) + Replica("w0", "WARM"));
@@ -291,6 +320,56 @@ TEST_F(AgentTest, ARestartedAgentAdoptsItsReplicasWithoutRestartingThem) {
   EXPECT_EQ(Find(after, "s0")["restarts"], 0);
   EXPECT_TRUE(Infer(Find(after, "s0")["grpc_port"]).ok());
   EXPECT_NE(ReadFile(log_).find("adopted pid " + std::to_string(s0)), std::string::npos);
+}
+
+TEST_F(AgentTest, APrestartedRuntimeBecomesTheStartingReplicaPinnedAndThePoolRefills) {
+  WriteAssignment("replicas: []\n");
+  extra_args_ = {"--prestart-cpu", "1", "--prestart-per-gpu", "1"};
+  StartAgent();
+  json j = WaitFor([&](const json& j) { return !Prestarted(j, -1).is_null() && !Prestarted(j, 0).is_null(); },
+                   "a ready pre-started runtime for cpu and for gpu 0");
+  const int for_cpu = Prestarted(j, -1)["pid"], for_gpu = Prestarted(j, 0)["pid"];
+  EXPECT_NE(ReadFile(dir_ + "/s/logs/" + Prestarted(j, -1)["name"].get<std::string>() + ".log")
+                .find("waiting for Load"),
+            std::string::npos);
+
+  WriteAssignment("replicas:\n" + Replica("s0", "SERVING") + Replica("g0", "WARM", 0));
+  Hup();
+  j = WaitFor([&](const json& j) {
+    return Find(j, "s0")["state"] == "SERVING" && Find(j, "g0")["state"] == "WARM";
+  }, "s0 SERVING and g0 WARM");
+  // No cold start: each replica is the process that was waiting for it.
+  EXPECT_EQ(Find(j, "s0")["pid"], for_cpu);
+  EXPECT_EQ(Find(j, "g0")["pid"], for_gpu);
+  EXPECT_NE(ReadFile(log_).find("replica s0: handed pre-started pid " + std::to_string(for_cpu)),
+            std::string::npos) << ReadFile(log_);
+  EXPECT_TRUE(Infer(Find(j, "s0")["grpc_port"]).ok());
+  // Pinned to its own CPUs on every thread, as a cold start would be.
+  EXPECT_EQ(ThreadAffinities(for_cpu), Find(j, "s0")["cpus"].get<std::string>());
+  EXPECT_EQ(ThreadAffinities(for_gpu), Find(j, "g0")["cpus"].get<std::string>());
+  // Its output goes on in the replica's own log.
+  std::string replica_log = ReadFile(dir_ + "/s/logs/s0.log");
+  EXPECT_NE(replica_log.find("Load accepted"), std::string::npos) << replica_log;
+  // The pool refills with new processes.
+  j = WaitFor([&](const json& j) { return !Prestarted(j, -1).is_null() && !Prestarted(j, 0).is_null(); },
+              "the pool refilled");
+  EXPECT_NE(Prestarted(j, -1)["pid"], for_cpu);
+  std::string metrics = Get("/metrics").second;
+  EXPECT_NE(metrics.find("kiln_agent_prestarted_runtimes{node="), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("gpu=\"-1\",ready=\"true\"} 1"), std::string::npos) << metrics;
+
+  // A restarted agent adopts both the replicas handed from the pool and the pool.
+  const int refill = Prestarted(j, -1)["pid"];
+  StopAgent(SIGTERM);
+  StartAgent();
+  j = WaitFor([&](const json& j) {
+    return Find(j, "s0")["adopted"] == true && !Prestarted(j, -1).is_null();
+  }, "adoption");
+  EXPECT_EQ(Find(j, "s0")["pid"], for_cpu);
+  EXPECT_EQ(Find(j, "s0")["restarts"], 0);
+  EXPECT_EQ(Prestarted(j, -1)["pid"], refill);
+  EXPECT_EQ(Prestarted(j, -1)["adopted"], true);
+  EXPECT_TRUE(Infer(Find(j, "s0")["grpc_port"]).ok());
 }
 
 TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {
@@ -576,6 +655,8 @@ TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
       {{"--assignment-file", dir + "/bad.yaml"}, "replicas[0].state"},
       {{"--sysfs-root", "/nonexistent"}, "--sysfs-root"},
       {{"--assignment-file", dir + "/bad.yaml", "--controller", "127.0.0.1:1"}, "--controller"},
+      {{"--prestart-per-gpu", "17"}, "--prestart-per-gpu: must be in 0..16"},
+      {{"--prestart-cpu", "-1"}, "--prestart-cpu: must be in 0..16"},
   };
   for (const auto& c : cases) {
     std::string cmd = std::string(KILN_AGENT_BIN) + " --runtime-binary " + KILN_RUNTIME_BIN +

@@ -20,6 +20,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/integration/runtime_process.h"
 #include "tests/support/requests.h"
+#include "tests/support/shell.h"
 
 namespace kiln {
 namespace {
@@ -205,6 +206,14 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   EXPECT_NE(bad.error_message().find("--no-such-flag"), std::string::npos) << bad.error_message();
   bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "encoder"});
   EXPECT_NE(bad.error_message().find("--control-socket"), std::string::npos) << bad.error_message();
+  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
+           {"--cpu-set", "3-1"}, {"--cpu-set", "x"}, {"--cpu-set", "99999"},
+           {"--memory-node", "-2"}, {"--memory-node", "1024"}}) {
+    bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "encoder", "--control-socket",
+                        rt->control_socket(), flag, value});
+    EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << flag << " " << value;
+    EXPECT_NE(bad.error_message().find(flag), std::string::npos) << bad.error_message();
+  }
   // A model the repository does not have is refused before the answer, as a cold start would
   // exit on it.
   bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "nosuch", "--control-socket",
@@ -214,7 +223,7 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   EXPECT_EQ(rt->GetState()->model_name(), "");
 
   // A good Load: it loads, serves the reference outputs and is a normal runtime from then on.
-  grpc::Status loaded = rt->Load(kRepo, "encoder", "serving", {"--version", "1"});
+  grpc::Status loaded = rt->Load(kRepo, "encoder", "serving", {"--version", "1", "--cpu-set", "0"});
   ASSERT_TRUE(loaded.ok()) << loaded.error_message() << rt->Log();
   st = rt->GetState();
   ASSERT_TRUE(st.ok());
@@ -229,6 +238,16 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   grpc::Status s = stub->ModelInfer(&ctx, GrpcEncoderRequest(c, true), &resp);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_LT(MaxDiff(GrpcFloats(resp), c["embedding"]), 1e-5);
+  // It pinned every thread to the CPUs the Load named.
+  std::error_code ec;
+  int threads = 0;
+  for (const auto& t : std::filesystem::directory_iterator(
+           "/proc/" + std::to_string(rt->pid()) + "/task", ec)) {
+    std::string status = kiln::testing::ReadFile(t.path().string() + "/status");
+    EXPECT_NE(status.find("Cpus_allowed_list:\t0\n"), std::string::npos) << t.path() << status;
+    ++threads;
+  }
+  EXPECT_GT(threads, 1);
   grpc::Status again = rt->LoadArgs({"--model", "x"});
   EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
 }
@@ -260,6 +279,12 @@ TEST(RuntimeTest, APrestartedRuntimeStopsCleanlyWithoutALoad) {
                                      absl::Seconds(30));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("--model: not with --prestart"), std::string::npos) << r.output;
+  // Where it pins itself comes with the Load too.
+  r = kiln::testing::RunToCompletion({KILN_RUNTIME_BIN, "--prestart", "--control-socket",
+                                      "/tmp/kiln-unused.sock", "--cpu-set", "0"},
+                                     absl::Seconds(30));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("--cpu-set: not with --prestart"), std::string::npos) << r.output;
 }
 
 TEST(RuntimeTest, HealthAndMetadataOnBothProtocols) {

@@ -5,6 +5,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 
 #include "agent/fake_runtime_client.h"
 #include "agent/router.h"
@@ -48,9 +50,12 @@ v1::ReplicaSpec Spec(const std::string& id, int gpu, int cpus, v1::LifecycleStat
 class SupervisorTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    // Short: control sockets live under it (at most 107 bytes for a unix socket path).
     dir_ = fs::temp_directory_path() /
            ("kiln_sup_" + std::to_string(getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+            std::to_string(std::hash<std::string>()(
+                               ::testing::UnitTest::GetInstance()->current_test_info()->name()) %
+                           1000000));
     fs::remove_all(dir_);
     options_.runtime_binary = "/usr/bin/kiln-runtime";
     options_.state_dir = dir_.string();
@@ -342,6 +347,252 @@ TEST_F(SupervisorTest, RecoveryIgnoresGarbageAndUnansweringReplicas) {
   ASSERT_TRUE(sup_->Recover().ok());
   EXPECT_EQ(View("a"), nullptr);
   EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGKILL}}));
+}
+
+// --- Pre-started runtimes -------------------------------------------------------------------
+
+class PrestartTest : public SupervisorTest {
+ protected:
+  void SetUp() override {
+    options_.prestart_per_gpu = 1;
+    options_.prestart_cpu = 1;
+    SupervisorTest::SetUp();
+  }
+  bool IsPrestart(const LaunchRequest& r) {
+    return std::find(r.argv.begin(), r.argv.end(), "--prestart") != r.argv.end();
+  }
+  std::vector<LaunchRequest> PrestartLaunches() {
+    std::vector<LaunchRequest> out;
+    for (const auto& l : launcher_.launches()) {
+      if (IsPrestart(l)) out.push_back(l);
+    }
+    return out;
+  }
+  const PrestartedView* Pool(int gpu) {
+    pool_ = sup_->PrestartedSnapshot();
+    for (const auto& p : *pool_) {
+      if (p.gpu == gpu && !p.stopping) return &p;
+    }
+    return nullptr;
+  }
+  // Every pre-started runtime launched so far answers with no model.
+  void AllPrestartedAnswer() {
+    for (const auto& l : PrestartLaunches()) runtimes_.Set(Arg(l, "--control-socket"), v1::LOADING);
+  }
+  std::shared_ptr<const std::vector<PrestartedView>> pool_;
+};
+
+TEST_F(PrestartTest, APoolPerGpuAndForCpuStartsOnItsNodeAndBecomesReady) {
+  sup_->Tick();
+  auto pre = PrestartLaunches();
+  ASSERT_EQ(pre.size(), 3u);  // cpu, gpu 0, gpu 1
+  EXPECT_EQ(Arg(pre[0], "--device"), "cpu");
+  EXPECT_EQ(pre[0].cpus.size(), 15u);  // every allowed CPU but the agent's
+  EXPECT_EQ(pre[0].memory_node, -1);
+  EXPECT_EQ(Arg(pre[2], "--device"), "cuda:0");
+  EXPECT_EQ(pre[2].cpus, (std::vector<int>{8, 9, 10, 11, 12, 13, 14, 15}));
+  EXPECT_EQ(pre[2].memory_node, 1);
+  EXPECT_NE(std::find(pre[2].env.begin(), pre[2].env.end(), "CUDA_VISIBLE_DEVICES=GPU-1"),
+            pre[2].env.end());
+  EXPECT_EQ(Arg(pre[1], "--model"), "");  // no model yet
+  ASSERT_NE(Pool(1), nullptr);
+  EXPECT_FALSE(Pool(1)->ready);
+  AllPrestartedAnswer();
+  sup_->Tick();
+  EXPECT_TRUE(Pool(-1)->ready);
+  EXPECT_TRUE(Pool(1)->ready);
+  EXPECT_EQ(launcher_.launches().size(), 3u);  // full: nothing more
+}
+
+TEST_F(PrestartTest, AStartingReplicaIsHandedOnePinnedToItsCpusAndThePoolRefills) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  ASSERT_NE(Pool(1), nullptr);
+  const pid_t pooled = Pool(1)->pid;
+  const std::string pooled_socket = Pool(1)->socket;
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)})).ok());
+  sup_->Tick();
+  ASSERT_NE(View("a"), nullptr);
+  // No cold start: the replica is the pre-started process, given the cold command line.
+  for (const auto& l : launcher_.launches()) EXPECT_TRUE(IsPrestart(l));
+  EXPECT_EQ(View("a")->pid, pooled);
+  EXPECT_EQ(View("a")->phase, "STARTING");
+  auto loads = runtimes_.Get(pooled_socket).loads;
+  ASSERT_EQ(loads.size(), 1u);
+  LaunchRequest as_cold;
+  as_cold.argv = loads[0];
+  as_cold.argv.insert(as_cold.argv.begin(), "kiln-runtime");
+  EXPECT_EQ(Arg(as_cold, "--model"), "enc");
+  EXPECT_EQ(Arg(as_cold, "--control-socket"), Socket("a"));
+  EXPECT_EQ(Arg(as_cold, "--device"), "cuda:0");
+  EXPECT_EQ(Arg(as_cold, "--threads"), "2");
+  EXPECT_EQ(Arg(as_cold, "--cpu-set"), "8-9");
+  EXPECT_EQ(Arg(as_cold, "--memory-node"), "1");
+  // The pool refilled in the same tick; the handed one left it.
+  EXPECT_EQ(PrestartLaunches().size(), 4u);
+  ASSERT_NE(Pool(1), nullptr);
+  EXPECT_NE(Pool(1)->pid, pooled);
+  EXPECT_FALSE(Pool(1)->ready);
+  // From here it is any replica: it loads, is promoted, and a crash restarts it (from the
+  // pool again once that one is ready).
+  runtimes_.Set(Socket("a"), v1::WARM, "enc", "1", 5001);
+  sup_->Tick();
+  EXPECT_EQ(runtimes_.Get(Socket("a")).promotes, 1);
+  EXPECT_TRUE(sup_->Converged());
+  AllPrestartedAnswer();
+  sup_->Tick();
+  ASSERT_NE(Pool(1), nullptr);
+  const pid_t second = Pool(1)->pid;
+  launcher_.Exit(pooled, SIGKILL);
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_EQ(View("a")->pid, second);
+  EXPECT_EQ(View("a")->restarts, 1);
+}
+
+TEST_F(PrestartTest, RefusedArgumentsFailTheStartButKeepThePrestartedRuntime) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  const pid_t pooled = Pool(-1)->pid;
+  runtimes_.FailNextLoad(Pool(-1)->socket,
+                         absl::NotFoundError("model 'enc': no such model in /models"));
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("c", -1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("c")->phase, "BACKOFF");
+  EXPECT_NE(View("c")->last_error.find("no such model"), std::string::npos) << View("c")->last_error;
+  EXPECT_EQ(Pool(-1)->pid, pooled);  // still waiting, never signalled
+  EXPECT_TRUE(launcher_.signals().empty());
+  // The next try takes it.
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_EQ(View("c")->pid, pooled);
+}
+
+TEST_F(PrestartTest, ABrokenPrestartedRuntimeIsKilledAndTheReplicaStartsCold) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  const pid_t pooled = Pool(0)->pid;
+  runtimes_.FailNextLoad(Pool(0)->socket, absl::UnavailableError("connection refused"));
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{pooled, SIGKILL}}));
+  // Started cold (the pool's own refill comes after it).
+  auto launches = launcher_.launches();
+  int cold = -1;
+  for (size_t i = 0; i < launches.size(); ++i) {
+    if (Arg(launches[i], "--model") == "enc") cold = static_cast<int>(i);
+  }
+  ASSERT_EQ(cold, 3);
+  EXPECT_EQ(View("a")->pid, 1000 + cold);  // the fake launcher's pids count from 1000
+  EXPECT_FALSE(IsPrestart(launches[cold]));
+  EXPECT_EQ(Arg(launches[cold], "--cpu-set"), "");  // a cold start is pinned by the launcher
+  EXPECT_EQ(launches[cold].cpus, (std::vector<int>{1}));
+  launcher_.Exit(pooled, SIGKILL);
+  sup_->Tick();  // the killed one's exit is no crash of anything
+  EXPECT_EQ(View("a")->restarts, 0);
+}
+
+TEST_F(PrestartTest, CrashedOrSilentPrestartedRuntimesAreReplacedWithBackoff) {
+  sup_->Tick();
+  const pid_t cpu_pool = Pool(-1)->pid;
+  // Silent past the timeout: killed, replaced after the first backoff.
+  clock_.Advance(options_.prestart_timeout);
+  runtimes_.Set(Pool(0)->socket, v1::LOADING);
+  runtimes_.Set(Pool(1)->socket, v1::LOADING);
+  sup_->Tick();
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{cpu_pool, SIGKILL}}));
+  EXPECT_EQ(Pool(-1), nullptr);
+  EXPECT_EQ(PrestartLaunches().size(), 3u);
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  ASSERT_NE(Pool(-1), nullptr);
+  EXPECT_EQ(PrestartLaunches().size(), 4u);
+  // A crash: replaced after the backoff doubles.
+  launcher_.Exit(Pool(-1)->pid, SIGSEGV);
+  sup_->Tick();
+  EXPECT_EQ(Pool(-1), nullptr);
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_EQ(Pool(-1), nullptr);
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_NE(Pool(-1), nullptr);
+}
+
+TEST_F(PrestartTest, AnUnhealthyGpusPrestartedRuntimesStopAndAreNotReplaced) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  const pid_t gpu0 = Pool(0)->pid;
+  sup_->SetGpuHealth(0, false, "Xid 79");
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{gpu0, SIGTERM}}));
+  launcher_.ExitCode(gpu0, 0);
+  sup_->Tick();
+  clock_.Advance(absl::Minutes(1));
+  sup_->Tick();
+  EXPECT_EQ(Pool(0), nullptr);
+  EXPECT_EQ(PrestartLaunches().size(), 3u);
+  sup_->SetGpuHealth(0, true, "");
+  sup_->Tick();
+  EXPECT_NE(Pool(0), nullptr);
+}
+
+TEST_F(PrestartTest, ARestartedSupervisorAdoptsThePoolAndReplicasHandedFromIt) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t a = View("a")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 7001);
+  AllPrestartedAnswer();
+  sup_->Tick();
+  std::map<int, pid_t> pooled;
+  for (int g : {-1, 0, 1}) pooled[g] = Pool(g)->pid;
+  const size_t launched = launcher_.launches().size();
+
+  sup_.reset();
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  EXPECT_EQ(View("a")->pid, a);  // its command line names the pre-started socket: still ours
+  EXPECT_TRUE(View("a")->adopted);
+  for (int g : {-1, 0, 1}) {
+    ASSERT_NE(Pool(g), nullptr) << g;
+    EXPECT_EQ(Pool(g)->pid, pooled[g]);
+    EXPECT_TRUE(Pool(g)->adopted);
+    EXPECT_TRUE(Pool(g)->ready);
+  }
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)}, 2)).ok());
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), launched);  // nothing new
+  EXPECT_TRUE(launcher_.signals().empty());
+  // New names never reuse an adopted one's socket.
+  std::set<std::string> sockets;
+  launcher_.Exit(pooled[0], SIGKILL);
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  for (const auto& l : PrestartLaunches()) {
+    EXPECT_TRUE(sockets.insert(Arg(l, "--control-socket")).second) << Arg(l, "--control-socket");
+  }
+  AllPrestartedAnswer();
+  sup_->Tick();
+
+  // An agent without a pool stops what the old one pre-started.
+  sup_.reset();
+  options_.prestart_per_gpu = 0;
+  options_.prestart_cpu = 0;
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  EXPECT_EQ(View("a")->pid, a);
+  EXPECT_TRUE(sup_->PrestartedSnapshot()->empty());
+  int terms = 0;
+  for (const auto& [pid, sig] : launcher_.signals()) terms += sig == SIGTERM;
+  EXPECT_EQ(terms, 3);
 }
 
 }  // namespace

@@ -1,0 +1,16 @@
+#pragma once
+
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace kiln {
+
+// Pins the calling process after it has started (a pre-started runtime handed a replica):
+// every thread it has now runs on `cpus` (empty = leave affinity alone), and the calling
+// thread's memory policy binds new allocations to NUMA node `memory_node` (-1 = leave it);
+// threads the caller starts afterwards inherit both. Memory already allocated stays where it
+// is. Errors name the step and the CPU or node.
+absl::Status PinThisProcess(const std::vector<int>& cpus, int memory_node);
+
+}  // namespace kiln
