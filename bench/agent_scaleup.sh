@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Scale-up latency at the agent, warm (promote a WARM replica) vs cold (spawn, load, warm up,
+# Scale-up latency at the agent, warm (promote a WARM replica) vs pre-started (hand a
+# pre-started runtime the replica: load, warm up, promote) vs cold (spawn, load, warm up,
 # promote), for the demo encoder. Two figures per run: from the agent's own log, SIGHUP
 # received -> the replica promoted to SERVING; and from outside, SIGHUP sent -> the first
 # inference the new replica answers (polled with curl; includes the polling). Not a test.
@@ -41,16 +42,21 @@ for r in json.load(sys.stdin)['replicas']:
   echo "timeout"; return 1
 }
 
-run() {  # $1 = warm|cold
+run() {  # $1 = warm|prestarted|cold
   local kind=$1
+  local pool=()
+  [ "$kind" = prestarted ] && pool=(--prestart-cpu 1)
   rm -rf "$WORK/s"
   { echo "replicas:"; replica s0 SERVING; [ "$kind" = warm ] && replica extra WARM; } > "$WORK/a.yaml"
   "$BUILD/agent/kiln-agent" --assignment-file "$WORK/a.yaml" --state-dir "$WORK/s" \
     --runtime-binary "$BUILD/runtime/kiln-runtime" --admin-bind 127.0.0.1 --admin-port 0 \
     --ingress-bind 127.0.0.1 --grpc-port 0 --http-port 0 --reserved-cpus 0 --tick-ms 10 \
-    --stop-replicas-on-exit > "$WORK/agent.log" 2>&1 &
+    --stop-replicas-on-exit "${pool[@]}" > "$WORK/agent.log" 2>&1 &
   AGENT_PID=$!
   for _ in $(seq 1 600); do grep -q "serving the assignment" "$WORK/agent.log" && break; sleep 0.05; done
+  if [ "$kind" = prestarted ]; then
+    for _ in $(seq 1 600); do grep -q "pre-started runtime prestart-1: ready" "$WORK/agent.log" && break; sleep 0.05; done
+  fi
   local admin
   admin=$(grep -o "admin_port=[0-9]*" "$WORK/agent.log" | cut -d= -f2)
   { echo "replicas:"; replica s0 SERVING; replica extra SERVING; } > "$WORK/a.yaml"
@@ -77,7 +83,7 @@ PY
   kill -TERM "$AGENT_PID"; wait "$AGENT_PID" 2>/dev/null || true; AGENT_PID=""
 }
 
-for kind in warm cold; do
+for kind in warm prestarted cold; do
   results=()
   for _ in $(seq 1 "$RUNS"); do results+=("$(run "$kind")"); done
   sorted=$(printf '%s\n' "${results[@]}" | sort -n | tr '\n' ' ')
