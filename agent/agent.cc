@@ -12,6 +12,7 @@
 
 #include "agent/admin_server.h"
 #include "agent/assignment_file.h"
+#include "warm_pool/pool_plan.h"
 #include "agent/controller_client.h"
 #include "agent/fake_gpu_driver.h"
 #include "agent/nvml_driver.h"
@@ -139,9 +140,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options, Clock
   KILN_RETURN_IF_ERROR(agent->supervisor_->Recover());
   if (!agent->options_.assignment_file.empty()) {
     KILN_ASSIGN_OR_RETURN(AssignmentFile file, LoadAssignmentFile(agent->options_.assignment_file));
-    file.assignment.set_generation(++agent->generation_);
-    KILN_RETURN_IF_ERROR(Annotate(agent->supervisor_->Apply(file.assignment),
-                                  agent->options_.assignment_file));
+    KILN_RETURN_IF_ERROR(
+        Annotate(agent->ApplyFile(file, ++agent->generation_), agent->options_.assignment_file));
     agent->routing_ = file.routing;
   }
   if (!agent->options_.controller.empty()) {
@@ -498,16 +498,54 @@ bool Agent::live() const {
   return age < std::max<int64_t>(5000, 30 * absl::ToInt64Milliseconds(options_.tick));
 }
 
+absl::Status Agent::ApplyFile(const AssignmentFile& file, int64_t generation) {
+  std::vector<PoolWanted> wanted;
+  for (const auto& r : file.assignment.replicas()) {
+    wanted.push_back({r.replica_id(), ReplicaShape(r), r.gpu(), r.gpu_memory_bytes()});
+  }
+  std::vector<PoolSpec> pools;
+  std::map<std::string, const v1::ReplicaSpec*> pool_spec;  // by shape
+  for (const auto& p : file.pools) {
+    std::string shape = ReplicaShape(p.spec);
+    pools.push_back({shape, p.size, PoolIdPrefix(p.spec), p.spec.gpu(), p.spec.gpu_memory_bytes()});
+    pool_spec[shape] = &p.spec;
+  }
+  std::vector<PoolRunning> running;
+  auto snapshot = supervisor_->Snapshot();
+  for (const auto& v : *snapshot) {
+    if (v.removing) continue;
+    bool loaded = v.phase == "RUNNING" && (v.state == v1::WARM || v.state == v1::SERVING);
+    running.push_back({v.spec.replica_id(), ReplicaShape(v.spec),
+                       IsPoolMemberId(v.spec.replica_id()), loaded, v.last_used});
+  }
+  std::map<int, int64_t> gpu_memory;
+  for (const auto& g : topology_.gpus) {
+    if (g.identity.memory_total_bytes > 0) gpu_memory[g.identity.index] = g.identity.memory_total_bytes;
+  }
+  PoolPlan plan = PlanNodePools(wanted, pools, running, gpu_memory);
+  v1::Assignment a = file.assignment;
+  a.set_generation(generation);
+  for (const auto& [shape, ids] : plan.members) {
+    for (const auto& id : ids) {
+      v1::ReplicaSpec* r = a.add_replicas();
+      *r = *pool_spec.at(shape);
+      r->set_replica_id(id);
+    }
+  }
+  KILN_RETURN_IF_ERROR(supervisor_->Apply(a, plan.renames));
+  for (const auto& id : plan.evicted) {
+    Log()->info("warm pool member {} not kept: its GPU's memory is taken by the file's replicas", id);
+  }
+  return absl::OkStatus();
+}
+
 void Agent::RequestReload() { reload_ = true; }
 
 void Agent::Reload() {
   if (options_.assignment_file.empty()) return;
   auto file = LoadAssignmentFile(options_.assignment_file);
   absl::Status s = file.status();
-  if (file.ok()) {
-    file->assignment.set_generation(generation_ + 1);
-    s = supervisor_->Apply(file->assignment);
-  }
+  if (file.ok()) s = ApplyFile(*file, generation_ + 1);
   if (!s.ok()) {
     rejected_reloads_++;
     Log()->error("assignment file rejected, keeping generation {}: {}", generation_,
@@ -517,8 +555,8 @@ void Agent::Reload() {
   generation_++;
   routing_ = file->routing;
   ready_ = false;
-  Log()->info("assignment file reloaded: generation {}, {} replica(s)", generation_,
-              file->assignment.replicas_size());
+  Log()->info("assignment file reloaded: generation {}, {} replica(s), {} warm pool(s)",
+              generation_, file->assignment.replicas_size(), file->pools.size());
 }
 
 void Agent::UpdatePower() {
@@ -646,6 +684,7 @@ std::string Agent::ReplicasJson() const {
                                {"healthy", v.healthy},
                                {"health_reason", v.health_reason},
                                {"adopted", v.adopted},
+                               {"removing", v.removing},
                                {"cpus", v.cpus},
                                {"device_memory_bytes", v.device_memory_bytes},
                                {"last_error", v.last_error}});

@@ -80,6 +80,9 @@ class Agent {
   // Runs `task` on the loop thread and waits (bounded) for its result.
   absl::Status RunOnLoop(std::function<absl::Status()> task);
   absl::Status ApplyFromController(const v1::Assignment& a);
+  // Runs an assignment file: its replicas as written, its warm pools kept by
+  // PlanNodePools (a new replica takes a pool member, one removed joins a short pool).
+  absl::Status ApplyFile(const struct AssignmentFile& file, int64_t generation);
   absl::Status ApplyRoutingFromController(const v1::RoutingTable& t);
   v1::Register MakeRegister();
   v1::NodeStatus MakeStatus();

@@ -1,10 +1,13 @@
 #include "agent/assignment_file.h"
 
+#include <cstdio>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 
 #include "common/config_node.h"
+#include "common/hash.h"
 #include "common/status.h"
 
 namespace kiln {
@@ -158,21 +161,41 @@ absl::StatusOr<AssignmentFile> ParseAssignmentFile(const std::string& yaml_text,
         }
       }
     }
+    for (int i = 0; i < out.assignment.replicas_size(); ++i) {
+      const std::string& id = out.assignment.replicas(i).replica_id();
+      if (IsPoolMemberId(id)) {
+        return absl::InvalidArgumentError("replicas[" + std::to_string(i) + "].id: '" + id +
+                                          "' starts with 'pool-', which is reserved for warm "
+                                          "pool members; give the replica another id");
+      }
+    }
     if (auto pools = root.OptionalChild("warmPools")) {
       KILN_ASSIGN_OR_RETURN(auto items, pools->Items());
+      std::map<std::string, std::string> shapes;  // shape -> the pool that has it
       for (size_t i = 0; i < items.size(); ++i) {
         const auto& item = items[i];
         KILN_RETURN_IF_ERROR(item.CheckKeys({"model", "version", "repository", "gpu", "cpus",
                                              "size", "threads", "gpuMemory"}));
         KILN_ASSIGN_OR_RETURN(int64_t size, item.GetInt("size", 1));
         if (size < 0 || size > 64) return absl::InvalidArgumentError(item.path() + ".size: must be 0..64");
-        for (int64_t k = 0; k < size; ++k) {
-          v1::ReplicaSpec* r = out.assignment.add_replicas();
-          KILN_RETURN_IF_ERROR(ParseReplicaFields(item, r));
-          r->set_state(v1::WARM);
-          r->set_replica_id(r->model() + "-" + r->version() + "-warm-" + std::to_string(i) + "-" +
-                            std::to_string(k));
+        FileWarmPool pool;
+        pool.size = static_cast<int>(size);
+        KILN_RETURN_IF_ERROR(ParseReplicaFields(item, &pool.spec));
+        pool.spec.set_state(v1::WARM);
+        // Checked like a replica (the id is a stand-in).
+        v1::Assignment check;
+        *check.add_replicas() = pool.spec;
+        check.mutable_replicas(0)->set_replica_id("pool");
+        if (auto s = ValidateAssignment(check); !s.ok()) {
+          std::string msg(s.message());
+          return absl::InvalidArgumentError(item.path() + msg.substr(msg.find('.')));
         }
+        auto [it, fresh] = shapes.emplace(ReplicaShape(pool.spec), item.path());
+        if (!fresh) {
+          return absl::InvalidArgumentError(item.path() + ": the same replicas as " + it->second +
+                                            "; give one pool the size of both");
+        }
+        out.pools.push_back(std::move(pool));
       }
     }
     if (auto routes = root.OptionalChild("routes")) {
@@ -216,6 +239,27 @@ absl::StatusOr<AssignmentFile> ParseAssignmentFile(const std::string& yaml_text,
   absl::Status s = parse();
   if (!s.ok()) return Annotate(s, source);
   return out;
+}
+
+std::string ReplicaShape(const v1::ReplicaSpec& s) {
+  std::string key;
+  for (const std::string& part :
+       {s.model(), s.version(), s.repository(), std::to_string(s.gpu()), std::to_string(s.cpus()),
+        std::to_string(s.gpu_memory_bytes()), std::to_string(s.runtime().threads()),
+        std::to_string(s.runtime().max_request_bytes())}) {
+    key += part;
+    key += '\0';
+  }
+  return key;
+}
+
+bool IsPoolMemberId(const std::string& id) { return id.rfind("pool-", 0) == 0; }
+
+std::string PoolIdPrefix(const v1::ReplicaSpec& spec) {
+  // Short (control sockets are named by the id), readable, and one per shape.
+  char hash[8];
+  snprintf(hash, sizeof(hash), "%04x", static_cast<unsigned>(Fnv1a64(ReplicaShape(spec)) & 0xffff));
+  return "pool-" + spec.model().substr(0, 12) + "-" + hash + "-";
 }
 
 absl::StatusOr<AssignmentFile> LoadAssignmentFile(const std::string& path) {

@@ -40,6 +40,15 @@ std::string ReadFileOr(const std::string& path) {
   return s.str();
 }
 
+// Renames a running process's log file (it goes on writing to it) to `to`, an earlier file
+// there kept as `to`.1. False when it could not be moved.
+bool MoveLog(const std::string& from, const std::string& to) {
+  std::error_code ec;
+  if (fs::exists(to, ec)) fs::rename(to, to + ".1", ec);
+  fs::rename(from, to, ec);
+  return !ec;
+}
+
 }  // namespace
 
 Supervisor::Supervisor(SupervisorOptions options, Topology topology, ProcessLauncher* launcher,
@@ -74,21 +83,51 @@ std::set<int> Supervisor::CpusInUse(const std::string& except_id) const {
   return used;
 }
 
-absl::Status Supervisor::Apply(const v1::Assignment& a) {
+absl::Status Supervisor::Apply(const v1::Assignment& a,
+                               const std::map<std::string, std::string>& renames) {
   // Plan first; nothing changes unless the whole assignment fits.
+  std::set<std::string> renamed_to;
+  for (const auto& [from, to] : renames) {
+    auto it = replicas_.find(from);
+    if (it == replicas_.end() || it->second.removing) {
+      return absl::InvalidArgumentError("rename " + from + " -> " + to + ": no such replica running");
+    }
+    if ((replicas_.count(to) && !renames.count(to)) || !renamed_to.insert(to).second) {
+      return absl::InvalidArgumentError("rename " + from + " -> " + to + ": " + to +
+                                        " is taken");
+    }
+    const v1::ReplicaSpec* want = nullptr;
+    for (const auto& s : a.replicas()) {
+      if (s.replica_id() == to) want = &s;
+    }
+    const v1::ReplicaSpec& have = it->second.spec;
+    if (!want || want->model() != have.model() || want->version() != have.version() ||
+        want->gpu() != have.gpu() || want->cpus() != have.cpus() ||
+        want->repository() != have.repository()) {
+      return absl::InvalidArgumentError("rename " + from + " -> " + to +
+                                        ": the assignment does not give " + to +
+                                        " the same model, version, repository, gpu and cpus");
+    }
+  }
+  // The id each running replica has once the renames are done.
+  auto id_after = [&](const std::string& id) {
+    auto it = renames.find(id);
+    return it == renames.end() ? id : it->second;
+  };
   std::map<std::string, CpuAssignment> cpus;
   std::set<int> used;
   for (const auto& [id, r] : replicas_) {
     bool kept = false;
     for (const auto& s : a.replicas()) {
-      if (s.replica_id() == id && s.model() == r.spec.model() && s.version() == r.spec.version() &&
-          s.gpu() == r.spec.gpu() && s.cpus() == r.spec.cpus()) {
+      if (s.replica_id() == id_after(id) && s.model() == r.spec.model() &&
+          s.version() == r.spec.version() && s.gpu() == r.spec.gpu() &&
+          s.cpus() == r.spec.cpus()) {
         kept = true;
       }
     }
     // Replicas being replaced keep their CPUs until they are gone.
     used.insert(r.cpus.cpus.begin(), r.cpus.cpus.end());
-    if (kept) cpus[id] = r.cpus;
+    if (kept) cpus[id_after(id)] = r.cpus;
   }
   for (const auto& s : a.replicas()) {
     if (cpus.count(s.replica_id())) continue;
@@ -103,6 +142,19 @@ absl::Status Supervisor::Apply(const v1::Assignment& a) {
     cpus[s.replica_id()] = *alloc;
   }
 
+  // Commit. Renames first: the same process goes on under its new id.
+  std::vector<std::pair<std::string, Replica>> moved;
+  for (const auto& [from, to] : renames) {
+    auto node = replicas_.extract(from);
+    Replica& r = node.mapped();
+    log_("replica " + from + ": goes on as " + to + " (pid " + std::to_string(r.pid) + ")");
+    r.spec.set_replica_id(to);
+    std::string log = options_.state_dir + "/logs/" + to + ".log";
+    if (!r.log_file.empty() && r.log_file != log && MoveLog(r.log_file, log)) r.log_file = log;
+    moved.emplace_back(to, std::move(r));
+  }
+  for (auto& [to, r] : moved) replicas_.emplace(to, std::move(r));
+  if (!renames.empty()) state_dirty_ = true;
   std::set<std::string> wanted;
   for (const auto& s : a.replicas()) wanted.insert(s.replica_id());
   for (auto& [id, r] : replicas_) {
@@ -187,6 +239,7 @@ absl::Status Supervisor::Launch(Replica& r) {
   r.probe = absl::OkStatus();
   r.last_probe = absl::InfinitePast();
   r.last_answer = clock_->Now();
+  r.last_used = clock_->Now();
   r.client = clients_->Connect(r.socket);
   OnStart(r.crashes, clock_->Now());
   log_("replica " + s.replica_id() + ": " + (*handed ? "handed pre-started" : "started") +
@@ -234,11 +287,8 @@ absl::StatusOr<bool> Supervisor::HandOver(Replica& r, const LaunchRequest& cold)
     }
     r.pid = p.pid;
     r.launch_socket = p.socket;
-    // Its output goes on in the replica's log, the previous one kept as .1.
-    std::error_code ec;
-    if (fs::exists(cold.log_file, ec)) fs::rename(cold.log_file, cold.log_file + ".1", ec);
-    fs::rename(p.log_file, cold.log_file, ec);
-    r.log_file = ec ? p.log_file : cold.log_file;
+    // Its output goes on in the replica's log.
+    r.log_file = MoveLog(p.log_file, cold.log_file) ? cold.log_file : p.log_file;
     prestarted_.erase(it);
     return true;
   }
@@ -488,6 +538,7 @@ void Supervisor::Observe(Replica& r) {
   r.control_ok = true;
   r.last_answer = now;
   r.observed = st->state();
+  if (r.observed == v1::SERVING) r.last_used = now;
   r.grpc_port = st->grpc_port();
   r.http_port = st->http_port();
   r.device_memory_bytes = st->device_memory_bytes();
@@ -575,6 +626,7 @@ void Supervisor::Tick() {
   // the pool counts what it has.
   TickPool();
   if (prestarted_.size() != pool_before || prestart_seq_ != seq_before) changed_set = true;
+  if (std::exchange(state_dirty_, false)) changed_set = true;
   if (changed_set) {
     absl::Status s = WriteStateFile();
     if (!s.ok()) log_("state file: " + std::string(s.message()));
@@ -686,6 +738,7 @@ absl::Status Supervisor::Recover() {
     r.adopted = true;
     r.control_ok = true;
     r.last_answer = clock_->Now();
+    r.last_used = clock_->Now();
     OnStart(r.crashes, clock_->Now());
     log_("replica " + spec.replica_id() + ": adopted pid " + std::to_string(pid) + " (" +
          v1::LifecycleState_Name(r.observed) + ")");
@@ -757,6 +810,7 @@ void Supervisor::Publish() {
     v.restarts = r.restarts;
     v.crash_loop = r.crash_loop;
     v.adopted = r.adopted;
+    v.removing = r.removing;
     v.last_error = r.last_error;
     v.healthy = r.phase == Phase::kRunning && r.control_ok && r.probe.ok();
     if (!r.control_ok) {
@@ -768,6 +822,7 @@ void Supervisor::Publish() {
     v.socket = r.socket;
     v.device = Device(r.spec);
     v.device_memory_bytes = r.device_memory_bytes;
+    v.last_used = r.last_used;
     views->push_back(std::move(v));
   }
   auto pool = std::make_shared<std::vector<PrestartedView>>();

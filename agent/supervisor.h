@@ -79,6 +79,7 @@ struct ReplicaView {
   int restarts = 0;
   bool crash_loop = false;
   bool adopted = false;
+  bool removing = false;  // no longer assigned: draining, then gone
   // Answers its control socket and (when SERVING) the inference probe: only healthy
   // replicas are routed to.
   bool healthy = false;
@@ -90,6 +91,8 @@ struct ReplicaView {
   // Device memory the runtime reports holding (weights, activations, CUDA graph pools);
   // 0 until it reports, and on cpu.
   int64_t device_memory_bytes = 0;
+  // Last seen SERVING, or when it started: what "least recently used" means for a pool.
+  absl::Time last_used;
 };
 
 // Owns every kiln-runtime process on the node: starts replicas with their CPU set and memory
@@ -108,8 +111,11 @@ class Supervisor {
   // Reads the state file and adopts the replicas still running and answering.
   absl::Status Recover();
   // Makes the assignment the desired set. INVALID_ARGUMENT or RESOURCE_EXHAUSTED (no CPUs)
-  // leave the previous assignment in force.
-  absl::Status Apply(const v1::Assignment& assignment);
+  // leave the previous assignment in force. `renames` (old id -> new id) first give running
+  // replicas the id they go on under (a warm pool member taking a new replica's place): the
+  // same process, CPUs and socket; its spec must match the new id's but for the state.
+  absl::Status Apply(const v1::Assignment& assignment,
+                     const std::map<std::string, std::string>& renames = {});
   // One pass: collect exits, restart what is due, start, promote/demote, stop.
   void Tick();
 
@@ -154,6 +160,7 @@ class Supervisor {
     bool adopted = false;
     bool held = false;  // stopped because its GPU is unhealthy
     absl::Time last_answer;
+    absl::Time last_used;
     bool control_ok = false;
     absl::Time last_probe = absl::InfinitePast();
     absl::Status probe = absl::OkStatus();
@@ -208,6 +215,7 @@ class Supervisor {
   std::map<int, PoolSlot> pool_slots_;           // gpu (-1 = the CPU pool)
   int64_t prestart_seq_ = 0;
   bool pool_stopped_ = false;
+  bool state_dirty_ = false;  // the state file is rewritten on the next Tick
   int64_t applied_generation_ = 0;
 
   mutable absl::Mutex snapshot_mu_;

@@ -1,144 +1,140 @@
 #include "warm_pool/pool_plan.h"
 
 #include <algorithm>
-#include <map>
 #include <set>
 
 namespace kiln {
 
-const char* PoolStateName(PoolState s) {
-  switch (s) {
-    case PoolState::kStarting:
-      return "STARTING";
-    case PoolState::kWarm:
-      return "WARM";
-    case PoolState::kServing:
-      return "SERVING";
-    case PoolState::kDraining:
-      return "DRAINING";
-  }
-  return "?";
-}
-
-const char* PoolActionName(PoolActionKind k) {
-  switch (k) {
-    case PoolActionKind::kPromote:
-      return "promote";
-    case PoolActionKind::kDemote:
-      return "demote";
-    case PoolActionKind::kStart:
-      return "start";
-    case PoolActionKind::kDrain:
-      return "drain";
-  }
-  return "?";
-}
-
 namespace {
 
-bool MoreRecent(const PoolReplica* a, const PoolReplica* b) {
+// Best to take over first: loaded before still starting, then the most recently used.
+bool BetterToTake(const PoolRunning* a, const PoolRunning* b) {
+  if (a->loaded != b->loaded) return a->loaded;
   if (a->last_used != b->last_used) return a->last_used > b->last_used;
   return a->id < b->id;
 }
-bool LessRecent(const PoolReplica* a, const PoolReplica* b) {
+
+// First to let go: still starting before loaded, then the least recently used.
+bool FirstToDrop(const PoolRunning* a, const PoolRunning* b) {
+  if (a->loaded != b->loaded) return !a->loaded;
   if (a->last_used != b->last_used) return a->last_used < b->last_used;
   return a->id < b->id;
 }
 
 }  // namespace
 
-std::vector<PoolAction> PlanPool(const std::vector<PoolTarget>& targets,
-                                 const std::vector<PoolReplica>& replicas) {
-  std::vector<PoolAction> out;
-  std::map<std::string, PoolTarget> by_key;
-  for (const auto& t : targets) by_key[t.key] = t;
-  std::map<std::string, std::vector<const PoolReplica*>> groups;
-  for (const auto& r : replicas) groups[r.key].push_back(&r);
-  for (const auto& t : targets) groups[t.key];  // keys with no replica yet
+PoolPlan PlanNodePools(const std::vector<PoolWanted>& wanted, const std::vector<PoolSpec>& pools,
+                       const std::vector<PoolRunning>& running,
+                       const std::map<int, int64_t>& gpu_memory_bytes) {
+  PoolPlan plan;
+  std::set<std::string> wanted_ids, used_ids;
+  for (const auto& w : wanted) wanted_ids.insert(w.id);
+  used_ids = wanted_ids;
+  std::map<std::string, const PoolRunning*> by_id;
+  for (const auto& r : running) {
+    by_id[r.id] = &r;
+    used_ids.insert(r.id);
+  }
+  std::map<std::string, const PoolSpec*> pool_of;
+  for (const auto& p : pools) pool_of[p.shape] = &p;
 
-  for (auto& [key, group] : groups) {
-    auto target_it = by_key.find(key);
-    if (target_it == by_key.end()) {
-      for (const auto* r : group) {
-        if (r->state != PoolState::kDraining) out.push_back({PoolActionKind::kDrain, key, r->id});
-      }
-      continue;
-    }
-    const PoolTarget& target = target_it->second;
-    std::vector<const PoolReplica*> serving, warm;
-    int starting_serving = 0, starting_warm = 0;
-    for (const auto* r : group) {
-      if (r->state == PoolState::kServing) serving.push_back(r);
-      if (r->state == PoolState::kWarm) warm.push_back(r);
-      if (r->state == PoolState::kStarting) {
-        (r->start_as == PoolState::kServing ? starting_serving : starting_warm)++;
-      }
-    }
-    int need = target.serving - static_cast<int>(serving.size()) - starting_serving;
-    int warm_after = static_cast<int>(warm.size()) + starting_warm;
-    std::set<std::string> taken;
-    if (need > 0) {
-      std::sort(warm.begin(), warm.end(), MoreRecent);
-      int promote = std::min<int>(need, static_cast<int>(warm.size()));
-      for (int i = 0; i < promote; ++i) {
-        out.push_back({PoolActionKind::kPromote, key, warm[i]->id});
-        taken.insert(warm[i]->id);
-      }
-      warm_after -= promote;
-      for (int i = promote; i < need; ++i) {
-        out.push_back({PoolActionKind::kStart, key, "", PoolState::kServing});
-      }
-    } else if (need < 0) {
-      std::sort(serving.begin(), serving.end(), LessRecent);
-      for (int i = 0; i < -need && i < static_cast<int>(serving.size()); ++i) {
-        if (warm_after < target.warm) {
-          out.push_back({PoolActionKind::kDemote, key, serving[i]->id});
-          warm_after++;
-        } else {
-          out.push_back({PoolActionKind::kDrain, key, serving[i]->id});
-        }
-      }
-    }
-    if (warm_after < target.warm) {
-      for (int i = warm_after; i < target.warm; ++i) {
-        out.push_back({PoolActionKind::kStart, key, "", PoolState::kWarm});
-      }
-    } else if (warm_after > target.warm) {
-      std::sort(warm.begin(), warm.end(), LessRecent);
-      int excess = warm_after - target.warm;
-      for (const auto* r : warm) {
-        if (excess == 0) break;
-        if (taken.count(r->id)) continue;
-        out.push_back({PoolActionKind::kDrain, key, r->id});
-        excess--;
-      }
-    }
+  // Pool members that may change hands or stay: running, a pool's own, not named by the file.
+  std::map<std::string, std::vector<const PoolRunning*>> members;
+  for (const auto& r : running) {
+    if (r.pool_member && !wanted_ids.count(r.id)) members[r.shape].push_back(&r);
   }
-  return out;
-}
+  // Scale-up: a replica new to the file takes a member of its shape.
+  for (const auto& w : wanted) {
+    if (by_id.count(w.id)) continue;
+    auto& group = members[w.shape];
+    if (group.empty()) continue;
+    auto best = std::min_element(group.begin(), group.end(), BetterToTake);
+    plan.renames[(*best)->id] = w.id;
+    group.erase(best);
+  }
+  // Scale-down: a replica leaving the file joins its shape's pool while that is short.
+  auto new_id = [&](const PoolSpec& p) {
+    for (int n = 0;; ++n) {
+      std::string id = p.id_prefix + std::to_string(n);
+      if (used_ids.insert(id).second) return id;
+    }
+  };
+  std::map<std::string, std::vector<std::string>> joined;  // shape -> new member ids
+  std::vector<const PoolRunning*> leaving;
+  for (const auto& r : running) {
+    if (!r.pool_member && !wanted_ids.count(r.id)) leaving.push_back(&r);
+  }
+  std::sort(leaving.begin(), leaving.end(),
+            [](const PoolRunning* a, const PoolRunning* b) { return a->id < b->id; });
+  for (const PoolRunning* l : leaving) {
+    const PoolRunning& r = *l;
+    auto p = pool_of.find(r.shape);
+    if (p == pool_of.end()) continue;
+    size_t have = members[r.shape].size() + joined[r.shape].size();
+    if (have >= static_cast<size_t>(p->second->size)) continue;
+    std::string id = new_id(*p->second);
+    plan.renames[r.id] = id;
+    joined[r.shape].push_back(id);
+  }
+  // Each pool at its size: trimmed, or filled with new members.
+  for (const auto& p : pools) {
+    auto& group = members[p.shape];
+    std::sort(group.begin(), group.end(), FirstToDrop);
+    const size_t size = static_cast<size_t>(std::max(0, p.size));
+    // Replicas join only while the existing members leave room for them.
+    const size_t keep = std::min(group.size(), size - joined[p.shape].size());
+    std::vector<std::string>& out = plan.members[p.shape];
+    for (size_t i = group.size() - keep; i < group.size(); ++i) out.push_back(group[i]->id);
+    for (const auto& id : joined[p.shape]) out.push_back(id);
+    while (out.size() < size) out.push_back(new_id(p));
+  }
 
-absl::StatusOr<std::vector<std::string>> PlanEvictions(const std::vector<PoolReplica>& replicas,
-                                                       int gpu, int64_t free_bytes,
-                                                       int64_t needed_bytes) {
-  std::vector<std::string> out;
-  if (needed_bytes <= free_bytes) return out;
-  std::vector<const PoolReplica*> warm;
-  for (const auto& r : replicas) {
-    if (r.gpu == gpu && r.state == PoolState::kWarm) warm.push_back(&r);
+  // GPU memory: the file's own replicas first; pool members give way, least recently used
+  // (then not yet running) first.
+  std::map<int, int64_t> demand;
+  for (const auto& w : wanted) {
+    if (w.gpu >= 0) demand[w.gpu] += w.gpu_memory_bytes;
   }
-  std::sort(warm.begin(), warm.end(), LessRecent);
-  int64_t freed = free_bytes;
-  for (const auto* r : warm) {
-    if (freed >= needed_bytes) break;
-    out.push_back(r->id);
-    freed += r->gpu_memory_bytes;
+  struct Member {
+    std::string id;
+    std::string shape;
+    int gpu;
+    int64_t bytes;
+    const PoolRunning* running;  // null: new, or a replica joining under a new id
+  };
+  std::map<std::string, std::string> renamed_from;
+  for (const auto& [from, to] : plan.renames) renamed_from[to] = from;
+  std::vector<Member> all;
+  for (const auto& p : pools) {
+    if (p.gpu < 0 || p.gpu_memory_bytes <= 0) continue;
+    for (const auto& id : plan.members[p.shape]) {
+      const PoolRunning* r = nullptr;
+      if (auto it = by_id.find(id); it != by_id.end()) r = it->second;
+      if (auto it = renamed_from.find(id); it != renamed_from.end()) r = by_id[it->second];
+      all.push_back({id, p.shape, p.gpu, p.gpu_memory_bytes, r});
+      demand[p.gpu] += p.gpu_memory_bytes;
+    }
   }
-  if (freed < needed_bytes) {
-    return absl::ResourceExhaustedError(
-        "gpu " + std::to_string(gpu) + ": " + std::to_string(needed_bytes) + " bytes needed, " +
-        std::to_string(freed) + " available even after evicting every WARM replica");
+  // Evict order: members not yet loaded (nothing lost) first, then the least recently used.
+  std::sort(all.begin(), all.end(), [](const Member& a, const Member& b) {
+    bool a_warm = a.running && a.running->loaded, b_warm = b.running && b.running->loaded;
+    if (a_warm != b_warm) return !a_warm;
+    if (a_warm && a.running->last_used != b.running->last_used) {
+      return a.running->last_used < b.running->last_used;
+    }
+    return a.id < b.id;
+  });
+  for (const auto& m : all) {
+    auto cap = gpu_memory_bytes.find(m.gpu);
+    if (cap == gpu_memory_bytes.end() || demand[m.gpu] <= cap->second) continue;
+    demand[m.gpu] -= m.bytes;
+    auto& ids = plan.members[m.shape];
+    ids.erase(std::remove(ids.begin(), ids.end(), m.id), ids.end());
+    plan.evicted.push_back(m.id);
+    // A replica that was to join the pool under this id drains instead.
+    if (auto it = renamed_from.find(m.id); it != renamed_from.end()) plan.renames.erase(it->second);
   }
-  return out;
+  return plan;
 }
 
 }  // namespace kiln

@@ -1,58 +1,64 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
-#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 namespace kiln {
 
-// The warm pool's decisions, as pure functions of (targets, replicas): the agent's event loop
-// carries the actions out.
+// The warm pool of a node that runs alone (an assignment file), as a pure function of what
+// the file wants and what the node runs. Under a controller, the controller's placement keeps
+// the pools; this is the same policy for one node.
+//
+// Replicas of the same shape (model, version, repository, GPU, CPUs, runtime settings) are
+// interchangeable, so a pool is kept per shape, and a running replica may take another id:
+// - scale-up: a replica new to the file takes a pool member of its shape (the most recently
+//   used loaded one; else one still starting) instead of starting cold; the pool is refilled
+//   with new members, which start in the background;
+// - scale-down: a replica that leaves the file joins its shape's pool while the pool is short
+//   (it is demoted, not drained); otherwise it drains;
+// - the pool is trimmed to its size (members still starting go first, then the least recently
+//   used);
+// - GPU memory: when the declared memory of what a GPU would hold exceeds the GPU's, WARM pool
+//   members on it are evicted, least recently used first, until it fits or none is left.
 
-enum class PoolState { kStarting, kWarm, kServing, kDraining };
-const char* PoolStateName(PoolState s);
-
-struct PoolReplica {
+struct PoolWanted {
   std::string id;
-  std::string key;  // the model version, "embedder@2"
-  PoolState state = PoolState::kStarting;
-  PoolState start_as = PoolState::kServing;  // for kStarting: what it becomes once loaded
+  std::string shape;
+  int gpu = -1;
+  int64_t gpu_memory_bytes = 0;  // declared; 0 = not counted
+};
+
+struct PoolSpec {
+  std::string shape;
+  int size = 0;
+  std::string id_prefix;  // new members are `id_prefix` + the smallest free number
   int gpu = -1;
   int64_t gpu_memory_bytes = 0;
-  absl::Time last_used;  // last request served, or when it became WARM
 };
 
-struct PoolTarget {
-  std::string key;
-  int serving = 0;
-  int warm = 0;
+struct PoolRunning {
+  std::string id;
+  std::string shape;
+  bool pool_member = false;  // one of a pool's own ids, not named by the file
+  bool loaded = false;       // WARM or SERVING: takes traffic as soon as it is promoted
+  absl::Time last_used;      // last seen SERVING, or when it started
 };
 
-enum class PoolActionKind { kPromote, kDemote, kStart, kDrain };
-const char* PoolActionName(PoolActionKind k);
-
-struct PoolAction {
-  PoolActionKind kind;
-  std::string key;
-  std::string replica_id;                    // empty for kStart
-  PoolState start_as = PoolState::kServing;  // for kStart
+struct PoolPlan {
+  // Running replicas that go on under another id (the same process): from -> to.
+  std::map<std::string, std::string> renames;
+  // Each pool's members after the plan (ids kept, taken over, or new), by shape.
+  std::map<std::string, std::vector<std::string>> members;
+  // Pool members dropped to make room on a GPU for the file's own replicas.
+  std::vector<std::string> evicted;
 };
 
-// Scale-up promotes WARM replicas first (the most recently used, ties by id) and starts cold
-// ones only for what is left; scale-down demotes SERVING replicas (least recently used first)
-// into the pool while it is short, else drains them; the pool is refilled (start as WARM)
-// or trimmed (drain the least recently used WARM) to its size. Keys without a target are
-// drained. Replicas already starting count toward what they will become.
-std::vector<PoolAction> PlanPool(const std::vector<PoolTarget>& targets,
-                                 const std::vector<PoolReplica>& replicas);
-
-// WARM replicas on `gpu` to evict, least recently used first, so that `needed_bytes` fit
-// beside `free_bytes`. RESOURCE_EXHAUSTED when evicting every WARM replica is not enough.
-absl::StatusOr<std::vector<std::string>> PlanEvictions(const std::vector<PoolReplica>& replicas,
-                                                       int gpu, int64_t free_bytes,
-                                                       int64_t needed_bytes);
+PoolPlan PlanNodePools(const std::vector<PoolWanted>& wanted, const std::vector<PoolSpec>& pools,
+                       const std::vector<PoolRunning>& running,
+                       const std::map<int, int64_t>& gpu_memory_bytes);
 
 }  // namespace kiln

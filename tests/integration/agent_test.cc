@@ -322,6 +322,58 @@ TEST_F(AgentTest, ARestartedAgentAdoptsItsReplicasWithoutRestartingThem) {
   EXPECT_NE(ReadFile(log_).find("adopted pid " + std::to_string(s0)), std::string::npos);
 }
 
+// The warm pool's member in /v1/replicas (its id is the agent's: pool-...), or null.
+json PoolMember(const json& j, const std::set<int>& not_pids = {}) {
+  for (const auto& r : j["replicas"]) {
+    if (r["id"].get<std::string>().rfind("pool-", 0) == 0 && r["state"] == "WARM" &&
+        r["removing"] == false && !not_pids.count(r["pid"].get<int>())) {
+      return r;
+    }
+  }
+  return json();
+}
+
+TEST_F(AgentTest, AFilesWarmPoolServesScaleUpInPlaceAndTakesBackAScaledDownReplica) {
+  // Two replicas at most at any time: CI machines have two CPUs.
+  auto pool = [&](int size) {
+    return "warmPools:\n  - {model: encoder, version: \"2\", repository: " + kRepo +
+           ", cpus: 1, size: " + std::to_string(size) + "}\n";
+  };
+  WriteAssignment(pool(1));
+  StartAgent();
+  json j = WaitFor([&](const json& j) { return !PoolMember(j).is_null(); }, "a WARM pool member");
+  const int member = PoolMember(j)["pid"];
+  const std::string member_id = PoolMember(j)["id"];
+
+  // Scale-up: s1 is the pool member, promoted in place; a new member refills the pool.
+  WriteAssignment("replicas:\n" + Replica("s1", "SERVING") + pool(1));
+  Hup();
+  j = WaitFor([&](const json& j) { return Find(j, "s1")["state"] == "SERVING"; }, "s1 SERVING");
+  EXPECT_EQ(Find(j, "s1")["pid"], member);
+  EXPECT_EQ(Find(j, "s1")["restarts"], 0);
+  EXPECT_TRUE(Infer(Find(j, "s1")["grpc_port"]).ok());
+  EXPECT_NE(ReadFile(log_).find("replica " + member_id + ": goes on as s1 (pid " +
+                                std::to_string(member) + ")"),
+            std::string::npos)
+      << ReadFile(log_);
+  j = WaitFor([&](const json& j) { return !PoolMember(j, {member}).is_null(); }, "the pool refilled");
+  const int refill = PoolMember(j, {member})["pid"];
+
+  // Scale-down with a bigger pool: s1 joins it (demoted, same process) instead of draining.
+  WriteAssignment(pool(2));
+  Hup();
+  j = WaitFor([&](const json& j) {
+    return Find(j, "s1").is_null() && !PoolMember(j, {refill}).is_null();
+  }, "s1 back in the pool");
+  EXPECT_EQ(PoolMember(j, {refill})["pid"], member);
+  EXPECT_EQ(PoolMember(j, {member})["pid"], refill);
+
+  // No pool at all: its members drain.
+  WriteAssignment("replicas: []\n");
+  Hup();
+  WaitFor([&](const json& j) { return j["replicas"].empty(); }, "the pool gone");
+}
+
 TEST_F(AgentTest, APrestartedRuntimeBecomesTheStartingReplicaPinnedAndThePoolRefills) {
   WriteAssignment("replicas: []\n");
   extra_args_ = {"--prestart-cpu", "1", "--prestart-per-gpu", "1"};

@@ -115,80 +115,96 @@ TEST(GpuMonitorTest, XidsAndNewEccErrorsMakeAGpuUnhealthy) {
   EXPECT_NE(m.health().at(2).reasons[0].find("1 new uncorrectable"), std::string::npos);
 }
 
-PoolReplica R(const std::string& id, const std::string& key, PoolState s, int64_t used_s = 0,
-              int gpu = 0, int64_t mem = 0) {
-  PoolReplica r;
-  r.id = id;
-  r.key = key;
-  r.state = s;
-  r.last_used = absl::FromUnixSeconds(used_s);
-  r.gpu = gpu;
-  r.gpu_memory_bytes = mem;
-  return r;
+PoolRunning Running(const std::string& id, const std::string& shape, bool member, bool loaded,
+                int64_t used_s = 0) {
+  return {id, shape, member, loaded, absl::FromUnixSeconds(used_s)};
 }
 
-std::vector<std::string> Describe(const std::vector<PoolAction>& actions) {
-  std::vector<std::string> out;
-  for (const auto& a : actions) {
-    std::string s = std::string(PoolActionName(a.kind)) + " " + a.key;
-    if (!a.replica_id.empty()) s += " " + a.replica_id;
-    if (a.kind == PoolActionKind::kStart) s += std::string(" as ") + PoolStateName(a.start_as);
-    out.push_back(s);
-  }
-  return out;
+PoolSpec Pool(const std::string& shape, int size, int gpu = -1, int64_t mem = 0) {
+  return {shape, size, shape + "-pool-", gpu, mem};
 }
 
-TEST(PoolPlanTest, ScaleUpPromotesWarmFirstThenRefills) {
-  std::vector<PoolReplica> rs = {R("a", "m@1", PoolState::kServing),
-                                 R("w1", "m@1", PoolState::kWarm, 10),
-                                 R("w2", "m@1", PoolState::kWarm, 20)};
-  auto plan = PlanPool({{"m@1", 3, 1}}, rs);
-  // w2 is the most recently used WARM replica; the pool is refilled by one cold start.
-  EXPECT_EQ(Describe(plan), (std::vector<std::string>{"promote m@1 w2", "promote m@1 w1",
-                                                      "start m@1 as WARM"}));
-  plan = PlanPool({{"m@1", 5, 1}}, rs);
-  EXPECT_EQ(Describe(plan),
-            (std::vector<std::string>{"promote m@1 w2", "promote m@1 w1", "start m@1 as SERVING",
-                                      "start m@1 as SERVING", "start m@1 as WARM"}));
+TEST(PoolPlanTest, ScaleUpTakesTheMostRecentlyUsedLoadedMembersAndRefills) {
+  std::vector<PoolWanted> wanted = {{"s0", "A"}, {"s1", "A"}, {"s2", "A"}};
+  std::vector<PoolRunning> running = {Running("s0", "A", false, true),
+                                      Running("A-pool-0", "A", true, true, 10),
+                                      Running("A-pool-1", "A", true, true, 20),
+                                      Running("A-pool-2", "A", true, false, 30)};
+  PoolPlan plan = PlanNodePools(wanted, {Pool("A", 3)}, running, {});
+  // Loaded before still starting; the most recently used first.
+  EXPECT_EQ(plan.renames, (std::map<std::string, std::string>{{"A-pool-1", "s1"}, {"A-pool-0", "s2"}}));
+  // The starting one stays a member; two new ones refill the pool, skipping used ids.
+  EXPECT_EQ(plan.members["A"], (std::vector<std::string>{"A-pool-2", "A-pool-3", "A-pool-4"}));
+  EXPECT_TRUE(plan.evicted.empty());
+  // Only a member still starting: taken all the same (it is further along than a cold start).
+  plan = PlanNodePools({{"s0", "A"}, {"s1", "A"}}, {Pool("A", 1)},
+                       {Running("s0", "A", false, true), Running("A-pool-2", "A", true, false)}, {});
+  EXPECT_EQ(plan.renames, (std::map<std::string, std::string>{{"A-pool-2", "s1"}}));
+  EXPECT_EQ(plan.members["A"], std::vector<std::string>{"A-pool-0"});
+  // A member of another shape is never taken.
+  plan = PlanNodePools({{"s1", "B"}}, {Pool("A", 1)}, {Running("A-pool-0", "A", true, true)}, {});
+  EXPECT_TRUE(plan.renames.empty());
 }
 
-TEST(PoolPlanTest, ScaleDownDemotesIntoAShortPoolElseDrains) {
-  std::vector<PoolReplica> rs = {R("s1", "m@1", PoolState::kServing, 30),
-                                 R("s2", "m@1", PoolState::kServing, 10),
-                                 R("s3", "m@1", PoolState::kServing, 20)};
-  auto plan = PlanPool({{"m@1", 1, 1}}, rs);
-  // Least recently used first: s2 goes to the pool, s3 drains.
-  EXPECT_EQ(Describe(plan), (std::vector<std::string>{"demote m@1 s2", "drain m@1 s3"}));
+TEST(PoolPlanTest, ScaleDownJoinsAShortPoolElseDrains) {
+  std::vector<PoolRunning> running = {Running("s0", "A", false, true), Running("s2", "A", false, true),
+                                      Running("s1", "A", false, true)};
+  PoolPlan plan = PlanNodePools({{"s0", "A"}}, {Pool("A", 1)}, running, {});
+  // s1 (by id) joins the empty pool under a pool id; s2 is not wanted and drains.
+  EXPECT_EQ(plan.renames, (std::map<std::string, std::string>{{"s1", "A-pool-0"}}));
+  EXPECT_EQ(plan.members["A"], std::vector<std::string>{"A-pool-0"});
+  // A full pool takes nobody.
+  running.push_back(Running("A-pool-0", "A", true, true));
+  plan = PlanNodePools({{"s0", "A"}}, {Pool("A", 1)}, running, {});
+  EXPECT_TRUE(plan.renames.empty());
+  EXPECT_EQ(plan.members["A"], std::vector<std::string>{"A-pool-0"});
 }
 
-TEST(PoolPlanTest, StartingReplicasCountAndStableStateIsANoOp) {
-  PoolReplica starting = R("n", "m@1", PoolState::kStarting);
-  starting.start_as = PoolState::kWarm;
-  std::vector<PoolReplica> rs = {R("s1", "m@1", PoolState::kServing), starting};
-  EXPECT_TRUE(PlanPool({{"m@1", 1, 1}}, rs).empty());
-  rs.push_back(R("w", "m@1", PoolState::kWarm, 5));
-  // One WARM too many: the idle one drains (not the one still starting).
-  EXPECT_EQ(Describe(PlanPool({{"m@1", 1, 1}}, rs)), std::vector<std::string>{"drain m@1 w"});
+TEST(PoolPlanTest, APoolIsTrimmedStartingThenLeastRecentlyUsedFirstAndSteadyStateIsANoOp) {
+  std::vector<PoolRunning> running = {Running("A-pool-0", "A", true, true, 10),
+                                      Running("A-pool-1", "A", true, true, 20),
+                                      Running("A-pool-2", "A", true, false, 30)};
+  PoolPlan plan = PlanNodePools({}, {Pool("A", 1)}, running, {});
+  EXPECT_EQ(plan.members["A"], std::vector<std::string>{"A-pool-1"});
+  EXPECT_TRUE(plan.renames.empty());
+  plan = PlanNodePools({}, {Pool("A", 0)}, running, {});
+  EXPECT_TRUE(plan.members["A"].empty());
+  // No pool for the shape any more: none is a member.
+  plan = PlanNodePools({}, {}, running, {});
+  EXPECT_TRUE(plan.members.empty());
+  plan = PlanNodePools({}, {Pool("A", 3)}, running, {});
+  EXPECT_EQ(plan.members["A"].size(), 3u);
+  EXPECT_TRUE(plan.renames.empty());
 }
 
-TEST(PoolPlanTest, KeysWithoutATargetAreDrainedAndNewKeysStart) {
-  std::vector<PoolReplica> rs = {R("old", "m@1", PoolState::kServing),
-                                 R("gone", "m@1", PoolState::kDraining)};
-  auto plan = PlanPool({{"m@2", 1, 0}}, rs);
-  EXPECT_EQ(Describe(plan),
-            (std::vector<std::string>{"drain m@1 old", "start m@2 as SERVING"}));
-}
-
-TEST(PoolPlanTest, EvictsLeastRecentlyUsedWarmReplicasUnderMemoryPressure) {
-  std::vector<PoolReplica> rs = {R("w1", "a@1", PoolState::kWarm, 30, 0, 4 << 20),
-                                 R("w2", "b@1", PoolState::kWarm, 10, 0, 2 << 20),
-                                 R("w3", "c@1", PoolState::kWarm, 20, 0, 2 << 20),
-                                 R("s", "a@1", PoolState::kServing, 0, 0, 8 << 20),
-                                 R("other", "a@1", PoolState::kWarm, 0, 1, 8 << 20)};
-  EXPECT_TRUE(PlanEvictions(rs, 0, 10 << 20, 5 << 20)->empty());
-  EXPECT_EQ(*PlanEvictions(rs, 0, 1 << 20, 5 << 20), (std::vector<std::string>{"w2", "w3"}));
-  auto too_much = PlanEvictions(rs, 0, 1 << 20, 64 << 20);
-  EXPECT_EQ(too_much.status().code(), absl::StatusCode::kResourceExhausted);
+TEST(PoolPlanTest, PoolMembersGiveWayOnAGpuTheFilesReplicasNeed) {
+  const int64_t gi = int64_t{1} << 30;
+  std::vector<PoolWanted> wanted = {{"s0", "A", 0, 8 * gi}};
+  std::vector<PoolRunning> running = {Running("s0", "A", false, true),
+                                      Running("B-pool-0", "B", true, true, 20),
+                                      Running("B-pool-1", "B", true, true, 10)};
+  // 8 + 2 x 2 GiB on a 10 GiB GPU: the least recently used member goes.
+  PoolPlan plan = PlanNodePools(wanted, {Pool("B", 2, 0, 2 * gi)}, running, {{0, 10 * gi}});
+  EXPECT_EQ(plan.evicted, std::vector<std::string>{"B-pool-1"});
+  EXPECT_EQ(plan.members["B"], std::vector<std::string>{"B-pool-0"});
+  // Room for both: nothing evicted. Another GPU's pool is not touched.
+  plan = PlanNodePools(wanted, {Pool("B", 2, 0, 2 * gi)}, running, {{0, 12 * gi}});
+  EXPECT_TRUE(plan.evicted.empty());
+  plan = PlanNodePools(wanted, {Pool("B", 2, 1, 2 * gi)}, running, {{0, 10 * gi}, {1, 2 * gi}});
+  EXPECT_EQ(plan.evicted, std::vector<std::string>{"B-pool-1"});
+  // A new member (not loaded yet) goes before a loaded one; a replica that was to join the
+  // pool under an evicted id drains instead.
+  plan = PlanNodePools({{"s0", "A", 0, 8 * gi}}, {Pool("A", 2, 0, 2 * gi)},
+                       {Running("s0", "A", false, true), Running("s1", "A", false, true, 5)},
+                       {{0, 10 * gi}});
+  EXPECT_EQ(plan.evicted, std::vector<std::string>{"A-pool-1"});
+  EXPECT_EQ(plan.renames, (std::map<std::string, std::string>{{"s1", "A-pool-0"}}));
+  plan = PlanNodePools({{"s0", "A", 0, 8 * gi}}, {Pool("A", 1, 0, 2 * gi)},
+                       {Running("s0", "A", false, true), Running("s1", "A", false, true, 5)},
+                       {{0, 9 * gi}});
+  EXPECT_EQ(plan.evicted, std::vector<std::string>{"A-pool-0"});
+  EXPECT_TRUE(plan.renames.empty());
+  EXPECT_TRUE(plan.members["A"].empty());
 }
 
 TEST(RouterPolicyTest, WeightsAndStickyKeys) {

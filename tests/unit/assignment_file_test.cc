@@ -21,15 +21,31 @@ TEST(AssignmentFileTest, ParsesReplicasPoolsAndRoutes) {
   auto f = ParseAssignmentFile(kGood, "a.yaml");
   ASSERT_TRUE(f.ok()) << f.status();
   const auto& a = f->assignment;
-  ASSERT_EQ(a.replicas_size(), 4);
+  ASSERT_EQ(a.replicas_size(), 2);
   EXPECT_EQ(a.replicas(0).replica_id(), "enc-a");
   EXPECT_EQ(a.replicas(0).gpu(), 0);
   EXPECT_EQ(a.replicas(1).replica_id(), "encoder-2-1");
   EXPECT_EQ(a.replicas(1).gpu(), -1);
   EXPECT_EQ(a.replicas(1).state(), v1::WARM);
   EXPECT_EQ(a.replicas(1).gpu_memory_bytes(), 2LL << 30);
-  EXPECT_EQ(a.replicas(3).replica_id(), "encoder-3-warm-0-1");
-  EXPECT_EQ(a.replicas(3).state(), v1::WARM);
+  // A warm pool is a pool, not replicas: the agent names and keeps its members.
+  ASSERT_EQ(f->pools.size(), 1u);
+  EXPECT_EQ(f->pools[0].size, 2);
+  EXPECT_EQ(f->pools[0].spec.version(), "3");
+  EXPECT_EQ(f->pools[0].spec.state(), v1::WARM);
+  EXPECT_EQ(f->pools[0].spec.replica_id(), "");
+  const std::string prefix = PoolIdPrefix(f->pools[0].spec);
+  EXPECT_EQ(prefix.rfind("pool-encoder-", 0), 0u) << prefix;
+  EXPECT_TRUE(IsPoolMemberId(prefix + "0"));
+  EXPECT_FALSE(IsPoolMemberId("enc-a"));
+  // Shapes: the same replica with another state is the same shape; another version is not.
+  v1::ReplicaSpec warm = a.replicas(0);
+  warm.set_state(v1::WARM);
+  warm.set_replica_id("x");
+  EXPECT_EQ(ReplicaShape(warm), ReplicaShape(a.replicas(0)));
+  warm.set_version("3");
+  EXPECT_NE(ReplicaShape(warm), ReplicaShape(a.replicas(0)));
+  EXPECT_NE(PoolIdPrefix(warm), PoolIdPrefix(a.replicas(0)));
   const auto& r = f->routing.routes(0);
   EXPECT_EQ(r.versions(1).weight(), 10);
   EXPECT_EQ(r.sticky_key(), "header:x-user-id");
@@ -58,6 +74,11 @@ TEST(AssignmentFileTest, BadFieldsAreNamed) {
       {"replicas: [{model: e, version: '1', repository: /m, colour: red}]", "replicas[0].colour: unknown field"},
       {"replicas: [{id: x, model: e, version: '1', repository: /m}, {id: x, model: e, version: '1', repository: /m}]", "replicas[1].id"},
       {"warmPools: [{model: e, version: '1', repository: /m, size: 99}]", "warmPools[0].size"},
+      {"warmPools: [{model: e, version: '1', repository: m}]", "warmPools[0].repository"},
+      {"warmPools: [{model: e, version: '1', repository: /m, size: 1}, {model: e, version: '1', repository: /m, size: 2}]",
+       "warmPools[1]: the same replicas as warmPools[0]"},
+      {"replicas: [{id: pool-x, model: e, version: '1', repository: /m}]", "replicas[0].id: 'pool-x' starts with 'pool-'"},
+      {"replicas: [{model: pool, version: '1', repository: /m}]", "replicas[0].id: 'pool-1-0'"},
       {"routes: [{model: e, versions: [{version: '1', weight: 0}]}]", "every weight is 0"},
       {"routes: [{model: e, versions: []}]", "routes[0].versions"},
       {"routes: [{model: e, versions: [{version: '1'}], stickyKey: cookie:x}]", "routes[0].stickyKey"},

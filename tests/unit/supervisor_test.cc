@@ -349,6 +349,62 @@ TEST_F(SupervisorTest, RecoveryIgnoresGarbageAndUnansweringReplicas) {
   EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGKILL}}));
 }
 
+TEST_F(SupervisorTest, ARenamedReplicaGoesOnUnderItsNewIdInTheSameProcess) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("pool-enc-0", 0, 1, v1::WARM), Spec("s0", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t member = View("pool-enc-0")->pid;
+  const std::string cpus = View("pool-enc-0")->cpus;
+  runtimes_.Set(Socket("pool-enc-0"), v1::WARM, "enc", "1", 5001);
+  runtimes_.Set(Socket("s0"), v1::SERVING, "enc", "1", 5002);
+  sup_->Tick();
+  ASSERT_TRUE(sup_->Converged());
+
+  // Bad renames change nothing.
+  auto next = Assignment({Spec("s1", 0, 1, v1::SERVING), Spec("s0", 0, 1, v1::SERVING)}, 2);
+  EXPECT_FALSE(sup_->Apply(next, {{"nosuch", "s1"}}).ok());
+  EXPECT_FALSE(sup_->Apply(next, {{"pool-enc-0", "s0"}}).ok());  // s0 is taken
+  EXPECT_FALSE(sup_->Apply(Assignment({Spec("s1", 0, 1, v1::SERVING, "2")}, 2),
+                           {{"pool-enc-0", "s1"}}).ok());  // another version
+  EXPECT_FALSE(sup_->Apply(Assignment({}, 2), {{"pool-enc-0", "s1"}}).ok());  // s1 not assigned
+  EXPECT_EQ(sup_->applied_generation(), 1);
+  EXPECT_NE(View("pool-enc-0"), nullptr);
+
+  // Scale-up: the pool member becomes s1 and is promoted; nothing starts, nothing stops.
+  ASSERT_TRUE(sup_->Apply(next, {{"pool-enc-0", "s1"}}).ok());
+  EXPECT_EQ(View("pool-enc-0"), nullptr);
+  ASSERT_NE(View("s1"), nullptr);
+  EXPECT_EQ(View("s1")->pid, member);
+  EXPECT_EQ(View("s1")->cpus, cpus);
+  EXPECT_EQ(View("s1")->socket, Socket("pool-enc-0"));  // its socket stays where it listens
+  sup_->Tick();
+  EXPECT_EQ(runtimes_.Get(Socket("pool-enc-0")).promotes, 1);
+  EXPECT_EQ(View("s1")->state, v1::SERVING);
+  EXPECT_EQ(launcher_.launches().size(), 2u);
+  EXPECT_TRUE(launcher_.signals().empty());
+  // The state file has the new id: a restarted supervisor adopts s1.
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  ASSERT_NE(View("s1"), nullptr);
+  EXPECT_EQ(View("s1")->pid, member);
+  EXPECT_TRUE(View("s1")->adopted);
+}
+
+TEST_F(SupervisorTest, LastUsedIsTheLastTimeAReplicaWasSeenServing) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  const absl::Time start = clock_.Now();
+  sup_->Tick();
+  EXPECT_EQ(View("a")->last_used, start);
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1");
+  clock_.Advance(absl::Seconds(5));
+  sup_->Tick();
+  EXPECT_EQ(View("a")->last_used, start + absl::Seconds(5));
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::WARM)}, 2)).ok());
+  sup_->Tick();  // demoted
+  clock_.Advance(absl::Seconds(5));
+  sup_->Tick();
+  EXPECT_EQ(View("a")->last_used, start + absl::Seconds(5));
+}
+
 // --- Pre-started runtimes -------------------------------------------------------------------
 
 class PrestartTest : public SupervisorTest {
