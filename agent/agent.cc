@@ -693,6 +693,7 @@ std::string Agent::ReplicasJson() const {
   for (const auto& p : *supervisor_->PrestartedSnapshot()) {
     out["prestarted"].push_back({{"name", p.name},
                                  {"gpu", p.gpu},
+                                 {"numa_node", p.numa_node},
                                  {"pid", p.pid},
                                  {"ready", p.ready},
                                  {"adopted", p.adopted},

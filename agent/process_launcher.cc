@@ -73,7 +73,7 @@ absl::StatusOr<pid_t> RealProcessLauncher::Launch(const LaunchRequest& r) {
     }
     if (!r.cpus.empty() && sched_setaffinity(0, sizeof(cpuset), &cpuset) != 0) step = 1;
     if (step == 0 && r.memory_node >= 0 &&
-        set_mempolicy(MPOL_BIND, nodemask, sizeof(nodemask) * 8) != 0) {
+        set_mempolicy(MPOL_BIND, nodemask, sizeof(nodemask) * 8 + 1) != 0) {
       step = 2;
     }
     if (step == 0) {

@@ -44,7 +44,10 @@ std::string ReadFileOr(const std::string& path) {
 // there kept as `to`.1. False when it could not be moved.
 bool MoveLog(const std::string& from, const std::string& to) {
   std::error_code ec;
-  if (fs::exists(to, ec)) fs::rename(to, to + ".1", ec);
+  if (fs::exists(to, ec)) {
+    fs::rename(to, to + ".1", ec);
+    if (ec) return false;  // never over the earlier one
+  }
   fs::rename(from, to, ec);
   return !ec;
 }
@@ -225,9 +228,8 @@ absl::Status Supervisor::Launch(Replica& r) {
       req.env.push_back("CUDA_DISABLE_PERF_BOOST=1");
     }
   }
-  auto handed = HandOver(r, req);
-  if (!handed.ok()) return handed.status();
-  if (!*handed) {
+  const bool handed = HandOver(r, req);
+  if (!handed) {
     auto pid = launcher_->Launch(req);
     if (!pid.ok()) return pid.status();
     r.pid = *pid;
@@ -242,7 +244,7 @@ absl::Status Supervisor::Launch(Replica& r) {
   r.last_used = clock_->Now();
   r.client = clients_->Connect(r.socket);
   OnStart(r.crashes, clock_->Now());
-  log_("replica " + s.replica_id() + ": " + (*handed ? "handed pre-started" : "started") +
+  log_("replica " + s.replica_id() + ": " + (handed ? "handed pre-started" : "started") +
        " pid " + std::to_string(r.pid) + " (" + s.model() +
        " v" + s.version() + " on " + Device(s) + ", cpus " + FormatCpuList(r.cpus.cpus) +
        (r.cpus.memory_node >= 0 ? ", memory node " + std::to_string(r.cpus.memory_node) : "") +
@@ -250,17 +252,58 @@ absl::Status Supervisor::Launch(Replica& r) {
   return absl::OkStatus();
 }
 
-int Supervisor::PoolTarget(int gpu) const {
-  return gpu < 0 ? options_.prestart_cpu : options_.prestart_per_gpu;
+std::map<Supervisor::PoolKey, Supervisor::PoolPlace> Supervisor::Pools() const {
+  std::map<PoolKey, PoolPlace> out;
+  auto free_of = [&](const std::vector<int>& cpus) {
+    std::vector<int> free;
+    for (int c : cpus) {
+      if (std::find(reserved_.begin(), reserved_.end(), c) == reserved_.end()) free.push_back(c);
+    }
+    return free;
+  };
+  if (options_.prestart_cpu > 0) {
+    // A CPU replica's memory is bound to its node only on a multi-node machine: so are its
+    // pools, one per node, bound from exec on like a cold start.
+    if (topology_.numa_nodes.size() > 1) {
+      for (const auto& n : topology_.numa_nodes) {
+        PoolPlace place{free_of(IntersectCpus(n.cpus, topology_.allowed_cpus)), n.id};
+        if (!place.cpus.empty()) out[{-1, n.id}] = place;
+      }
+    } else {
+      out[{-1, -1}] = {free_of(topology_.allowed_cpus), -1};
+    }
+  }
+  if (options_.prestart_per_gpu > 0) {
+    for (int g = 0; g < static_cast<int>(topology_.gpus.size()); ++g) {
+      // Idle until handed a replica: any of the CPUs its replicas could get, memory on its
+      // GPU's node (the replica's own CPUs are set at the Load).
+      out[{g, -1}] = {free_of(topology_.gpus[g].local_cpus), topology_.gpus[g].numa_node};
+    }
+  }
+  return out;
 }
 
-absl::StatusOr<bool> Supervisor::HandOver(Replica& r, const LaunchRequest& cold) {
-  const int slot = r.spec.gpu() >= 0 ? r.spec.gpu() : -1;
+int Supervisor::PoolTarget(PoolKey key) const {
+  if (pool_stopped_ || !Pools().count(key)) return 0;
+  return key.first < 0 ? options_.prestart_cpu : options_.prestart_per_gpu;
+}
+
+bool Supervisor::HandOver(Replica& r, const LaunchRequest& cold) {
+  const int gpu = r.spec.gpu() >= 0 ? r.spec.gpu() : -1;
+  // The environment the replica would start with, but for its id (which only names it).
+  std::vector<std::string> env;
+  for (const auto& e : cold.env) {
+    if (e.rfind("KILN_REPLICA_ID=", 0) != 0) env.push_back(e);
+  }
+  // A Load blocks the loop: past a second of them in one tick, replicas start cold.
+  if (load_time_this_tick_ >= absl::Seconds(1)) return false;
   for (auto it = prestarted_.begin(); it != prestarted_.end(); ++it) {
     Prestarted& p = it->second;
-    if (p.gpu != slot || !p.ready || p.stopping || p.pid <= 0) continue;
+    if (p.gpu != gpu || !p.ready || p.stopping || p.pid <= 0) continue;
+    if (gpu < 0 && p.numa_node != cold.memory_node) continue;
+    if (p.env != env) continue;  // a parked pool for an unparked replica, say
     // The cold start's command line, plus where the process now pins itself: it was started
-    // on all of its GPU's local CPUs, and memory policy can only be set from inside.
+    // on all of its pool's CPUs.
     std::vector<std::string> args(cold.argv.begin() + 1, cold.argv.end());
     if (!cold.cpus.empty()) {
       args.push_back("--cpu-set");
@@ -270,19 +313,24 @@ absl::StatusOr<bool> Supervisor::HandOver(Replica& r, const LaunchRequest& cold)
       args.push_back("--memory-node");
       args.push_back(std::to_string(cold.memory_node));
     }
+    const absl::Time before = clock_->Now();
     absl::Status s = p.client->Load(args);
-    if (absl::IsInvalidArgument(s) || absl::IsNotFound(s) || absl::IsFailedPrecondition(s) ||
-        absl::IsAlreadyExists(s) || absl::IsPermissionDenied(s) || absl::IsUnimplemented(s)) {
-      // The replica's arguments (its model, version or config) are at fault, not the
-      // pre-started runtime, which stays in the pool.
-      return Annotate(s, "pre-started runtime " + it->first + " refused the replica");
-    }
+    load_time_this_tick_ += clock_->Now() - before;
     if (!s.ok()) {
-      log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) +
-           "): Load failed (" + std::string(s.message()) + "); killed, replica " +
-           r.spec.replica_id() + " starts cold");
-      (void)launcher_->Signal(p.pid, SIGKILL);
-      prestarted_.erase(it);
+      const bool arguments = absl::IsInvalidArgument(s) || absl::IsNotFound(s) ||
+                             absl::IsAlreadyExists(s) || absl::IsPermissionDenied(s);
+      log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) + ") " +
+           (arguments ? "refused" : "failed") + " replica " + r.spec.replica_id() + " (" +
+           std::string(s.message()) + "); the replica starts cold");
+      if (!arguments) {
+        // Not the arguments: the process (hung, shutting down, already loaded, too old).
+        (void)launcher_->Signal(p.pid, SIGKILL);
+        DropPrestarted(it, /*failed=*/true);
+      } else if (++p.refusals >= 2) {
+        // Arguments a cold start may take (an older runtime binary still running, say):
+        // this one is retired rather than asked again.
+        StopPrestarted(it->first, p, "refused twice");
+      }
       return false;
     }
     r.pid = p.pid;
@@ -295,10 +343,15 @@ absl::StatusOr<bool> Supervisor::HandOver(Replica& r, const LaunchRequest& cold)
   return false;
 }
 
-absl::Status Supervisor::LaunchPrestarted(int gpu) {
+absl::Status Supervisor::LaunchPrestarted(PoolKey key) {
+  const auto pools = Pools();
+  auto place = pools.find(key);
+  if (place == pools.end()) return absl::NotFoundError("no such pool");
   const std::string name = "prestart-" + std::to_string(++prestart_seq_);
+  const int gpu = key.first;
   Prestarted p;
   p.gpu = gpu;
+  p.numa_node = key.second;
   p.socket = options_.state_dir + "/sockets/" + name + ".sock";
   p.log_file = options_.state_dir + "/logs/" + name + ".log";
   if (p.socket.size() > 99) {
@@ -311,44 +364,55 @@ absl::Status Supervisor::LaunchPrestarted(int gpu) {
               "--control-socket", p.socket,
               "--device", real_gpu ? "cuda:0" : "cpu",
               "--log-level", options_.runtime_log_level};
-  // Idle until handed a replica: any of the CPUs its replicas could get, memory on its GPU's
-  // node (the replica's own CPUs and node are set at the Load).
-  if (gpu >= 0) {
-    const GpuTopology& g = topology_.gpus[gpu];
-    for (int c : g.local_cpus) {
-      if (std::find(reserved_.begin(), reserved_.end(), c) == reserved_.end()) req.cpus.push_back(c);
-    }
-    req.memory_node = g.numa_node;
-  } else {
-    for (int c : topology_.allowed_cpus) {
-      if (std::find(reserved_.begin(), reserved_.end(), c) == reserved_.end()) req.cpus.push_back(c);
-    }
-  }
+  req.cpus = place->second.cpus;
+  req.memory_node = place->second.memory_node;
   req.log_file = p.log_file;
-  if (real_gpu) {
-    req.env.push_back("CUDA_VISIBLE_DEVICES=" + topology_.gpus[gpu].identity.uuid);
-    // It holds a context and does nothing: parked like a WARM replica.
-    if (options_.park_warm_replicas) req.env.push_back("CUDA_DISABLE_PERF_BOOST=1");
-  }
+  if (gpu >= 0) p.gpu_uuid = topology_.gpus[gpu].identity.uuid;
+  // Not parked: the replicas it is for are mostly new SERVING ones, which run unparked (a
+  // WARM replica on a parking GPU starts cold instead).
+  if (real_gpu) p.env.push_back("CUDA_VISIBLE_DEVICES=" + p.gpu_uuid);
+  req.env = p.env;
   auto pid = launcher_->Launch(req);
   if (!pid.ok()) return pid.status();
   p.pid = *pid;
   p.started = clock_->Now();
   p.client = clients_->Connect(p.socket);
-  OnStart(pool_slots_[gpu].crashes, p.started);
+  OnStart(pool_slots_[key].crashes, p.started);
   log_("pre-started runtime " + name + ": pid " + std::to_string(p.pid) + " for " +
-       (gpu >= 0 ? "gpu " + std::to_string(gpu) : std::string("cpu replicas")));
+       (gpu >= 0 ? "gpu " + std::to_string(gpu)
+                 : std::string("cpu replicas") +
+                       (p.numa_node >= 0 ? " on numa node " + std::to_string(p.numa_node) : "")));
   prestarted_.emplace(name, std::move(p));
   return absl::OkStatus();
 }
 
+void Supervisor::StopPrestarted(const std::string& name, Prestarted& p, const std::string& why) {
+  if (p.stopping || p.pid <= 0) return;
+  (void)launcher_->Signal(p.pid, SIGTERM);
+  p.stopping = true;
+  p.due = clock_->Now() + options_.stop_timeout;
+  state_dirty_ = true;
+  log_("pre-started runtime " + name + ": stopping (" + why + ")");
+}
+
+void Supervisor::DropPrestarted(std::map<std::string, Prestarted>::iterator it, bool failed) {
+  Prestarted& p = it->second;
+  std::error_code ec;
+  fs::remove(p.socket, ec);
+  // The last failed one's output is kept for a look; a stopped one's is not.
+  if (failed) {
+    MoveLog(p.log_file, options_.state_dir + "/logs/prestart-last-failure.log");
+    RestartDecision d = OnCrash(pool_slots_[p.key()].crashes, clock_->Now(), options_.restart);
+    pool_slots_[p.key()].due = d.restart_at;
+  } else {
+    fs::remove(p.log_file, ec);
+  }
+  prestarted_.erase(it);
+}
+
 void Supervisor::StopPrestarted() {
   pool_stopped_ = true;
-  for (auto& [name, p] : prestarted_) {
-    if (p.stopping || p.pid <= 0) continue;
-    (void)launcher_->Signal(p.pid, SIGTERM);
-    p.stopping = true;
-  }
+  for (auto& [name, p] : prestarted_) StopPrestarted(name, p, "the agent stops its replicas");
   Publish();
 }
 
@@ -356,7 +420,17 @@ void Supervisor::TickPool() {
   const absl::Time now = clock_->Now();
   for (auto it = prestarted_.begin(); it != prestarted_.end();) {
     Prestarted& p = it->second;
-    if (p.ready || p.stopping) {
+    if (p.stopping) {
+      if (now >= p.due && p.pid > 0) {
+        log_("pre-started runtime " + it->first + ": did not stop; killing pid " +
+             std::to_string(p.pid));
+        (void)launcher_->Signal(p.pid, SIGKILL);
+        p.due = now + options_.stop_timeout;
+      }
+      ++it;
+      continue;
+    }
+    if (p.ready) {
       ++it;
       continue;
     }
@@ -366,40 +440,44 @@ void Supervisor::TickPool() {
       log_("pre-started runtime " + it->first + ": ready after " +
            absl::FormatDuration(absl::Trunc(now - p.started, absl::Milliseconds(1))));
     } else if (st.ok() && !st->model_name().empty()) {
-      // Not a pre-started runtime waiting (it already has a model): not for the pool.
-      log_("pre-started runtime " + it->first + ": has model " + st->model_name() + "; stopped");
-      (void)launcher_->Signal(p.pid, SIGTERM);
-      p.stopping = true;
+      StopPrestarted(it->first, p, "it has model " + st->model_name() + ": not for the pool");
     } else if (now - p.started >= options_.prestart_timeout) {
       log_("pre-started runtime " + it->first + ": not ready after " +
            absl::FormatDuration(options_.prestart_timeout) + "; killed");
       (void)launcher_->Signal(p.pid, SIGKILL);
-      RestartDecision d = OnCrash(pool_slots_[p.gpu].crashes, now, options_.restart);
-      pool_slots_[p.gpu].due = d.restart_at;
-      it = prestarted_.erase(it);
+      auto dead = it++;
+      DropPrestarted(dead, /*failed=*/true);
       continue;
     }
     ++it;
   }
-  std::vector<int> slots;
-  if (pool_stopped_) return;
-  if (options_.prestart_cpu > 0) slots.push_back(-1);
-  if (options_.prestart_per_gpu > 0) {
-    for (int g = 0; g < static_cast<int>(topology_.gpus.size()); ++g) slots.push_back(g);
+  // Each pool at its size: trimmed (still starting first, then the newest), or refilled.
+  std::map<PoolKey, std::vector<std::pair<std::string, Prestarted*>>> have;
+  for (auto& [name, p] : prestarted_) {
+    if (!p.stopping) have[p.key()].push_back({name, &p});
   }
-  for (int gpu : slots) {
-    if (gpu >= 0 && unhealthy_gpus_.count(gpu)) continue;
-    int have = 0;
-    for (const auto& [name, p] : prestarted_) have += p.gpu == gpu && !p.stopping;
-    PoolSlot& slot = pool_slots_[gpu];
-    for (; have < PoolTarget(gpu) && now >= slot.due; ++have) {
-      absl::Status s = LaunchPrestarted(gpu);
+  for (auto& [key, members] : have) {
+    const int target = PoolTarget(key);
+    std::sort(members.begin(), members.end(), [](const auto& a, const auto& b) {
+      if (a.second->ready != b.second->ready) return !a.second->ready;
+      return a.second->started > b.second->started;
+    });
+    for (size_t i = 0; static_cast<int>(members.size() - i) > target; ++i) {
+      StopPrestarted(members[i].first, *members[i].second, "more than the pool's size");
+    }
+  }
+  for (const auto& [key, place] : Pools()) {
+    if (key.first >= 0 && unhealthy_gpus_.count(key.first)) continue;
+    PoolSlot& slot = pool_slots_[key];
+    for (int n = static_cast<int>(have[key].size()); n < PoolTarget(key) && now >= slot.due; ++n) {
+      absl::Status s = LaunchPrestarted(key);
       if (!s.ok()) {
         RestartDecision d = OnCrash(slot.crashes, now, options_.restart);
         slot.due = d.restart_at;
         log_(std::string("pre-started runtime for ") +
-             (gpu >= 0 ? "gpu " + std::to_string(gpu) : "cpu replicas") + ": cannot start: " +
-             std::string(s.message()) + "; next try in " + absl::FormatDuration(d.backoff));
+             (key.first >= 0 ? "gpu " + std::to_string(key.first) : "cpu replicas") +
+             ": cannot start: " + std::string(s.message()) + "; next try in " +
+             absl::FormatDuration(d.backoff));
         break;
       }
     }
@@ -430,10 +508,7 @@ void Supervisor::SetGpuHealth(int gpu, bool healthy, const std::string& reason) 
   log_("gpu " + std::to_string(gpu) + (healthy ? ": healthy again" : ": UNHEALTHY (" + reason + ")"));
   if (!healthy) {
     for (auto& [name, p] : prestarted_) {
-      if (p.gpu != gpu || p.stopping || p.pid <= 0) continue;
-      (void)launcher_->Signal(p.pid, SIGTERM);
-      p.stopping = true;
-      log_("pre-started runtime " + name + ": stopped (gpu " + std::to_string(gpu) + " unhealthy)");
+      if (p.gpu == gpu) StopPrestarted(name, p, "gpu " + std::to_string(gpu) + " unhealthy");
     }
   }
   for (auto& [id, r] : replicas_) {
@@ -467,15 +542,12 @@ void Supervisor::HandleExit(const ProcessExit& e) {
   for (auto it = prestarted_.begin(); it != prestarted_.end(); ++it) {
     Prestarted& p = it->second;
     if (p.pid != e.pid || p.pid == 0) continue;
-    if (!p.stopping) {
-      RestartDecision d = OnCrash(pool_slots_[p.gpu].crashes, clock_->Now(), options_.restart);
-      pool_slots_[p.gpu].due = d.restart_at;
-      log_("pre-started runtime " + it->first + ": " + ExitText(e.status) + "; replaced in " +
-           absl::FormatDuration(d.backoff));
+    const bool failed = !p.stopping;
+    if (failed) {
+      log_("pre-started runtime " + it->first + ": " + ExitText(e.status) + " (its output: " +
+           options_.state_dir + "/logs/prestart-last-failure.log)");
     }
-    std::error_code ec;
-    fs::remove(p.socket, ec);
-    prestarted_.erase(it);
+    DropPrestarted(it, failed);
     return;
   }
   for (auto it = replicas_.begin(); it != replicas_.end(); ++it) {
@@ -583,6 +655,7 @@ void Supervisor::Observe(Replica& r) {
 }
 
 void Supervisor::Tick() {
+  load_time_this_tick_ = absl::ZeroDuration();
   const size_t pool_before = prestarted_.size();
   const int64_t seq_before = prestart_seq_;
   for (const auto& e : launcher_->CollectExits()) HandleExit(e);
@@ -660,10 +733,14 @@ absl::Status Supervisor::WriteStateFile() {
   }
   doc["prestarted"] = json::array();
   for (const auto& [name, p] : prestarted_) {
-    if (p.pid <= 0 || p.stopping) continue;
+    if (p.pid <= 0) continue;
     doc["prestarted"].push_back({{"name", name},
                                  {"pid", p.pid},
                                  {"gpu", p.gpu},
+                                 {"numa_node", p.numa_node},
+                                 {"gpu_uuid", p.gpu_uuid},
+                                 {"env", p.env},
+                                 {"stopping", p.stopping},
                                  {"socket", p.socket},
                                  {"log", p.log_file}});
   }
@@ -706,6 +783,7 @@ absl::Status Supervisor::Recover() {
         !e["launch_socket"].get<std::string>().empty()) {
       launch_socket = e["launch_socket"].get<std::string>();
     }
+    NotePrestartName(launch_socket);
     std::string cmdline = launcher_->CommandLine(pid);
     bool ours = launcher_->Alive(pid) && cmdline.find(launch_socket) != std::string::npos;
     auto client = clients_->Connect(socket);
@@ -749,6 +827,19 @@ absl::Status Supervisor::Recover() {
   return WriteStateFile();
 }
 
+void Supervisor::NotePrestartName(const std::string& path) {
+  // New names never reuse a socket or log that a live process may still name.
+  std::string base = fs::path(path).filename().string();
+  int64_t seq = 0;
+  if (base.rfind("prestart-", 0) == 0 &&
+      absl::SimpleAtoi(base.substr(9, base.find('.') == std::string::npos
+                                          ? std::string::npos
+                                          : base.find('.') - 9),
+                       &seq)) {
+    prestart_seq_ = std::max(prestart_seq_, seq);
+  }
+}
+
 void Supervisor::RecoverPrestarted(const json& doc) {
   if (!doc.contains("prestarted") || !doc["prestarted"].is_array()) return;
   for (const auto& e : doc["prestarted"]) {
@@ -761,25 +852,44 @@ void Supervisor::RecoverPrestarted(const json& doc) {
     const pid_t pid = e["pid"].get<pid_t>();
     Prestarted p;
     p.gpu = e["gpu"].get<int>();
+    p.numa_node = e.value("numa_node", -1);
+    p.gpu_uuid = e.value("gpu_uuid", "");
     p.socket = e["socket"].get<std::string>();
     p.log_file = e.value("log", "");
-    int64_t seq = 0;
-    if (name.rfind("prestart-", 0) == 0 && absl::SimpleAtoi(name.substr(9), &seq)) {
-      prestart_seq_ = std::max(prestart_seq_, seq);  // new names never reuse a socket
+    if (e.contains("env") && e["env"].is_array()) {
+      for (const auto& v : e["env"]) {
+        if (v.is_string()) p.env.push_back(v.get<std::string>());
+      }
     }
+    NotePrestartName(p.socket);
+    // Ours: the runtime binary this agent runs, named with the socket.
+    const std::string cmdline = launcher_->CommandLine(pid);
     const bool ours = launcher_->Alive(pid) &&
-                      launcher_->CommandLine(pid).find(p.socket) != std::string::npos;
+                      cmdline.rfind(options_.runtime_binary + std::string(1, '\0'), 0) == 0 &&
+                      cmdline.find(p.socket) != std::string::npos;
     if (!ours) continue;
     p.client = clients_->Connect(p.socket);
     auto st = p.client->GetState();
     const bool waiting = st.ok() && st->state() == v1::LOADING && st->model_name().empty();
-    const bool wanted = p.gpu >= -1 && p.gpu < static_cast<int>(topology_.gpus.size()) &&
-                        PoolTarget(p.gpu) > 0;
-    if (!waiting || !wanted || !launcher_->Adopt(pid).ok()) {
-      // A pool nobody wants now, or a process that is not waiting for a Load: not kept.
-      (void)launcher_->Signal(pid, waiting ? SIGTERM : SIGKILL);
-      log_("pre-started runtime " + name + ": pid " + std::to_string(pid) + " stopped (" +
-           (!waiting ? "not waiting for a Load" : "no pool for it") + ")");
+    // Still the pool it was started for: a GPU that is the same physical one (indexes can
+    // change across reboots and hardware changes).
+    std::string why;
+    if (e.value("stopping", false)) {
+      why = "it was being stopped";
+    } else if (!waiting) {
+      why = "not waiting for a Load";
+    } else if (PoolTarget(p.key()) <= 0) {
+      why = "no pool for it";
+    } else if (p.gpu >= 0 && topology_.gpus[p.gpu].identity.uuid != p.gpu_uuid) {
+      why = "gpu " + std::to_string(p.gpu) + " is now another GPU";
+    } else if (!launcher_->Adopt(pid).ok()) {
+      log_("pre-started runtime " + name + ": pid " + std::to_string(pid) + " gone");
+      continue;
+    }
+    if (!why.empty()) {
+      (void)launcher_->Signal(pid, SIGKILL);
+      log_("pre-started runtime " + name + ": pid " + std::to_string(pid) + " killed (" + why +
+           ")");
       continue;
     }
     p.pid = pid;
@@ -827,7 +937,7 @@ void Supervisor::Publish() {
   }
   auto pool = std::make_shared<std::vector<PrestartedView>>();
   for (const auto& [name, p] : prestarted_) {
-    pool->push_back({name, p.gpu, p.pid, p.ready, p.adopted, p.stopping, p.socket});
+    pool->push_back({name, p.gpu, p.numa_node, p.pid, p.ready, p.adopted, p.stopping, p.socket});
   }
   absl::MutexLock lock(&snapshot_mu_);
   snapshot_ = std::move(views);

@@ -60,7 +60,8 @@ struct SupervisorOptions {
 // One pre-started runtime waiting for a replica.
 struct PrestartedView {
   std::string name;
-  int gpu = -1;  // -1 = for CPU replicas
+  int gpu = -1;        // -1 = for CPU replicas
+  int numa_node = -1;  // a CPU pool's NUMA node on a multi-node machine; else -1
   pid_t pid = 0;
   bool ready = false;  // answers its control socket with no model
   bool adopted = false;
@@ -167,16 +168,25 @@ class Supervisor {
     std::string last_error;
   };
 
+  // A pool: the pre-started runtimes for one GPU, or for CPU replicas (one per NUMA node on
+  // a multi-node machine, so that each is bound to its node from exec on).
+  using PoolKey = std::pair<int, int>;  // (gpu, numa node): (g, -1) or (-1, node or -1)
   struct Prestarted {
     int gpu = -1;
+    int numa_node = -1;
     pid_t pid = 0;
     std::string socket;
     std::string log_file;
+    std::vector<std::string> env;  // what it was started with on top of the agent's
+    std::string gpu_uuid;          // the physical GPU it was started on
     std::unique_ptr<RuntimeClient> client;
     absl::Time started;
+    absl::Time due;  // for `stopping`: killed past this
+    int refusals = 0;
     bool ready = false;
     bool adopted = false;
-    bool stopping = false;  // told to exit (its GPU went unhealthy, or the pool shrank)
+    bool stopping = false;  // told to exit (GPU unhealthy, pool shrank, or retired)
+    PoolKey key() const { return {gpu, numa_node}; }
   };
   struct PoolSlot {
     CrashHistory crashes;
@@ -184,15 +194,26 @@ class Supervisor {
   };
 
   absl::Status Launch(Replica& r);
-  // Gives `r` a ready pre-started runtime of its GPU (or of the CPU pool): true when one took
-  // it, false when none could (then it starts cold); an error when the runtime refused the
-  // replica's arguments (a bad model, say), which fails this start like a cold one.
-  absl::StatusOr<bool> HandOver(Replica& r, const LaunchRequest& cold);
-  absl::Status LaunchPrestarted(int gpu);
+  // Gives `r` a ready pre-started runtime of its pool (same GPU, or for a CPU replica the same
+  // NUMA node) started with the environment a cold start would have: true when one took it,
+  // false when none could (then it starts cold). A runtime that fails the Load is killed; one
+  // that refuses the arguments twice is retired.
+  bool HandOver(Replica& r, const LaunchRequest& cold);
+  absl::Status LaunchPrestarted(PoolKey key);
+  void StopPrestarted(const std::string& name, Prestarted& p, const std::string& why);
+  void DropPrestarted(std::map<std::string, Prestarted>::iterator it, bool failed);
   void TickPool();
+  // The pools this node keeps, with the CPUs and memory node each one's processes start on.
+  struct PoolPlace {
+    std::vector<int> cpus;
+    int memory_node = -1;
+  };
+  std::map<PoolKey, PoolPlace> Pools() const;
+  int PoolTarget(PoolKey key) const;
   // Adopts the pre-started runtimes of the state file (`doc`) still waiting for a Load.
   void RecoverPrestarted(const nlohmann::json& doc);
-  int PoolTarget(int gpu) const;
+  // Keeps new pre-started names above the one in `path` (a socket or log of one).
+  void NotePrestartName(const std::string& path);
   void HandleExit(const ProcessExit& e);
   void Observe(Replica& r);
   void BeginStop(Replica& r, const std::string& why);
@@ -212,10 +233,11 @@ class Supervisor {
   std::map<std::string, Replica> replicas_;  // by replica id
   std::map<int, std::string> unhealthy_gpus_;  // gpu -> reason
   std::map<std::string, Prestarted> prestarted_;  // by name, "prestart-7"
-  std::map<int, PoolSlot> pool_slots_;           // gpu (-1 = the CPU pool)
+  std::map<PoolKey, PoolSlot> pool_slots_;
   int64_t prestart_seq_ = 0;
   bool pool_stopped_ = false;
   bool state_dirty_ = false;  // the state file is rewritten on the next Tick
+  absl::Duration load_time_this_tick_;  // Loads block the loop: a budget per Tick
   int64_t applied_generation_ = 0;
 
   mutable absl::Mutex snapshot_mu_;

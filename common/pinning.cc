@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <set>
 #include <string>
 
 #include "absl/strings/numbers.h"
@@ -25,22 +26,27 @@ absl::Status PinThisProcess(const std::vector<int>& cpus, int memory_node) {
       CPU_SET(c, &set);
     }
     // A thread may start while the list is read: go round until a pass finds no new one.
-    std::error_code ec;
-    for (int pass = 0, pinned_before = -1, pinned = 0; pass < 8 && pinned != pinned_before;
-         ++pass) {
-      pinned_before = pinned;
-      pinned = 0;
+    std::set<int> pinned;
+    bool settled = false;
+    for (int pass = 0; pass < 8 && !settled; ++pass) {
+      bool found_new = false;
+      std::error_code ec;
       for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task", ec)) {
         int tid = 0;
-        if (!absl::SimpleAtoi(entry.path().filename().string(), &tid)) continue;
+        if (!absl::SimpleAtoi(entry.path().filename().string(), &tid) || pinned.count(tid)) continue;
+        found_new = true;
         if (sched_setaffinity(tid, sizeof(set), &set) != 0) {
           if (errno == ESRCH) continue;  // the thread ended meanwhile
           return absl::InternalError("sched_setaffinity(thread " + std::to_string(tid) +
                                      "): " + strerror(errno));
         }
-        ++pinned;
+        pinned.insert(tid);
       }
       if (ec) return absl::InternalError("/proc/self/task: " + ec.message());
+      settled = !found_new;
+    }
+    if (!settled) {
+      return absl::InternalError("threads kept starting while they were pinned");
     }
   }
   if (memory_node >= 0) {
@@ -50,7 +56,8 @@ absl::Status PinThisProcess(const std::vector<int>& cpus, int memory_node) {
     }
     unsigned long mask[1024 / (8 * sizeof(unsigned long))] = {};
     mask[memory_node / (8 * sizeof(unsigned long))] |= 1UL << (memory_node % (8 * sizeof(unsigned long)));
-    if (syscall(SYS_set_mempolicy, MPOL_BIND, mask, sizeof(mask) * 8) != 0) {
+    // The kernel reads one bit fewer than maxnode says.
+    if (syscall(SYS_set_mempolicy, MPOL_BIND, mask, sizeof(mask) * 8 + 1) != 0) {
       return absl::InternalError("set_mempolicy(node " + std::to_string(memory_node) +
                                  "): " + strerror(errno));
     }

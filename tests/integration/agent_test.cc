@@ -51,7 +51,16 @@ class AgentTest : public ::testing::Test {
   }
   void TearDown() override {
     StopAgent(SIGKILL);
-    // Replicas outlive agents by design: kill every one this test started.
+    // Replicas (and pre-started runtimes) outlive agents by design: kill every one this test
+    // saw or the agent's state file names.
+    json state = json::parse(ReadFile(dir_ + "/s/replicas.json"), nullptr, false);
+    if (!state.is_discarded()) {
+      for (const char* list : {"replicas", "prestarted"}) {
+        for (const auto& e : state.value(list, json::array())) {
+          if (e.contains("pid") && e["pid"].is_number_integer()) seen_pids_.insert(e["pid"].get<int>());
+        }
+      }
+    }
     for (pid_t p : seen_pids_) kill(p, SIGKILL);
     fs::remove_all(dir_);
   }
@@ -422,6 +431,24 @@ TEST_F(AgentTest, APrestartedRuntimeBecomesTheStartingReplicaPinnedAndThePoolRef
   EXPECT_EQ(Prestarted(j, -1)["pid"], refill);
   EXPECT_EQ(Prestarted(j, -1)["adopted"], true);
   EXPECT_TRUE(Infer(Find(j, "s0")["grpc_port"]).ok());
+
+  // An agent told to stop its replicas on exit stops the pre-started ones too.
+  std::set<int> pids = {for_cpu, for_gpu, refill};
+  for (const auto& p : j["prestarted"]) pids.insert(p["pid"].get<int>());
+  StopAgent(SIGTERM);
+  extra_args_.push_back("--stop-replicas-on-exit");
+  StartAgent();
+  WaitFor([&](const json& j) { return Find(j, "s0")["adopted"] == true; }, "adoption");
+  StopAgent(SIGTERM);
+  auto running = [](int pid) {
+    std::string stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
+    size_t paren = stat.rfind(')');
+    return paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] != 'Z';
+  };
+  for (int pid : pids) {
+    for (int i = 0; i < 400 && running(pid); ++i) absl::SleepFor(absl::Milliseconds(25));
+    EXPECT_FALSE(running(pid)) << pid;
+  }
 }
 
 TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {

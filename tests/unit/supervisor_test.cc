@@ -11,6 +11,7 @@
 #include "agent/fake_runtime_client.h"
 #include "agent/router.h"
 #include "gtest/gtest.h"
+#include "tests/support/shell.h"
 
 namespace kiln {
 namespace {
@@ -424,40 +425,59 @@ class PrestartTest : public SupervisorTest {
     }
     return out;
   }
-  const PrestartedView* Pool(int gpu) {
+  std::vector<LaunchRequest> ColdLaunches() {
+    std::vector<LaunchRequest> out;
+    for (const auto& l : launcher_.launches()) {
+      if (!IsPrestart(l)) out.push_back(l);
+    }
+    return out;
+  }
+  // The pool of `gpu` (for -1, the CPU pool of NUMA node `node`), not stopping.
+  const PrestartedView* Pool(int gpu, int node = -1) {
     pool_ = sup_->PrestartedSnapshot();
     for (const auto& p : *pool_) {
-      if (p.gpu == gpu && !p.stopping) return &p;
+      if (p.gpu == gpu && p.numa_node == node && !p.stopping) return &p;
     }
     return nullptr;
   }
   // Every pre-started runtime launched so far answers with no model.
   void AllPrestartedAnswer() {
-    for (const auto& l : PrestartLaunches()) runtimes_.Set(Arg(l, "--control-socket"), v1::LOADING);
+    for (const auto& l : PrestartLaunches()) {
+      if (runtimes_.Get(Arg(l, "--control-socket")).loads.empty()) {
+        runtimes_.Set(Arg(l, "--control-socket"), v1::LOADING);
+      }
+    }
+  }
+  int Signals(pid_t pid, int sig) {
+    int n = 0;
+    for (const auto& [p, s] : launcher_.signals()) n += p == pid && s == sig;
+    return n;
   }
   std::shared_ptr<const std::vector<PrestartedView>> pool_;
 };
 
-TEST_F(PrestartTest, APoolPerGpuAndForCpuStartsOnItsNodeAndBecomesReady) {
+TEST_F(PrestartTest, APoolPerGpuAndPerNumaNodeForCpuStartsOnItsNodeAndBecomesReady) {
   sup_->Tick();
   auto pre = PrestartLaunches();
-  ASSERT_EQ(pre.size(), 3u);  // cpu, gpu 0, gpu 1
+  ASSERT_EQ(pre.size(), 4u);  // cpu on node 0 and on node 1, gpu 0, gpu 1
   EXPECT_EQ(Arg(pre[0], "--device"), "cpu");
-  EXPECT_EQ(pre[0].cpus.size(), 15u);  // every allowed CPU but the agent's
-  EXPECT_EQ(pre[0].memory_node, -1);
-  EXPECT_EQ(Arg(pre[2], "--device"), "cuda:0");
-  EXPECT_EQ(pre[2].cpus, (std::vector<int>{8, 9, 10, 11, 12, 13, 14, 15}));
-  EXPECT_EQ(pre[2].memory_node, 1);
-  EXPECT_NE(std::find(pre[2].env.begin(), pre[2].env.end(), "CUDA_VISIBLE_DEVICES=GPU-1"),
-            pre[2].env.end());
-  EXPECT_EQ(Arg(pre[1], "--model"), "");  // no model yet
+  EXPECT_EQ(pre[0].cpus, (std::vector<int>{1, 2, 3, 4, 5, 6, 7}));  // node 0 but the agent's
+  EXPECT_EQ(pre[0].memory_node, 0);
+  EXPECT_EQ(pre[1].cpus, (std::vector<int>{8, 9, 10, 11, 12, 13, 14, 15}));
+  EXPECT_EQ(pre[1].memory_node, 1);
+  EXPECT_EQ(Arg(pre[3], "--device"), "cuda:0");
+  EXPECT_EQ(pre[3].cpus, (std::vector<int>{8, 9, 10, 11, 12, 13, 14, 15}));
+  EXPECT_EQ(pre[3].memory_node, 1);
+  EXPECT_EQ(pre[3].env, std::vector<std::string>{"CUDA_VISIBLE_DEVICES=GPU-1"});
+  EXPECT_EQ(Arg(pre[2], "--model"), "");  // no model yet
   ASSERT_NE(Pool(1), nullptr);
   EXPECT_FALSE(Pool(1)->ready);
   AllPrestartedAnswer();
   sup_->Tick();
-  EXPECT_TRUE(Pool(-1)->ready);
+  EXPECT_TRUE(Pool(-1, 0)->ready);
+  EXPECT_TRUE(Pool(-1, 1)->ready);
   EXPECT_TRUE(Pool(1)->ready);
-  EXPECT_EQ(launcher_.launches().size(), 3u);  // full: nothing more
+  EXPECT_EQ(launcher_.launches().size(), 4u);  // full: nothing more
 }
 
 TEST_F(PrestartTest, AStartingReplicaIsHandedOnePinnedToItsCpusAndThePoolRefills) {
@@ -471,7 +491,7 @@ TEST_F(PrestartTest, AStartingReplicaIsHandedOnePinnedToItsCpusAndThePoolRefills
   sup_->Tick();
   ASSERT_NE(View("a"), nullptr);
   // No cold start: the replica is the pre-started process, given the cold command line.
-  for (const auto& l : launcher_.launches()) EXPECT_TRUE(IsPrestart(l));
+  EXPECT_TRUE(ColdLaunches().empty());
   EXPECT_EQ(View("a")->pid, pooled);
   EXPECT_EQ(View("a")->phase, "STARTING");
   auto loads = runtimes_.Get(pooled_socket).loads;
@@ -486,7 +506,7 @@ TEST_F(PrestartTest, AStartingReplicaIsHandedOnePinnedToItsCpusAndThePoolRefills
   EXPECT_EQ(Arg(as_cold, "--cpu-set"), "8-9");
   EXPECT_EQ(Arg(as_cold, "--memory-node"), "1");
   // The pool refilled in the same tick; the handed one left it.
-  EXPECT_EQ(PrestartLaunches().size(), 4u);
+  EXPECT_EQ(PrestartLaunches().size(), 5u);
   ASSERT_NE(Pool(1), nullptr);
   EXPECT_NE(Pool(1)->pid, pooled);
   EXPECT_FALSE(Pool(1)->ready);
@@ -506,77 +526,103 @@ TEST_F(PrestartTest, AStartingReplicaIsHandedOnePinnedToItsCpusAndThePoolRefills
   sup_->Tick();
   EXPECT_EQ(View("a")->pid, second);
   EXPECT_EQ(View("a")->restarts, 1);
+  // A CPU replica takes the pool of the NUMA node its CPUs are on.
+  const pid_t node0 = Pool(-1, 0)->pid;
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING), Spec("c", -1, 1, v1::SERVING)}, 2)).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("c")->pid, node0);  // node 0 has the most free CPUs (a holds two of node 1's)
+  EXPECT_EQ(View("c")->cpus, "1");
 }
 
-TEST_F(PrestartTest, RefusedArgumentsFailTheStartButKeepThePrestartedRuntime) {
+TEST_F(PrestartTest, RefusedArgumentsStartTheReplicaColdAndTwoRefusalsRetireTheRuntime) {
   sup_->Tick();
   AllPrestartedAnswer();
   sup_->Tick();
-  const pid_t pooled = Pool(-1)->pid;
-  runtimes_.FailNextLoad(Pool(-1)->socket,
-                         absl::NotFoundError("model 'enc': no such model in /models"));
+  const pid_t pooled = Pool(-1, 1)->pid;
+  runtimes_.FailNextLoad(Pool(-1, 1)->socket,
+                         absl::InvalidArgumentError("--max-request-bytes: not a size"));
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("c", -1, 1, v1::SERVING)})).ok());
   sup_->Tick();
-  EXPECT_EQ(View("c")->phase, "BACKOFF");
-  EXPECT_NE(View("c")->last_error.find("no such model"), std::string::npos) << View("c")->last_error;
-  EXPECT_EQ(Pool(-1)->pid, pooled);  // still waiting, never signalled
+  // The replica starts cold (where a bad model fails as it always has); the pre-started
+  // runtime stays, it may be this replica's arguments that it cannot take.
+  ASSERT_EQ(ColdLaunches().size(), 1u);
+  EXPECT_EQ(View("c")->pid, 1004);
+  EXPECT_EQ(Pool(-1, 1)->pid, pooled);
   EXPECT_TRUE(launcher_.signals().empty());
-  // The next try takes it.
-  clock_.Advance(absl::Seconds(1));
+  // Refusing a second replica retires it (an older runtime binary still running, say).
+  ASSERT_TRUE(sup_->Apply(Assignment({}, 2)).ok());
+  launcher_.ExitCode(1004, 0);
   sup_->Tick();
-  EXPECT_EQ(View("c")->pid, pooled);
+  runtimes_.FailNextLoad(Pool(-1, 1)->socket,
+                         absl::InvalidArgumentError("--max-request-bytes: not a size"));
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("d", -1, 1, v1::SERVING)}, 3)).ok());
+  sup_->Tick();
+  EXPECT_EQ(ColdLaunches().size(), 2u);
+  EXPECT_EQ(Signals(pooled, SIGTERM), 1);
+  ASSERT_NE(Pool(-1, 1), nullptr);  // replaced by a new one
+  EXPECT_NE(Pool(-1, 1)->pid, pooled);
 }
 
-TEST_F(PrestartTest, ABrokenPrestartedRuntimeIsKilledAndTheReplicaStartsCold) {
-  sup_->Tick();
-  AllPrestartedAnswer();
-  sup_->Tick();
-  const pid_t pooled = Pool(0)->pid;
-  runtimes_.FailNextLoad(Pool(0)->socket, absl::UnavailableError("connection refused"));
-  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
-  sup_->Tick();
-  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{pooled, SIGKILL}}));
-  // Started cold (the pool's own refill comes after it).
-  auto launches = launcher_.launches();
-  int cold = -1;
-  for (size_t i = 0; i < launches.size(); ++i) {
-    if (Arg(launches[i], "--model") == "enc") cold = static_cast<int>(i);
+TEST_F(PrestartTest, ARuntimeThatFailsTheLoadIsKilledAndTheReplicaStartsCold) {
+  for (absl::Status failure : {absl::UnavailableError("connection refused"),
+                               absl::FailedPreconditionError("a Load was already accepted"),
+                               absl::UnimplementedError("Load")}) {
+    SCOPED_TRACE(failure.ToString());
+    SetUp();
+    sup_->Tick();
+    AllPrestartedAnswer();
+    sup_->Tick();
+    const pid_t pooled = Pool(0)->pid;
+    const size_t launched = launcher_.launches().size();
+    const size_t signalled = launcher_.signals().size();
+    runtimes_.FailNextLoad(Pool(0)->socket, failure);
+    ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+    sup_->Tick();
+    EXPECT_EQ(launcher_.signals().size(), signalled + 1);
+    EXPECT_EQ(launcher_.signals().back(), std::make_pair(pooled, SIGKILL));
+    // Started cold; the pool refills only after its backoff.
+    auto launches = launcher_.launches();
+    ASSERT_EQ(launches.size(), launched + 1);
+    EXPECT_FALSE(IsPrestart(launches.back()));
+    EXPECT_EQ(View("a")->pid, 1000 + static_cast<int>(launched));  // the fake's pids count up
+    EXPECT_EQ(Arg(launches.back(), "--cpu-set"), "");  // a cold start is pinned by the launcher
+    EXPECT_EQ(launches.back().cpus, (std::vector<int>{1}));
+    launcher_.Exit(pooled, SIGKILL);
+    sup_->Tick();  // the killed one's exit is no crash of anything
+    EXPECT_EQ(View("a")->restarts, 0);
+    clock_.Advance(absl::Seconds(1));
+    sup_->Tick();
+    EXPECT_NE(Pool(0), nullptr);
+    TearDown();
   }
-  ASSERT_EQ(cold, 3);
-  EXPECT_EQ(View("a")->pid, 1000 + cold);  // the fake launcher's pids count from 1000
-  EXPECT_FALSE(IsPrestart(launches[cold]));
-  EXPECT_EQ(Arg(launches[cold], "--cpu-set"), "");  // a cold start is pinned by the launcher
-  EXPECT_EQ(launches[cold].cpus, (std::vector<int>{1}));
-  launcher_.Exit(pooled, SIGKILL);
-  sup_->Tick();  // the killed one's exit is no crash of anything
-  EXPECT_EQ(View("a")->restarts, 0);
 }
 
 TEST_F(PrestartTest, CrashedOrSilentPrestartedRuntimesAreReplacedWithBackoff) {
   sup_->Tick();
-  const pid_t cpu_pool = Pool(-1)->pid;
+  const pid_t silent = Pool(-1, 0)->pid;
+  const std::string silent_socket = Pool(-1, 0)->socket;
   // Silent past the timeout: killed, replaced after the first backoff.
   clock_.Advance(options_.prestart_timeout);
-  runtimes_.Set(Pool(0)->socket, v1::LOADING);
-  runtimes_.Set(Pool(1)->socket, v1::LOADING);
+  AllPrestartedAnswer();
+  runtimes_.SetReachable(silent_socket, false);
   sup_->Tick();
-  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{cpu_pool, SIGKILL}}));
-  EXPECT_EQ(Pool(-1), nullptr);
-  EXPECT_EQ(PrestartLaunches().size(), 3u);
-  clock_.Advance(absl::Seconds(1));
-  sup_->Tick();
-  ASSERT_NE(Pool(-1), nullptr);
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{silent, SIGKILL}}));
+  EXPECT_EQ(Pool(-1, 0), nullptr);
   EXPECT_EQ(PrestartLaunches().size(), 4u);
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  ASSERT_NE(Pool(-1, 0), nullptr);
+  EXPECT_EQ(PrestartLaunches().size(), 5u);
   // A crash: replaced after the backoff doubles.
-  launcher_.Exit(Pool(-1)->pid, SIGSEGV);
+  launcher_.Exit(Pool(-1, 0)->pid, SIGSEGV);
   sup_->Tick();
-  EXPECT_EQ(Pool(-1), nullptr);
+  EXPECT_EQ(Pool(-1, 0), nullptr);
   clock_.Advance(absl::Seconds(1));
   sup_->Tick();
-  EXPECT_EQ(Pool(-1), nullptr);
+  EXPECT_EQ(Pool(-1, 0), nullptr);
   clock_.Advance(absl::Seconds(1));
   sup_->Tick();
-  EXPECT_NE(Pool(-1), nullptr);
+  EXPECT_NE(Pool(-1, 0), nullptr);
 }
 
 TEST_F(PrestartTest, AnUnhealthyGpusPrestartedRuntimesStopAndAreNotReplaced) {
@@ -591,10 +637,53 @@ TEST_F(PrestartTest, AnUnhealthyGpusPrestartedRuntimesStopAndAreNotReplaced) {
   clock_.Advance(absl::Minutes(1));
   sup_->Tick();
   EXPECT_EQ(Pool(0), nullptr);
-  EXPECT_EQ(PrestartLaunches().size(), 3u);
+  EXPECT_EQ(PrestartLaunches().size(), 4u);
   sup_->SetGpuHealth(0, true, "");
   sup_->Tick();
   EXPECT_NE(Pool(0), nullptr);
+}
+
+TEST_F(PrestartTest, OneThatDoesNotStopIsKilledAndKeptInTheStateFileUntilItIsGone) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  const pid_t gpu0 = Pool(0)->pid;
+  sup_->SetGpuHealth(0, false, "Xid 79");
+  sup_->Tick();
+  std::string state = kiln::testing::ReadFile(dir_.string() + "/replicas.json");
+  EXPECT_NE(state.find("\"pid\": " + std::to_string(gpu0)), std::string::npos) << state;
+  clock_.Advance(options_.stop_timeout);
+  sup_->Tick();
+  EXPECT_EQ(Signals(gpu0, SIGKILL), 1);
+  // An agent restarted meanwhile does not keep it either.
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  EXPECT_EQ(Signals(gpu0, SIGKILL), 2);
+  EXPECT_EQ(Pool(0), nullptr);
+}
+
+TEST_F(PrestartTest, ParkingGpusHandTheirPoolOnlyToReplicasThatRunUnparked) {
+  options_.park_warm_replicas = true;
+  sup_ = MakeSupervisor();
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  // Pool processes are not parked: the replicas they are for are mostly new SERVING ones.
+  for (const auto& l : PrestartLaunches()) {
+    EXPECT_EQ(std::count(l.env.begin(), l.env.end(), "CUDA_DISABLE_PERF_BOOST=1"), 0);
+  }
+  ASSERT_NE(Pool(1), nullptr);
+  const pid_t pooled = Pool(1)->pid;
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("w", 1, 1, v1::WARM)})).ok());
+  sup_->Tick();
+  // A WARM replica on a parking GPU starts parked, so cold.
+  const auto cold = ColdLaunches();
+  ASSERT_EQ(cold.size(), 1u);
+  EXPECT_EQ(std::count(cold[0].env.begin(), cold[0].env.end(), "CUDA_DISABLE_PERF_BOOST=1"), 1);
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("w", 1, 1, v1::WARM), Spec("s", 1, 1, v1::SERVING)}, 2)).ok());
+  sup_->Tick();
+  ASSERT_NE(View("s"), nullptr);
+  EXPECT_EQ(View("s")->pid, pooled);
 }
 
 TEST_F(PrestartTest, ARestartedSupervisorAdoptsThePoolAndReplicasHandedFromIt) {
@@ -607,8 +696,9 @@ TEST_F(PrestartTest, ARestartedSupervisorAdoptsThePoolAndReplicasHandedFromIt) {
   runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 7001);
   AllPrestartedAnswer();
   sup_->Tick();
-  std::map<int, pid_t> pooled;
-  for (int g : {-1, 0, 1}) pooled[g] = Pool(g)->pid;
+  const std::vector<std::pair<int, int>> pools = {{-1, 0}, {-1, 1}, {0, -1}, {1, -1}};
+  std::map<std::pair<int, int>, pid_t> pooled;
+  for (auto [g, n] : pools) pooled[{g, n}] = Pool(g, n)->pid;
   const size_t launched = launcher_.launches().size();
 
   sup_.reset();
@@ -616,29 +706,18 @@ TEST_F(PrestartTest, ARestartedSupervisorAdoptsThePoolAndReplicasHandedFromIt) {
   ASSERT_TRUE(sup_->Recover().ok());
   EXPECT_EQ(View("a")->pid, a);  // its command line names the pre-started socket: still ours
   EXPECT_TRUE(View("a")->adopted);
-  for (int g : {-1, 0, 1}) {
-    ASSERT_NE(Pool(g), nullptr) << g;
-    EXPECT_EQ(Pool(g)->pid, pooled[g]);
-    EXPECT_TRUE(Pool(g)->adopted);
-    EXPECT_TRUE(Pool(g)->ready);
+  for (auto [g, n] : pools) {
+    ASSERT_NE(Pool(g, n), nullptr) << g << "/" << n;
+    EXPECT_EQ(Pool(g, n)->pid, (pooled[{g, n}]));
+    EXPECT_TRUE(Pool(g, n)->adopted);
+    EXPECT_TRUE(Pool(g, n)->ready);
   }
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)}, 2)).ok());
   sup_->Tick();
   EXPECT_EQ(launcher_.launches().size(), launched);  // nothing new
   EXPECT_TRUE(launcher_.signals().empty());
-  // New names never reuse an adopted one's socket.
-  std::set<std::string> sockets;
-  launcher_.Exit(pooled[0], SIGKILL);
-  sup_->Tick();
-  clock_.Advance(absl::Seconds(1));
-  sup_->Tick();
-  for (const auto& l : PrestartLaunches()) {
-    EXPECT_TRUE(sockets.insert(Arg(l, "--control-socket")).second) << Arg(l, "--control-socket");
-  }
-  AllPrestartedAnswer();
-  sup_->Tick();
 
-  // An agent without a pool stops what the old one pre-started.
+  // An agent without a pool kills what the old one pre-started (nothing tracks them after).
   sup_.reset();
   options_.prestart_per_gpu = 0;
   options_.prestart_cpu = 0;
@@ -646,9 +725,67 @@ TEST_F(PrestartTest, ARestartedSupervisorAdoptsThePoolAndReplicasHandedFromIt) {
   ASSERT_TRUE(sup_->Recover().ok());
   EXPECT_EQ(View("a")->pid, a);
   EXPECT_TRUE(sup_->PrestartedSnapshot()->empty());
-  int terms = 0;
-  for (const auto& [pid, sig] : launcher_.signals()) terms += sig == SIGTERM;
-  EXPECT_EQ(terms, 3);
+  for (auto [g, n] : pools) EXPECT_EQ(Signals(pooled[{g, n}], SIGKILL), 1);
+}
+
+TEST_F(PrestartTest, NewNamesNeverReuseOneAHandedReplicaStillNames) {
+  options_.prestart_per_gpu = 0;
+  sup_ = MakeSupervisor();
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("c", -1, 1, v1::SERVING)})).ok());
+  const std::string handed = Pool(-1, 1)->socket;
+  sup_->Tick();  // c takes node 1's runtime, whose command line names its socket for good
+  runtimes_.Set(Socket("c"), v1::SERVING, "enc", "1", 7001);
+  launcher_.Exit(Pool(-1, 1)->pid, SIGKILL);  // the replacement dies
+  sup_->Tick();
+  launcher_.Exit(Pool(-1, 0)->pid, SIGKILL);
+  sup_->Tick();
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  clock_.Advance(absl::Seconds(5));
+  sup_->Tick();
+  ASSERT_EQ(PrestartLaunches().size(), 5u);
+  std::map<std::string, int> uses;
+  for (const auto& l : PrestartLaunches()) uses[Arg(l, "--control-socket")]++;
+  EXPECT_EQ(uses[handed], 1) << handed << " reused while replica c's process names it";
+}
+
+TEST_F(PrestartTest, AdoptionKeepsOnlyWhatThePoolsWantOnTheSameGpus) {
+  options_.prestart_per_gpu = 3;
+  sup_ = MakeSupervisor();
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  ASSERT_EQ(PrestartLaunches().size(), 8u);
+  const pid_t gpu1 = Pool(1)->pid;
+
+  // Restarted with smaller pools, on a node whose GPUs now enumerate the other way round.
+  options_.prestart_per_gpu = 1;
+  Topology t = TwoNodeTopology();
+  std::swap(t.gpus[0], t.gpus[1]);
+  sup_ = std::make_unique<Supervisor>(options_, t, &launcher_, &runtimes_, &clock_,
+                                      [this](const std::string& s) { log_.push_back(s); }, &prober_);
+  ASSERT_TRUE(sup_->Recover().ok());
+  // Index 1 is another physical GPU now: nothing started for GPU-1 is kept as gpu 1.
+  EXPECT_EQ(Signals(gpu1, SIGKILL), 1);
+  EXPECT_TRUE(Pool(0) == nullptr && Pool(1) == nullptr);
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  // A same-shape restart (both GPUs where they were) trims the adopted pools to their size.
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  sup_->Tick();
+  int per_gpu[2] = {0, 0};
+  for (const auto& p : *sup_->PrestartedSnapshot()) {
+    if (p.gpu >= 0 && !p.stopping) per_gpu[p.gpu]++;
+  }
+  EXPECT_EQ(per_gpu[0], 1);
+  EXPECT_EQ(per_gpu[1], 1);
 }
 
 }  // namespace
