@@ -427,6 +427,28 @@ void Controller::SendRouting(const std::string& node, const grpc::ByteBuffer& ta
   if (it != sessions_.end()) it->second->Offer(/*assignment=*/false, table);
 }
 
+std::string Controller::Overloaded(const v1::GpuStatus& gpu, const v1::NodeStatus& status,
+                                   const Sent& sent) const {
+  if (options_.overload_utilization_pct <= 0) return "";
+  for (const auto& reason : gpu.reasons()) {
+    if (reason.rfind("throttled:", 0) == 0) return reason;
+  }
+  if (static_cast<int>(gpu.utilization_pct()) < options_.overload_utilization_pct) return "";
+  // Busy is not overloaded while its replicas keep up: requests must be waiting.
+  int64_t queued = 0;
+  for (const auto& r : status.replicas()) {
+    if (r.state() != v1::SERVING || r.load().queue_depth() <= 0) continue;
+    for (const auto& spec : sent.replicas) {
+      if (spec.replica_id() == r.replica_id() && spec.gpu() == gpu.index()) {
+        queued += r.load().queue_depth();
+      }
+    }
+  }
+  if (queued == 0) return "";
+  return "busy: " + std::to_string(gpu.utilization_pct()) + "% utilised, " +
+         std::to_string(queued) + " requests queued";
+}
+
 void Controller::Tick() {
   auto log = GetLogger("controller");
   const absl::Time now = clock_->Now();
@@ -539,9 +561,11 @@ void Controller::Tick() {
       n.zone = ZoneOf(rec.registration);
       n.cpu_capacity = rec.registration.cpu_capacity();
       for (const auto& g : rec.registration.gpus()) {
-        PlacementNode::Gpu pg{g.index(), g.memory_bytes(), true};
+        PlacementNode::Gpu pg{g.index(), g.memory_bytes(), true, {}};
         for (const auto& gs : rec.status.gpus()) {
-          if (gs.index() == g.index() && !gs.healthy()) pg.healthy = false;
+          if (gs.index() != g.index()) continue;
+          if (!gs.healthy()) pg.healthy = false;
+          pg.overloaded = Overloaded(gs, rec.status, sent);
         }
         n.gpus.push_back(pg);
       }
@@ -742,7 +766,7 @@ void Controller::Tick() {
       if (busy) continue;
       auto [seen, fresh] = skew_seen_.emplace(id, Rebalance{reason, now});
       if (now - seen->second.since < options_.rebalance_after) continue;
-      log->info("rebalancing: moving {} ({}) after {} of skew", id, reason,
+      log->info("rebalancing: moving {} ({}) after {}", id, reason,
                 absl::FormatDuration(now - seen->second.since));
       rebalancing_[id] = Rebalance{reason, now};
       skew_seen_.erase(seen);

@@ -44,6 +44,10 @@ struct ControllerOptions {
   // moved, make-before-break; a move whose replacement never serves is given up after
   // `move_deadline`.
   absl::Duration rebalance_after = absl::Seconds(30);
+  // A GPU is overloaded when its node reports it throttling (thermal, power brake, hardware
+  // slowdown) or at least this busy (percent) with requests queued in its replicas; replicas
+  // then move off it one at a time (placement.h). 0 = never.
+  int overload_utilization_pct = 95;
   absl::Duration move_deadline = absl::Minutes(10);
   RoutingOptions routing;
   // Status counters that move with every report (per-version requests, errors, error rate,
@@ -95,6 +99,9 @@ class Controller
     uint64_t routes_version = 0;  // that table's version then
     std::string nack;  // the last Nack's reason, if the last assignment was refused
   };
+  // Why GPU `gpu` of a node reporting `status` is overloaded (ControllerOptions), or "".
+  std::string Overloaded(const v1::GpuStatus& gpu, const v1::NodeStatus& status,
+                         const Sent& sent) const;
 
   void Send(const std::string& node, const v1::ControllerMessage& m)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -112,6 +112,13 @@ int main(int argc, char** argv) {
                  "with room) this long gets one moved there, make-before-break")
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
+  int overload_pct = 95;
+  app.add_option("--overload-utilization-pct", overload_pct,
+                 "A GPU this busy with requests queued, or throttling, is overloaded: for "
+                 "--rebalance-after-seconds, and one replica at a time moves off it to a GPU "
+                 "with room (0 = never)")
+      ->check(CLI::Range(0, 100))
+      ->capture_default_str();
   app.add_option("--scale-down-stabilization-seconds", stabilization_s,
                  "Autoscaled deployments scale down only after load stayed low this long")
       ->check(CLI::Range(0.0, 86400.0))
@@ -209,6 +216,7 @@ int main(int argc, char** argv) {
   co.leases.lost_after = absl::Seconds(lost_s);
   co.scale_down_stabilization = absl::Seconds(stabilization_s);
   co.rebalance_after = absl::Seconds(rebalance_s);
+  co.overload_utilization_pct = overload_pct;
   co.status_counters_every = absl::Seconds(counters_s);
   co.require_node_identity = !tls.ca.empty() && node_identity;
   kiln::Controller controller(co, store, &clock);

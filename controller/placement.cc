@@ -365,8 +365,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     counts.new_serving = std::clamp<int64_t>(d.serving + d.max_surge - serving - keep_moving, 0,
                                              d.serving - serving);
   }
-  // The room index for pass 2, per zone, in the placement key's order: each healthy GPU by
-  // its free memory, each node by its free CPUs (then load, node, GPU).
+  // The room index for pass 2, per zone, in the placement key's order: each healthy GPU that
+  // is not overloaded by its free memory, each node by its free CPUs (then load, node, GPU).
   using Slot = std::tuple<int64_t, double, int, int, size_t>;  // free, load, node, gpu, position
   constexpr double kLowest = -std::numeric_limits<double>::infinity();
   std::vector<std::set<Slot>> gpu_slots(zones.size()), cpu_slots(zones.size());
@@ -375,7 +375,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     fn(cpu_slots[ns.zone_id], Slot{ns.node->cpu_capacity - ns.cpu_used, ns.node->load, ns.index,
                                    -1, 0});
     for (size_t i = 0; i < ns.node->gpus.size(); ++i) {
-      if (!ns.node->gpus[i].healthy) continue;
+      // Overloaded GPUs are left to the full scan, as a last resort.
+      if (!ns.node->gpus[i].healthy || !ns.node->gpus[i].overloaded.empty()) continue;
       fn(gpu_slots[ns.zone_id], Slot{ns.node->gpus[i].memory_bytes - ns.gpu_used[i],
                                      ns.node->load, ns.index, ns.node->gpus[i].index, i});
     }
@@ -508,6 +509,22 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     return Key{0, 0, 0, ns.node->load, ns.index, best->gpu};
   };
 
+  bool any_overloaded = false;
+  for (const NodeState* ns : order) {
+    for (const auto& g : ns->node->gpus) any_overloaded |= !g.overloaded.empty();
+  }
+  // Overloaded GPUs that already have a replica named to move off them this call, or moving.
+  std::set<std::pair<int, int>> overload_claimed;  // (node index, gpu index)
+  if (any_overloaded) {
+    for (const NodeState* ns : order) {
+      for (const auto& spec : *ns->assignment) {
+        if (spec.gpu() >= 0 && moves.count(spec.replica_id())) {
+          overload_claimed.insert({ns->index, spec.gpu()});
+        }
+      }
+    }
+  }
+
   // Pass 2: new replicas.
   for (const PlacementDemand& d : demands) {
     const bool first_of_deployment =
@@ -528,18 +545,19 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     // A node's best (node, gpu) for this demand now, by the documented order; lower tuples
     // win (the node index is the name order). Nothing when it has no room.
     Spread& sp = spread_of(d.deployment);
-    auto key_of = [&](NodeState& ns) -> std::optional<Key> {
+    auto key_of = [&](NodeState& ns, bool overloaded) -> std::optional<Key> {
       const PlacementNode& n = *ns.node;
       if (!n.schedulable || ns.cpu_used + d.cpus > n.cpu_capacity) return std::nullopt;
       int here = sp.on(ns.index);
       int zone_count = sp.per_zone[ns.zone_id];
       if (d.gpus == 0) {
+        if (overloaded) return std::nullopt;  // CPU slots are never overloaded
         return Key{here, zone_count, n.cpu_capacity - ns.cpu_used - d.cpus, n.load, ns.index, -1};
       }
       std::optional<Key> best;
       for (size_t i = 0; i < n.gpus.size(); ++i) {
         const auto& g = n.gpus[i];
-        if (!g.healthy) continue;
+        if (!g.healthy || g.overloaded.empty() == overloaded) continue;
         int64_t left = g.memory_bytes - ns.gpu_used[i] - d.gpu_memory_bytes;
         if (left < 0) continue;
         Key k{here, zone_count, left, n.load, ns.index, g.index};
@@ -582,9 +600,12 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         best = best_fresh();
         fresh_exhausted = !best.has_value();
       }
-      if (!best) {
+      // The full scan: GPUs that are not overloaded, then (only if none has room) those that
+      // are.
+      for (bool overloaded : {false, true}) {
+        if (best || (overloaded && !any_overloaded)) break;
         for (NodeState* nsp : order) {
-          auto key = key_of(*nsp);
+          auto key = key_of(*nsp, overloaded);
           if (key && (!best || *key < *best)) best = key;
         }
       }
@@ -615,11 +636,46 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         warm++;
       }
     }
+    // Overload: at full strength with nothing moving, a replica serving on an overloaded GPU
+    // when a GPU that is not overloaded has room for it (any zone). One per GPU per call.
+    // (Once per deployment: its first demand, the stable version's.)
+    bool overload_named = false;
+    if (any_overloaded && d.gpus > 0 && first_of_deployment && serving == d.serving &&
+        warm == d.warm && !counts.moving && d.max_surge > 0) {
+      const Existing* from = nullptr;
+      const PlacementNode::Gpu* hot = nullptr;
+      for (const Existing* e : counts.ready_kept) {
+        for (const auto& g : e->ns->node->gpus) {
+          if (g.index != e->spec().gpu() || g.overloaded.empty() ||
+              overload_claimed.count({e->ns->index, g.index})) {
+            continue;
+          }
+          if (!from || e->spec().replica_id() > from->spec().replica_id()) {
+            from = e;
+            hot = &g;
+          }
+        }
+      }
+      for (size_t z = 0; from && z < zones.size() && !out.skewed.count(from->spec().replica_id());
+           ++z) {
+        for (auto [it, end] = room_in(d, z); it != end; ++it) {
+          const NodeState& to = *order[std::get<2>(*it)];
+          if (to.cpu_used + d.cpus > to.node->cpu_capacity) continue;
+          out.skewed[from->spec().replica_id()] =
+              "overloaded: " + from->ns->node->name + " GPU " + std::to_string(hot->index) +
+              " (" + hot->overloaded + "); room on " + to.node->name + " GPU " +
+              std::to_string(std::get<3>(*it));
+          overload_claimed.insert({from->ns->index, hot->index});
+          overload_named = true;
+          break;
+        }
+      }
+    }
     // Skew: at full strength with nothing moving, the node with the most of the deployment
     // against a node of its zone with room and at least two fewer.
     // (Once per deployment: its first demand, the stable version's.)
     if (first_of_deployment && serving == d.serving && warm == d.warm && !counts.moving &&
-        d.max_surge > 0 && !counts.ready_kept.empty()) {
+        d.max_surge > 0 && !counts.ready_kept.empty() && !overload_named) {
       const Existing* from = nullptr;
       int most = 0;
       for (const Existing* e : counts.ready_kept) {

@@ -31,6 +31,10 @@
 //   it in `moves` on every call until it is gone, so the move runs make-before-break exactly
 //   like one off an unhealthy GPU and is not undone when the skew it fixes disappears while
 //   the replacement loads.
+// - Overload: an overloaded GPU takes new replicas only when no other GPU has room, and a
+//   deployment at full strength with a replica serving there (nothing of it moving) names one
+//   in `skewed` when a GPU that is not overloaded has room for it; one per overloaded GPU at a
+//   time (none while a replica on it moves). The caller moves it as it moves skew.
 // - GPU memory pressure: SERVING outranks WARM. A new GPU replica for an empty SERVING slot
 //   with no room anywhere evicts WARM replicas of other deployments from one GPU of a node
 //   with the CPUs free, least recently used first (`idle_ms` as reported), choosing the GPU
@@ -55,6 +59,9 @@ struct PlacementNode {
     int index = 0;
     int64_t memory_bytes = 0;
     bool healthy = true;
+    // Why the caller judges the GPU overloaded (busy with requests waiting, or throttling);
+    // empty when it is not.
+    std::string overloaded;
   };
   std::vector<Gpu> gpus;
   // What the controller last assigned to the node (replicas it may not report yet) and what
@@ -91,8 +98,8 @@ struct PlacementResult {
   std::vector<std::string> unplaced;
   // One line per replica being moved ("deployment: ..."), while it is.
   std::vector<std::string> moves;
-  // Replicas that could move to even out their deployment (at most one per deployment), with
-  // why ("sim-3 runs 3 of enc, sim-7 1").
+  // Replicas that could move to even out their deployment or off an overloaded GPU (at most
+  // one per deployment), with why ("spread: sim-3 runs 3 of enc, sim-7 1").
   std::map<std::string, std::string> skewed;
   // WARM replicas evicted by this call to make room for SERVING ones (id -> what happened).
   // The caller passes them back in `evicted` until no node runs them.

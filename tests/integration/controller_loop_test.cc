@@ -213,6 +213,98 @@ TEST_F(ControllerLoopTest, ASecondDeploymentOfTheSameModelIsRefusedUntilTheFirst
   EXPECT_EQ(status("old").value("replicas", -1), 0);
 }
 
+TEST_F(ControllerLoopTest, AnOverloadedGpuHasOneReplicaMovedOffAfterTheRebalanceDelay) {
+  auto d = ParseModelDeployment(
+      "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: emb}\n"
+      "spec:\n  model: {name: encoder, version: \"1\", uri: \"file:///m/encoder/1/model.pt\"}\n"
+      "  replicas: 2\n  resources: {gpus: 1, gpuMemory: 10Gi, cpus: 1}\n",
+      "test");
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "emb", EncodeForStore(*d)).ok());
+  ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
+  stream_ = stub_->Connect(&ctx_);
+  v1::AgentMessage reg;
+  reg.mutable_register_()->set_node_name("n1");
+  reg.mutable_register_()->set_cpu_capacity(8);
+  for (int g = 0; g < 2; ++g) {
+    auto* gpu = reg.mutable_register_()->add_gpus();
+    gpu->set_index(g);
+    gpu->set_memory_bytes(40LL << 30);
+  }
+  ASSERT_TRUE(stream_->Write(reg));
+  for (int i = 0; i < 400 && controller_->NodesJson().find("\"n1\"") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // bounded: until it registers
+  }
+  // The node's assignment as last sent (bounded reads).
+  v1::Assignment assigned;
+  auto tick_and_read = [&]() {
+    controller_->Tick();
+    v1::ControllerMessage m;
+    while (stream_->Read(&m)) {
+      if (m.has_assignment()) {
+        assigned = m.assignment();
+        return;
+      }
+    }
+  };
+  tick_and_read();
+  ASSERT_EQ(assigned.replicas_size(), 2);
+  for (const auto& r : assigned.replicas()) EXPECT_EQ(r.gpu(), 0);  // best fit: both on GPU 0
+  // GPU 0 reports 98% busy with requests queued behind its replicas.
+  int64_t mark = 100;
+  auto report = [&](uint32_t utilization, int64_t queued) {
+    v1::AgentMessage m;
+    auto* st = m.mutable_status();
+    st->set_assignment_generation(++mark);
+    for (const auto& spec : assigned.replicas()) {
+      auto* r = st->add_replicas();
+      r->set_replica_id(spec.replica_id());
+      r->set_model("encoder");
+      r->set_version("1");
+      r->set_state(v1::SERVING);
+      r->set_healthy(true);
+      r->mutable_load()->set_queue_depth(spec.gpu() == 0 ? queued : 0);
+    }
+    for (int g = 0; g < 2; ++g) {
+      auto* gs = st->add_gpus();
+      gs->set_index(g);
+      gs->set_healthy(true);
+      gs->set_utilization_pct(g == 0 ? utilization : 5);
+    }
+    ASSERT_TRUE(stream_->Write(m));
+    const std::string seen = "\"assignmentGeneration\":" + std::to_string(mark);
+    for (int i = 0; i < 400 && controller_->NodesJson().find(seen) == std::string::npos; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  };
+  // Busy but keeping up (nothing queued): not overloaded.
+  report(98, 0);
+  clock_.Advance(absl::Seconds(31));
+  controller_->Tick();
+  report(98, 0);
+  controller_->Tick();
+  // Busy with requests waiting: overloaded, and after --rebalance-after-seconds one replica
+  // moves make-before-break to GPU 1.
+  report(98, 4);
+  controller_->Tick();
+  clock_.Advance(absl::Seconds(29));
+  report(98, 4);
+  controller_->Tick();
+  clock_.Advance(absl::Seconds(2));
+  report(98, 4);
+  controller_->Tick();  // decides the move; the next tick places its replacement
+  tick_and_read();
+  ASSERT_EQ(assigned.replicas_size(), 3) << assigned.DebugString();
+  int on_gpu1 = 0;
+  for (const auto& r : assigned.replicas()) on_gpu1 += r.gpu() == 1;
+  EXPECT_EQ(on_gpu1, 1);
+  // Once the replacement serves, the moved replica goes: one on each GPU.
+  report(98, 4);
+  tick_and_read();
+  ASSERT_EQ(assigned.replicas_size(), 2) << assigned.DebugString();
+  EXPECT_NE(assigned.replicas(0).gpu(), assigned.replicas(1).gpu());
+}
+
 TEST_F(ControllerLoopTest, ANodeThatReconnectsIsToldAgainToRunNothing) {
   // A node runs a replica no deployment wants: it is told so, also after it reconnects (the
   // controller cannot know the node kept what it was told on the stream before).

@@ -546,6 +546,70 @@ TEST(PlacementTest, ASkewedDeploymentIsEvenedOutOneMakeBeforeBreakMoveAtATime) {
   EXPECT_TRUE(settled.skewed.empty());  // 1, 1, 1: nothing to even out
 }
 
+TEST(PlacementTest, AnOverloadedGpuTakesNewReplicasLastAndOneReplicaAtATimeMovesOff) {
+  std::vector<PlacementNode> nodes = {GpuNode("a", {40LL << 30, 40LL << 30})};
+  PlacementDemand d = GpuOf("emb", 2, 0, 10);
+  Apply(Place({d}, nodes), &nodes);
+  EXPECT_EQ(All(Place({d}, nodes)),
+            (std::vector<std::string>{"a/0:emb.0:SERVING", "a/0:emb.1:SERVING"}));  // best fit
+  nodes[0].gpus[0].overloaded = "busy: 98% utilised, 7 requests queued";
+  auto p = Place({d}, nodes);
+  EXPECT_EQ(All(p), (std::vector<std::string>{"a/0:emb.0:SERVING", "a/0:emb.1:SERVING"}));
+  ASSERT_EQ(p.skewed.size(), 1u);
+  EXPECT_EQ(p.skewed.begin()->first, "emb.1");
+  EXPECT_EQ(p.skewed.begin()->second,
+            "overloaded: a GPU 0 (busy: 98% utilised, 7 requests queued); room on a GPU 1");
+  // The caller moves it make-before-break, as skew; nothing else is named meanwhile.
+  std::map<std::string, std::string> moves = {{"emb.1", "overloaded"}};
+  auto moving = Place({d}, nodes, {}, moves);
+  EXPECT_EQ(All(moving), (std::vector<std::string>{"a/0:emb.0:SERVING", "a/0:emb.1:SERVING",
+                                                    "a/1:emb.2:SERVING"}));
+  EXPECT_TRUE(moving.skewed.empty());
+  Apply(moving, &nodes);
+  auto moved = Place({d}, nodes, {}, moves);
+  EXPECT_EQ(All(moved), (std::vector<std::string>{"a/0:emb.0:SERVING", "a/1:emb.2:SERVING"}));
+  Apply(moved, &nodes);
+  // GPU 0 still overloaded, GPU 1 has room: emb.0 is next.
+  EXPECT_EQ(Place({d}, nodes).skewed.begin()->first, "emb.0");
+  // A new replica goes to GPU 1 although GPU 0 ties on fit (30 GiB left on each).
+  d.serving = 3;
+  EXPECT_EQ(All(Place({d}, nodes)), (std::vector<std::string>{"a/0:emb.0:SERVING",
+                                                              "a/1:emb.1:SERVING",
+                                                              "a/1:emb.2:SERVING"}));
+  nodes[0].gpus[0].overloaded.clear();
+  EXPECT_EQ(All(Place({d}, nodes))[1], "a/0:emb.1:SERVING");
+}
+
+TEST(PlacementTest, AnOverloadedGpuIsALastResortAndNamesOneMovePerGpu) {
+  // Only overloaded GPUs have room: a new replica still gets one; nothing can move.
+  std::vector<PlacementNode> nodes = {GpuNode("a", {24LL << 30})};
+  nodes[0].gpus[0].overloaded = "throttled: hw_thermal";
+  PlacementDemand d = GpuOf("emb", 1, 0, 10);
+  auto p = Place({d}, nodes);
+  EXPECT_EQ(All(p), std::vector<std::string>{"a/0:emb.0:SERVING"});
+  EXPECT_TRUE(p.unplaced.empty());
+  Apply(p, &nodes);
+  EXPECT_TRUE(Place({d}, nodes).skewed.empty());
+  // Two deployments on one overloaded GPU, room elsewhere: one move named per GPU per call.
+  PlacementDemand e = GpuOf("enc", 1, 0, 10);
+  nodes[0].gpus[0].overloaded.clear();
+  Apply(Place({d, e}, nodes), &nodes);
+  nodes[0].gpus[0].overloaded = "throttled: hw_thermal";
+  nodes.push_back(GpuNode("b", {80LL << 30}));
+  p = Place({d, e}, nodes);
+  ASSERT_EQ(p.skewed.size(), 1u);
+  EXPECT_EQ(p.skewed.begin()->first, "emb.0");
+  // While that move runs, the GPU names nothing more.
+  p = Place({d, e}, nodes, {}, {{"emb.0", "overloaded"}});
+  EXPECT_TRUE(p.skewed.empty());
+  // A CPU demand is never moved for it; a WARM-only replica is not either.
+  PlacementDemand c = Cpu("cpu", 1, 0);
+  std::vector<PlacementNode> cpu_nodes = {GpuNode("c", {24LL << 30}, 4), CpuNode("d", 4)};
+  Apply(Place({c}, cpu_nodes), &cpu_nodes);
+  cpu_nodes[0].gpus[0].overloaded = "busy";
+  EXPECT_TRUE(Place({c}, cpu_nodes).skewed.empty());
+}
+
 TEST(PlacementTest, AVoluntaryMoveNeverLeavesASlotEmpty) {
   std::vector<PlacementNode> nodes = {CpuNode("a", 8, "z1")};
   PlacementDemand d = Cpu("enc", 2, 0);
