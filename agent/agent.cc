@@ -6,13 +6,13 @@
 #include <systemd/sd-journal.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "agent/admin_server.h"
 #include "agent/assignment_file.h"
-#include "warm_pool/pool_plan.h"
 #include "agent/controller_client.h"
 #include "agent/fake_gpu_driver.h"
 #include "agent/nvml_driver.h"
@@ -20,6 +20,7 @@
 #include "common/logging.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
+#include "warm_pool/pool_plan.h"
 
 namespace kiln {
 
@@ -266,9 +267,34 @@ absl::Status Agent::Start() {
   ro.bind_address = options_.ingress_bind;
   ro.grpc_port = options_.grpc_port;
   ro.http_port = options_.http_port;
-  KILN_ASSIGN_OR_RETURN(router_, Router::Start(ro));
-  router_->SetTable(std::make_shared<RouterTable>(
-      BuildRouterTable(routing_, *supervisor_->Snapshot(), options_.node_name)));
+  // Socket activation (kiln-agent-grpc.socket, kiln-agent-http.socket): the router serves the
+  // sockets systemd holds, which queue connections while the agent restarts.
+  char** names = nullptr;
+  const int handed = sd_listen_fds_with_names(1, &names);
+  if (handed < 0) return absl::InternalError("LISTEN_FDS: " + std::string(strerror(-handed)));
+  absl::Status names_ok = absl::OkStatus();
+  for (int i = 0; i < handed; ++i) {
+    const std::string name = names && names[i] ? names[i] : "";
+    if (name == "grpc") {
+      ro.grpc_listen_fd = SD_LISTEN_FDS_START + i;
+    } else if (name == "http") {
+      ro.http_listen_fd = SD_LISTEN_FDS_START + i;
+    } else if (names_ok.ok()) {
+      names_ok = absl::InvalidArgumentError(
+          "LISTEN_FDNAMES: socket " + std::to_string(i) + " is named '" + name +
+          "'; the agent serves sockets named grpc and http (FileDescriptorName=)");
+    }
+  }
+  for (int i = 0; names && i < handed; ++i) free(names[i]);
+  free(names);
+  KILN_RETURN_IF_ERROR(names_ok);
+  if (handed > 0) {
+    Log()->info("router: serving {} socket(s) handed over by the service manager{}{}", handed,
+                ro.grpc_listen_fd >= 0 ? " (grpc)" : "", ro.http_listen_fd >= 0 ? " (http)" : "");
+  }
+  KILN_ASSIGN_OR_RETURN(
+      router_, Router::Start(ro, std::make_shared<RouterTable>(BuildRouterTable(
+                                     routing_, *supervisor_->Snapshot(), options_.node_name))));
   Log()->info("admin listening admin_port={} (/healthz /readyz /metrics /v1/replicas)",
               admin_->port());
   last_tick_unix_ms_ = absl::ToUnixMillis(absl::Now());

@@ -1,11 +1,18 @@
 #include "agent/router.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cpprest/http_client.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/server_builder.h>
 
 #include <random>
 #include <set>
+#include <thread>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
@@ -316,8 +323,24 @@ class Router::Impl {
 
   absl::Status Start(const Options& o) {
     grpc::ServerBuilder b;
-    b.AddListeningPort(o.bind_address + ":" + std::to_string(o.grpc_port),
-                       grpc::InsecureServerCredentials(), &grpc_port_);
+    std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> external;
+    if (o.grpc_listen_fd >= 0) {
+      auto fd = DupListener(o.grpc_listen_fd, "LISTEN_FDS (grpc)");
+      if (!fd.ok()) return fd.status();
+      listen_fd_ = *fd;
+      sockaddr_storage addr{};
+      socklen_t len = sizeof(addr);
+      getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+      grpc_port_ = ntohs(addr.ss_family == AF_INET6
+                             ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                             : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+      external = b.experimental().AddExternalConnectionAcceptor(
+          grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+          grpc::InsecureServerCredentials());
+    } else {
+      b.AddListeningPort(o.bind_address + ":" + std::to_string(o.grpc_port),
+                         grpc::InsecureServerCredentials(), &grpc_port_);
+    }
     b.RegisterService(&grpc_service_);
     b.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(o.max_request_bytes + 65536, INT32_MAX)));
     b.SetMaxSendMessageSize(INT32_MAX);
@@ -326,11 +349,19 @@ class Router::Impl {
       return absl::UnavailableError("--grpc-port: cannot listen on " + o.bind_address + ":" +
                                     std::to_string(o.grpc_port));
     }
+    if (external) {
+      // Connections accepted here and handed to gRPC; stopping this first leaves new ones
+      // queued on the socket for the next agent.
+      accept_thread_ = std::thread([this, acceptor = std::move(external)]() mutable {
+        AcceptLoop(acceptor.get());
+      });
+    }
     HttpServer::Options h;
     h.bind_address = o.bind_address;
     h.port = o.http_port;
     h.max_body_bytes = o.max_request_bytes;
     h.flags = "--http-port/--ingress-bind";
+    h.listen_fd = o.http_listen_fd;
     auto server = HttpServer::Start(
         h, [this](HttpRequest request, HttpReply reply) { Handle(std::move(request), reply); });
     if (!server.ok()) return server.status();
@@ -339,7 +370,26 @@ class Router::Impl {
     return absl::OkStatus();
   }
 
+  void AcceptLoop(grpc::experimental::ExternalConnectionAcceptor* acceptor) {
+    while (!stop_accepting_.load()) {
+      pollfd pfd{listen_fd_, POLLIN, 0};
+      if (poll(&pfd, 1, 50) <= 0) continue;
+      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) continue;  // taken meanwhile, or the client gave up
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters p;
+      p.listener_fd = listen_fd_;
+      p.fd = fd;
+      acceptor->HandleNewConnection(&p);
+    }
+  }
+
   void Stop() {
+    // First stop taking connections (they queue on a handed-over socket for the next agent),
+    // then drain what was accepted.
+    stop_accepting_ = true;
+    if (accept_thread_.joinable()) accept_thread_.join();
     if (http_server_) {
       http_server_->Stop(absl::Seconds(5));
       http_server_.reset();
@@ -352,13 +402,21 @@ class Router::Impl {
       forwards_mu_.Await(absl::Condition(&idle));
     }
     if (grpc_server_) {
-      grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      // GOAWAY: clients move new calls to a new connection; calls in flight get 5 s.
+      grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
       grpc_server_.reset();
+    }
+    if (listen_fd_ >= 0) {
+      close(listen_fd_);
+      listen_fd_ = -1;
     }
   }
 
   int grpc_port_ = 0;
   int http_port_ = 0;
+  int listen_fd_ = -1;  // our duplicate of the handed-over gRPC socket
+  std::atomic<bool> stop_accepting_{false};
+  std::thread accept_thread_;
 
  private:
   std::shared_ptr<http::client::http_client> ClientFor(const std::string& address) {
@@ -514,8 +572,11 @@ class Router::Impl {
       ABSL_GUARDED_BY(clients_mu_);
 };
 
-absl::StatusOr<std::unique_ptr<Router>> Router::Start(Options options) {
+absl::StatusOr<std::unique_ptr<Router>> Router::Start(Options options,
+                                                     std::shared_ptr<const RouterTable> table) {
   std::unique_ptr<Router> r(new Router(options));
+  // Before the first request: a restarted agent's queued connections are served at once.
+  if (table) r->SetTable(std::move(table));
   r->impl_ = std::make_unique<Impl>(r.get(), options);
   KILN_RETURN_IF_ERROR(r->impl_->Start(options));
   GetLogger("agent.router")

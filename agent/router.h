@@ -57,8 +57,15 @@ class Router {
     int grpc_port = 8001;
     int http_port = 8000;
     int64_t max_request_bytes = 64LL * 1024 * 1024;
+    // Listening sockets handed over (systemd socket activation) to serve instead of binding
+    // the ports: the kernel queues connections on them while the agent restarts, so clients
+    // see no refused connection. -1 = bind the port.
+    int grpc_listen_fd = -1;
+    int http_listen_fd = -1;
   };
-  static absl::StatusOr<std::unique_ptr<Router>> Start(Options options);
+  // Serves `table` (when given) from the first request on.
+  static absl::StatusOr<std::unique_ptr<Router>> Start(
+      Options options, std::shared_ptr<const RouterTable> table = nullptr);
   ~Router();
 
   void SetTable(std::shared_ptr<const RouterTable> table);

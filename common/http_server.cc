@@ -1,5 +1,12 @@
 #include "common/http_server.h"
 
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
@@ -350,6 +357,26 @@ void HttpServer::State::Accept() {
   });
 }
 
+absl::StatusOr<int> DupListener(int fd, const std::string& what) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  int type = 0, listening = 0;
+  socklen_t type_len = sizeof(type), listening_len = sizeof(listening);
+  if (fd < 0 || getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
+      (addr.ss_family != AF_INET && addr.ss_family != AF_INET6) ||
+      getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &type_len) != 0 || type != SOCK_STREAM ||
+      getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &listening_len) != 0 || !listening) {
+    return absl::InvalidArgumentError(what + ": the socket handed over (fd " + std::to_string(fd) +
+                                      ") is not a listening TCP socket");
+  }
+  int dup = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+  if (dup < 0) {
+    return absl::ResourceExhaustedError(what + ": cannot duplicate fd " + std::to_string(fd) +
+                                        ": " + strerror(errno));
+  }
+  return dup;
+}
+
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(Options options, Handler handler) {
   if (options.port < 0 || options.port > 65535) {
     return absl::InvalidArgumentError(options.flags + ": port must be in 0..65535, got " +
@@ -358,30 +385,46 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(Options options, H
   if (options.threads < 1) options.threads = 1;
   auto state = std::make_shared<State>(options, std::move(handler));
   beast::error_code ec;
-  auto address = net::ip::make_address(options.bind_address, ec);
-  if (ec) {
-    tcp::resolver resolver(state->ioc);
-    auto results = resolver.resolve(options.bind_address, "", ec);
-    if (ec || results.empty()) {
-      return absl::InvalidArgumentError(options.flags + ": cannot resolve bind address '" +
-                                        options.bind_address + "'");
+  if (options.listen_fd >= 0) {
+    // Its own duplicate: closing it on Stop leaves the handed-over socket listening (and
+    // queueing connections for whoever serves it next).
+    auto fd = DupListener(options.listen_fd, options.flags);
+    if (!fd.ok()) return fd.status();
+    sockaddr_storage addr{};
+    socklen_t len = sizeof(addr);
+    getsockname(*fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    state->acceptor.assign(addr.ss_family == AF_INET6 ? tcp::v6() : tcp::v4(), *fd, ec);
+    if (ec) {
+      close(*fd);
+      return absl::InvalidArgumentError(options.flags + ": the socket handed over (fd " +
+                                        std::to_string(options.listen_fd) + "): " + ec.message());
     }
-    address = results.begin()->endpoint().address();
+  } else {
+    auto address = net::ip::make_address(options.bind_address, ec);
+    if (ec) {
+      tcp::resolver resolver(state->ioc);
+      auto results = resolver.resolve(options.bind_address, "", ec);
+      if (ec || results.empty()) {
+        return absl::InvalidArgumentError(options.flags + ": cannot resolve bind address '" +
+                                          options.bind_address + "'");
+      }
+      address = results.begin()->endpoint().address();
+    }
+    tcp::endpoint endpoint(address, static_cast<uint16_t>(options.port));
+    auto fail = [&](const char* what) {
+      return absl::UnavailableError(options.flags + ": cannot listen on " + options.bind_address +
+                                    ":" + std::to_string(options.port) + " (" + what + ": " +
+                                    ec.message() + ")");
+    };
+    state->acceptor.open(endpoint.protocol(), ec);
+    if (ec) return fail("open");
+    state->acceptor.set_option(net::socket_base::reuse_address(true), ec);
+    if (ec) return fail("reuse_address");
+    state->acceptor.bind(endpoint, ec);
+    if (ec) return fail("bind");
+    state->acceptor.listen(net::socket_base::max_listen_connections, ec);
+    if (ec) return fail("listen");
   }
-  tcp::endpoint endpoint(address, static_cast<uint16_t>(options.port));
-  auto fail = [&](const char* what) {
-    return absl::UnavailableError(options.flags + ": cannot listen on " + options.bind_address +
-                                  ":" + std::to_string(options.port) + " (" + what + ": " +
-                                  ec.message() + ")");
-  };
-  state->acceptor.open(endpoint.protocol(), ec);
-  if (ec) return fail("open");
-  state->acceptor.set_option(net::socket_base::reuse_address(true), ec);
-  if (ec) return fail("reuse_address");
-  state->acceptor.bind(endpoint, ec);
-  if (ec) return fail("bind");
-  state->acceptor.listen(net::socket_base::max_listen_connections, ec);
-  if (ec) return fail("listen");
   int port = state->acceptor.local_endpoint().port();
   state->Accept();
   for (int i = 0; i < options.threads; ++i) {

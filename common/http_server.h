@@ -81,6 +81,9 @@ class HttpServer {
     absl::Duration linger_timeout = absl::Seconds(5);
     // Names the options that chose bind address and port, for the error when it cannot listen.
     std::string flags = "--bind-address/--port";
+    // A listening socket handed over (systemd socket activation) to accept on instead of
+    // binding `bind_address`/`port`; the server works on its own duplicate. -1 = none.
+    int listen_fd = -1;
   };
   // Called on one of the server's threads for each complete request.
   using Handler = std::function<void(HttpRequest request, HttpReply reply)>;
@@ -102,6 +105,10 @@ class HttpServer {
   std::shared_ptr<State> state_;
   int port_;
 };
+
+// Checks that `fd` is a listening TCP socket (handed over by systemd socket activation, say)
+// and returns a close-on-exec duplicate of it; errors start with `what`.
+absl::StatusOr<int> DupListener(int fd, const std::string& what);
 
 // The JSON error body of the Open Inference Protocol's REST errors, {"error": "..."} (bytes
 // that are not UTF-8 are replaced, never thrown on).

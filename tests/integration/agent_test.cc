@@ -1,7 +1,9 @@
 // kiln-agent with real kiln-runtime processes on loopback: an assignment file brings replicas
 // up, SIGHUP scales by promoting WARM replicas, a killed replica is restarted, a restarted
 // agent adopts the running replicas, a bad file keeps the old assignment.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -23,11 +25,13 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/server_builder.h>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/raw_http_client.h"
 #include "tests/support/requests.h"
 #include "tests/support/shell.h"
 
@@ -97,6 +101,14 @@ class AgentTest : public ::testing::Test {
       int fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 1);
       dup2(fd, 2);
+      if (!listen_fds_.empty()) {  // as systemd's socket units hand them over: fds 3, 4, ...
+        std::vector<int> high;
+        for (int l : listen_fds_) high.push_back(fcntl(l, F_DUPFD, 100));
+        for (size_t i = 0; i < high.size(); ++i) dup2(high[i], 3 + static_cast<int>(i));
+        setenv("LISTEN_FDS", std::to_string(high.size()).c_str(), 1);
+        setenv("LISTEN_PID", std::to_string(getpid()).c_str(), 1);
+        setenv("LISTEN_FDNAMES", "grpc:http", 1);
+      }
       if (journal) {  // as systemd does: stderr "is" the journal stream
         struct stat st;
         fstat(2, &st);
@@ -216,7 +228,30 @@ class AgentTest : public ::testing::Test {
   int agents_ = 0;
   std::set<int> seen_pids_;
   std::vector<std::string> extra_args_;
+  std::vector<int> listen_fds_;  // handed to the agent as LISTEN_FDS (grpc, http)
 };
+
+// A listening socket on a free loopback port, as a socket unit would hold it.
+int ListenOnLoopback() {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(fd, 1024) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+int PortOf(int fd) {
+  sockaddr_in addr{};
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  return ntohs(addr.sin_port);
+}
 
 // The ready pre-started runtime for `gpu` (-1 = CPU replicas) in /v1/replicas, or null.
 json Prestarted(const json& j, int gpu) {
@@ -449,6 +484,86 @@ TEST_F(AgentTest, APrestartedRuntimeBecomesTheStartingReplicaPinnedAndThePoolRef
     for (int i = 0; i < 400 && running(pid); ++i) absl::SleepFor(absl::Milliseconds(25));
     EXPECT_FALSE(running(pid)) << pid;
   }
+}
+
+TEST_F(AgentTest, RestartingTheAgentUnderLoadFailsNoRequestThroughItsRouter) {
+  // The router's sockets are held outside the agent, as kiln-agent-grpc.socket and
+  // kiln-agent-http.socket hold them under systemd.
+  const int grpc_socket = ListenOnLoopback(), http_socket = ListenOnLoopback();
+  ASSERT_GE(grpc_socket, 0);
+  ASSERT_GE(http_socket, 0);
+  listen_fds_ = {grpc_socket, http_socket};
+  WriteAssignment("replicas:\n" + Replica("s0", "SERVING"));
+  StartAgent();
+  EXPECT_EQ(router_grpc_, PortOf(grpc_socket));
+  EXPECT_EQ(router_http_, PortOf(http_socket));
+  json j = WaitFor([&](const json& j) { return Find(j, "s0")["state"] == "SERVING"; }, "SERVING");
+  const int s0 = Find(j, "s0")["pid"];
+  for (int i = 0; i < 400 && !Infer(router_grpc_).ok(); ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_TRUE(Infer(router_grpc_).ok());
+
+  std::atomic<bool> stop{false}, agent_down{false};
+  std::atomic<int> ok{0}, failed{0}, ok_while_down{0};
+  absl::Mutex mu;
+  std::string first_failure;
+  auto count = [&](bool success, const std::string& what) {
+    if (success) {
+      ok++;
+      if (agent_down) ok_while_down++;
+      return;
+    }
+    failed++;
+    absl::MutexLock lock(&mu);
+    if (first_failure.empty()) first_failure = what;
+  };
+  const std::string rest_body =
+      R"({"inputs":[{"name":"input_ids","datatype":"INT64","shape":[1,3],"data":[1,2,3]},)"
+      R"({"name":"attention_mask","datatype":"INT64","shape":[1,3],"data":[1,1,1]}]})";
+  std::vector<std::thread> load;
+  // gRPC on one kept channel (it gets GOAWAY and reconnects), and on a new channel per call.
+  load.emplace_back([&]() {
+    auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(router_grpc_), grpc::InsecureChannelCredentials()));
+    while (!stop) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+      inference::ModelInferResponse resp;
+      grpc::Status st = stub->ModelInfer(&ctx, kiln::testing::EncoderRequest(), &resp);
+      count(st.ok(), "grpc (kept channel): " + st.error_message());
+    }
+  });
+  load.emplace_back([&]() {
+    while (!stop) {
+      grpc::Status st = Infer(router_grpc_);
+      count(st.ok(), "grpc (new channel): " + st.error_message());
+    }
+  });
+  // REST, a connection per request.
+  load.emplace_back([&]() {
+    while (!stop) {
+      kiln::testing::RawHttpClient c(router_http_);
+      bool sent = c.connected() &&
+                  c.Send(kiln::testing::Post("/v2/models/encoder/infer", rest_body, "Connection: close\r\n"));
+      auto r = sent ? c.Read() : kiln::testing::RawHttpClient::Response{};
+      count(r.code == 200, "rest: " + std::to_string(r.code) + " " + r.body);
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  agent_down = true;
+  StopAgent(SIGTERM);
+  absl::SleepFor(absl::Milliseconds(200));  // nothing serves the sockets now: they queue
+  StartAgent();
+  j = WaitFor([&](const json& j) { return Find(j, "s0")["adopted"] == true; }, "adoption");
+  agent_down = false;
+  absl::SleepFor(absl::Milliseconds(300));
+  stop = true;
+  for (auto& t : load) t.join();
+  EXPECT_EQ(failed.load(), 0) << first_failure;
+  EXPECT_GT(ok.load(), 30);
+  EXPECT_GT(ok_while_down.load(), 0);  // requests made during the restart were served
+  EXPECT_EQ(Find(j, "s0")["pid"], s0);
+  close(grpc_socket);
+  close(http_socket);
 }
 
 TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {

@@ -9,12 +9,17 @@ cmake --install "$build" --prefix "$prefix" >/dev/null
 fail() { echo "FAIL: $*" >&2; exit 1; }
 for f in bin/kiln-agent bin/kiln-runtime bin/kiln-controller bin/kilnctl \
          lib/systemd/system/kiln-agent.service lib/systemd/system/kiln-controller.service \
+         lib/systemd/system/kiln-agent-grpc.socket lib/systemd/system/kiln-agent-http.socket \
          etc/kiln/agent.env etc/kiln/controller.env share/kiln/manifests/crd.yaml \
          share/kiln/examples/encoder.yaml share/doc/kiln/operator-guide.md; do
   [[ -e "$prefix/$f" ]] || fail "$f not installed"
 done
 agent=$prefix/lib/systemd/system/kiln-agent.service
 controller=$prefix/lib/systemd/system/kiln-controller.service
+sockets="$prefix/lib/systemd/system/kiln-agent-grpc.socket $prefix/lib/systemd/system/kiln-agent-http.socket"
+grep -q "^FileDescriptorName=grpc" $prefix/lib/systemd/system/kiln-agent-grpc.socket || fail "grpc socket name"
+grep -q "^FileDescriptorName=http" $prefix/lib/systemd/system/kiln-agent-http.socket || fail "http socket name"
+grep -q "^Sockets=kiln-agent-grpc.socket kiln-agent-http.socket" "$agent" || fail "kiln-agent.service lacks Sockets="
 grep -q "^ExecStart=$prefix/bin/kiln-agent " "$agent" || fail "agent ExecStart does not point into the prefix"
 grep -q "^EnvironmentFile=-$prefix/etc/kiln/agent.env" "$agent" || fail "agent EnvironmentFile"
 for d in Type=notify WatchdogSec= Restart=on-failure KillMode=process DeviceAllow=/dev/nvidiactl \
@@ -28,7 +33,7 @@ done
 for d in Type=notify WatchdogSec= Restart=on-failure DynamicUser=yes ProtectSystem=strict; do
   grep -q "^$d" "$controller" || fail "kiln-controller.service lacks $d"
 done
-out=$(systemd-analyze verify "$agent" "$controller" 2>&1) || fail "systemd-analyze verify: $out"
+out=$(systemd-analyze verify "$agent" "$controller" $sockets 2>&1) || fail "systemd-analyze verify: $out"
 [[ -z "$out" ]] || fail "systemd-analyze verify complained: $out"
 # A second install keeps the operator's configuration.
 echo "# mine" >> "$prefix/etc/kiln/agent.env"
