@@ -1,5 +1,6 @@
 #include "agent/router.h"
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -10,6 +11,7 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/server_builder.h>
 
+#include <cerrno>
 #include <random>
 #include <set>
 #include <thread>
@@ -328,6 +330,8 @@ class Router::Impl {
       auto fd = DupListener(o.grpc_listen_fd, "LISTEN_FDS (grpc)");
       if (!fd.ok()) return fd.status();
       listen_fd_ = *fd;
+      // Never block in accept (another process may take a connection first).
+      fcntl(listen_fd_, F_SETFL, fcntl(listen_fd_, F_GETFL) | O_NONBLOCK);
       sockaddr_storage addr{};
       socklen_t len = sizeof(addr);
       getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
@@ -375,7 +379,14 @@ class Router::Impl {
       pollfd pfd{listen_fd_, POLLIN, 0};
       if (poll(&pfd, 1, 50) <= 0) continue;
       int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-      if (fd < 0) continue;  // taken meanwhile, or the client gave up
+      if (fd < 0) {
+        // EAGAIN: taken meanwhile, or the client gave up. Anything else (out of descriptors,
+        // say) keeps failing: wait instead of spinning.
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNABORTED && errno != EINTR) {
+          absl::SleepFor(absl::Milliseconds(100));
+        }
+        continue;
+      }
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters p;

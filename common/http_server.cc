@@ -21,6 +21,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <thread>
 #include <unordered_map>
 
@@ -116,17 +117,26 @@ class HttpServer::State : public std::enable_shared_from_this<HttpServer::State>
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
   Connection(tcp::socket socket, std::shared_ptr<HttpServer::State> state)
-      : state_(std::move(state)), stream_(std::move(socket)) {}
+      : state_(std::move(state)), stream_(std::move(socket)), first_request_(stream_.get_executor()) {}
 
   void Start() {
     net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->ReadHeader(); });
   }
 
-  // On the strand: a connection waiting for a request closes now; one with a request in
-  // hand closes after its reply.
+  // On the strand: an idle keep-alive connection (one that has had its replies) closes now;
+  // one with a request in hand closes after its reply. A connection accepted before the stop
+  // that has not sent its first request yet gets one more second for it (its client connected
+  // to a running server and may be sending it now), then closes.
   void OnStopping() {
     net::dispatch(stream_.get_executor(), [self = shared_from_this()] {
-      if (self->reading_header_ || self->lingering_) self->Close();
+      if ((self->reading_header_ && self->replies_ > 0) || self->lingering_) {
+        self->Close();
+      } else if (self->reading_header_) {
+        self->first_request_.expires_after(std::chrono::seconds(1));
+        self->first_request_.async_wait([self](beast::error_code ec) {
+          if (!ec && self->reading_header_) self->Close();
+        });
+      }
     });
   }
 
@@ -147,7 +157,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
  private:
   void ReadHeader() {
     if (closed_) return;
-    if (state_->stopping()) return Close();
+    if (state_->stopping() && replies_ > 0) return Close();
     parser_.emplace();
     parser_->header_limit(static_cast<uint32_t>(state_->options.max_header_bytes));
     parser_->body_limit(static_cast<uint64_t>(state_->options.max_body_bytes));
@@ -251,6 +261,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     stream_.expires_after(Chrono(state_->options.write_timeout));
     bhttp::async_write(stream_, *response_,
                        [self = shared_from_this()](beast::error_code ec, size_t) {
+                         self->replies_++;
                          bool again = !ec && self->response_->keep_alive();
                          self->response_.reset();
                          if (again) {
@@ -285,6 +296,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void Close() {
     if (closed_) return;
     closed_ = true;
+    first_request_.cancel();
     beast::error_code ignored;
     stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
     stream_.close();
@@ -294,11 +306,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Declared first so it goes last: the socket needs the io_context the state owns.
   std::shared_ptr<HttpServer::State> state_;  // keeps the io_context for late replies
   beast::tcp_stream stream_;
+  net::steady_timer first_request_;  // while stopping: how long a fresh connection may wait
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::optional<bhttp::response<bhttp::string_body>> response_;
   bool keep_alive_ = true;
   bool reading_header_ = false;
+  int64_t replies_ = 0;  // written on this connection
   bool head_ = false;
   bool linger_ = false;  // after an error reply: drain what the client still sends
   bool lingering_ = false;
@@ -450,19 +464,28 @@ HttpServer::HttpServer(std::shared_ptr<State> state, int port)
 HttpServer::~HttpServer() { Stop(absl::Seconds(10)); }
 
 void HttpServer::Stop(absl::Duration grace) {
-  std::vector<std::shared_ptr<Connection>> open;
-  {
-    absl::MutexLock lock(&state_->mu);
-    if (state_->stopped_) return;
-    state_->stopping_ = true;
-    for (auto& [ptr, c] : state_->connections) open.push_back(c);
-  }
   State* s = state_.get();
-  net::dispatch(s->acceptor.get_executor(), [s] {
+  {
+    absl::MutexLock lock(&s->mu);
+    if (s->stopped_ || s->stopping_) return;
+  }
+  // Stop accepting first, and wait for it: a connection accepted up to here is served; one
+  // made from here on waits in the socket's queue (for whoever serves a handed-over socket
+  // next) or is refused.
+  auto closed = std::make_shared<std::promise<void>>();
+  net::dispatch(s->acceptor.get_executor(), [s, closed] {
     beast::error_code ignored;
     s->acceptor.close(ignored);
     s->accept_retry.cancel();
+    closed->set_value();
   });
+  closed->get_future().wait_for(std::chrono::seconds(5));
+  std::vector<std::shared_ptr<Connection>> open;
+  {
+    absl::MutexLock lock(&s->mu);
+    s->stopping_ = true;
+    for (auto& [ptr, c] : s->connections) open.push_back(c);
+  }
   for (auto& c : open) c->OnStopping();
   open.clear();
   {

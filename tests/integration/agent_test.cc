@@ -103,7 +103,7 @@ class AgentTest : public ::testing::Test {
       dup2(fd, 2);
       if (!listen_fds_.empty()) {  // as systemd's socket units hand them over: fds 3, 4, ...
         std::vector<int> high;
-        for (int l : listen_fds_) high.push_back(fcntl(l, F_DUPFD, 100));
+        for (int l : listen_fds_) high.push_back(fcntl(l, F_DUPFD_CLOEXEC, 100));
         for (size_t i = 0; i < high.size(); ++i) dup2(high[i], 3 + static_cast<int>(i));
         setenv("LISTEN_FDS", std::to_string(high.size()).c_str(), 1);
         setenv("LISTEN_PID", std::to_string(getpid()).c_str(), 1);
@@ -502,19 +502,28 @@ TEST_F(AgentTest, RestartingTheAgentUnderLoadFailsNoRequestThroughItsRouter) {
   for (int i = 0; i < 400 && !Infer(router_grpc_).ok(); ++i) absl::SleepFor(absl::Milliseconds(10));
   ASSERT_TRUE(Infer(router_grpc_).ok());
 
-  std::atomic<bool> stop{false}, agent_down{false};
-  std::atomic<int> ok{0}, failed{0}, ok_while_down{0};
+  // Phases: 0 the first agent serves, 1 it is stopping, 2 no agent runs, 3 the second one
+  // serves. A call is counted in the phase it started in.
+  std::atomic<int> phase{0};
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, failed{0}, raced_goaway{0};
   absl::Mutex mu;
   std::string first_failure;
-  auto count = [&](bool success, const std::string& what) {
+  auto count = [&](int started_in, bool success, bool grpc_cancelled, const std::string& what) {
     if (success) {
       ok++;
-      if (agent_down) ok_while_down++;
+      return;
+    }
+    // gRPC 1.51 (Debian's) sends its shutdown GOAWAY in one step: a call that reaches the
+    // stopping agent after its shutdown began and before the client read the GOAWAY is
+    // cancelled. Only that is allowed, only for calls made while it stopped.
+    if (grpc_cancelled && started_in == 1) {
+      raced_goaway++;
       return;
     }
     failed++;
     absl::MutexLock lock(&mu);
-    if (first_failure.empty()) first_failure = what;
+    if (first_failure.empty()) first_failure = what + " (phase " + std::to_string(started_in) + ")";
   };
   const std::string rest_body =
       R"({"inputs":[{"name":"input_ids","datatype":"INT64","shape":[1,3],"data":[1,2,3]},)"
@@ -525,42 +534,64 @@ TEST_F(AgentTest, RestartingTheAgentUnderLoadFailsNoRequestThroughItsRouter) {
     auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
         "127.0.0.1:" + std::to_string(router_grpc_), grpc::InsecureChannelCredentials()));
     while (!stop) {
+      const int started_in = phase;
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
       inference::ModelInferResponse resp;
       grpc::Status st = stub->ModelInfer(&ctx, kiln::testing::EncoderRequest(), &resp);
-      count(st.ok(), "grpc (kept channel): " + st.error_message());
+      count(started_in, st.ok(), st.error_code() == grpc::StatusCode::CANCELLED,
+            "grpc (kept channel): " + st.error_message());
     }
   });
   load.emplace_back([&]() {
     while (!stop) {
+      const int started_in = phase;
       grpc::Status st = Infer(router_grpc_);
-      count(st.ok(), "grpc (new channel): " + st.error_message());
+      count(started_in, st.ok(), st.error_code() == grpc::StatusCode::CANCELLED,
+            "grpc (new channel): " + st.error_message());
     }
   });
   // REST, a connection per request.
   load.emplace_back([&]() {
     while (!stop) {
+      const int started_in = phase;
       kiln::testing::RawHttpClient c(router_http_);
       bool sent = c.connected() &&
                   c.Send(kiln::testing::Post("/v2/models/encoder/infer", rest_body, "Connection: close\r\n"));
       auto r = sent ? c.Read() : kiln::testing::RawHttpClient::Response{};
-      count(r.code == 200, "rest: " + std::to_string(r.code) + " " + r.body);
+      count(started_in, r.code == 200, false, "rest: " + std::to_string(r.code) + " " + r.body);
     }
   });
   absl::SleepFor(absl::Milliseconds(300));
-  agent_down = true;
+  phase = 1;
   StopAgent(SIGTERM);
-  absl::SleepFor(absl::Milliseconds(200));  // nothing serves the sockets now: they queue
+  phase = 2;
+  // Made while no agent runs: they wait in the sockets' queues for the next one.
+  grpc::Status grpc_while_down;
+  kiln::testing::RawHttpClient::Response rest_while_down;
+  std::thread down_probe([&]() { grpc_while_down = Infer(router_grpc_); });
+  std::thread down_rest([&]() {
+    kiln::testing::RawHttpClient c(router_http_);
+    if (c.connected() && c.Send(kiln::testing::Post("/v2/models/encoder/infer", rest_body,
+                                                     "Connection: close\r\n"))) {
+      rest_while_down = c.Read();
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(200));
   StartAgent();
   j = WaitFor([&](const json& j) { return Find(j, "s0")["adopted"] == true; }, "adoption");
-  agent_down = false;
+  phase = 3;
   absl::SleepFor(absl::Milliseconds(300));
   stop = true;
   for (auto& t : load) t.join();
-  EXPECT_EQ(failed.load(), 0) << first_failure;
+  down_probe.join();
+  down_rest.join();
+  EXPECT_TRUE(grpc_while_down.ok()) << grpc_while_down.error_message();
+  EXPECT_EQ(rest_while_down.code, 200) << rest_while_down.body;
+  EXPECT_EQ(failed.load(), 0) << first_failure << "\nthe agent that stopped:\n"
+                              << ReadFile(dir_ + "/agent1.log");
+  EXPECT_LE(raced_goaway.load(), 2);  // at most one per gRPC client
   EXPECT_GT(ok.load(), 30);
-  EXPECT_GT(ok_while_down.load(), 0);  // requests made during the restart were served
   EXPECT_EQ(Find(j, "s0")["pid"], s0);
   close(grpc_socket);
   close(http_socket);

@@ -294,6 +294,33 @@ TEST(HttpServer, StopClosesIdleConnectionsAndLetsInFlightRepliesOut) {
   EXPECT_FALSE(late.connected());
 }
 
+TEST(HttpServer, AConnectionMadeBeforeStopStillHasItsFirstRequestServed) {
+  Parked parked;
+  auto server = StartServer(parked.Handler());
+  RawClient busy(server->port());
+  ASSERT_TRUE(busy.Send(Get("/work")));  // keeps Stop waiting
+  auto held = parked.Next();
+  ASSERT_TRUE(held);
+  RawClient fresh(server->port());  // connected, nothing sent yet
+  ASSERT_TRUE(fresh.connected());
+  auto stopped = std::async(std::launch::async, [&] { server->Stop(absl::Seconds(30)); });
+  // The server is stopping when the request comes: it is served all the same, and closes.
+  absl::SleepFor(absl::Milliseconds(100));
+  ASSERT_TRUE(fresh.Send(Get("/late")));
+  auto reply = parked.Next();
+  ASSERT_TRUE(reply);
+  reply->Send(200, "served", "text/plain");
+  auto r = fresh.Read();
+  EXPECT_EQ(r.code, 200);
+  EXPECT_EQ(r.body, "served");
+  EXPECT_NE(r.head.find("Connection: close"), std::string::npos) << r.head;
+  held->Send(200, "done", "text/plain");
+  stopped.get();
+  // Connections made once it stopped accepting are refused (nothing else serves the port).
+  RawClient late(server->port());
+  EXPECT_FALSE(late.connected());
+}
+
 TEST(HttpServer, AReplyAfterTheServerIsGoneIsDropped) {
   Parked parked;
   auto server = StartServer(parked.Handler());
