@@ -1,6 +1,8 @@
 #include "agent/agent.h"
 
+#include <netinet/in.h>
 #include <sched.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <systemd/sd-daemon.h>
 #include <systemd/sd-journal.h>
@@ -10,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 #include "agent/admin_server.h"
 #include "agent/assignment_file.h"
@@ -291,6 +294,23 @@ absl::Status Agent::Start() {
   if (handed > 0) {
     Log()->info("router: serving {} socket(s) handed over by the service manager{}{}", handed,
                 ro.grpc_listen_fd >= 0 ? " (grpc)" : "", ro.http_listen_fd >= 0 ? " (http)" : "");
+    // The socket units decide the ports now: say so where the flags ask for others.
+    auto port_of = [](int fd) {
+      sockaddr_storage addr{};
+      socklen_t len = sizeof(addr);
+      if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return 0;
+      return static_cast<int>(ntohs(addr.ss_family == AF_INET6
+                                        ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                        : reinterpret_cast<sockaddr_in*>(&addr)->sin_port));
+    };
+    for (auto [fd, flag, port] : {std::tuple<int, const char*, int>{ro.grpc_listen_fd, "--grpc-port", ro.grpc_port},
+                                  {ro.http_listen_fd, "--http-port", ro.http_port}}) {
+      if (fd >= 0 && port != 0 && port_of(fd) != port) {
+        Log()->warn("{} {} is not used: the router serves the socket handed over on port {} "
+                    "(set the port in the socket unit)",
+                    flag, port, port_of(fd));
+      }
+    }
   }
   KILN_ASSIGN_OR_RETURN(
       router_, Router::Start(ro, std::make_shared<RouterTable>(BuildRouterTable(
@@ -537,9 +557,13 @@ absl::Status Agent::ApplyFile(const AssignmentFile& file, int64_t generation) {
     pool_spec[shape] = &p.spec;
   }
   std::vector<PoolRunning> running;
+  std::set<std::string> draining;
   auto snapshot = supervisor_->Snapshot();
   for (const auto& v : *snapshot) {
-    if (v.removing) continue;
+    if (v.removing) {
+      draining.insert(v.spec.replica_id());
+      continue;
+    }
     bool loaded = v.phase == "RUNNING" && (v.state == v1::WARM || v.state == v1::SERVING);
     running.push_back({v.spec.replica_id(), ReplicaShape(v.spec),
                        IsPoolMemberId(v.spec.replica_id()), loaded, v.last_used});
@@ -548,17 +572,35 @@ absl::Status Agent::ApplyFile(const AssignmentFile& file, int64_t generation) {
   for (const auto& g : topology_.gpus) {
     if (g.identity.memory_total_bytes > 0) gpu_memory[g.identity.index] = g.identity.memory_total_bytes;
   }
-  PoolPlan plan = PlanNodePools(wanted, pools, running, gpu_memory);
-  v1::Assignment a = file.assignment;
-  a.set_generation(generation);
+  PoolPlan plan = PlanNodePools(wanted, pools, running, gpu_memory, draining);
+  std::set<std::string> existing;
+  for (const auto& r : running) existing.insert(r.id);
+  for (const auto& [from, to] : plan.renames) existing.insert(to);
+  // Pool members are best-effort: members not running yet are dropped, newest first, while
+  // the node lacks the CPUs for them, rather than the whole file being refused.
+  std::vector<std::pair<std::string, std::string>> members;  // (shape, id)
   for (const auto& [shape, ids] : plan.members) {
-    for (const auto& id : ids) {
+    for (const auto& id : ids) members.emplace_back(shape, id);
+  }
+  for (;;) {
+    v1::Assignment a = file.assignment;
+    a.set_generation(generation);
+    for (const auto& [shape, id] : members) {
       v1::ReplicaSpec* r = a.add_replicas();
       *r = *pool_spec.at(shape);
       r->set_replica_id(id);
     }
+    absl::Status s = supervisor_->Apply(a, plan.renames);
+    if (!absl::IsResourceExhausted(s)) {
+      KILN_RETURN_IF_ERROR(s);
+      break;
+    }
+    auto fresh = std::find_if(members.rbegin(), members.rend(),
+                              [&](const auto& m) { return !existing.count(m.second); });
+    if (fresh == members.rend()) return s;
+    Log()->warn("warm pool member {} not started: {}", fresh->second, std::string(s.message()));
+    members.erase(std::next(fresh).base());
   }
-  KILN_RETURN_IF_ERROR(supervisor_->Apply(a, plan.renames));
   for (const auto& id : plan.evicted) {
     Log()->info("warm pool member {} not kept: its GPU's memory is taken by the file's replicas", id);
   }

@@ -12,6 +12,7 @@
 #include <google/protobuf/util/json_util.h>
 
 #include "absl/strings/numbers.h"
+#include "agent/assignment_file.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 
@@ -145,6 +146,25 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
     cpus[s.replica_id()] = *alloc;
   }
 
+  // A running replica keeps its shape: a changed one needs a new id (checked before anything
+  // changes).
+  for (const auto& s : a.replicas()) {
+    const Replica* existing = nullptr;
+    for (const auto& [from, to] : renames) {
+      if (to == s.replica_id()) existing = &replicas_.at(from);
+    }
+    if (!existing && !renames.count(s.replica_id())) {
+      auto it = replicas_.find(s.replica_id());
+      if (it != replicas_.end()) existing = &it->second;
+    }
+    if (existing && !existing->removing &&
+        (existing->spec.model() != s.model() || existing->spec.version() != s.version() ||
+         existing->spec.gpu() != s.gpu() || existing->spec.cpus() != s.cpus())) {
+      return absl::InvalidArgumentError("replica " + s.replica_id() +
+                                        ": model, version, gpu or cpus changed; a changed "
+                                        "replica needs a new id");
+    }
+  }
   // Commit. Renames first: the same process goes on under its new id.
   std::vector<std::pair<std::string, Replica>> moved;
   for (const auto& [from, to] : renames) {
@@ -161,16 +181,17 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
   std::set<std::string> wanted;
   for (const auto& s : a.replicas()) wanted.insert(s.replica_id());
   for (auto& [id, r] : replicas_) {
-    if (!wanted.count(id) && !r.removing) BeginStop(r, "no longer assigned");
+    if (wanted.count(id)) continue;
+    r.readd.reset();
+    if (!r.removing) BeginStop(r, "no longer assigned");
   }
   for (const auto& s : a.replicas()) {
     auto it = replicas_.find(s.replica_id());
-    if (it != replicas_.end() && !it->second.removing &&
-        (it->second.spec.model() != s.model() || it->second.spec.version() != s.version() ||
-         it->second.spec.gpu() != s.gpu() || it->second.spec.cpus() != s.cpus())) {
-      return absl::InvalidArgumentError("replica " + s.replica_id() +
-                                        ": model, version, gpu or cpus changed; a changed "
-                                        "replica needs a new id");
+    if (it != replicas_.end() && it->second.removing) {
+      // Assigned again while it drains: it starts again, as now assigned, once it is gone.
+      it->second.readd = s;
+      it->second.readd_cpus = cpus[s.replica_id()];
+      continue;
     }
     if (it == replicas_.end()) {
       Replica r;
@@ -191,7 +212,15 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
 
 absl::Status Supervisor::Launch(Replica& r) {
   const v1::ReplicaSpec& s = r.spec;
+  // Named by the id, unless another replica still listens there (one renamed away from this
+  // id keeps its socket).
   r.socket = options_.state_dir + "/sockets/" + s.replica_id() + ".sock";
+  for (int k = 1; std::any_of(replicas_.begin(), replicas_.end(), [&](const auto& other) {
+         return &other.second != &r && other.second.socket == r.socket;
+       });
+       ++k) {
+    r.socket = options_.state_dir + "/sockets/" + s.replica_id() + "." + std::to_string(k) + ".sock";
+  }
   r.log_file = options_.state_dir + "/logs/" + s.replica_id() + ".log";
   if (r.socket.size() > 99) {
     return absl::InvalidArgumentError("--state-dir: too long for a unix socket path (" + r.socket +
@@ -224,7 +253,9 @@ absl::Status Supervisor::Launch(Replica& r) {
   req.env.push_back("KILN_REPLICA_ID=" + s.replica_id());
   if (real_gpu) {
     req.env.push_back("CUDA_VISIBLE_DEVICES=" + topology_.gpus[s.gpu()].identity.uuid);
-    if (options_.park_warm_replicas && s.state() == v1::WARM) {
+    // Parked while WARM; not a file's warm pool member, which may be taken over in place by a
+    // SERVING replica (a parked process stays parked).
+    if (options_.park_warm_replicas && s.state() == v1::WARM && !IsPoolMemberId(s.replica_id())) {
       req.env.push_back("CUDA_DISABLE_PERF_BOOST=1");
     }
   }
@@ -497,6 +528,18 @@ void Supervisor::BeginStop(Replica& r, const std::string& why) {
   }
 }
 
+bool Supervisor::Readd(Replica& r) {
+  if (!r.readd) return false;
+  log_("replica " + r.readd->replica_id() + ": assigned again while it stopped; starting it");
+  Replica fresh;
+  fresh.spec = *r.readd;
+  fresh.cpus = r.readd_cpus;
+  fresh.phase = Phase::kPending;
+  fresh.due = clock_->Now();
+  r = std::move(fresh);
+  return true;
+}
+
 void Supervisor::SetGpuHealth(int gpu, bool healthy, const std::string& reason) {
   bool was_healthy = !unhealthy_gpus_.count(gpu);
   if (healthy) {
@@ -567,7 +610,7 @@ void Supervisor::HandleExit(const ProcessExit& e) {
       log_("replica " + r.spec.replica_id() + ": stopped (" + ExitText(e.status) + ")");
       std::error_code ec;
       fs::remove(r.socket, ec);
-      replicas_.erase(it);
+      if (!Readd(r)) replicas_.erase(it);
       return;
     }
     RestartDecision d = OnCrash(r.crashes, clock_->Now(), options_.restart);
@@ -664,9 +707,11 @@ void Supervisor::Tick() {
   for (auto it = replicas_.begin(); it != replicas_.end();) {
     Replica& r = it->second;
     if (r.removing && r.pid == 0) {
-      it = replicas_.erase(it);
       changed_set = true;
-      continue;
+      if (!Readd(r)) {
+        it = replicas_.erase(it);
+        continue;
+      }
     }
     if ((r.phase == Phase::kPending || r.phase == Phase::kBackoff) && r.spec.gpu() >= 0 &&
         unhealthy_gpus_.count(r.spec.gpu())) {

@@ -5,6 +5,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -158,6 +159,9 @@ class Supervisor {
     int restarts = 0;
     bool crash_loop = false;
     bool removing = false;
+    // Assigned again while it drained: started anew, as this, once it is gone.
+    std::optional<v1::ReplicaSpec> readd;
+    CpuAssignment readd_cpus;
     bool adopted = false;
     bool held = false;  // stopped because its GPU is unhealthy
     absl::Time last_answer;
@@ -215,6 +219,8 @@ class Supervisor {
   // Keeps new pre-started names above the one in `path` (a socket or log of one).
   void NotePrestartName(const std::string& path);
   void HandleExit(const ProcessExit& e);
+  // A removed replica that is gone becomes its re-assignment (pending), if it has one.
+  bool Readd(Replica& r);
   void Observe(Replica& r);
   void BeginStop(Replica& r, const std::string& why);
   std::string Device(const v1::ReplicaSpec& spec) const;

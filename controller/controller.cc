@@ -430,11 +430,15 @@ void Controller::SendRouting(const std::string& node, const grpc::ByteBuffer& ta
 std::string Controller::Overloaded(const v1::GpuStatus& gpu, const v1::NodeStatus& status,
                                    const Sent& sent) const {
   if (options_.overload_utilization_pct <= 0) return "";
+  std::string throttled;
   for (const auto& reason : gpu.reasons()) {
-    if (reason.rfind("throttled:", 0) == 0) return reason;
+    if (reason.rfind("throttled:", 0) == 0) throttled = reason;
   }
-  if (static_cast<int>(gpu.utilization_pct()) < options_.overload_utilization_pct) return "";
-  // Busy is not overloaded while its replicas keep up: requests must be waiting.
+  if (throttled.empty() &&
+      static_cast<int>(gpu.utilization_pct()) < options_.overload_utilization_pct) {
+    return "";
+  }
+  // Busy or throttled is not overloaded while its replicas keep up: requests must be waiting.
   int64_t queued = 0;
   for (const auto& r : status.replicas()) {
     if (r.state() != v1::SERVING || r.load().queue_depth() <= 0) continue;
@@ -445,8 +449,9 @@ std::string Controller::Overloaded(const v1::GpuStatus& gpu, const v1::NodeStatu
     }
   }
   if (queued == 0) return "";
-  return "busy: " + std::to_string(gpu.utilization_pct()) + "% utilised, " +
-         std::to_string(queued) + " requests queued";
+  const std::string waiting = std::to_string(queued) + " requests queued";
+  if (!throttled.empty()) return throttled + ", " + waiting;
+  return "busy: " + std::to_string(gpu.utilization_pct()) + "% utilised, " + waiting;
 }
 
 void Controller::Tick() {

@@ -515,6 +515,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   }
   // Overloaded GPUs that already have a replica named to move off them this call, or moving.
   std::set<std::pair<int, int>> overload_claimed;  // (node index, gpu index)
+  std::set<std::pair<int64_t, int64_t>> no_room_for;  // (GPU memory, CPUs) with no room left
   if (any_overloaded) {
     for (const NodeState* ns : order) {
       for (const auto& spec : *ns->assignment) {
@@ -600,10 +601,12 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         best = best_fresh();
         fresh_exhausted = !best.has_value();
       }
-      // The full scan: GPUs that are not overloaded, then (only if none has room) those that
-      // are.
+      // The full scan: GPUs that are not overloaded, then (only if none has room, and not for
+      // a surge replacement of a moving replica, which may wait) those that are.
+      const bool fill_overloaded =
+          any_overloaded && (!as_serving || serving + counts.keep_moving < d.serving);
       for (bool overloaded : {false, true}) {
-        if (best || (overloaded && !any_overloaded)) break;
+        if (best || (overloaded && !fill_overloaded)) break;
         for (NodeState* nsp : order) {
           auto key = key_of(*nsp, overloaded);
           if (key && (!best || *key < *best)) best = key;
@@ -644,10 +647,16 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         warm == d.warm && !counts.moving && d.max_surge > 0) {
       const Existing* from = nullptr;
       const PlacementNode::Gpu* hot = nullptr;
+      // Moving a GPU's only SERVING replica cannot ease it (the load goes along).
+      auto serving_on = [](const NodeState& ns, int gpu) {
+        int n = 0;
+        for (const auto& spec : *ns.assignment) n += spec.gpu() == gpu && spec.state() == v1::SERVING;
+        return n;
+      };
       for (const Existing* e : counts.ready_kept) {
         for (const auto& g : e->ns->node->gpus) {
           if (g.index != e->spec().gpu() || g.overloaded.empty() ||
-              overload_claimed.count({e->ns->index, g.index})) {
+              overload_claimed.count({e->ns->index, g.index}) || serving_on(*e->ns, g.index) < 2) {
             continue;
           }
           if (!from || e->spec().replica_id() > from->spec().replica_id()) {
@@ -656,6 +665,9 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
           }
         }
       }
+      // Once a shape found no room anywhere, it finds none again within this call.
+      const auto shape = std::make_pair(d.gpu_memory_bytes, d.cpus);
+      if (from && no_room_for.count(shape)) from = nullptr;
       for (size_t z = 0; from && z < zones.size() && !out.skewed.count(from->spec().replica_id());
            ++z) {
         for (auto [it, end] = room_in(d, z); it != end; ++it) {
@@ -670,6 +682,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
           break;
         }
       }
+      if (from && !overload_named) no_room_for.insert(shape);
     }
     // Skew: at full strength with nothing moving, the node with the most of the deployment
     // against a node of its zone with room and at least two fewer.

@@ -25,11 +25,12 @@ bool FirstToDrop(const PoolRunning* a, const PoolRunning* b) {
 
 PoolPlan PlanNodePools(const std::vector<PoolWanted>& wanted, const std::vector<PoolSpec>& pools,
                        const std::vector<PoolRunning>& running,
-                       const std::map<int, int64_t>& gpu_memory_bytes) {
+                       const std::map<int, int64_t>& gpu_memory_bytes,
+                       const std::set<std::string>& reserved) {
   PoolPlan plan;
-  std::set<std::string> wanted_ids, used_ids;
+  std::set<std::string> wanted_ids, used_ids = reserved;
   for (const auto& w : wanted) wanted_ids.insert(w.id);
-  used_ids = wanted_ids;
+  used_ids.insert(wanted_ids.begin(), wanted_ids.end());
   std::map<std::string, const PoolRunning*> by_id;
   for (const auto& r : running) {
     by_id[r.id] = &r;
@@ -45,7 +46,7 @@ PoolPlan PlanNodePools(const std::vector<PoolWanted>& wanted, const std::vector<
   }
   // Scale-up: a replica new to the file takes a member of its shape.
   for (const auto& w : wanted) {
-    if (by_id.count(w.id)) continue;
+    if (by_id.count(w.id) || reserved.count(w.id)) continue;
     auto& group = members[w.shape];
     if (group.empty()) continue;
     auto best = std::min_element(group.begin(), group.end(), BetterToTake);

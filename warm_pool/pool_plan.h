@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -57,8 +58,11 @@ struct PoolPlan {
   std::vector<std::string> evicted;
 };
 
+// `reserved`: ids still held by replicas on their way out (draining): never given to a new
+// member, and a wanted replica with one is not new (it starts again once the old one is gone).
 PoolPlan PlanNodePools(const std::vector<PoolWanted>& wanted, const std::vector<PoolSpec>& pools,
                        const std::vector<PoolRunning>& running,
-                       const std::map<int, int64_t>& gpu_memory_bytes);
+                       const std::map<int, int64_t>& gpu_memory_bytes,
+                       const std::set<std::string>& reserved = {});
 
 }  // namespace kiln

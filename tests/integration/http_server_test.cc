@@ -297,12 +297,14 @@ TEST(HttpServer, StopClosesIdleConnectionsAndLetsInFlightRepliesOut) {
 TEST(HttpServer, AConnectionMadeBeforeStopStillHasItsFirstRequestServed) {
   Parked parked;
   auto server = StartServer(parked.Handler());
+  // Connected, nothing sent yet. Accepted once `busy` (connected after it) has been: the
+  // kernel queues connections in order and the server accepts them one by one.
+  RawClient fresh(server->port());
+  ASSERT_TRUE(fresh.connected());
   RawClient busy(server->port());
   ASSERT_TRUE(busy.Send(Get("/work")));  // keeps Stop waiting
   auto held = parked.Next();
   ASSERT_TRUE(held);
-  RawClient fresh(server->port());  // connected, nothing sent yet
-  ASSERT_TRUE(fresh.connected());
   auto stopped = std::async(std::launch::async, [&] { server->Stop(absl::Seconds(30)); });
   // The server is stopping when the request comes: it is served all the same, and closes.
   absl::SleepFor(absl::Milliseconds(100));

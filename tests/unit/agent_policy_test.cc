@@ -177,6 +177,15 @@ TEST(PoolPlanTest, APoolIsTrimmedStartingThenLeastRecentlyUsedFirstAndSteadyStat
   EXPECT_TRUE(plan.renames.empty());
 }
 
+TEST(PoolPlanTest, IdsOfDrainingReplicasAreNeitherNewNorReused) {
+  // s1 was removed and drains; the file wants it again: not taken from the pool. A draining
+  // member's id is not given to a new one.
+  PoolPlan plan = PlanNodePools({{"s1", "A"}}, {Pool("A", 2)},
+                                {Running("A-pool-1", "A", true, true)}, {}, {"s1", "A-pool-0"});
+  EXPECT_TRUE(plan.renames.empty());
+  EXPECT_EQ(plan.members["A"], (std::vector<std::string>{"A-pool-1", "A-pool-2"}));
+}
+
 TEST(PoolPlanTest, PoolMembersGiveWayOnAGpuTheFilesReplicasNeed) {
   const int64_t gi = int64_t{1} << 30;
   std::vector<PoolWanted> wanted = {{"s0", "A", 0, 8 * gi}};

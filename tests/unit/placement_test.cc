@@ -565,12 +565,18 @@ TEST(PlacementTest, AnOverloadedGpuTakesNewReplicasLastAndOneReplicaAtATimeMoves
   EXPECT_EQ(All(moving), (std::vector<std::string>{"a/0:emb.0:SERVING", "a/0:emb.1:SERVING",
                                                     "a/1:emb.2:SERVING"}));
   EXPECT_TRUE(moving.skewed.empty());
+  // A move's replacement never goes to an overloaded GPU: with GPU 1 overloaded too, it waits.
+  std::vector<PlacementNode> both_hot = nodes;
+  both_hot[0].gpus[1].overloaded = "busy";
+  EXPECT_EQ(All(Place({d}, both_hot, {}, moves)),
+            (std::vector<std::string>{"a/0:emb.0:SERVING", "a/0:emb.1:SERVING"}));
   Apply(moving, &nodes);
   auto moved = Place({d}, nodes, {}, moves);
   EXPECT_EQ(All(moved), (std::vector<std::string>{"a/0:emb.0:SERVING", "a/1:emb.2:SERVING"}));
   Apply(moved, &nodes);
-  // GPU 0 still overloaded, GPU 1 has room: emb.0 is next.
-  EXPECT_EQ(Place({d}, nodes).skewed.begin()->first, "emb.0");
+  // GPU 0 still overloaded, but emb.0 is its only replica now: moving it cannot ease it (the
+  // load would go along), so nothing more moves.
+  EXPECT_TRUE(Place({d}, nodes).skewed.empty());
   // A new replica goes to GPU 1 although GPU 0 ties on fit (30 GiB left on each).
   d.serving = 3;
   EXPECT_EQ(All(Place({d}, nodes)), (std::vector<std::string>{"a/0:emb.0:SERVING",
@@ -591,6 +597,7 @@ TEST(PlacementTest, AnOverloadedGpuIsALastResortAndNamesOneMovePerGpu) {
   Apply(p, &nodes);
   EXPECT_TRUE(Place({d}, nodes).skewed.empty());
   // Two deployments on one overloaded GPU, room elsewhere: one move named per GPU per call.
+  // (A GPU with one SERVING replica names none: see the test above.)
   PlacementDemand e = GpuOf("enc", 1, 0, 10);
   nodes[0].gpus[0].overloaded.clear();
   Apply(Place({d, e}, nodes), &nodes);

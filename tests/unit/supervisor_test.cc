@@ -390,6 +390,55 @@ TEST_F(SupervisorTest, ARenamedReplicaGoesOnUnderItsNewIdInTheSameProcess) {
   EXPECT_TRUE(View("s1")->adopted);
 }
 
+TEST_F(SupervisorTest, AnIdFreedByARenameGetsAnotherSocketWhileItsOldOwnerListens) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("pool-enc-0", 0, 1, v1::WARM)})).ok());
+  sup_->Tick();
+  runtimes_.Set(Socket("pool-enc-0"), v1::WARM, "enc", "1");
+  sup_->Tick();
+  // pool-enc-0 becomes s1 (still on pool-enc-0's socket); a new pool-enc-0 starts beside it.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("s1", 0, 1, v1::SERVING), Spec("pool-enc-0", 0, 1, v1::WARM)}, 2),
+                          {{"pool-enc-0", "s1"}}).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("s1")->socket, Socket("pool-enc-0"));
+  EXPECT_EQ(Arg(launcher_.launches().back(), "--control-socket"),
+            dir_.string() + "/sockets/pool-enc-0.1.sock");
+  EXPECT_EQ(View("pool-enc-0")->socket, dir_.string() + "/sockets/pool-enc-0.1.sock");
+}
+
+TEST_F(SupervisorTest, AReplicaAssignedAgainWhileItDrainsStartsAgainOnceGone) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t first = View("a")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1");
+  sup_->Tick();
+  ASSERT_TRUE(sup_->Apply(Assignment({}, 2)).ok());
+  EXPECT_EQ(View("a")->phase, "STOPPING");
+  // Back in the assignment, with a new version, before it is gone.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING, "2")}, 3)).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("a")->pid, first);  // still draining
+  launcher_.ExitCode(first, 0);
+  sup_->Tick();
+  ASSERT_NE(View("a"), nullptr);
+  EXPECT_NE(View("a")->pid, first);
+  EXPECT_EQ(View("a")->spec.version(), "2");
+  EXPECT_EQ(View("a")->restarts, 0);
+  EXPECT_EQ(Arg(launcher_.launches().back(), "--version"), "2");
+}
+
+TEST_F(SupervisorTest, ARejectedAssignmentChangesNothingEvenWithRenames) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("pool-enc-0", 0, 1, v1::WARM), Spec("b", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  // b changes version under the same id (refused), in the same assignment as a rename.
+  auto s = sup_->Apply(Assignment({Spec("s1", 0, 1, v1::SERVING), Spec("b", 0, 1, v1::SERVING, "2")}, 2),
+                       {{"pool-enc-0", "s1"}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(View("pool-enc-0"), nullptr);
+  EXPECT_EQ(View("s1"), nullptr);
+  EXPECT_EQ(View("b")->phase, "STARTING");
+  EXPECT_TRUE(launcher_.signals().empty());
+}
+
 TEST_F(SupervisorTest, LastUsedIsTheLastTimeAReplicaWasSeenServing) {
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
   const absl::Time start = clock_.Now();
