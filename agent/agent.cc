@@ -566,7 +566,7 @@ absl::Status Agent::ApplyFile(const AssignmentFile& file, int64_t generation) {
     }
     bool loaded = v.phase == "RUNNING" && (v.state == v1::WARM || v.state == v1::SERVING);
     running.push_back({v.spec.replica_id(), ReplicaShape(v.spec),
-                       IsPoolMemberId(v.spec.replica_id()), loaded, v.last_used});
+                       IsPoolMemberId(v.spec.replica_id()), loaded, v.crash_loop, v.last_used});
   }
   std::map<int, int64_t> gpu_memory;
   for (const auto& g : topology_.gpus) {

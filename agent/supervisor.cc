@@ -652,6 +652,8 @@ void Supervisor::Observe(Replica& r) {
   }
   r.control_ok = true;
   r.last_answer = now;
+  // Leaving SERVING fixes its last use: the state file keeps it across agent restarts.
+  if (r.observed == v1::SERVING && st->state() != v1::SERVING) state_dirty_ = true;
   r.observed = st->state();
   if (r.observed == v1::SERVING) r.last_used = now;
   r.grpc_port = st->grpc_port();
@@ -690,6 +692,7 @@ void Supervisor::Observe(Replica& r) {
     auto d = r.client->Demote();
     if (d.ok()) {
       r.observed = d->state();
+      state_dirty_ = true;  // its last use is fixed now
       log_("replica " + r.spec.replica_id() + ": demoted to WARM");
     } else {
       r.last_error = "demote: " + std::string(d.status().message());
@@ -774,6 +777,7 @@ absl::Status Supervisor::WriteStateFile() {
                                {"cpus", FormatCpuList(r.cpus.cpus)},
                                {"memory_node", r.cpus.memory_node},
                                {"restarts", r.restarts},
+                               {"last_used_unix_ms", absl::ToUnixMillis(r.last_used)},
                                {"spec", json::parse(spec)}});
   }
   doc["prestarted"] = json::array();
@@ -861,7 +865,11 @@ absl::Status Supervisor::Recover() {
     r.adopted = true;
     r.control_ok = true;
     r.last_answer = clock_->Now();
+    // Least recently used survives the agent's restart (what the file says; else now).
     r.last_used = clock_->Now();
+    if (e.contains("last_used_unix_ms") && e["last_used_unix_ms"].is_number_integer()) {
+      r.last_used = std::min(r.last_used, absl::FromUnixMillis(e["last_used_unix_ms"].get<int64_t>()));
+    }
     OnStart(r.crashes, clock_->Now());
     log_("replica " + spec.replica_id() + ": adopted pid " + std::to_string(pid) + " (" +
          v1::LifecycleState_Name(r.observed) + ")");

@@ -44,12 +44,15 @@ PoolPlan PlanNodePools(const std::vector<PoolWanted>& wanted, const std::vector<
   for (const auto& r : running) {
     if (r.pool_member && !wanted_ids.count(r.id)) members[r.shape].push_back(&r);
   }
-  // Scale-up: a replica new to the file takes a member of its shape.
+  // Scale-up: a replica new to the file takes a member of its shape (not one crash-looping).
   for (const auto& w : wanted) {
     if (by_id.count(w.id) || reserved.count(w.id)) continue;
     auto& group = members[w.shape];
-    if (group.empty()) continue;
-    auto best = std::min_element(group.begin(), group.end(), BetterToTake);
+    auto best = group.end();
+    for (auto it = group.begin(); it != group.end(); ++it) {
+      if (!(*it)->crash_loop && (best == group.end() || BetterToTake(*it, *best))) best = it;
+    }
+    if (best == group.end()) continue;
     plan.renames[(*best)->id] = w.id;
     group.erase(best);
   }

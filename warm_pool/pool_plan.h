@@ -46,6 +46,7 @@ struct PoolRunning {
   std::string shape;
   bool pool_member = false;  // one of a pool's own ids, not named by the file
   bool loaded = false;       // WARM or SERVING: takes traffic as soon as it is promoted
+  bool crash_loop = false;   // never taken over (a new replica would wait out its backoff)
   absl::Time last_used;      // last seen SERVING, or when it started
 };
 

@@ -117,7 +117,7 @@ TEST(GpuMonitorTest, XidsAndNewEccErrorsMakeAGpuUnhealthy) {
 
 PoolRunning Running(const std::string& id, const std::string& shape, bool member, bool loaded,
                 int64_t used_s = 0) {
-  return {id, shape, member, loaded, absl::FromUnixSeconds(used_s)};
+  return {id, shape, member, loaded, false, absl::FromUnixSeconds(used_s)};
 }
 
 PoolSpec Pool(const std::string& shape, int size, int gpu = -1, int64_t mem = 0) {
@@ -141,6 +141,11 @@ TEST(PoolPlanTest, ScaleUpTakesTheMostRecentlyUsedLoadedMembersAndRefills) {
                        {Running("s0", "A", false, true), Running("A-pool-2", "A", true, false)}, {});
   EXPECT_EQ(plan.renames, (std::map<std::string, std::string>{{"A-pool-2", "s1"}}));
   EXPECT_EQ(plan.members["A"], std::vector<std::string>{"A-pool-0"});
+  // A crash-looping member is never taken (the new replica would wait out its backoff).
+  PoolRunning looping = Running("A-pool-0", "A", true, false);
+  looping.crash_loop = true;
+  plan = PlanNodePools({{"s1", "A"}}, {Pool("A", 1)}, {looping}, {});
+  EXPECT_TRUE(plan.renames.empty());
   // A member of another shape is never taken.
   plan = PlanNodePools({{"s1", "B"}}, {Pool("A", 1)}, {Running("A-pool-0", "A", true, true)}, {});
   EXPECT_TRUE(plan.renames.empty());

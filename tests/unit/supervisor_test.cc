@@ -390,6 +390,24 @@ TEST_F(SupervisorTest, ARenamedReplicaGoesOnUnderItsNewIdInTheSameProcess) {
   EXPECT_TRUE(View("s1")->adopted);
 }
 
+TEST_F(SupervisorTest, LastUsedSurvivesARestartedSupervisor) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1");
+  sup_->Tick();
+  clock_.Advance(absl::Minutes(1));  // serving a while after the state file was last written
+  sup_->Tick();
+  const absl::Time used = View("a")->last_used;
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::WARM)}, 2)).ok());
+  sup_->Tick();  // demoted; idle from here
+  runtimes_.Set(Socket("a"), v1::WARM, "enc", "1");
+  clock_.Advance(absl::Minutes(5));
+  sup_->Tick();
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  EXPECT_EQ(View("a")->last_used, used + absl::ZeroDuration());
+}
+
 TEST_F(SupervisorTest, AnIdFreedByARenameGetsAnotherSocketWhileItsOldOwnerListens) {
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("pool-enc-0", 0, 1, v1::WARM)})).ok());
   sup_->Tick();
