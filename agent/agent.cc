@@ -1,8 +1,6 @@
 #include "agent/agent.h"
 
-#include <netinet/in.h>
 #include <sched.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <systemd/sd-daemon.h>
 #include <systemd/sd-journal.h>
@@ -20,6 +18,7 @@
 #include "agent/fake_gpu_driver.h"
 #include "agent/nvml_driver.h"
 #include "agent/router.h"
+#include "common/http_server.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
@@ -295,20 +294,12 @@ absl::Status Agent::Start() {
     Log()->info("router: serving {} socket(s) handed over by the service manager{}{}", handed,
                 ro.grpc_listen_fd >= 0 ? " (grpc)" : "", ro.http_listen_fd >= 0 ? " (http)" : "");
     // The socket units decide the ports now: say so where the flags ask for others.
-    auto port_of = [](int fd) {
-      sockaddr_storage addr{};
-      socklen_t len = sizeof(addr);
-      if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return 0;
-      return static_cast<int>(ntohs(addr.ss_family == AF_INET6
-                                        ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
-                                        : reinterpret_cast<sockaddr_in*>(&addr)->sin_port));
-    };
     for (auto [fd, flag, port] : {std::tuple<int, const char*, int>{ro.grpc_listen_fd, "--grpc-port", ro.grpc_port},
                                   {ro.http_listen_fd, "--http-port", ro.http_port}}) {
-      if (fd >= 0 && port != 0 && port_of(fd) != port) {
+      if (fd >= 0 && port != 0 && LocalPort(fd) != port) {
         Log()->warn("{} {} is not used: the router serves the socket handed over on port {} "
                     "(set the port in the socket unit)",
-                    flag, port, port_of(fd));
+                    flag, port, LocalPort(fd));
       }
     }
   }

@@ -332,12 +332,7 @@ class Router::Impl {
       listen_fd_ = *fd;
       // Never block in accept (another process may take a connection first).
       fcntl(listen_fd_, F_SETFL, fcntl(listen_fd_, F_GETFL) | O_NONBLOCK);
-      sockaddr_storage addr{};
-      socklen_t len = sizeof(addr);
-      getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-      grpc_port_ = ntohs(addr.ss_family == AF_INET6
-                             ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
-                             : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+      grpc_port_ = LocalPort(listen_fd_);
       external = b.experimental().AddExternalConnectionAcceptor(
           grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
           grpc::InsecureServerCredentials());

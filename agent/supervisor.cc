@@ -314,8 +314,8 @@ std::map<Supervisor::PoolKey, Supervisor::PoolPlace> Supervisor::Pools() const {
   return out;
 }
 
-int Supervisor::PoolTarget(PoolKey key) const {
-  if (pool_stopped_ || !Pools().count(key)) return 0;
+int Supervisor::PoolTarget(const std::map<PoolKey, PoolPlace>& pools, PoolKey key) const {
+  if (pool_stopped_ || !pools.count(key)) return 0;
   return key.first < 0 ? options_.prestart_cpu : options_.prestart_per_gpu;
 }
 
@@ -374,10 +374,7 @@ bool Supervisor::HandOver(Replica& r, const LaunchRequest& cold) {
   return false;
 }
 
-absl::Status Supervisor::LaunchPrestarted(PoolKey key) {
-  const auto pools = Pools();
-  auto place = pools.find(key);
-  if (place == pools.end()) return absl::NotFoundError("no such pool");
+absl::Status Supervisor::LaunchPrestarted(PoolKey key, const PoolPlace& place) {
   const std::string name = "prestart-" + std::to_string(++prestart_seq_);
   const int gpu = key.first;
   Prestarted p;
@@ -395,8 +392,8 @@ absl::Status Supervisor::LaunchPrestarted(PoolKey key) {
               "--control-socket", p.socket,
               "--device", real_gpu ? "cuda:0" : "cpu",
               "--log-level", options_.runtime_log_level};
-  req.cpus = place->second.cpus;
-  req.memory_node = place->second.memory_node;
+  req.cpus = place.cpus;
+  req.memory_node = place.memory_node;
   req.log_file = p.log_file;
   if (gpu >= 0) p.gpu_uuid = topology_.gpus[gpu].identity.uuid;
   // Not parked: the replicas it is for are mostly new SERVING ones, which run unparked (a
@@ -487,8 +484,9 @@ void Supervisor::TickPool() {
   for (auto& [name, p] : prestarted_) {
     if (!p.stopping) have[p.key()].push_back({name, &p});
   }
+  const auto pools = Pools();
   for (auto& [key, members] : have) {
-    const int target = PoolTarget(key);
+    const int target = PoolTarget(pools, key);
     std::sort(members.begin(), members.end(), [](const auto& a, const auto& b) {
       if (a.second->ready != b.second->ready) return !a.second->ready;
       return a.second->started > b.second->started;
@@ -497,11 +495,12 @@ void Supervisor::TickPool() {
       StopPrestarted(members[i].first, *members[i].second, "more than the pool's size");
     }
   }
-  for (const auto& [key, place] : Pools()) {
+  for (const auto& [key, place] : pools) {
     if (key.first >= 0 && unhealthy_gpus_.count(key.first)) continue;
     PoolSlot& slot = pool_slots_[key];
-    for (int n = static_cast<int>(have[key].size()); n < PoolTarget(key) && now >= slot.due; ++n) {
-      absl::Status s = LaunchPrestarted(key);
+    const int target = PoolTarget(pools, key);
+    for (int n = static_cast<int>(have[key].size()); n < target && now >= slot.due; ++n) {
+      absl::Status s = LaunchPrestarted(key, place);
       if (!s.ok()) {
         RestartDecision d = OnCrash(slot.crashes, now, options_.restart);
         slot.due = d.restart_at;
@@ -895,6 +894,7 @@ void Supervisor::NotePrestartName(const std::string& path) {
 
 void Supervisor::RecoverPrestarted(const json& doc) {
   if (!doc.contains("prestarted") || !doc["prestarted"].is_array()) return;
+  const auto pools = Pools();
   for (const auto& e : doc["prestarted"]) {
     if (!e.is_object() || !e.contains("pid") || !e["pid"].is_number_integer() ||
         !e.contains("socket") || !e["socket"].is_string() || !e.contains("name") ||
@@ -931,7 +931,7 @@ void Supervisor::RecoverPrestarted(const json& doc) {
       why = "it was being stopped";
     } else if (!waiting) {
       why = "not waiting for a Load";
-    } else if (PoolTarget(p.key()) <= 0) {
+    } else if (PoolTarget(pools, p.key()) <= 0) {
       why = "no pool for it";
     } else if (p.gpu >= 0 && topology_.gpus[p.gpu].identity.uuid != p.gpu_uuid) {
       why = "gpu " + std::to_string(p.gpu) + " is now another GPU";

@@ -203,7 +203,7 @@ class Supervisor {
   // false when none could (then it starts cold). A runtime that fails the Load is killed; one
   // that refuses the arguments twice is retired.
   bool HandOver(Replica& r, const LaunchRequest& cold);
-  absl::Status LaunchPrestarted(PoolKey key);
+
   void StopPrestarted(const std::string& name, Prestarted& p, const std::string& why);
   void DropPrestarted(std::map<std::string, Prestarted>::iterator it, bool failed);
   void TickPool();
@@ -213,7 +213,9 @@ class Supervisor {
     int memory_node = -1;
   };
   std::map<PoolKey, PoolPlace> Pools() const;
-  int PoolTarget(PoolKey key) const;
+  // How many pre-started runtimes pool `key` of `pools` (Pools()) keeps.
+  int PoolTarget(const std::map<PoolKey, PoolPlace>& pools, PoolKey key) const;
+  absl::Status LaunchPrestarted(PoolKey key, const PoolPlace& place);
   // Adopts the pre-started runtimes of the state file (`doc`) still waiting for a Load.
   void RecoverPrestarted(const nlohmann::json& doc);
   // Keeps new pre-started names above the one in `path` (a socket or log of one).

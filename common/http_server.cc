@@ -1,6 +1,7 @@
 #include "common/http_server.h"
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -389,6 +390,15 @@ absl::StatusOr<int> DupListener(int fd, const std::string& what) {
                                         ": " + strerror(errno));
   }
   return dup;
+}
+
+int LocalPort(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return 0;
+  if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+  if (addr.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  return 0;
 }
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(Options options, Handler handler) {

@@ -109,6 +109,8 @@ class HttpServer {
 // Checks that `fd` is a listening TCP socket (handed over by systemd socket activation, say)
 // and returns a close-on-exec duplicate of it; errors start with `what`.
 absl::StatusOr<int> DupListener(int fd, const std::string& what);
+// The local TCP port of socket `fd` (IPv4 or IPv6); 0 when it has none.
+int LocalPort(int fd);
 
 // The JSON error body of the Open Inference Protocol's REST errors, {"error": "..."} (bytes
 // that are not UTF-8 are replaced, never thrown on).

@@ -562,7 +562,12 @@ TEST_F(AgentTest, RestartingTheAgentUnderLoadFailsNoRequestThroughItsRouter) {
       count(started_in, r.code == 200, false, "rest: " + std::to_string(r.code) + " " + r.body);
     }
   });
-  absl::SleepFor(absl::Milliseconds(300));
+  // Bounded polls: until the clients have had some answers in this phase.
+  auto answered = [&](int more) {
+    const int until = ok.load() + more;
+    for (int i = 0; i < 2000 && ok.load() < until; ++i) absl::SleepFor(absl::Milliseconds(5));
+  };
+  answered(15);
   phase = 1;
   StopAgent(SIGTERM);
   phase = 2;
@@ -570,18 +575,22 @@ TEST_F(AgentTest, RestartingTheAgentUnderLoadFailsNoRequestThroughItsRouter) {
   grpc::Status grpc_while_down;
   kiln::testing::RawHttpClient::Response rest_while_down;
   std::thread down_probe([&]() { grpc_while_down = Infer(router_grpc_); });
+  std::atomic<bool> rest_sent{false};
   std::thread down_rest([&]() {
     kiln::testing::RawHttpClient c(router_http_);
     if (c.connected() && c.Send(kiln::testing::Post("/v2/models/encoder/infer", rest_body,
                                                      "Connection: close\r\n"))) {
+      rest_sent = true;
       rest_while_down = c.Read();
     }
   });
-  absl::SleepFor(absl::Milliseconds(200));
+  // Bounded poll: the REST request is in the socket's queue before the next agent starts.
+  for (int i = 0; i < 2000 && !rest_sent; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_TRUE(rest_sent);
   StartAgent();
   j = WaitFor([&](const json& j) { return Find(j, "s0")["adopted"] == true; }, "adoption");
   phase = 3;
-  absl::SleepFor(absl::Milliseconds(300));
+  answered(15);
   stop = true;
   for (auto& t : load) t.join();
   down_probe.join();

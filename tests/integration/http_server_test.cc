@@ -306,8 +306,14 @@ TEST(HttpServer, AConnectionMadeBeforeStopStillHasItsFirstRequestServed) {
   auto held = parked.Next();
   ASSERT_TRUE(held);
   auto stopped = std::async(std::launch::async, [&] { server->Stop(absl::Seconds(30)); });
-  // The server is stopping when the request comes: it is served all the same, and closes.
-  absl::SleepFor(absl::Milliseconds(100));
+  // The server is stopping when the request comes (bounded poll: until it refuses new
+  // connections): it is served all the same, and closes.
+  bool refusing = false;
+  for (int i = 0; i < 500 && !refusing; ++i) {
+    refusing = !RawClient(server->port()).connected();
+    if (!refusing) absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(refusing);
   ASSERT_TRUE(fresh.Send(Get("/late")));
   auto reply = parked.Next();
   ASSERT_TRUE(reply);
