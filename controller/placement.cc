@@ -2,17 +2,29 @@
 
 #include <algorithm>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <set>
+#include <span>
+#include <string_view>
 #include <tuple>
 #include <unordered_map>
 
 namespace kiln {
 
-std::string DeploymentOfReplica(const std::string& replica_id) {
+namespace {
+
+// DeploymentOfReplica without a copy: a view into `replica_id`.
+std::string_view DeploymentView(std::string_view replica_id) {
   size_t dot = replica_id.find('.');
-  if (dot == std::string::npos || dot == 0) return "";
+  if (dot == std::string_view::npos || dot == 0) return {};
   return replica_id.substr(0, dot);
+}
+
+}  // namespace
+
+std::string DeploymentOfReplica(const std::string& replica_id) {
+  return std::string(DeploymentView(replica_id));
 }
 
 namespace {
@@ -25,8 +37,9 @@ struct Existing {
   // Model, version, gpu, cpus, state as assigned (the node's entry, not copied) or, for a
   // replica only reported, as reported.
   const v1::ReplicaSpec* assigned = nullptr;
-  v1::ReplicaSpec reported_spec;
-  const v1::ReplicaSpec& spec() const { return assigned ? *assigned : reported_spec; }
+  std::unique_ptr<v1::ReplicaSpec> reported_spec;  // only for a replica only reported
+  const std::string* id = nullptr;  // its id where the input holds it (outlives Place)
+  const v1::ReplicaSpec& spec() const { return assigned ? *assigned : *reported_spec; }
   v1::LifecycleState keep_as = v1::LIFECYCLE_STATE_UNSPECIFIED;  // SERVING or WARM when kept
   v1::LifecycleState reported = v1::LIFECYCLE_STATE_UNSPECIFIED;
   bool healthy = true;     // not crash-looping or FAILED: worth keeping
@@ -125,6 +138,19 @@ void NoteIdInUse(const std::string& id, std::set<int>* used) {
   }
 }
 
+// The demands' (deployment, version) groups: for each demand, the position of the first one
+// with the same deployment and version (demands come sorted by deployment).
+std::vector<size_t> DemandGroups(const std::vector<PlacementDemand>& demands) {
+  std::vector<size_t> group(demands.size());
+  for (size_t i = 0; i < demands.size(); ++i) {
+    group[i] = i;
+    for (size_t j = i; j-- > 0 && demands[j].deployment == demands[i].deployment;) {
+      if (demands[j].version == demands[i].version) group[i] = group[j];
+    }
+  }
+  return group;
+}
+
 int GpuFromDevice(const std::string& device) {
   if (device.rfind("cuda:", 0) != 0) return -1;
   try {
@@ -147,11 +173,13 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   std::stable_sort(demands.begin(), demands.end(),
                    [](const auto& a, const auto& b) { return a.deployment < b.deployment; });
   std::map<std::string, NodeState> state;
-  std::unordered_map<std::string, std::vector<Existing>> by_deployment;
+  // Keyed by views into the input's replica ids, which outlive this call.
+  std::unordered_map<std::string_view, std::vector<Existing>> by_deployment;
   for (const PlacementNode& n : nodes) {
     NodeState& ns = state[n.name];
     ns.node = &n;
     ns.assignment = &out.nodes[n.name];  // every ready node gets an assignment, maybe empty
+    ns.assignment->reserve(ns.assignment->size() + n.assigned.size() + n.reported.size());
     // A node runs a handful of replicas: a vector searched by id beats a map.
     std::vector<Existing> seen;
     seen.reserve(n.assigned.size() + n.reported.size());
@@ -160,6 +188,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       Existing& e = seen.emplace_back();
       e.ns = &ns;
       e.assigned = &spec;
+      e.id = &spec.replica_id();
       e.gpu_memory = spec.gpu_memory_bytes();
     }
     for (const v1::ReplicaStatus* reported : n.reported) {
@@ -170,13 +199,16 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       if (it == seen.end()) {
         Existing e;
         e.ns = &ns;
-        e.reported_spec.set_replica_id(rs.replica_id());
-        e.reported_spec.set_model(rs.model());
-        e.reported_spec.set_version(rs.version());
-        e.reported_spec.set_gpu(GpuFromDevice(rs.device()));
-        e.reported_spec.set_state(rs.state());
-        e.reported_spec.set_cpus(CountCpus(rs.cpus()));
-        e.reported_spec.set_gpu_memory_bytes(rs.gpu_memory_bytes());
+        e.reported_spec = std::make_unique<v1::ReplicaSpec>();
+        e.id = &rs.replica_id();
+        v1::ReplicaSpec& spec = *e.reported_spec;
+        spec.set_replica_id(rs.replica_id());
+        spec.set_model(rs.model());
+        spec.set_version(rs.version());
+        spec.set_gpu(GpuFromDevice(rs.device()));
+        spec.set_state(rs.state());
+        spec.set_cpus(CountCpus(rs.cpus()));
+        spec.set_gpu_memory_bytes(rs.gpu_memory_bytes());
         e.gpu_memory = rs.gpu_memory_bytes();
         seen.push_back(std::move(e));
         it = seen.end() - 1;
@@ -190,7 +222,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       it->gpu_memory = std::max(it->gpu_memory, rs.measured_gpu_memory_bytes());
     }
     for (Existing& e : seen) {
-      std::string dep = DeploymentOfReplica(e.spec().replica_id());
+      std::string_view dep = DeploymentView(*e.id);
       if (!dep.empty()) by_deployment[dep].push_back(std::move(e));
     }
   }
@@ -235,17 +267,29 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     bool moving = false;      // some replica of it is moving
     std::vector<const Existing*> ready_kept;  // SERVING, taking traffic, staying
   };
-  std::unordered_map<std::string, Kept> kept;
-  std::unordered_map<std::string, std::set<int>> ids_in_use;
-  auto key = [](const PlacementDemand& d) { return d.deployment + "\n" + d.version; };
-  for (const PlacementDemand& d : demands) {
-    std::vector<Existing*> mine;
-    std::set<int>& used_ids = ids_in_use[d.deployment];
-    for (const std::string& id : retired_ids) {
-      if (DeploymentOfReplica(id) == d.deployment) NoteIdInUse(id, &used_ids);
+  const std::vector<size_t> group = DemandGroups(demands);
+  std::vector<Kept> kept(demands.size());  // by the demand's group
+  auto existing_of = [&](const std::string& deployment) -> std::span<Existing> {
+    auto it = by_deployment.find(deployment);
+    return it == by_deployment.end() ? std::span<Existing>() : std::span<Existing>(it->second);
+  };
+  // The numbers a deployment's new replicas may not take: its replicas' and retired ones'.
+  // Made when the deployment first places a replica (a steady tick places none).
+  std::unordered_map<std::string_view, std::set<int>> ids_in_use;
+  auto ids_of = [&](const std::string& deployment) -> std::set<int>& {
+    auto [it, added] = ids_in_use.try_emplace(deployment);
+    if (added) {
+      for (const std::string& id : retired_ids) {
+        if (DeploymentView(id) == deployment) NoteIdInUse(id, &it->second);
+      }
+      for (const Existing& e : existing_of(deployment)) NoteIdInUse(*e.id, &it->second);
     }
-    for (Existing& e : by_deployment[d.deployment]) {
-      NoteIdInUse(e.spec().replica_id(), &used_ids);
+    return it->second;
+  };
+  for (size_t di = 0; di < demands.size(); ++di) {
+    const PlacementDemand& d = demands[di];
+    std::vector<Existing*> mine;
+    for (Existing& e : existing_of(d.deployment)) {
       // A replica whose CPUs or GPU kind no longer fit the spec is replaced (the agent
       // refuses to change a running replica's shape under the same id).
       bool same_shape = e.spec().cpus() == d.cpus && (e.spec().gpu() >= 0) == (d.gpus > 0);
@@ -352,7 +396,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       add(*e->ns, std::move(spec), std::max(e->gpu_memory, d.gpu_memory_bytes),
           leaving.count(e) ? nullptr : &spread_of(d.deployment));
     }
-    Kept& counts = kept[key(d)];
+    Kept& counts = kept[group[di]];
     counts.serving = serving;
     counts.warm = warm;
     counts.keep_moving = keep_moving;
@@ -496,8 +540,15 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       Spread& victim_spread = spread_of(dep);
       victim_spread.Remove(ns.index);
       victim_spread.per_zone[ns.zone_id]--;
-      auto k = kept.find(dep + "\n" + spec.version());
-      if (k != kept.end()) k->second.warm--;
+      auto first = std::lower_bound(
+          demands.begin(), demands.end(), dep,
+          [](const PlacementDemand& a, const std::string& b) { return a.deployment < b; });
+      for (auto it = first; it != demands.end() && it->deployment == dep; ++it) {
+        if (it->version == spec.version()) {
+          kept[group[it - demands.begin()]].warm--;
+          break;
+        }
+      }
       out.evicted[spec.replica_id()] =
           spec.replica_id() + " (WARM, idle " +
           std::to_string(idle_of(ns, spec.replica_id()) / 1000) + " s) on " + ns.node->name +
@@ -527,16 +578,17 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   }
 
   // Pass 2: new replicas.
-  for (const PlacementDemand& d : demands) {
+  for (size_t di = 0; di < demands.size(); ++di) {
+    const PlacementDemand& d = demands[di];
     const bool first_of_deployment =
         previous_deployment == nullptr || *previous_deployment != d.deployment;
     previous_deployment = &d.deployment;
-    Kept& counts = kept[key(d)];
+    Kept& counts = kept[group[di]];
     int64_t serving = counts.serving;
     int64_t warm = counts.warm;
-    std::set<int>& used_ids = ids_in_use[d.deployment];
     int next_id = 0;
     auto fresh_id = [&]() {
+      std::set<int>& used_ids = ids_of(d.deployment);
       while (used_ids.count(next_id)) next_id++;
       used_ids.insert(next_id);
       return d.deployment + "." + std::to_string(next_id);
@@ -723,10 +775,11 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     counts.serving = serving;
     counts.warm = warm;  // a later demand's evictions may still lower it
   }
-  for (const PlacementDemand& d : demands) {
+  for (size_t di = 0; di < demands.size(); ++di) {
+    const PlacementDemand& d = demands[di];
     // What is short of the wanted counts: serving slots that neither a replica nor a moving one
     // (still serving until its replacement does) fills, and the warm pool's gap.
-    const Kept& counts = kept[key(d)];
+    const Kept& counts = kept[group[di]];
     const int64_t unplaced =
         std::max<int64_t>(0, d.serving - counts.serving - counts.keep_moving) +
         std::max<int64_t>(0, d.warm - counts.warm);
