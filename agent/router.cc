@@ -466,11 +466,8 @@ class Router::Impl {
         return;
       }
       if (parts.size() == next + 1 && parts[next] == "infer" && request.method == "POST") {
-        // The server has already refused a declared size over the limit (413).
-        if (!request.Header("Content-Length")) {
-          Reply(reply, 411, JsonError("Content-Length is required"));
-          return;
-        }
+        // Whole and within the limit (a declared size over it was refused from the header, a
+        // chunked body cut at it, both 413); forwarded with its length.
         Sticky sticky = StickyOf(request, model);
         Forward(reply, model, version, path, std::move(request.body), sticky, {}, 0);
         return;

@@ -205,11 +205,8 @@ class HttpFrontend::Impl {
                                     "or use gRPC raw_input_contents"));
       return;
     }
-    // The server has already refused a declared size over the limit (413) before the body.
-    if (!http_request.Header("Content-Length")) {
-      Reply(request, 411, JsonError("Content-Length is required"));
-      return;
-    }
+    // The body arrived whole and within the limit: the server refuses a declared size over it
+    // (413) before reading a byte, and cuts a chunked body at it.
     auto params = std::make_shared<json>();
     auto decoded = DecodeJsonInferRequest(http_request.body, model, version,
                                           options_.max_request_bytes, params.get());

@@ -13,6 +13,7 @@
 #include "common/http_server.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
+#include "nlohmann/json.hpp"
 #include "tests/support/raw_http_client.h"
 
 namespace kiln {
@@ -119,6 +120,28 @@ TEST(RouterStopTest, StopsWithARestForwardInFlight) {
   client.join();
   EXPECT_NE(code.load(), 200);
   EXPECT_NE(code.load(), -1);
+  (*replica)->Stop(absl::Seconds(1));
+}
+
+// A REST inference whose body comes chunked (no Content-Length) reaches the replica whole.
+TEST(RouterRestTest, AChunkedBodyIsForwardedWhole) {
+  HttpServer::Options ho;
+  ho.bind_address = "127.0.0.1";
+  auto replica = HttpServer::Start(ho, [&](HttpRequest request, HttpReply reply) {
+    reply.Send(200, nlohmann::json{{"model_name", "encoder"}, {"received", request.body}}.dump(),
+               "application/json");
+  });
+  ASSERT_TRUE(replica.ok()) << replica.status();
+  auto router = StartRouter(
+      {{"r.0", "1", "127.0.0.1:1", "127.0.0.1:" + std::to_string((*replica)->port()), false}});
+  ASSERT_NE(router, nullptr);
+  std::string body = R"({"inputs":[{"name":"x","datatype":"INT64","shape":[1,3],"data":[1,2,3]}]})";
+  testing::RawHttpClient c(router->http_port());
+  ASSERT_TRUE(c.Send(testing::PostChunked("/v2/models/encoder/infer", body, 5)));
+  auto r = c.Read();
+  ASSERT_EQ(r.code, 200) << r.head << r.body;
+  EXPECT_EQ(nlohmann::json::parse(r.body)["received"], body);
+  router->Stop();
   (*replica)->Stop(absl::Seconds(1));
 }
 

@@ -20,6 +20,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/runtime_process.h"
+#include "tests/support/raw_http_client.h"
 #include "tests/support/requests.h"
 #include "tests/support/shell.h"
 
@@ -778,6 +779,26 @@ TEST(RuntimeTest, HostileRestBodiesAreRefusedAndTheServerLives) {
   std::string deep_param = R"({"parameters":{"p":)" + std::string(200000, '[') +
                            std::string(200000, ']') + R"(},"inputs":[]})";
   EXPECT_EQ(Http(port, "POST", "/v2/models/addsub/infer", deep_param).code, 400);
+  // A chunked body (no Content-Length) is served; one that grows past the limit is cut at it
+  // (413) without the server holding more of it.
+  const std::string ok_body =
+      R"({"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[1,4],"data":[1,2,3,4]},)"
+      R"({"name":"INPUT1","datatype":"FP32","shape":[1,4],"data":[1,1,1,1]}]})";
+  {
+    testing::RawHttpClient c(port);
+    ASSERT_TRUE(c.Send(testing::PostChunked("/v2/models/addsub/infer", ok_body, 7)));
+    auto r = c.Read();
+    ASSERT_EQ(r.code, 200) << r.head << r.body;
+    json out = json::parse(r.body);
+    EXPECT_EQ(out["outputs"][0]["name"], "OUTPUT0");
+    EXPECT_EQ(out["outputs"][0]["data"], json({2, 3, 4, 5}));
+  }
+  {
+    testing::RawHttpClient c(port);
+    std::string huge = R"({"inputs":[],"pad":")" + std::string(2 << 20, 'x') + R"("})";
+    c.Send(testing::PostChunked("/v2/models/addsub/infer", huge, 64 << 10));
+    EXPECT_EQ(c.Read().code, 413);
+  }
   EXPECT_EQ(Http(port, "GET", "/v2/health/live").code, 200);
   auto state = rt->GetState();
   ASSERT_TRUE(state.ok());

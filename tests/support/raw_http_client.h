@@ -8,6 +8,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <string>
 
@@ -102,6 +103,19 @@ inline std::string Get(const std::string& path, const std::string& extra = "") {
 inline std::string Post(const std::string& path, const std::string& body, const std::string& extra = "") {
   return "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) +
          "\r\n" + extra + "\r\n" + body;
+}
+
+// A POST whose body goes in chunks of `chunk` bytes (Transfer-Encoding: chunked, no length).
+inline std::string PostChunked(const std::string& path, const std::string& body, size_t chunk) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out = "POST " + path + " HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
+  for (size_t at = 0; at < body.size(); at += chunk) {
+    size_t n = std::min(chunk, body.size() - at);
+    std::string size;
+    for (size_t v = n; v > 0; v /= 16) size.insert(size.begin(), kHex[v % 16]);
+    out += size + "\r\n" + body.substr(at, n) + "\r\n";
+  }
+  return out + "0\r\n\r\n";
 }
 
 }  // namespace kiln::testing
