@@ -815,6 +815,9 @@ std::string Agent::MetricsText() {
        [](const v1::RuntimeStats& s) { return s.queue_depth(); });
   emit("kiln_replica_latency_p99_seconds", "gauge", "p99 request latency since start.",
        [](const v1::RuntimeStats& s) { return s.latency_p99_micros() / 1e6; });
+  emit("kiln_replica_compute_p99_seconds", "gauge",
+       "p99 time the model took per execution (a batch counts once) since start.",
+       [](const v1::RuntimeStats& s) { return s.compute_p99_micros() / 1e6; });
   {
     std::map<std::pair<int, bool>, int> pool;  // (gpu, ready) -> count
     int per_gpu = options_.prestart_per_gpu;

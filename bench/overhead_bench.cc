@@ -12,6 +12,10 @@
 // Environment: KILN_MODEL_REPO (required for BM_InProcessForward), KILN_BENCH_MODEL (default
 // encoder), KILN_BENCH_THREADS (backend threads, default: the model config's),
 // KILN_GRPC_ADDRESS, KILN_HTTP_ADDRESS. A missing variable skips its benchmarks with an error.
+// KILN_CONTROL_SOCKET (optional, the runtime's --control-socket): the served benchmarks then
+// also report `server_compute_us`, the mean time the model itself took inside the server over
+// the run (RuntimeControl Stats), which splits the overhead into the model running slower when
+// served and everything else.
 //
 // This file must include neither spdlog nor fmt: it links LibTorch (through
 // kiln_backend_torchscript), whose bundled fmt clashes with theirs.
@@ -33,6 +37,7 @@
 #include "bench/http_client.h"
 #include "bench/oip.h"
 #include "inference/grpc_service.grpc.pb.h"
+#include "kiln/v1/runtime_control.grpc.pb.h"
 #include "runtime/backend.h"
 #include "runtime/model_config.h"
 #include "runtime/tensor.h"
@@ -135,6 +140,32 @@ void BM_InProcessForward(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * batch);
 }
 
+// The runtime's model time (sum and count of its compute histogram), over its control socket
+// when KILN_CONTROL_SOCKET names one.
+struct ComputeSample {
+  double sum = 0;
+  uint64_t count = 0;
+};
+std::optional<ComputeSample> ServerCompute() {
+  const std::string socket = Env("KILN_CONTROL_SOCKET");
+  if (socket.empty()) return std::nullopt;
+  static auto stub = kiln::v1::RuntimeControl::NewStub(
+      grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  kiln::v1::RuntimeStats stats;
+  if (!stub->Stats(&ctx, {}, &stats).ok()) return std::nullopt;
+  return ComputeSample{stats.compute_micros().sum(), stats.compute_micros().count()};
+}
+
+// Sets `server_compute_us` from two samples around the timed loop.
+void ReportServerCompute(benchmark::State& state, const std::optional<ComputeSample>& before) {
+  std::optional<ComputeSample> after = ServerCompute();
+  if (!before || !after || after->count <= before->count) return;
+  state.counters["server_compute_us"] =
+      (after->sum - before->sum) / static_cast<double>(after->count - before->count);
+}
+
 void BM_GrpcServed(benchmark::State& state) {
   const std::string address = Env("KILN_GRPC_ADDRESS");
   if (address.empty()) {
@@ -158,6 +189,7 @@ void BM_GrpcServed(benchmark::State& state) {
       return;
     }
   }
+  const std::optional<ComputeSample> before = ServerCompute();
   for (auto _ : state) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -167,6 +199,7 @@ void BM_GrpcServed(benchmark::State& state) {
       break;
     }
   }
+  ReportServerCompute(state, before);
   state.SetItemsProcessed(state.iterations() * batch);
 }
 
@@ -240,6 +273,7 @@ void BM_RestServed(benchmark::State& state) {
       return;
     }
   }
+  const std::optional<ComputeSample> before = ServerCompute();
   for (auto _ : state) {
     absl::StatusOr<HttpResponse> resp = client.Post(path, body);
     if (!resp.ok()) {
@@ -251,6 +285,7 @@ void BM_RestServed(benchmark::State& state) {
       break;
     }
   }
+  ReportServerCompute(state, before);
   state.SetItemsProcessed(state.iterations() * batch);
 }
 

@@ -191,7 +191,8 @@ start_runtime batch "$WORK/models" --initial-state serving
 B_PID=$RT_PID B_GRPC=$RT_GRPC B_HTTP=$RT_HTTP
 wait_http_ready "$B_HTTP" "kiln-runtime (batching)"
 log "starting kiln-runtime (no batching)"
-start_runtime nobatch "$WORK/models-nobatch" --initial-state serving
+start_runtime nobatch "$WORK/models-nobatch" --initial-state serving \
+  --control-socket "$WORK/nobatch-control.sock"
 N_PID=$RT_PID N_GRPC=$RT_GRPC N_HTTP=$RT_HTTP
 wait_http_ready "$N_HTTP" "kiln-runtime (no batching)"
 
@@ -233,7 +234,7 @@ stop_pid "$B_PID"
 # batcher's max_queue_delay on every request.
 log "kiln-overhead-bench (served = kiln-runtime without batching)"
 KILN_MODEL_REPO="$WORK/models" KILN_GRPC_ADDRESS="127.0.0.1:$N_GRPC" \
-  KILN_HTTP_ADDRESS="127.0.0.1:$N_HTTP" timeout --kill-after=5 600 "$OVERHEAD" \
+  KILN_HTTP_ADDRESS="127.0.0.1:$N_HTTP" KILN_CONTROL_SOCKET="$WORK/nobatch-control.sock" timeout --kill-after=5 600 "$OVERHEAD" \
   --benchmark_min_time=1 --benchmark_repetitions=3 --benchmark_enable_random_interleaving=true \
   --benchmark_report_aggregates_only=true --benchmark_out="$RESULTS_DIR/overhead.json" \
   --benchmark_out_format=json >"$WORK/overhead.log" 2>&1 || true

@@ -24,7 +24,13 @@ absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(
       engine->batcher_,
       Batcher::Create(
           engine->config_,
-          [self](std::vector<Tensor> inputs) { return self->backend_->Execute(std::move(inputs)); },
+          [self](std::vector<Tensor> inputs) {
+            const absl::Time start = self->clock_->Now();
+            auto outputs = self->backend_->Execute(std::move(inputs));
+            self->compute_micros_.Record(
+                absl::ToDoubleMicroseconds(self->clock_->Now() - start));
+            return outputs;
+          },
           clock,
           [self](int64_t requests, int64_t rows) {
             self->batches_++;
@@ -42,6 +48,7 @@ InferenceEngine::InferenceEngine(ModelConfig config, std::string version,
       lifecycle_(lifecycle),
       clock_(clock),
       latency_micros_(Histogram::ExponentialBounds(25, 1.5, 36)),
+      compute_micros_(Histogram::ExponentialBounds(25, 1.5, 36)),
       batch_size_(Histogram::ExponentialBounds(1, 2, 12)) {
   if (config_.response_cache.enable) {
     cache_ = std::make_unique<ResponseCache>(config_.response_cache.max_bytes);
@@ -392,6 +399,7 @@ EngineStats InferenceEngine::Stats() const {
   s.rejected_queue_full = rejected_queue_full_.load();
   s.timed_out = timed_out_.load();
   s.latency_micros = latency_micros_.Take();
+  s.compute_micros = compute_micros_.Take();
   s.batch_size = batch_size_.Take();
   if (cache_) s.cache = cache_->counters();
   return s;

@@ -48,6 +48,9 @@ struct EngineStats {
   uint64_t rejected_queue_full = 0;
   uint64_t timed_out = 0;
   Histogram::Snapshot latency_micros;
+  // How long the model took per execution (a batch counts once), in microseconds: the part of
+  // a request's latency that is the model's, apart from queueing and the frontends.
+  Histogram::Snapshot compute_micros;
   Histogram::Snapshot batch_size;
   ResponseCache::Counters cache;
 };
@@ -121,6 +124,7 @@ class InferenceEngine {
   std::atomic<uint64_t> timed_out_{0};
   std::atomic<int64_t> in_flight_{0};
   Histogram latency_micros_;
+  Histogram compute_micros_;
   Histogram batch_size_;
   mutable absl::Mutex idle_mu_;
 };

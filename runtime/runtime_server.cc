@@ -277,6 +277,9 @@ v1::RuntimeStats RuntimeServer::Stats() {
   out.set_queue_depth(s.queue_depth);
   ToProto(s.latency_micros, out.mutable_latency_micros());
   ToProto(s.batch_size, out.mutable_batch_size());
+  ToProto(s.compute_micros, out.mutable_compute_micros());
+  out.set_compute_p50_micros(s.compute_micros.Quantile(0.5));
+  out.set_compute_p99_micros(s.compute_micros.Quantile(0.99));
   out.set_cache_hits(s.cache.hits);
   out.set_cache_misses(s.cache.misses);
   out.set_cache_bytes(static_cast<uint64_t>(s.cache.bytes));

@@ -399,6 +399,11 @@ TEST(RuntimeTest, SixtyFourConcurrentMixedRequestsEachGetTheirOwnAnswer) {
   EXPECT_EQ(stats.errors(), 0u);
   // Concurrent requests of equal shape were combined: fewer executions than requests.
   EXPECT_LT(stats.batches(), stats.requests());
+  // Each execution's model time is recorded once, and it is part of its requests' latency.
+  EXPECT_EQ(stats.compute_micros().count(), stats.batches());
+  EXPECT_GT(stats.compute_micros().sum(), 0);
+  EXPECT_LE(stats.compute_micros().sum(), stats.latency_micros().sum());
+  EXPECT_GT(stats.compute_p50_micros(), 0);
 }
 
 grpc::Status Infer(inference::GRPCInferenceService::Stub* stub,

@@ -358,5 +358,55 @@ TEST_F(EngineTest, ValidationErrorsSayWhatWasExpected) {
   EXPECT_EQ(engine_->in_flight(), 0);
 }
 
+// A backend whose every execution takes `step` of simulated time.
+class SlowBackend : public Backend {
+ public:
+  SlowBackend(SimulatedClock* clock, absl::Duration step) : clock_(clock), step_(step) {}
+  absl::StatusOr<std::vector<Tensor>> Execute(std::vector<Tensor> in) override {
+    clock_->Advance(step_);
+    in[0].name = "y";
+    return in;
+  }
+  std::string device() const override { return "cpu"; }
+
+ private:
+  SimulatedClock* clock_;
+  absl::Duration step_;
+};
+
+// The model's time per execution is kept apart from the request's latency.
+TEST(EngineComputeTest, ModelTimeIsRecordedPerExecution) {
+  SimulatedClock clock;
+  Lifecycle lifecycle(&clock);
+  ModelConfig config;
+  config.name = "m";
+  config.backend = "fake";
+  config.max_batch_size = 4;
+  config.inputs = {{"x", DataType::kFp32, {2}}};
+  config.outputs = {{"y", DataType::kFp32, {2}}};
+  auto engine = InferenceEngine::Create(
+      config, "1", std::make_unique<SlowBackend>(&clock, absl::Milliseconds(3)), &lifecycle,
+      &clock);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  ASSERT_TRUE(lifecycle.Transition(RuntimeState::kWarm, "test").ok());
+  ASSERT_TRUE(lifecycle.Transition(RuntimeState::kServing, "test").ok());
+  for (int i = 0; i < 3; ++i) {
+    InferRequest r;
+    r.model_name = "m";
+    Tensor t;
+    t.name = "x";
+    t.dtype = DataType::kFp32;
+    t.shape = {1, 2};
+    t.data.assign(8, '\0');
+    r.inputs.push_back(t);
+    ASSERT_TRUE((*engine)->InferSync(r).ok());
+  }
+  EngineStats s = (*engine)->Stats();
+  EXPECT_EQ(s.compute_micros.count, 3u);
+  EXPECT_DOUBLE_EQ(s.compute_micros.sum, 9000);
+  EXPECT_EQ(s.latency_micros.count, 3u);
+  EXPECT_GE(s.latency_micros.sum, 9000);
+}
+
 }  // namespace
 }  // namespace kiln
