@@ -453,6 +453,13 @@ absl::StatusOr<v1::RuntimeStats> Agent::ReplicaStats(const std::string& socket) 
   return client->Stats();
 }
 
+absl::Time LastActive(const std::optional<ActivitySample>& previous, uint64_t requests,
+                      absl::Time now, absl::Time last_used) {
+  if (!previous) return std::min(now, last_used);
+  if (requests == previous->requests) return previous->active;
+  return now;
+}
+
 v1::NodeStatus Agent::MakeStatus() {
   v1::NodeStatus st;
   absl::Time now = absl::Now();
@@ -482,14 +489,17 @@ v1::NodeStatus Agent::MakeStatus() {
       load->set_mean_batch_size(stats->batch_size().sum() / static_cast<double>(stats->batches()));
     }
     auto prev = last_stats_.find(v.socket);
-    absl::Time active = now;
+    std::optional<ActivitySample> previous;
+    if (prev != last_stats_.end()) {
+      previous = ActivitySample{prev->second.stats.requests(), prev->second.active};
+    }
+    const absl::Time active = LastActive(previous, stats->requests(), now, v.last_used);
     if (prev != last_stats_.end() && stats->requests() >= prev->second.stats.requests()) {
       double secs = absl::ToDoubleSeconds(now - prev->second.at);
       uint64_t dr = stats->requests() - prev->second.stats.requests();
       uint64_t de = stats->errors() - std::min(stats->errors(), prev->second.stats.errors());
       if (secs > 0) load->set_qps(dr / secs);
       if (dr > 0) load->set_error_rate(static_cast<double>(de) / dr);
-      if (dr == 0) active = prev->second.active;
     }
     r->set_idle_ms(absl::ToInt64Milliseconds(now - active));
     last_stats_[v.socket] = {now, *stats, active};

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -49,6 +50,19 @@ struct AgentOptions {
 };
 
 absl::Status ValidateAgentOptions(const AgentOptions& options);
+
+// When a replica was last active, which its reported idle time counts from. With an earlier
+// Stats sample (its request count and when it was last active): now when the count moved
+// since, else the sample's time (a count that went down, a restarted runtime, counts as
+// moved). Without one (the replica just started, or the agent did): when the supervisor last
+// saw it SERVING, which the state file keeps, so a WARM replica's idle time (what "least
+// recently used" means to the controller's evictions) survives an agent restart.
+struct ActivitySample {
+  uint64_t requests = 0;
+  absl::Time active;
+};
+absl::Time LastActive(const std::optional<ActivitySample>& previous, uint64_t requests,
+                      absl::Time now, absl::Time last_used);
 
 class HttpServer;
 class Router;

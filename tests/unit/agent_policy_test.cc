@@ -2,6 +2,7 @@
 // the router's choices and the GPU power plan.
 #include <map>
 
+#include "agent/agent.h"
 #include "agent/fake_gpu_driver.h"
 #include "agent/gpu_monitor.h"
 #include "agent/gpu_power.h"
@@ -356,6 +357,23 @@ TEST(GpuPowerTest, EnforceAppliesReadsBackAndRestoresOnExit) {
                                       "power_limit 1 250000", "power_limit 1 700000"}));
   EXPECT_EQ(ParsePowerMode("enforce").value(), PowerMode::kEnforce);
   EXPECT_FALSE(ParsePowerMode("yes").ok());
+}
+
+// A replica's idle time counts from its last request; with no earlier sample (the agent just
+// restarted) from when it was last seen SERVING, never from the restart itself.
+TEST(LastActiveTest, IdleTimeSurvivesAnAgentRestart) {
+  const absl::Time now = absl::FromUnixSeconds(1'000'000);
+  const absl::Time served = now - absl::Minutes(40);
+  // First sample after a restart: a WARM replica last SERVING 40 minutes ago is that idle.
+  EXPECT_EQ(LastActive(std::nullopt, 7, now, served), served);
+  // A clock that went back (last_used in the future) never makes it negative.
+  EXPECT_EQ(LastActive(std::nullopt, 7, now, now + absl::Minutes(1)), now);
+  // Later samples: no new requests keep the earlier time; new ones, or a count that went
+  // down (its runtime restarted), are activity now.
+  ActivitySample before{7, served};
+  EXPECT_EQ(LastActive(before, 7, now, now), served);
+  EXPECT_EQ(LastActive(before, 9, now, served), now);
+  EXPECT_EQ(LastActive(before, 2, now, served), now);
 }
 
 }  // namespace
