@@ -454,8 +454,8 @@ absl::StatusOr<v1::RuntimeStats> Agent::ReplicaStats(const std::string& socket) 
 }
 
 absl::Time LastActive(const std::optional<ActivitySample>& previous, uint64_t requests,
-                      absl::Time now, absl::Time last_used) {
-  if (!previous) return std::min(now, last_used);
+                      absl::Time now, absl::Time last_serving) {
+  if (!previous) return std::min(now, last_serving);
   if (requests == previous->requests) return previous->active;
   return now;
 }
@@ -468,14 +468,16 @@ v1::NodeStatus Agent::MakeStatus() {
     v1::ReplicaStatus* r = st.add_replicas();
     *r = ToStatus(v);
     if (v.pid <= 0 || v.socket.empty()) continue;
+    // When it last served: now while it does (the state file's time may be hours old for a
+    // replica adopted SERVING), else the supervisor's record.
+    const absl::Time last_serving = v.state == v1::SERVING ? now : std::min(now, v.last_used);
     auto stats = ReplicaStats(v.socket);
     absl::MutexLock lock(&load_mu_);
     if (!stats.ok()) {
       // No numbers this time; its idle time still counts from its last known activity.
       auto seen = last_stats_.find(v.socket);
-      if (seen != last_stats_.end()) {
-        r->set_idle_ms(absl::ToInt64Milliseconds(now - seen->second.active));
-      }
+      r->set_idle_ms(absl::ToInt64Milliseconds(
+          now - (seen != last_stats_.end() ? seen->second.active : last_serving)));
       continue;
     }
     v1::ReplicaLoad* load = r->mutable_load();
@@ -493,7 +495,7 @@ v1::NodeStatus Agent::MakeStatus() {
     if (prev != last_stats_.end()) {
       previous = ActivitySample{prev->second.stats.requests(), prev->second.active};
     }
-    const absl::Time active = LastActive(previous, stats->requests(), now, v.last_used);
+    const absl::Time active = LastActive(previous, stats->requests(), now, last_serving);
     if (prev != last_stats_.end() && stats->requests() >= prev->second.stats.requests()) {
       double secs = absl::ToDoubleSeconds(now - prev->second.at);
       uint64_t dr = stats->requests() - prev->second.stats.requests();

@@ -54,15 +54,16 @@ absl::Status ValidateAgentOptions(const AgentOptions& options);
 // When a replica was last active, which its reported idle time counts from. With an earlier
 // Stats sample (its request count and when it was last active): now when the count moved
 // since, else the sample's time (a count that went down, a restarted runtime, counts as
-// moved). Without one (the replica just started, or the agent did): when the supervisor last
-// saw it SERVING, which the state file keeps, so a WARM replica's idle time (what "least
-// recently used" means to the controller's evictions) survives an agent restart.
+// moved). Without one (the replica just started, or the agent did): `last_serving`, now for a
+// replica serving now, else when the supervisor last saw it SERVING (the state file keeps it),
+// so a WARM replica's idle time (what "least recently used" means to the controller's
+// evictions) survives an agent restart.
 struct ActivitySample {
   uint64_t requests = 0;
   absl::Time active;
 };
 absl::Time LastActive(const std::optional<ActivitySample>& previous, uint64_t requests,
-                      absl::Time now, absl::Time last_used);
+                      absl::Time now, absl::Time last_serving);
 
 class HttpServer;
 class Router;

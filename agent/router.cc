@@ -467,7 +467,13 @@ class Router::Impl {
       }
       if (parts.size() == next + 1 && parts[next] == "infer" && request.method == "POST") {
         // Whole and within the limit (a declared size over it was refused from the header, a
-        // chunked body cut at it, both 413); forwarded with its length.
+        // chunked body cut at it, both 413); forwarded with its length. An empty one would go
+        // on as a GET.
+        if (request.body.empty()) {
+          Reply(reply, 400, JsonError("the inference request has no body (expected a JSON "
+                                      "object with \"inputs\")"));
+          return;
+        }
         Sticky sticky = StickyOf(request, model);
         Forward(reply, model, version, path, std::move(request.body), sticky, {}, 0);
         return;

@@ -123,11 +123,14 @@ TEST(RouterStopTest, StopsWithARestForwardInFlight) {
   (*replica)->Stop(absl::Seconds(1));
 }
 
-// A REST inference whose body comes chunked (no Content-Length) reaches the replica whole.
+// A REST inference whose body comes chunked (no Content-Length) reaches the replica whole; one
+// with no body at all is refused by the router (400), not passed on.
 TEST(RouterRestTest, AChunkedBodyIsForwardedWhole) {
   HttpServer::Options ho;
   ho.bind_address = "127.0.0.1";
+  std::atomic<int> calls{0};
   auto replica = HttpServer::Start(ho, [&](HttpRequest request, HttpReply reply) {
+    calls++;
     reply.Send(200, nlohmann::json{{"model_name", "encoder"}, {"received", request.body}}.dump(),
                "application/json");
   });
@@ -141,6 +144,15 @@ TEST(RouterRestTest, AChunkedBodyIsForwardedWhole) {
   auto r = c.Read();
   ASSERT_EQ(r.code, 200) << r.head << r.body;
   EXPECT_EQ(nlohmann::json::parse(r.body)["received"], body);
+  for (const std::string& empty : {testing::Post("/v2/models/encoder/infer", ""),
+                                   testing::PostChunked("/v2/models/encoder/infer", "", 4)}) {
+    testing::RawHttpClient e(router->http_port());
+    ASSERT_TRUE(e.Send(empty));
+    auto refused = e.Read();
+    EXPECT_EQ(refused.code, 400) << refused.head << refused.body;
+    EXPECT_NE(refused.body.find("no body"), std::string::npos) << refused.body;
+  }
+  EXPECT_EQ(calls.load(), 1);
   router->Stop();
   (*replica)->Stop(absl::Seconds(1));
 }

@@ -400,7 +400,9 @@ TEST(RuntimeTest, SixtyFourConcurrentMixedRequestsEachGetTheirOwnAnswer) {
   // Concurrent requests of equal shape were combined: fewer executions than requests.
   EXPECT_LT(stats.batches(), stats.requests());
   // Each execution's model time is recorded once, and it is part of its requests' latency.
-  EXPECT_EQ(stats.compute_micros().count(), stats.batches());
+  // (A batch whose inputs could not be joined counts as a batch but never runs.)
+  EXPECT_GT(stats.compute_micros().count(), 0u);
+  EXPECT_LE(stats.compute_micros().count(), stats.batches());
   EXPECT_GT(stats.compute_micros().sum(), 0);
   EXPECT_LE(stats.compute_micros().sum(), stats.latency_micros().sum());
   EXPECT_GT(stats.compute_p50_micros(), 0);

@@ -107,6 +107,7 @@ inline std::string Post(const std::string& path, const std::string& body, const 
 
 // A POST whose body goes in chunks of `chunk` bytes (Transfer-Encoding: chunked, no length).
 inline std::string PostChunked(const std::string& path, const std::string& body, size_t chunk) {
+  if (chunk == 0) chunk = 1;
   static const char kHex[] = "0123456789abcdef";
   std::string out = "POST " + path + " HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
   for (size_t at = 0; at < body.size(); at += chunk) {
