@@ -206,12 +206,13 @@ class AgentTest : public ::testing::Test {
   bool Ready() { return Get("/readyz").first == 200; }
 
   // A real inference through the replica's own gRPC port (or the router's).
-  grpc::Status Infer(int port, std::string* version = nullptr, const std::string& user = "") {
+  grpc::Status Infer(int port, std::string* version = nullptr, const std::string& user = "",
+                     int deadline_s = 10) {
     auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
         "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
     inference::ModelInferRequest req = kiln::testing::EncoderRequest();
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(deadline_s));
     if (!user.empty()) ctx.AddMetadata("x-user-id", user);
     inference::ModelInferResponse resp;
     grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
@@ -553,7 +554,8 @@ TEST_F(AgentTest, RestartingTheAgentUnderLoadFailsNoRequestThroughItsRouter) {
     while (!stop) {
       const int started_in = phase;
       grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+      // Up to 60 s, as a call made while no agent runs waits for the next one (below).
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
       inference::ModelInferResponse resp;
       grpc::Status st = stub->ModelInfer(&ctx, kiln::testing::EncoderRequest(), &resp);
       count(started_in, st.ok(), st.error_code() == grpc::StatusCode::CANCELLED,
@@ -563,16 +565,17 @@ TEST_F(AgentTest, RestartingTheAgentUnderLoadFailsNoRequestThroughItsRouter) {
   load.emplace_back([&]() {
     while (!stop) {
       const int started_in = phase;
-      grpc::Status st = Infer(router_grpc_);
+      grpc::Status st = Infer(router_grpc_, nullptr, "", 60);
       count(started_in, st.ok(), st.error_code() == grpc::StatusCode::CANCELLED,
             "grpc (new channel): " + st.error_message());
     }
   });
-  // REST, a connection per request.
+  // REST, a connection per request. Reads wait up to 60 s: a request made while no agent runs
+  // waits in the socket's queue until the next one has started and adopted its replicas.
   load.emplace_back([&]() {
     while (!stop) {
       const int started_in = phase;
-      kiln::testing::RawHttpClient c(router_http_);
+      kiln::testing::RawHttpClient c(router_http_, 60);
       bool sent = c.connected() &&
                   c.Send(kiln::testing::Post("/v2/models/encoder/infer", rest_body, "Connection: close\r\n"));
       auto r = sent ? c.Read() : kiln::testing::RawHttpClient::Response{};
@@ -591,10 +594,10 @@ TEST_F(AgentTest, RestartingTheAgentUnderLoadFailsNoRequestThroughItsRouter) {
   // Made while no agent runs: they wait in the sockets' queues for the next one.
   grpc::Status grpc_while_down;
   kiln::testing::RawHttpClient::Response rest_while_down;
-  std::thread down_probe([&]() { grpc_while_down = Infer(router_grpc_); });
+  std::thread down_probe([&]() { grpc_while_down = Infer(router_grpc_, nullptr, "", 60); });
   std::atomic<bool> rest_sent{false};
   std::thread down_rest([&]() {
-    kiln::testing::RawHttpClient c(router_http_);
+    kiln::testing::RawHttpClient c(router_http_, 60);
     if (c.connected() && c.Send(kiln::testing::Post("/v2/models/encoder/infer", rest_body,
                                                      "Connection: close\r\n"))) {
       rest_sent = true;
@@ -615,7 +618,8 @@ TEST_F(AgentTest, RestartingTheAgentUnderLoadFailsNoRequestThroughItsRouter) {
   EXPECT_TRUE(grpc_while_down.ok()) << grpc_while_down.error_message();
   EXPECT_EQ(rest_while_down.code, 200) << rest_while_down.body;
   EXPECT_EQ(failed.load(), 0) << first_failure << "\nthe agent that stopped:\n"
-                              << ReadFile(dir_ + "/agent1.log");
+                              << ReadFile(dir_ + "/agent1.log") << "\nthe next one:\n"
+                              << ReadFile(log_);
   EXPECT_LE(raced_goaway.load(), 2);  // at most one per gRPC client
   EXPECT_GT(ok.load(), 30);
   EXPECT_EQ(Find(j, "s0")["pid"], s0);

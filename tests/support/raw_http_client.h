@@ -17,9 +17,10 @@ namespace kiln::testing {
 // A blocking client on a raw socket, so a test can send half a request or nothing.
 class RawHttpClient {
  public:
-  explicit RawHttpClient(int port) {
+  // Every read is bounded by `read_timeout_s`: a hang fails the test instead of stalling it.
+  explicit RawHttpClient(int port, int read_timeout_s = 10) {
     fd_ = socket(AF_INET, SOCK_STREAM, 0);
-    timeval tv{10, 0};  // bound every read: a hang fails the test instead of stalling it
+    timeval tv{read_timeout_s, 0};
     setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
