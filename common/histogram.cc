@@ -1,6 +1,7 @@
 #include "common/histogram.h"
 
 #include <algorithm>
+#include <sstream>
 
 namespace kiln {
 
@@ -45,6 +46,25 @@ double Histogram::Snapshot::Quantile(double q) const {
     seen += counts[i];
   }
   return bounds.empty() ? 0 : bounds.back();
+}
+
+std::string Histogram::Snapshot::Prometheus(const std::string& name, const std::string& help,
+                                           const std::string& labels) const {
+  std::ostringstream out;
+  out.precision(17);
+  const std::string sep = labels.empty() ? "" : ",";
+  out << "# HELP " << name << " " << help << "\n# TYPE " << name << " histogram\n";
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < bounds.size(); ++i) {
+    cumulative += i < counts.size() ? counts[i] : 0;
+    out << name << "_bucket{" << labels << sep << "le=\"" << bounds[i] << "\"} " << cumulative
+        << "\n";
+  }
+  out << name << "_bucket{" << labels << sep << "le=\"+Inf\"} " << count << "\n";
+  const std::string braces = labels.empty() ? "" : "{" + labels + "}";
+  out << name << "_sum" << braces << " " << sum << "\n";
+  out << name << "_count" << braces << " " << count << "\n";
+  return out.str();
 }
 
 }  // namespace kiln

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -26,6 +27,11 @@ class Histogram {
     uint64_t count = 0;
     // Linear interpolation inside the bucket holding quantile q (0..1); 0 when empty.
     double Quantile(double q) const;
+    // The Prometheus text exposition of this histogram as metric `name` (HELP, TYPE,
+    // cumulative `_bucket{le=...}` lines, `_sum`, `_count`); `labels` (`a="x",b="y"`, or empty)
+    // go on every line.
+    std::string Prometheus(const std::string& name, const std::string& help,
+                           const std::string& labels = "") const;
   };
   Snapshot Take() const;
 

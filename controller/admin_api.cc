@@ -93,6 +93,15 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
         r.authorization.empty() ? "this server needs Authorization: Bearer <token>"
                                 : "the bearer token is not valid"));
   }
+  if (r.path == "/metrics" && metrics_) {
+    if (r.method != "GET") {
+      return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
+    }
+    ApiResponse out;
+    out.body = metrics_();
+    out.content_type = "text/plain; version=0.0.4";
+    return out;
+  }
   if (r.path == kNodesPath && nodes_) {
     if (r.method != "GET") {
       return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));

@@ -48,6 +48,8 @@ class AdminApi {
   ApiResponse Handle(const ApiRequest& request);
   // GET /apis/serving.kiln.dev/v1alpha1/nodes answers with this (the controller's view).
   void SetNodesSource(std::function<std::string()> nodes) { nodes_ = std::move(nodes); }
+  // GET /metrics answers with this (Prometheus text; behind the bearer token like the rest).
+  void SetMetricsSource(std::function<std::string()> metrics) { metrics_ = std::move(metrics); }
   // POST .../modeldeployments/NAME/rollout {"action": "pause|resume|abort|promote"}.
   void SetRolloutActions(std::function<absl::Status(const std::string&, const std::string&)> f) {
     rollout_action_ = std::move(f);
@@ -64,6 +66,7 @@ class AdminApi {
   Store* store_;
   const std::string token_;
   std::function<std::string()> nodes_;
+  std::function<std::string()> metrics_;
   std::function<absl::Status(const std::string&, const std::string&)> rollout_action_;
 };
 

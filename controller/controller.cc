@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <sstream>
 #include <unordered_map>
 
 #include "common/grpc_tls.h"
@@ -457,6 +458,12 @@ std::string Controller::Overloaded(const v1::GpuStatus& gpu, const v1::NodeStatu
 void Controller::Tick() {
   auto log = GetLogger("controller");
   const absl::Time now = clock_->Now();
+  // Every pass is timed, whichever way it ends.
+  struct Timer {
+    Controller* c;
+    absl::Time start;
+    ~Timer() { c->tick_seconds_.Record(absl::ToDoubleSeconds(c->clock_->Now() - start)); }
+  } timer{this, now};
   if (now - started_ < options_.observe_for) return;  // agents are still re-registering
   auto objects = store_->List(kModelDeploymentKind);
   if (!objects.ok()) {
@@ -490,6 +497,7 @@ void Controller::Tick() {
     demands.push_back(pd);
     deps.push_back({o, *d});
   }
+  deployments_ = static_cast<int64_t>(deps.size());
   std::set<std::string> live;  // the deployments there are now: what is kept for others goes
   for (const auto& dep : deps) live.insert(dep.d.name);
 
@@ -689,6 +697,7 @@ void Controller::Tick() {
                                                                      : st.canary_version],
                                      now, action);
       const bool rolled_back = plan.state.phase == "Degraded" && known->second.phase != "Degraded";
+      if (rolled_back) rollbacks_++;
       for (const auto& e : plan.events) {
         log->info("rollout {}: {}", d.name, e);
         events.push_back({d.name, rolled_back ? "Warning" : "Normal",
@@ -1029,6 +1038,51 @@ absl::Status Controller::RequestRolloutAction(const std::string& name, const std
   pending_actions_[name] = *a;
   GetLogger("controller")->info("rollout {}: {} requested", name, action);
   return absl::OkStatus();
+}
+
+std::string Controller::MetricsText() {
+  std::ostringstream m;
+  auto gauge = [&m](const char* name, const char* help) {
+    m << "# HELP " << name << " " << help << "\n# TYPE " << name << " gauge\n";
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    TakeStatuses();
+    const absl::Time now = clock_->Now();
+    std::map<std::string, int> by_health = {{"Ready", 0}, {"NotReady", 0}, {"Lost", 0}};
+    int refusing = 0;
+    int64_t assigned = 0;
+    for (const auto& [name, rec] : registry_.nodes()) {
+      by_health[NodeHealthName(registry_.Health(name, now))]++;
+      auto sent = sent_.find(name);
+      if (sent == sent_.end()) continue;
+      if (!sent->second.nack.empty()) refusing++;
+      assigned += static_cast<int64_t>(sent->second.replicas.size());
+    }
+    gauge("kiln_controller_nodes", "Registered nodes by health.");
+    for (const auto& [health, n] : by_health) {
+      m << "kiln_controller_nodes{health=\"" << health << "\"} " << n << "\n";
+    }
+    gauge("kiln_controller_nodes_refusing_assignment",
+          "Nodes whose last assignment was refused (Nack).");
+    m << "kiln_controller_nodes_refusing_assignment " << refusing << "\n";
+    gauge("kiln_controller_replicas_assigned", "Replicas in the assignments sent to nodes.");
+    m << "kiln_controller_replicas_assigned " << assigned << "\n";
+    gauge("kiln_controller_deployments_short",
+          "Deployments the last placement could not give all their replicas.");
+    m << "kiln_controller_deployments_short " << last_unplaced_.size() << "\n";
+    gauge("kiln_controller_replicas_moving", "Replicas being moved (make-before-break).");
+    m << "kiln_controller_replicas_moving " << last_moves_.size() << "\n";
+  }
+  gauge("kiln_controller_deployments", "ModelDeployments the last pass of the loop read.");
+  m << "kiln_controller_deployments " << deployments_.load() << "\n";
+  m << "# HELP kiln_controller_rollbacks_total Rollouts rolled back by their analysis.\n"
+    << "# TYPE kiln_controller_rollbacks_total counter\n"
+    << "kiln_controller_rollbacks_total " << rollbacks_.load() << "\n";
+  m << tick_seconds_.Take().Prometheus(
+      "kiln_controller_loop_duration_seconds",
+      "How long each pass of the decision loop took (placement, rollouts, routing, status).");
+  return m.str();
 }
 
 std::string Controller::NodesJson() {

@@ -14,6 +14,7 @@
 // the next change makes a new one. Deployment status (replicas, ready, warm, conditions) is
 // written back to the store.
 
+#include <atomic>
 #include <map>
 #include <optional>
 #include <set>
@@ -24,6 +25,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
+#include "common/histogram.h"
 #include "controller/autoscale.h"
 #include "controller/node_registry.h"
 #include "controller/rollout.h"
@@ -78,6 +80,10 @@ class Controller
   void Tick();
   // Nodes with their health, for the admin API ({"nodes": [...]}).
   std::string NodesJson();
+  // The controller's own metrics, Prometheus text (the admin API's /metrics): nodes by health,
+  // deployments, replicas assigned, nodes refusing their assignment, deployments short of
+  // replicas, replicas moving, rollbacks, and how long each pass of the decision loop takes.
+  std::string MetricsText();
   // pause | resume | abort | promote the deployment's rollout on the next tick. NOT_FOUND for
   // an unknown deployment, FAILED_PRECONDITION when no rollout is in progress.
   absl::Status RequestRolloutAction(const std::string& name, const std::string& action);
@@ -119,6 +125,11 @@ class Controller
   Store* store_;
   Clock* clock_;
   const absl::Time started_;
+  // For /metrics: each pass of the loop (seconds, by the controller's clock), rollbacks, and
+  // the deployments the last pass read.
+  Histogram tick_seconds_{Histogram::ExponentialBounds(0.001, 2, 13)};
+  std::atomic<uint64_t> rollbacks_{0};
+  std::atomic<int64_t> deployments_{0};
 
   absl::Mutex mu_;
   NodeRegistry registry_ ABSL_GUARDED_BY(mu_);

@@ -294,6 +294,7 @@ int main(int argc, char** argv) {
   }
   kiln::AdminApi api(store, token);
   api.SetNodesSource([&controller]() { return controller.NodesJson(); });
+  api.SetMetricsSource([&controller]() { return controller.MetricsText(); });
   api.SetRolloutActions([&controller](const std::string& name, const std::string& action) {
     return controller.RequestRolloutAction(name, action);
   });

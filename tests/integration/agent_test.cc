@@ -45,14 +45,6 @@ const std::string kRepo = KILN_MODEL_REPO;
 
 using kiln::testing::ReadFile;
 
-// Prometheus's promtool: on the PATH, else where scripts/fetch-promtool.sh puts it; empty when
-// neither has it.
-std::string Promtool() {
-  if (kiln::testing::Shell("command -v promtool").rc == 0) return "promtool";
-  if (access(KILN_PROMTOOL_FALLBACK, X_OK) == 0) return KILN_PROMTOOL_FALLBACK;
-  return "";
-}
-
 class AgentTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -319,12 +311,11 @@ TEST_F(AgentTest, AssignmentBringsUpReplicasAndScaleUpPromotesTheWarmOne) {
   size_t value = metrics.second.find("} ", at);
   EXPECT_GE(std::atoi(metrics.second.c_str() + value + 2), 1) << metrics.second;
   // The exposition is clean by Prometheus's own linter (names, types, HELP, suffixes, units).
-  const std::string promtool = Promtool();
+  const std::string promtool = kiln::testing::FindPromtool(KILN_PROMTOOL_FALLBACK);
   ASSERT_FALSE(promtool.empty())
       << "promtool not found: on the PATH or at " KILN_PROMTOOL_FALLBACK
          " (scripts/fetch-promtool.sh puts it there)";
-  std::ofstream(dir_ + "/metrics.txt") << metrics.second;
-  auto lint = kiln::testing::Shell(promtool + " check metrics < " + dir_ + "/metrics.txt");
+  auto lint = kiln::testing::PromtoolCheck(promtool, metrics.second, dir_ + "/metrics.txt");
   EXPECT_EQ(lint.rc, 0) << lint.out << "\n" << metrics.second;
   EXPECT_EQ(lint.out, "") << metrics.second;
   EXPECT_EQ(Get("/healthz").first, 200);

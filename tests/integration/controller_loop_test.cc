@@ -298,6 +298,18 @@ TEST_F(ControllerLoopTest, AnOverloadedGpuHasOneReplicaMovedOffAfterTheRebalance
   int on_gpu1 = 0;
   for (const auto& r : assigned.replicas()) on_gpu1 += r.gpu() == 1;
   EXPECT_EQ(on_gpu1, 1);
+  // The controller's /metrics say so: one node, one deployment, three replicas assigned, one
+  // moving; seven passes of the loop so far (each taking no simulated time).
+  const std::string metrics = controller_->MetricsText();
+  for (const char* line :
+       {"kiln_controller_nodes{health=\"Ready\"} 1\n", "kiln_controller_nodes{health=\"Lost\"} 0\n",
+        "kiln_controller_deployments 1\n", "kiln_controller_replicas_assigned 3\n",
+        "kiln_controller_replicas_moving 1\n", "kiln_controller_deployments_short 0\n",
+        "kiln_controller_nodes_refusing_assignment 0\n", "kiln_controller_rollbacks_total 0\n",
+        "kiln_controller_loop_duration_seconds_bucket{le=\"0.001\"} 7\n",
+        "kiln_controller_loop_duration_seconds_count 7\n"}) {
+    EXPECT_NE(metrics.find(line), std::string::npos) << line << "in:\n" << metrics;
+  }
   // Once the replacement serves, the moved replica goes: one on each GPU.
   report(98, 4);
   tick_and_read();

@@ -23,6 +23,8 @@ namespace {
 namespace fs = std::filesystem;
 
 using kiln::testing::ReadFile;
+using kiln::testing::FindPromtool;
+using kiln::testing::PromtoolCheck;
 using kiln::testing::Shell;
 
 class ControllerTest : public ::testing::Test {
@@ -265,6 +267,19 @@ TEST_F(ControllerTest, BearerTokenWhenConfigured) {
   EXPECT_NE(r.out.find("Unauthorized"), std::string::npos) << r.out;
   r = Shell(Ctl("--token-file " + token + " get deployments"));
   EXPECT_EQ(r.rc, 0) << r.out;
+  // /metrics is behind the token too, and clean by Prometheus's linter.
+  const std::string url = "http://127.0.0.1:" + std::to_string(port_) + "/metrics";
+  r = Shell("curl -s -o /dev/null -w '%{http_code}' " + url);
+  EXPECT_EQ(r.out, "401");
+  r = Shell("curl -s -f -H 'Authorization: Bearer t0ken' " + url);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("kiln_controller_nodes{health=\"Ready\"} 0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("kiln_controller_loop_duration_seconds_count"), std::string::npos) << r.out;
+  const std::string promtool = FindPromtool(KILN_PROMTOOL_FALLBACK);
+  ASSERT_FALSE(promtool.empty()) << "promtool not found: on the PATH or at " KILN_PROMTOOL_FALLBACK;
+  auto lint = PromtoolCheck(promtool, r.out, dir_ + "/metrics.txt");
+  EXPECT_EQ(lint.rc, 0) << lint.out << "\n" << r.out;
+  EXPECT_EQ(lint.out, "") << r.out;
 }
 
 }  // namespace

@@ -58,4 +58,19 @@ inline std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
+// Prometheus's promtool: on the PATH, else `fallback` (where scripts/fetch-promtool.sh puts
+// it); empty when neither has it.
+inline std::string FindPromtool(const std::string& fallback) {
+  if (Shell("command -v promtool").rc == 0) return "promtool";
+  if (access(fallback.c_str(), X_OK) == 0) return fallback;
+  return "";
+}
+
+// `promtool check metrics` on `text` (written to `scratch` first): its exit status and output.
+inline ShellResult PromtoolCheck(const std::string& promtool, const std::string& text,
+                                 const std::string& scratch) {
+  std::ofstream(scratch) << text;
+  return Shell(promtool + " check metrics < " + scratch);
+}
+
 }  // namespace kiln::testing

@@ -71,5 +71,23 @@ TEST(HistogramTest, CountsAndQuantiles) {
   EXPECT_LE(s.Quantile(0.95), 8.0);
 }
 
+TEST(HistogramTest, PrometheusTextIsCumulative) {
+  Histogram h({0.5, 2});
+  h.Record(0.25);
+  h.Record(1);
+  h.Record(1.5);
+  h.Record(9);
+  EXPECT_EQ(h.Take().Prometheus("x_seconds", "How long.", "node=\"a\""),
+            "# HELP x_seconds How long.\n# TYPE x_seconds histogram\n"
+            "x_seconds_bucket{node=\"a\",le=\"0.5\"} 1\n"
+            "x_seconds_bucket{node=\"a\",le=\"2\"} 3\n"
+            "x_seconds_bucket{node=\"a\",le=\"+Inf\"} 4\n"
+            "x_seconds_sum{node=\"a\"} 11.75\n"
+            "x_seconds_count{node=\"a\"} 4\n");
+  EXPECT_EQ(Histogram({1}).Take().Prometheus("y", "Y."),
+            "# HELP y Y.\n# TYPE y histogram\ny_bucket{le=\"1\"} 0\ny_bucket{le=\"+Inf\"} 0\n"
+            "y_sum 0\ny_count 0\n");
+}
+
 }  // namespace
 }  // namespace kiln
