@@ -59,7 +59,8 @@ kiln::v1::ReplicaStatus Replica(int node, int r, int deployments) {
   kiln::v1::ReplicaStatus s;
   s.set_replica_id("sim" + std::to_string(node % deployments) + "." +
                    std::to_string(node * 8 + r));
-  s.set_model("encoder");
+  // One model per deployment: a model name is served by one deployment (others are refused).
+  s.set_model("m" + std::to_string(node % deployments));
   s.set_version("1");
   s.set_device("cuda:" + std::to_string(r % 8));
   s.set_state(kiln::v1::SERVING);
@@ -176,8 +177,8 @@ int main(int argc, char** argv) {
         {"kind", "ModelDeployment"},
         {"metadata", {{"name", "sim" + std::to_string(d)}}},
         {"spec",
-         {{"model", {{"name", "encoder"}, {"version", "1"},
-                     {"uri", "file:///models/encoder/1/model.pt"}}},
+         {{"model", {{"name", "m" + std::to_string(d)}, {"version", "1"},
+                     {"uri", "file:///models/m" + std::to_string(d) + "/1/model.pt"}}},
           {"replicas", members * replicas},
           {"warmPool", 0},
           {"resources", {{"gpus", 1}, {"gpuMemory", "10Gi"}, {"cpus", 2}}}}}};

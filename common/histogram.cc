@@ -1,6 +1,8 @@
 #include "common/histogram.h"
 
 #include <algorithm>
+#include <charconv>
+#include <system_error>
 #include <sstream>
 
 namespace kiln {
@@ -48,21 +50,31 @@ double Histogram::Snapshot::Quantile(double q) const {
   return bounds.empty() ? 0 : bounds.back();
 }
 
+namespace {
+
+// The shortest text that reads back as `v` (0.004, not 0.0040000000000000001).
+std::string Shortest(double v) {
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v);
+  return ec == std::errc() ? std::string(buf, end) : std::to_string(v);
+}
+
+}  // namespace
+
 std::string Histogram::Snapshot::Prometheus(const std::string& name, const std::string& help,
                                            const std::string& labels) const {
   std::ostringstream out;
-  out.precision(17);
   const std::string sep = labels.empty() ? "" : ",";
   out << "# HELP " << name << " " << help << "\n# TYPE " << name << " histogram\n";
   uint64_t cumulative = 0;
   for (size_t i = 0; i < bounds.size(); ++i) {
     cumulative += i < counts.size() ? counts[i] : 0;
-    out << name << "_bucket{" << labels << sep << "le=\"" << bounds[i] << "\"} " << cumulative
+    out << name << "_bucket{" << labels << sep << "le=\"" << Shortest(bounds[i]) << "\"} " << cumulative
         << "\n";
   }
   out << name << "_bucket{" << labels << sep << "le=\"+Inf\"} " << count << "\n";
   const std::string braces = labels.empty() ? "" : "{" + labels + "}";
-  out << name << "_sum" << braces << " " << sum << "\n";
+  out << name << "_sum" << braces << " " << Shortest(sum) << "\n";
   out << name << "_count" << braces << " " << count << "\n";
   return out.str();
 }

@@ -27,6 +27,7 @@
 #include "common/clock.h"
 #include "common/histogram.h"
 #include "controller/autoscale.h"
+#include "controller/model_deployment.h"
 #include "controller/node_registry.h"
 #include "controller/rollout.h"
 #include "controller/routing.h"
@@ -178,6 +179,12 @@ class Controller
     absl::Time at;
   };
   std::map<std::string, StatusWritten> status_written_;  // the loop's own
+  // Per deployment: its stored spec text and what it decodes to (the loop's own).
+  struct Decoded {
+    std::string spec;
+    ModelDeployment d;
+  };
+  std::map<std::string, Decoded> decoded_;
   std::map<std::string, AutoscaleHistory> autoscale_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> autoscaled_to_ ABSL_GUARDED_BY(mu_);
   // Rollout state per deployment; seeded from the stored status after a restart.
