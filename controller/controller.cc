@@ -607,11 +607,12 @@ void Controller::Tick() {
       const PlacementNode* node;
       const v1::ReplicaStatus* replica;
     };
-    std::unordered_map<std::string, std::vector<Seen>> reported_by_dep;
-    std::unordered_map<std::string, int64_t> assigned_by_dep;
+    // Keyed by views into the reports' and assignments' ids, which the lock keeps this pass.
+    std::unordered_map<std::string_view, std::vector<Seen>> reported_by_dep;
+    std::unordered_map<std::string_view, int64_t> assigned_by_dep;
     for (const auto& n : nodes) {
       for (const v1::ReplicaStatus* r : n.reported) {
-        reported_by_dep[DeploymentOfReplica(r->replica_id())].push_back({&n, r});
+        reported_by_dep[DeploymentView(r->replica_id())].push_back({&n, r});
       }
     }
     auto reported_of = [&reported_by_dep](const std::string& dep) -> const std::vector<Seen>& {
@@ -944,7 +945,7 @@ void Controller::Tick() {
     // Status per deployment, from what the nodes report.
     for (const auto& n : nodes) {
       for (const auto& spec : sent_[n.name].replicas) {
-        assigned_by_dep[DeploymentOfReplica(spec.replica_id())]++;
+        assigned_by_dep[DeploymentView(spec.replica_id())]++;
       }
     }
     for (const auto& dep : deps) {

@@ -12,16 +12,11 @@
 
 namespace kiln {
 
-namespace {
-
-// DeploymentOfReplica without a copy: a view into `replica_id`.
 std::string_view DeploymentView(std::string_view replica_id) {
   size_t dot = replica_id.find('.');
   if (dot == std::string_view::npos || dot == 0) return {};
   return replica_id.substr(0, dot);
 }
-
-}  // namespace
 
 std::string DeploymentOfReplica(const std::string& replica_id) {
   return std::string(DeploymentView(replica_id));

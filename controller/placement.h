@@ -45,6 +45,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kiln/v1/control_plane.pb.h"
@@ -117,5 +118,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands,
 
 // The deployment a replica id belongs to ("encoder.3" -> "encoder"); empty if not ours.
 std::string DeploymentOfReplica(const std::string& replica_id);
+// The same without a copy: a view into `replica_id`.
+std::string_view DeploymentView(std::string_view replica_id);
 
 }  // namespace kiln
