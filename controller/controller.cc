@@ -1065,9 +1065,11 @@ std::string Controller::MetricsText() {
     int refusing = 0;
     int64_t assigned = 0;
     for (const auto& [name, rec] : registry_.nodes()) {
-      by_health[NodeHealthName(registry_.Health(name, now))]++;
+      const NodeHealth health = registry_.Health(name, now);
+      by_health[NodeHealthName(health)]++;
+      // A Lost node's last assignment is history: its replicas were placed again elsewhere.
       auto sent = sent_.find(name);
-      if (sent == sent_.end()) continue;
+      if (health == NodeHealth::kLost || sent == sent_.end()) continue;
       if (!sent->second.nack.empty()) refusing++;
       assigned += static_cast<int64_t>(sent->second.replicas.size());
     }
@@ -1078,17 +1080,22 @@ std::string Controller::MetricsText() {
     gauge("kiln_controller_nodes_refusing_assignment",
           "Nodes whose last assignment was refused (Nack).");
     m << "kiln_controller_nodes_refusing_assignment " << refusing << "\n";
-    gauge("kiln_controller_replicas_assigned", "Replicas in the assignments sent to nodes.");
+    gauge("kiln_controller_replicas_assigned",
+          "Replicas in the assignments sent to nodes that are not Lost.");
     m << "kiln_controller_replicas_assigned " << assigned << "\n";
     gauge("kiln_controller_deployments_short",
           "Deployments the last placement could not give all their replicas.");
-    m << "kiln_controller_deployments_short " << last_unplaced_.size() << "\n";
-    gauge("kiln_controller_replicas_moving", "Replicas being moved (make-before-break).");
+    std::set<std::string> short_of;  // a line per demand ("dep: ..."); a canary is a second one
+    for (const auto& line : last_unplaced_) short_of.insert(line.substr(0, line.find(':')));
+    m << "kiln_controller_deployments_short " << short_of.size() << "\n";
+    gauge("kiln_controller_replicas_moving",
+          "Replicas being moved make-before-break, or dropped ahead of their replacement.");
     m << "kiln_controller_replicas_moving " << last_moves_.size() << "\n";
   }
   gauge("kiln_controller_deployments", "ModelDeployments the last pass of the loop read.");
   m << "kiln_controller_deployments " << deployments_.load() << "\n";
-  m << "# HELP kiln_controller_rollbacks_total Rollouts rolled back by their analysis.\n"
+  m << "# HELP kiln_controller_rollbacks_total Rollouts rolled back (by their analysis, or "
+       "aborted by hand).\n"
     << "# TYPE kiln_controller_rollbacks_total counter\n"
     << "kiln_controller_rollbacks_total " << rollbacks_.load() << "\n";
   m << tick_seconds_.Take().Prometheus(

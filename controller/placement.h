@@ -95,7 +95,8 @@ struct PlacementDemand {
 struct PlacementResult {
   // Every ready node's whole assignment (nodes with nothing to run get an empty list).
   std::map<std::string, std::vector<v1::ReplicaSpec>> nodes;
-  // One line per deployment that could not get all its replicas: how many and why.
+  // One line per demand (a deployment's version) that could not get all its replicas, starting
+  // "<deployment>: ": how many and why.
   std::vector<std::string> unplaced;
   // One line per replica being moved ("deployment: ..."), while it is.
   std::vector<std::string> moves;

@@ -315,6 +315,16 @@ TEST_F(ControllerLoopTest, AnOverloadedGpuHasOneReplicaMovedOffAfterTheRebalance
   tick_and_read();
   ASSERT_EQ(assigned.replicas_size(), 2) << assigned.DebugString();
   EXPECT_NE(assigned.replicas(0).gpu(), assigned.replicas(1).gpu());
+  // The node falls silent past the lost grace: its replicas have nowhere to go, and what it
+  // was last sent no longer counts as assigned.
+  clock_.Advance(absl::Hours(3));
+  controller_->Tick();
+  const std::string lost = controller_->MetricsText();
+  for (const char* line :
+       {"kiln_controller_nodes{health=\"Lost\"} 1\n", "kiln_controller_nodes{health=\"Ready\"} 0\n",
+        "kiln_controller_replicas_assigned 0\n", "kiln_controller_deployments_short 1\n"}) {
+    EXPECT_NE(lost.find(line), std::string::npos) << line << "in:\n" << lost;
+  }
 }
 
 TEST_F(ControllerLoopTest, ANodeThatReconnectsIsToldAgainToRunNothing) {
