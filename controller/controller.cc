@@ -508,9 +508,7 @@ void Controller::Tick() {
   deployments_ = static_cast<int64_t>(deps.size());
   std::set<std::string> live;  // the deployments there are now: what is kept for others goes
   for (const auto& dep : deps) live.insert(dep.d.name);
-  for (auto it = decoded_.begin(); it != decoded_.end();) {
-    it = live.count(it->first) ? std::next(it) : decoded_.erase(it);
-  }
+  std::erase_if(decoded_, [&live](const auto& e) { return !live.count(e.first); });
 
   std::vector<std::pair<std::string, nlohmann::json>> statuses;
   // Events for operators (Kubernetes Events on that store), recorded once the lock is released.
@@ -1030,9 +1028,7 @@ void Controller::Tick() {
       log->warn("status of {}: {}", name, s.ToString());
     }
   }
-  for (auto it = status_written_.begin(); it != status_written_.end();) {
-    it = live.count(it->first) ? std::next(it) : status_written_.erase(it);
-  }
+  std::erase_if(status_written_, [&live](const auto& e) { return !live.count(e.first); });
 }
 
 absl::Status Controller::RequestRolloutAction(const std::string& name, const std::string& action) {

@@ -255,14 +255,35 @@ class DoublingBackend : public Backend {
   std::atomic<int>* calls_;
 };
 
+// Model "m": FP32 input x and output y of 2 per row, batches of up to 4; no batching delay,
+// no cache.
+ModelConfig EngineConfig() {
+  ModelConfig c;
+  c.name = "m";
+  c.backend = "fake";
+  c.max_batch_size = 4;
+  c.inputs = {{"x", DataType::kFp32, {2}}};
+  c.outputs = {{"y", DataType::kFp32, {2}}};
+  return c;
+}
+
+// A request to model "m" with input x of `shape` holding `v`.
+InferRequest FloatRequest(std::vector<int64_t> shape, std::vector<float> v) {
+  InferRequest r;
+  r.model_name = "m";
+  Tensor t;
+  t.name = "x";
+  t.dtype = DataType::kFp32;
+  t.shape = std::move(shape);
+  t.data.assign(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+  r.inputs.push_back(t);
+  return r;
+}
+
 class EngineTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    config_.name = "m";
-    config_.backend = "fake";
-    config_.max_batch_size = 4;
-    config_.inputs = {{"x", DataType::kFp32, {2}}};
-    config_.outputs = {{"y", DataType::kFp32, {2}}};
+    config_ = EngineConfig();
     config_.dynamic_batching = DynamicBatchingConfig{};
     config_.response_cache.enable = true;
     auto e = InferenceEngine::Create(config_, "1", std::make_unique<DoublingBackend>(&calls_),
@@ -270,17 +291,6 @@ class EngineTest : public ::testing::Test {
     ASSERT_TRUE(e.ok()) << e.status();
     engine_ = std::move(*e);
     ASSERT_TRUE(lifecycle_.Transition(RuntimeState::kWarm, "test").ok());
-  }
-  InferRequest Request(std::vector<int64_t> shape, std::vector<float> v) {
-    InferRequest r;
-    r.model_name = "m";
-    Tensor t;
-    t.name = "x";
-    t.dtype = DataType::kFp32;
-    t.shape = std::move(shape);
-    t.data.assign(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-    r.inputs.push_back(t);
-    return r;
   }
 
   RealClock clock_;
@@ -291,16 +301,16 @@ class EngineTest : public ::testing::Test {
 };
 
 TEST_F(EngineTest, WarmRefusesThenServingAnswersAndCaches) {
-  auto warm = engine_->InferSync(Request({1, 2}, {1, 2}));
+  auto warm = engine_->InferSync(FloatRequest({1, 2}, {1, 2}));
   EXPECT_EQ(warm.status().code(), absl::StatusCode::kUnavailable);
   ASSERT_TRUE(lifecycle_.Transition(RuntimeState::kServing, "test").ok());
-  auto r = engine_->InferSync(Request({1, 2}, {1, 2}));
+  auto r = engine_->InferSync(FloatRequest({1, 2}, {1, 2}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->model_version, "1");
   EXPECT_FALSE(r->cache_hit);
   const float* y = reinterpret_cast<const float*>(r->outputs[0].data.data());
   EXPECT_EQ(y[1], 4.0f);
-  auto again = engine_->InferSync(Request({1, 2}, {1, 2}));
+  auto again = engine_->InferSync(FloatRequest({1, 2}, {1, 2}));
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(again->cache_hit);
   EXPECT_EQ(calls_.load(), 1);
@@ -315,33 +325,34 @@ TEST_F(EngineTest, ValidationErrorsSayWhatWasExpected) {
     std::string expect;
   };
   std::vector<Case> cases;
-  auto wrong_model = Request({1, 2}, {1, 2});
+  auto wrong_model = FloatRequest({1, 2}, {1, 2});
   wrong_model.model_name = "other";
   cases.push_back({wrong_model, absl::StatusCode::kNotFound, "unknown model 'other'"});
-  auto wrong_version = Request({1, 2}, {1, 2});
+  auto wrong_version = FloatRequest({1, 2}, {1, 2});
   wrong_version.model_version = "9";
   cases.push_back({wrong_version, absl::StatusCode::kNotFound, "unknown version '9'"});
-  auto wrong_name = Request({1, 2}, {1, 2});
+  auto wrong_name = FloatRequest({1, 2}, {1, 2});
   wrong_name.inputs[0].name = "z";
   cases.push_back({wrong_name, absl::StatusCode::kInvalidArgument, "unknown input 'z' (expected: x)"});
-  auto wrong_type = Request({1, 2}, {1, 2});
+  auto wrong_type = FloatRequest({1, 2}, {1, 2});
   wrong_type.inputs[0].dtype = DataType::kInt32;
   cases.push_back({wrong_type, absl::StatusCode::kInvalidArgument, "expected datatype FP32, got INT32"});
-  cases.push_back({Request({1, 3}, {1, 2, 3}), absl::StatusCode::kInvalidArgument,
+  cases.push_back({FloatRequest({1, 3}, {1, 2, 3}), absl::StatusCode::kInvalidArgument,
                    "expected shape [-1,2] (batch dimension first), got [1,3]"});
-  cases.push_back({Request({2}, {1, 2}), absl::StatusCode::kInvalidArgument, "expected shape"});
-  cases.push_back({Request({5, 2}, std::vector<float>(10)), absl::StatusCode::kInvalidArgument,
-                   "batch size 5 is outside 1..4"});
-  auto short_data = Request({1, 2}, {1, 2});
+  cases.push_back(
+      {FloatRequest({2}, {1, 2}), absl::StatusCode::kInvalidArgument, "expected shape"});
+  cases.push_back({FloatRequest({5, 2}, std::vector<float>(10)),
+                   absl::StatusCode::kInvalidArgument, "batch size 5 is outside 1..4"});
+  auto short_data = FloatRequest({1, 2}, {1, 2});
   short_data.inputs[0].data.resize(4);
   cases.push_back({short_data, absl::StatusCode::kInvalidArgument, "expected 8 bytes"});
-  auto twice = Request({1, 2}, {1, 2});
+  auto twice = FloatRequest({1, 2}, {1, 2});
   twice.inputs.push_back(twice.inputs[0]);
   cases.push_back({twice, absl::StatusCode::kInvalidArgument, "given twice"});
-  auto bad_output = Request({1, 2}, {1, 2});
+  auto bad_output = FloatRequest({1, 2}, {1, 2});
   bad_output.outputs = {"nope"};
   cases.push_back({bad_output, absl::StatusCode::kInvalidArgument, "unknown output 'nope'"});
-  auto bad_priority = Request({1, 2}, {1, 2});
+  auto bad_priority = FloatRequest({1, 2}, {1, 2});
   bad_priority.priority = 7;
   cases.push_back({bad_priority, absl::StatusCode::kInvalidArgument, "priority"});
   InferRequest empty;
@@ -378,28 +389,14 @@ class SlowBackend : public Backend {
 TEST(EngineComputeTest, ModelTimeIsRecordedPerExecution) {
   SimulatedClock clock;
   Lifecycle lifecycle(&clock);
-  ModelConfig config;
-  config.name = "m";
-  config.backend = "fake";
-  config.max_batch_size = 4;
-  config.inputs = {{"x", DataType::kFp32, {2}}};
-  config.outputs = {{"y", DataType::kFp32, {2}}};
   auto engine = InferenceEngine::Create(
-      config, "1", std::make_unique<SlowBackend>(&clock, absl::Milliseconds(3)), &lifecycle,
-      &clock);
+      EngineConfig(), "1", std::make_unique<SlowBackend>(&clock, absl::Milliseconds(3)),
+      &lifecycle, &clock);
   ASSERT_TRUE(engine.ok()) << engine.status();
   ASSERT_TRUE(lifecycle.Transition(RuntimeState::kWarm, "test").ok());
   ASSERT_TRUE(lifecycle.Transition(RuntimeState::kServing, "test").ok());
   for (int i = 0; i < 3; ++i) {
-    InferRequest r;
-    r.model_name = "m";
-    Tensor t;
-    t.name = "x";
-    t.dtype = DataType::kFp32;
-    t.shape = {1, 2};
-    t.data.assign(8, '\0');
-    r.inputs.push_back(t);
-    ASSERT_TRUE((*engine)->InferSync(r).ok());
+    ASSERT_TRUE((*engine)->InferSync(FloatRequest({1, 2}, {0, 0})).ok());
   }
   EngineStats s = (*engine)->Stats();
   EXPECT_EQ(s.compute_micros.count, 3u);
