@@ -138,6 +138,8 @@ class Controller
   // Every open stream, registered or not (Stop ends them all).
   std::map<const Stream*, std::weak_ptr<Stream>> streams_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Sent> sent_ ABSL_GUARDED_BY(mu_);
+  // A node's previous report, on its way back to a stream to be parsed into (TakeStatuses).
+  v1::NodeStatus spare_status_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Routing (routing.h): per deployment, what its route was built from and each group's
   // route; per group, its table, a count of its changes, and its message serialized once for
@@ -179,6 +181,12 @@ class Controller
     absl::Time at;
   };
   std::map<std::string, StatusWritten> status_written_;  // the loop's own
+  // Per deployment: the stored status last seen and its conditions (the loop's own).
+  struct StoredConditions {
+    std::string status;
+    std::map<std::string, std::pair<std::string, std::string>> before;  // type -> (status, since)
+  };
+  std::map<std::string, StoredConditions> stored_conditions_;
   // Per deployment: its stored spec text and what it decodes to (the loop's own).
   struct Decoded {
     std::string spec;

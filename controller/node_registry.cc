@@ -48,11 +48,16 @@ absl::Status NodeRegistry::Register(const v1::Register& r, absl::Time now) {
 
 absl::Status NodeRegistry::ReportStatus(const std::string& node, v1::NodeStatus s,
                                         absl::Time now) {
+  return SwapStatus(node, &s, now);
+}
+
+absl::Status NodeRegistry::SwapStatus(const std::string& node, v1::NodeStatus* s,
+                                      absl::Time now) {
   auto it = nodes_.find(node);
   if (it == nodes_.end()) {
     return absl::NotFoundError("node '" + node + "' sent status before registering");
   }
-  it->second.status = std::move(s);
+  it->second.status.Swap(s);
   it->second.has_status = true;
   it->second.last_heard = now;
   return absl::OkStatus();

@@ -41,6 +41,8 @@ class NodeRegistry {
   absl::Status Register(const v1::Register& r, absl::Time now);
   // NOT_FOUND for a node that never registered on this controller.
   absl::Status ReportStatus(const std::string& node, v1::NodeStatus s, absl::Time now);
+  // The same, swapping: `s` gets the node's previous status (for its memory to be reused).
+  absl::Status SwapStatus(const std::string& node, v1::NodeStatus* s, absl::Time now);
   void Disconnected(const std::string& node);
 
   NodeHealth Health(const std::string& node, absl::Time now) const;

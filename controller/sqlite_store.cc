@@ -21,13 +21,42 @@ const char* WatchEventTypeName(WatchEvent::Type t) {
 
 namespace {
 
-// One prepared statement, finalised on scope exit.
+// One prepared statement. With a cache, the store's: prepared once and reset after each use
+// (preparing every statement of every write was a twentieth of the controller's loop);
+// without one, or while the cached one is in use, its own, finalised on scope exit.
 class Stmt {
  public:
-  Stmt(sqlite3* db, const char* sql) : db_(db) {
-    rc_ = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr);
+  Stmt(sqlite3* db, const std::string& sql) : db_(db) {
+    rc_ = sqlite3_prepare_v2(db, sql.c_str(), -1, &stmt_, nullptr);
   }
-  ~Stmt() { sqlite3_finalize(stmt_); }
+  Stmt(sqlite3* db, SqliteStore::Statements* cache, const std::string& sql) : db_(db) {
+    auto it = cache->find(sql);
+    if (it != cache->end() && !it->second.in_use) {
+      cached_ = &it->second;
+    } else if (it == cache->end()) {
+      sqlite3_stmt* stmt = nullptr;
+      rc_ = sqlite3_prepare_v3(db, sql.c_str(), -1, SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
+      if (rc_ != SQLITE_OK) {
+        sqlite3_finalize(stmt);
+        return;
+      }
+      cached_ = &cache->emplace(sql, SqliteStore::Statement{stmt, false}).first->second;
+    } else {
+      rc_ = sqlite3_prepare_v2(db, sql.c_str(), -1, &stmt_, nullptr);
+      return;
+    }
+    cached_->in_use = true;
+    stmt_ = cached_->stmt;
+  }
+  ~Stmt() {
+    if (cached_) {
+      sqlite3_reset(stmt_);
+      sqlite3_clear_bindings(stmt_);
+      cached_->in_use = false;
+    } else {
+      sqlite3_finalize(stmt_);
+    }
+  }
   Stmt(const Stmt&) = delete;
   Stmt& operator=(const Stmt&) = delete;
 
@@ -60,6 +89,7 @@ class Stmt {
  private:
   sqlite3* db_;
   sqlite3_stmt* stmt_ = nullptr;
+  SqliteStore::Statement* cached_ = nullptr;
   int rc_ = SQLITE_OK;
 };
 
@@ -164,6 +194,7 @@ SqliteStore::SqliteStore(Options options, Clock* clock, sqlite3* db, std::string
 
 SqliteStore::~SqliteStore() {
   absl::MutexLock lock(&mu_);
+  for (auto& [sql, st] : statements_) sqlite3_finalize(st.stmt);
   sqlite3_close(db_);
 }
 
@@ -177,7 +208,7 @@ absl::Status SqliteStore::Exec(const std::string& sql) {
 }
 
 absl::StatusOr<int64_t> SqliteStore::MetaLocked(const std::string& key) {
-  Stmt s(db_, "SELECT value FROM meta WHERE key = ?");
+  Stmt s(db_, &statements_, "SELECT value FROM meta WHERE key = ?");
   if (!s.ok().ok()) return s.ok();
   s.Bind(1, key);
   int rc = s.Step();
@@ -188,9 +219,9 @@ absl::StatusOr<int64_t> SqliteStore::MetaLocked(const std::string& key) {
 
 absl::StatusOr<StoredObject> SqliteStore::GetLocked(const std::string& kind,
                                                     const std::string& name) {
-  Stmt s(db_, (std::string("SELECT ") + kObjectColumns +
+  Stmt s(db_, &statements_, (std::string("SELECT ") + kObjectColumns +
                " FROM objects WHERE kind = ? AND name = ?")
-                  .c_str());
+                  );
   if (!s.ok().ok()) return s.ok();
   s.Bind(1, kind).Bind(2, name);
   int rc = s.Step();
@@ -206,9 +237,9 @@ absl::StatusOr<StoredObject> SqliteStore::Get(const std::string& kind, const std
 
 absl::StatusOr<std::vector<StoredObject>> SqliteStore::List(const std::string& kind) {
   absl::MutexLock lock(&mu_);
-  Stmt s(db_, (std::string("SELECT ") + kObjectColumns +
+  Stmt s(db_, &statements_, (std::string("SELECT ") + kObjectColumns +
                " FROM objects WHERE kind = ? ORDER BY name")
-                  .c_str());
+                  );
   if (!s.ok().ok()) return s.ok();
   s.Bind(1, kind);
   std::vector<StoredObject> out;
@@ -234,29 +265,29 @@ absl::StatusOr<StoredObject> SqliteStore::CommitLocked(StoredObject o, WatchEven
   const int64_t rv = std::max(*last, current_rv_) + 1;
   o.resource_version = rv;
   {
-    Stmt s(db_, "UPDATE meta SET value = ? WHERE key = 'rv'");
+    Stmt s(db_, &statements_, "UPDATE meta SET value = ? WHERE key = 'rv'");
     if (!s.ok().ok()) return fail(s.ok());
     s.Bind(1, rv);
     if (int rc = s.Step(); rc != SQLITE_DONE) return fail(s.Error(rc));
   }
   if (type == WatchEvent::Type::kDeleted) {
-    Stmt s(db_, "DELETE FROM objects WHERE kind = ? AND name = ?");
+    Stmt s(db_, &statements_, "DELETE FROM objects WHERE kind = ? AND name = ?");
     if (!s.ok().ok()) return fail(s.ok());
     s.Bind(1, o.kind).Bind(2, o.name);
     if (int rc = s.Step(); rc != SQLITE_DONE) return fail(s.Error(rc));
   } else {
-    Stmt s(db_, (std::string("INSERT OR REPLACE INTO objects (") + kObjectColumns +
+    Stmt s(db_, &statements_, (std::string("INSERT OR REPLACE INTO objects (") + kObjectColumns +
                  ") VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
-                    .c_str());
+                    );
     if (!s.ok().ok()) return fail(s.ok());
     s.Bind(1, o.kind).Bind(2, o.name).Bind(3, o.uid).Bind(4, o.generation).Bind(5, rv);
     s.Bind(6, o.created_unix_micros).Bind(7, o.spec).Bind(8, o.status);
     if (int rc = s.Step(); rc != SQLITE_DONE) return fail(s.Error(rc));
   }
   {
-    Stmt s(db_, (std::string("INSERT INTO events (rv, type, ") + kObjectColumns +
+    Stmt s(db_, &statements_, (std::string("INSERT INTO events (rv, type, ") + kObjectColumns +
                  ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
-                    .c_str());
+                    );
     if (!s.ok().ok()) return fail(s.ok());
     s.Bind(1, rv).Bind(2, static_cast<int64_t>(type)).Bind(3, o.kind).Bind(4, o.name);
     s.Bind(5, o.uid).Bind(6, o.generation).Bind(7, rv).Bind(8, o.created_unix_micros);
@@ -265,11 +296,11 @@ absl::StatusOr<StoredObject> SqliteStore::CommitLocked(StoredObject o, WatchEven
   }
   const int64_t floor = rv - options_.event_retention;
   if (floor > 0) {
-    Stmt del(db_, "DELETE FROM events WHERE rv <= ?");
+    Stmt del(db_, &statements_, "DELETE FROM events WHERE rv <= ?");
     if (!del.ok().ok()) return fail(del.ok());
     del.Bind(1, floor);
     if (int rc = del.Step(); rc != SQLITE_DONE) return fail(del.Error(rc));
-    Stmt mark(db_, "UPDATE meta SET value = ? WHERE key = 'compacted'");
+    Stmt mark(db_, &statements_, "UPDATE meta SET value = ? WHERE key = 'compacted'");
     if (!mark.ok().ok()) return fail(mark.ok());
     mark.Bind(1, floor);
     if (int rc = mark.Step(); rc != SQLITE_DONE) return fail(mark.Error(rc));
@@ -369,9 +400,9 @@ absl::StatusOr<std::vector<WatchEvent>> SqliteStore::EventsSince(int64_t resourc
                                  " is too old (events up to " + std::to_string(*compacted) +
                                  " were compacted); list again and watch from there");
   }
-  Stmt s(db_, (std::string("SELECT type, ") + kObjectColumns +
+  Stmt s(db_, &statements_, (std::string("SELECT type, ") + kObjectColumns +
                " FROM events WHERE rv > ? ORDER BY rv LIMIT ?")
-                  .c_str());
+                  );
   if (!s.ok().ok()) return s.ok();
   s.Bind(1, resource_version).Bind(2, static_cast<int64_t>(limit > 0 ? limit : 1000));
   std::vector<WatchEvent> out;

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 
@@ -8,6 +9,7 @@
 #include "controller/store.h"
 
 struct sqlite3;
+struct sqlite3_stmt;
 
 namespace kiln {
 
@@ -43,6 +45,13 @@ class SqliteStore : public Store {
 
   const std::string& path() const { return path_; }
 
+  // Prepared statements kept for reuse, by their SQL (sqlite_store.cc).
+  struct Statement {
+    sqlite3_stmt* stmt;
+    bool in_use;
+  };
+  using Statements = std::map<std::string, Statement>;
+
  private:
   SqliteStore(Options options, Clock* clock, sqlite3* db, std::string path);
   absl::Status Exec(const std::string& sql) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -61,6 +70,7 @@ class SqliteStore : public Store {
   absl::Mutex mu_;
   sqlite3* db_ ABSL_GUARDED_BY(mu_);
   int64_t current_rv_ ABSL_GUARDED_BY(mu_) = 0;
+  Statements statements_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kiln

@@ -1,5 +1,6 @@
 // The controller's loop, in process and driven by hand (Tick) with a simulated clock, against
 // a real SQLite store and a node speaking kiln.v1.ControlPlane over loopback gRPC.
+#include <google/protobuf/unknown_field_set.h>
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -324,6 +325,78 @@ TEST_F(ControllerLoopTest, AnOverloadedGpuHasOneReplicaMovedOffAfterTheRebalance
        {"kiln_controller_nodes{health=\"Lost\"} 1\n", "kiln_controller_nodes{health=\"Ready\"} 0\n",
         "kiln_controller_replicas_assigned 0\n", "kiln_controller_deployments_short 1\n"}) {
     EXPECT_NE(lost.find(line), std::string::npos) << line << "in:\n" << lost;
+  }
+}
+
+TEST_F(ControllerLoopTest, EachReportReplacesTheLastOneWhole) {
+  // Reports are parsed into the memory of earlier ones (the controller reuses it): whatever a
+  // report leaves out must be gone, and a message that is more than a status still counts as
+  // protobuf reads it.
+  Connect();
+  auto status_of = [](const std::vector<std::string>& ids, int64_t mark) {
+    v1::NodeStatus st;
+    st.set_assignment_generation(mark);
+    for (const auto& id : ids) {
+      auto* r = st.add_replicas();
+      r->set_replica_id(id);
+      r->set_model("encoder");
+      r->set_version("1");
+      r->set_state(v1::SERVING);
+      r->set_healthy(true);
+      r->mutable_load()->set_requests(mark);
+    }
+    return st;
+  };
+  auto reported = [&](int64_t mark) -> std::vector<std::string> {
+    const std::string seen = "\"assignmentGeneration\":" + std::to_string(mark);
+    for (int i = 0; i < 400; ++i) {
+      std::string text = controller_->NodesJson();
+      if (text.find(seen) != std::string::npos) {
+        std::vector<std::string> ids;
+        const nlohmann::json nodes = nlohmann::json::parse(text);
+        for (const auto& r : nodes["items"][0]["replicas"]) {
+          ids.push_back(r["id"].get<std::string>());
+        }
+        return ids;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ADD_FAILURE() << "report " << mark << " never arrived: " << controller_->NodesJson();
+    return {};
+  };
+  const std::vector<std::vector<std::string>> rounds = {
+      {"a.0", "b.0", "c.0"}, {"a.0"}, {"b.0", "c.0"}, {}, {"d.0", "a.0", "b.0", "c.0"}, {"c.0"}};
+  int64_t mark = 0;
+  for (const auto& ids : rounds) {
+    v1::AgentMessage m;
+    *m.mutable_status() = status_of(ids, ++mark);
+    ASSERT_TRUE(stream_->Write(m));
+    EXPECT_EQ(reported(mark), ids) << "report " << mark;
+    controller_->Tick();  // the loop takes reports too
+  }
+  // A status followed by a field this controller does not know: the status counts.
+  {
+    v1::AgentMessage m;
+    *m.mutable_status() = status_of({"e.0"}, ++mark);
+    m.GetReflection()->MutableUnknownFields(&m)->AddVarint(99, 7);
+    ASSERT_TRUE(stream_->Write(m));
+    EXPECT_EQ(reported(mark), std::vector<std::string>({"e.0"}));
+  }
+  // The status field twice in one message: protobuf merges the two (repeated fields append).
+  {
+    v1::AgentMessage m;
+    *m.mutable_status() = status_of({"f.0"}, 1);
+    m.GetReflection()->MutableUnknownFields(&m)->AddLengthDelimited(
+        v1::AgentMessage::kStatusFieldNumber, status_of({"g.0"}, ++mark).SerializeAsString());
+    ASSERT_TRUE(stream_->Write(m));
+    EXPECT_EQ(reported(mark), std::vector<std::string>({"f.0", "g.0"}));
+  }
+  // And a plain report after those is whole again.
+  {
+    v1::AgentMessage m;
+    *m.mutable_status() = status_of({"h.0", "a.0"}, ++mark);
+    ASSERT_TRUE(stream_->Write(m));
+    EXPECT_EQ(reported(mark), std::vector<std::string>({"h.0", "a.0"}));
   }
 }
 
