@@ -750,6 +750,7 @@ std::string Agent::ReplicasJson() const {
                                {"pid", v.pid},
                                {"grpc_port", v.grpc_port},
                                {"http_port", v.http_port},
+                               {"data_socket", v.data_socket},
                                {"restarts", v.restarts},
                                {"crash_loop", v.crash_loop},
                                {"healthy", v.healthy},
@@ -783,6 +784,20 @@ std::string Agent::MetricsText() {
     << "# TYPE kiln_agent_assignment_reloads_rejected_total counter\n"
     << "kiln_agent_assignment_reloads_rejected_total{" << node << "} " << rejected_reloads_.load()
     << "\n";
+  if (router_) {
+    m << "# HELP kiln_router_forwarded_total gRPC inference calls the node's router forwarded "
+         "(retries included), by transport: data_socket to a replica on this node, grpc "
+         "otherwise.\n"
+      << "# TYPE kiln_router_forwarded_total counter\n"
+      << "kiln_router_forwarded_total{" << node << ",transport=\"data_socket\"} "
+      << router_->forwarded_data_socket() << "\n"
+      << "kiln_router_forwarded_total{" << node << ",transport=\"grpc\"} "
+      << router_->forwarded_grpc() << "\n"
+      << "# HELP kiln_router_retries_total Forwarded calls tried again on another replica after "
+         "theirs went away.\n"
+      << "# TYPE kiln_router_retries_total counter\n"
+      << "kiln_router_retries_total{" << node << "} " << router_->retries() << "\n";
+  }
   auto snapshot = supervisor_->Snapshot();
   auto labels = [&](const ReplicaView& v) {
     return node + ",replica=\"" + Escape(v.spec.replica_id()) + "\",model=\"" +

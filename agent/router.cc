@@ -41,7 +41,8 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
     if (sticky.rfind("parameter:", 0) == 0) route.sticky_parameter = sticky.substr(10);
     for (const auto& e : r.endpoints()) {
       if (!node.empty() && e.node_name() == node) continue;
-      route.endpoints.push_back({e.replica_id(), e.version(), e.grpc_address(), e.http_address(), false});
+      route.endpoints.push_back(
+          {e.replica_id(), e.version(), e.grpc_address(), e.http_address(), false, ""});
     }
     t.routes[route.model] = std::move(route);
   }
@@ -51,7 +52,7 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
     route.model = v.spec.model();
     route.endpoints.push_back({v.spec.replica_id(), v.spec.version(),
                                "127.0.0.1:" + std::to_string(v.grpc_port),
-                               "127.0.0.1:" + std::to_string(v.http_port), true});
+                               "127.0.0.1:" + std::to_string(v.http_port), true, v.data_socket});
   }
   // Models served here without a route: every serving version, equal weights.
   for (auto& [model, route] : t.routes) {
@@ -66,8 +67,28 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
 Router::Router(Options options) : options_(std::move(options)) {}
 
 void Router::SetTable(std::shared_ptr<const RouterTable> table) {
-  absl::MutexLock lock(&mu_);
-  table_ = std::move(table);
+  std::vector<std::shared_ptr<DataChannel>> gone;  // destroyed below, outside the lock
+  {
+    absl::MutexLock lock(&mu_);
+    table_ = std::move(table);
+    std::set<std::string> sockets;
+    if (table_) {
+      for (const auto& [model, route] : table_->routes) {
+        for (const auto& e : route.endpoints) {
+          if (!e.data_socket.empty()) sockets.insert(e.data_socket);
+        }
+      }
+    }
+    for (auto it = channels_.begin(); it != channels_.end();) {
+      if (!sockets.count(it->first) && it->second->Idle()) {
+        gone.push_back(std::move(it->second));
+        it = channels_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  gone.clear();  // outside the lock: a channel's reader may be finishing a call that takes it
 }
 
 absl::StatusOr<Router::Choice> Router::Choose(const std::string& model, const std::string& version,
@@ -143,6 +164,13 @@ void Router::End(const std::string& id) {
   if (--outstanding_[id] <= 0) outstanding_.erase(id);
 }
 
+std::shared_ptr<DataChannel> Router::ChannelFor(const std::string& path) {
+  absl::MutexLock lock(&mu_);
+  auto& channel = channels_[path];
+  if (!channel) channel = std::make_shared<DataChannel>(path);
+  return channel;
+}
+
 inference::GRPCInferenceService::Stub* Router::StubFor(const std::string& address) {
   absl::MutexLock lock(&mu_);
   auto& stub = stubs_[address];
@@ -203,32 +231,49 @@ void Attempt(std::shared_ptr<ForwardCall> c) {
   if (deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
     c->client_ctx->set_deadline(deadline);
   }
-  auto* stub = c->router->StubFor(choice->endpoint.grpc_address);
   std::string id = choice->endpoint.id;
   std::string version = choice->version;
   c->router->Begin(id);
-  stub->async()->ModelInfer(
-      c->client_ctx.get(), c->request, c->response, [c, id, version](grpc::Status s) {
-        c->router->End(id);
-        // The replica went away under the call: refused (UNAVAILABLE), or cancelled by its
-        // server shutting down at the end of a drain (CANCELLED while our client did not
-        // cancel). Inference has no side effects, so one retry elsewhere is safe.
-        const bool replica_gone =
-            s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-            (s.error_code() == grpc::StatusCode::CANCELLED && !c->server_ctx->IsCancelled());
-        if (replica_gone && c->attempts == 1) {
-          c->exclude.insert(id);
-          c->router->CountRetry();
-          c->response->Clear();
-          Attempt(c);
-          return;
-        }
-        if (s.ok()) {
-          (*c->response->mutable_parameters())["kiln-version"].set_string_param(version);
-          c->server_ctx->AddInitialMetadata("kiln-version", version);
-        }
-        c->reactor->Finish(s);
-      });
+  auto finished = [c, id, version](const grpc::Status& s) {
+    c->router->End(id);
+    // The replica went away under the call: refused (UNAVAILABLE), or cancelled by its
+    // server shutting down at the end of a drain (CANCELLED while our client did not
+    // cancel). Inference has no side effects, so one retry elsewhere is safe.
+    const bool replica_gone =
+        s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+        (s.error_code() == grpc::StatusCode::CANCELLED && !c->server_ctx->IsCancelled());
+    if (replica_gone && c->attempts == 1) {
+      c->exclude.insert(id);
+      c->router->CountRetry();
+      c->response->Clear();
+      Attempt(c);
+      return;
+    }
+    if (s.ok()) {
+      (*c->response->mutable_parameters())["kiln-version"].set_string_param(version);
+      c->server_ctx->AddInitialMetadata("kiln-version", version);
+    }
+    c->reactor->Finish(s);
+  };
+  if (!choice->endpoint.data_socket.empty()) {
+    // A local replica: its data socket, without a second gRPC hop. (The callback must not hold
+    // the channel: it may run on the channel's reader, which a last owner would join.)
+    std::shared_ptr<DataChannel> channel = c->router->ChannelFor(choice->endpoint.data_socket);
+    int64_t deadline_micros = 0;
+    auto deadline = c->server_ctx->deadline();
+    if (deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+      deadline_micros = std::chrono::duration_cast<std::chrono::microseconds>(
+                            deadline.time_since_epoch())
+                            .count();
+    }
+    c->router->CountForward(/*data_socket=*/true);
+    channel->Call(*c->request, deadline_micros, c->response, finished);
+    return;
+  }
+  c->router->CountForward(/*data_socket=*/false);
+  auto* stub = c->router->StubFor(choice->endpoint.grpc_address);
+  stub->async()->ModelInfer(c->client_ctx.get(), c->request, c->response,
+                            [finished](grpc::Status s) { finished(s); });
 }
 
 class RouterGrpcService final : public inference::GRPCInferenceService::CallbackService {

@@ -10,6 +10,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "agent/data_channel.h"
 #include "agent/router_policy.h"
 #include "agent/supervisor.h"
 #include "inference/grpc_service.grpc.pb.h"
@@ -25,6 +26,9 @@ struct RouterTable {
     std::string grpc_address;  // host:port
     std::string http_address;  // host:port
     bool local = false;
+    // A local replica's data socket (common/data_frames.h): gRPC ModelInfer goes there
+    // instead of through a second loopback gRPC hop. Empty: the gRPC address.
+    std::string data_socket;
   };
   struct Route {
     std::string model;
@@ -89,8 +93,15 @@ class Router {
   void Begin(const std::string& endpoint_id);
   void End(const std::string& endpoint_id);
   inference::GRPCInferenceService::Stub* StubFor(const std::string& address);
+  // The channel to a local replica's data socket (kept while calls are in flight on it).
+  std::shared_ptr<DataChannel> ChannelFor(const std::string& path);
   uint64_t retries() const { return retries_.load(); }
   void CountRetry() { retries_++; }
+  // gRPC ModelInfer calls forwarded (tries, retries included): to local replicas' data
+  // sockets, and over gRPC.
+  uint64_t forwarded_data_socket() const { return forwarded_data_socket_.load(); }
+  uint64_t forwarded_grpc() const { return forwarded_grpc_.load(); }
+  void CountForward(bool data_socket) { (data_socket ? forwarded_data_socket_ : forwarded_grpc_)++; }
 
  private:
   class Impl;
@@ -103,7 +114,12 @@ class Router {
   std::map<std::string, std::unique_ptr<inference::GRPCInferenceService::Stub>> stubs_
       ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> retries_{0};
+  std::atomic<uint64_t> forwarded_data_socket_{0};
+  std::atomic<uint64_t> forwarded_grpc_{0};
   std::unique_ptr<Impl> impl_;
+  // Data sockets of local replicas; one that left the table goes once no call is on it.
+  // Last: destroyed first (their readers finish calls into the members above).
+  std::map<std::string, std::shared_ptr<DataChannel>> channels_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kiln

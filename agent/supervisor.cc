@@ -23,6 +23,13 @@ using nlohmann::json;
 
 namespace {
 
+// A replica's data socket beside its control socket: NAME.sock -> NAME.data (no longer).
+std::string DataSocketOf(const std::string& control_socket) {
+  std::string base = control_socket;
+  if (base.size() > 5 && base.compare(base.size() - 5, 5, ".sock") == 0) base.resize(base.size() - 5);
+  return base + ".data";
+}
+
 const char* PhaseName(int p) {
   static const char* kNames[] = {"PENDING", "STARTING", "RUNNING", "BACKOFF", "STOPPING", "FAILED"};
   return kNames[p];
@@ -239,6 +246,7 @@ absl::Status Supervisor::Launch(Replica& r) {
               "--http-port", "0",
               "--bind-address", options_.bind_address,
               "--control-socket", r.socket,
+              "--data-socket", DataSocketOf(r.socket),
               "--initial-state", "warm",
               "--device", real_gpu ? "cuda:0" : "cpu",
               "--threads", std::to_string(threads),
@@ -598,6 +606,7 @@ void Supervisor::HandleExit(const ProcessExit& e) {
     r.pid = 0;
     r.client.reset();
     r.grpc_port = r.http_port = 0;
+    r.data_socket.clear();
     if (r.held && !r.removing) {
       log_("replica " + r.spec.replica_id() + ": stopped (" + ExitText(e.status) +
            "); not restarted while its GPU is unhealthy");
@@ -609,6 +618,7 @@ void Supervisor::HandleExit(const ProcessExit& e) {
       log_("replica " + r.spec.replica_id() + ": stopped (" + ExitText(e.status) + ")");
       std::error_code ec;
       fs::remove(r.socket, ec);
+      fs::remove(DataSocketOf(r.socket), ec);
       if (!Readd(r)) replicas_.erase(it);
       return;
     }
@@ -657,6 +667,7 @@ void Supervisor::Observe(Replica& r) {
   if (r.observed == v1::SERVING) r.last_used = now;
   r.grpc_port = st->grpc_port();
   r.http_port = st->http_port();
+  r.data_socket = st->data_socket();
   r.device_memory_bytes = st->device_memory_bytes();
   if (r.observed == v1::FAILED) r.last_error = st->failure_reason();
   if (r.phase == Phase::kStarting && (r.observed == v1::WARM || r.observed == v1::SERVING)) {
@@ -859,6 +870,7 @@ absl::Status Supervisor::Recover() {
     r.observed = st->state();
     r.grpc_port = st->grpc_port();
     r.http_port = st->http_port();
+    r.data_socket = st->data_socket();
     r.device_memory_bytes = st->device_memory_bytes();
     r.restarts = e.value("restarts", 0);
     r.adopted = true;
@@ -970,6 +982,7 @@ void Supervisor::Publish() {
     v.pid = r.pid;
     v.grpc_port = r.grpc_port;
     v.http_port = r.http_port;
+    v.data_socket = r.data_socket;
     v.restarts = r.restarts;
     v.crash_loop = r.crash_loop;
     v.adopted = r.adopted;

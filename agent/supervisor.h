@@ -89,6 +89,8 @@ struct ReplicaView {
   std::string last_error;
   std::string cpus;
   std::string socket;
+  // Where the runtime serves ModelInfer to the router (its report; empty: gRPC only).
+  std::string data_socket;
   std::string device;
   // Device memory the runtime reports holding (weights, activations, CUDA graph pools);
   // 0 until it reports, and on cpu.
@@ -154,6 +156,7 @@ class Supervisor {
     v1::LifecycleState observed = v1::LIFECYCLE_STATE_UNSPECIFIED;
     int grpc_port = 0;
     int http_port = 0;
+    std::string data_socket;  // as the runtime reports it
     CrashHistory crashes;
     absl::Time due;  // restart time (kBackoff) or kill time (kStopping)
     int restarts = 0;

@@ -10,36 +10,10 @@
 
 #include <grpcpp/server_builder.h>
 
+#include "common/data_frames.h"
 #include "common/grpc_status.h"
 
 namespace kiln {
-
-namespace {
-
-// A socket left by a crashed runtime is removed; anything else at the path, or a socket
-// another process still answers on, is an error rather than something to delete.
-absl::Status ClearStaleSocket(const std::string& path) {
-  struct stat st;
-  if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();
-  if (!S_ISSOCK(st.st_mode)) {
-    return absl::AlreadyExistsError("--control-socket: " + path + " exists and is not a socket");
-  }
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  bool live = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  if (fd >= 0) close(fd);
-  if (live) {
-    return absl::AlreadyExistsError("--control-socket: " + path +
-                                    " is in use by another process");
-  }
-  std::error_code ec;
-  std::filesystem::remove(path, ec);
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 absl::StatusOr<absl::Duration> ControlService::Deadline(int64_t millis) const {
   if (millis < 0 || millis > 3'600'000) {
@@ -102,7 +76,7 @@ grpc::Status ControlService::Load(grpc::ServerContext*, const v1::LoadRequest* r
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartControlServer(const std::string& path,
                                                                  grpc::Service* service) {
-  if (auto s = ClearStaleSocket(path); !s.ok()) return s;
+  if (auto s = ClearStaleSocket(path, "--control-socket"); !s.ok()) return s;
   grpc::ServerBuilder b;
   b.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
   b.RegisterService(service);

@@ -80,6 +80,8 @@ void AddRuntimeFlags(CLI::App& app, Flags* f, bool model_required) {
       ->capture_default_str();
   app.add_option("--control-socket", o.control_socket,
                  "Unix socket for kiln.v1.RuntimeControl (mode 0600)");
+  app.add_option("--data-socket", o.data_socket,
+                 "Unix socket serving ModelInfer to the node's router (mode 0600)");
   app.add_option("--initial-state", o.initial_state, "warm or serving")->capture_default_str();
   app.add_option("--device", o.device, "cpu or cuda:N (default: the config's instance.device)");
   app.add_option("--threads", o.threads, "Intra-op threads (0 = the config's or LibTorch's)");

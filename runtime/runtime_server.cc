@@ -116,6 +116,11 @@ absl::Status RuntimeServer::Start() {
 
 absl::Status RuntimeServer::StartListening() {
   auto log = GetLogger("runtime.server");
+  // Before the control socket answers: GetState reports it.
+  if (!options_.data_socket.empty()) {
+    KILN_ASSIGN_OR_RETURN(data_, DataServer::Start(options_.data_socket, &host_,
+                                                   options_.max_request_bytes));
+  }
   if (!options_.control_socket.empty()) {
     control_service_ = std::make_unique<ControlService>(this, options_.drain_timeout);
     KILN_ASSIGN_OR_RETURN(control_server_,
@@ -143,9 +148,11 @@ absl::Status RuntimeServer::StartListening() {
   http.server_version = options_.server_version;
   KILN_ASSIGN_OR_RETURN(http_, HttpFrontend::Start(&host_, http));
   http_port_ = http_->port();
-  log->info("listening grpc_port={} http_port={} control_socket={} model={} version={}",
+  log->info("listening grpc_port={} http_port={} control_socket={} data_socket={} model={} "
+            "version={}",
             grpc_port_, http_port_, options_.control_socket.empty() ? "-" : options_.control_socket,
-            model_.config.name, model_.version);
+            options_.data_socket.empty() ? "-" : options_.data_socket, model_.config.name,
+            model_.version);
   return absl::OkStatus();
 }
 
@@ -207,6 +214,7 @@ v1::RuntimeState RuntimeServer::GetState() {
                                                  : options_.device));
   s.set_grpc_port(grpc_port_);
   s.set_http_port(http_port_);
+  if (data_) s.set_data_socket(data_->path());
   s.set_pid(getpid());
   s.set_load_time_micros(load_time_micros_.load());
   s.set_failure_reason(lifecycle_.failure_reason());
@@ -329,6 +337,7 @@ void RuntimeServer::Stop() {
   // now, so neither frontend waits on the model past the deadline.
   if (InferenceEngine* e = host_.engine()) e->Stop();
   if (http_) http_->Stop();
+  if (data_) data_->Stop();
   absl::Time t1 = absl::Now();
   if (grpc_server_) {
     grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));

@@ -17,6 +17,7 @@
 #include "runtime/http_frontend.h"
 #include "runtime/inference_engine.h"
 #include "runtime/lifecycle.h"
+#include "runtime/data_server.h"
 #include "runtime/model_host.h"
 
 namespace kiln {
@@ -29,6 +30,8 @@ struct RuntimeOptions {
   int grpc_port = 8001;  // 0 = pick a free port
   int http_port = 8000;  // 0 = pick a free port
   std::string control_socket;  // empty = no control socket
+  // ModelInfer over a unix socket for the node's router (data_server.h); empty = none.
+  std::string data_socket;
   std::string initial_state = "serving";  // warm | serving
   std::string device;  // empty = the config's instance.device
   int64_t threads = 0;
@@ -91,6 +94,7 @@ class RuntimeServer : public ControlTarget {
   std::unique_ptr<GrpcInferenceService> grpc_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpFrontend> http_;
+  std::unique_ptr<DataServer> data_;
   std::unique_ptr<ControlService> control_service_;
   std::unique_ptr<grpc::Server> control_server_;
   int grpc_port_ = 0;

@@ -653,6 +653,21 @@ TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {
       EXPECT_EQ(again, first) << user;
     }
   }
+  // Local replicas are reached through their data sockets, not a second gRPC hop.
+  {
+    json j = WaitFor([&](const json& j) { return !Find(j, "a1").is_null(); }, "a1 listed");
+    EXPECT_NE(Find(j, "a1")["data_socket"].get<std::string>(), "");
+    EXPECT_NE(Find(j, "b1")["data_socket"].get<std::string>(), "");
+    std::string metrics = Get("/metrics").second;
+    auto count = [&](const std::string& transport) {
+      size_t at = metrics.find("kiln_router_forwarded_total{");
+      at = metrics.find("transport=\"" + transport + "\"} ", at);
+      if (at == std::string::npos) return -1L;
+      return std::atol(metrics.c_str() + metrics.find("} ", at) + 2);
+    };
+    EXPECT_GE(count("data_socket"), 55) << metrics;  // 40 + 3 x 6 calls above
+    EXPECT_EQ(count("grpc"), 0) << metrics;
+  }
   // REST through the router says which version served.
   web::http::client::http_client c("http://127.0.0.1:" + std::to_string(router_http_));
   json body = {{"inputs",

@@ -1,15 +1,20 @@
 // The node router against replicas that answer in chosen ways (in-process gRPC servers on
 // loopback).
 #include <grpcpp/grpcpp.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <functional>
 #include <memory>
 
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
 #include "agent/router.h"
+#include "common/data_frames.h"
 #include "common/http_server.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
@@ -53,6 +58,233 @@ std::unique_ptr<Router> StartRouter(std::vector<RouterTable::Endpoint> endpoints
   return std::move(*router);
 }
 
+// A client of `router`'s gRPC port.
+std::unique_ptr<inference::GRPCInferenceService::Stub> RouterStub(const Router& router) {
+  return inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(router.grpc_port()), grpc::InsecureChannelCredentials()));
+}
+
+// `replica` served on a loopback port, written to `port`.
+std::unique_ptr<grpc::Server> Serve(grpc::Service* replica, int* port) {
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
+  b.RegisterService(replica);
+  return b.BuildAndStart();
+}
+
+// A local replica's data socket (common/data_frames.h) answering each request as `answer`
+// says: (code, body) for a frame carrying `request`, or close the connection when it returns
+// code -1. Records the deadlines it was sent.
+class FakeDataSocket {
+ public:
+  using Answer = std::function<std::pair<int, std::string>(const inference::ModelInferRequest&)>;
+  FakeDataSocket(std::string path, Answer answer) : path_(std::move(path)), answer_(answer) {
+    auto fd = ListenUnix(path_, "test");
+    EXPECT_TRUE(fd.ok()) << fd.status();
+    listen_fd_ = fd.ok() ? *fd : -1;
+    thread_ = std::thread([this] { Serve(); });
+  }
+  ~FakeDataSocket() {
+    ::shutdown(listen_fd_, SHUT_RDWR);
+    {
+      absl::MutexLock lock(&mu_);
+      if (conn_fd_ >= 0) ::shutdown(conn_fd_, SHUT_RDWR);
+    }
+    thread_.join();
+    ::close(listen_fd_);
+    ::unlink(path_.c_str());
+  }
+  std::vector<int64_t> deadlines() {
+    absl::MutexLock lock(&mu_);
+    return deadlines_;
+  }
+  int requests() {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(deadlines_.size());
+  }
+
+ private:
+  void Serve() {
+    for (;;) {
+      int fd = ::accept(listen_fd_, nullptr, nullptr);
+      if (fd < 0) return;
+      {
+        absl::MutexLock lock(&mu_);
+        conn_fd_ = fd;
+      }
+      char head[kFrameHeaderBytes];
+      std::string body;
+      while (ReadFull(fd, head, sizeof(head))) {
+        FrameHeader h = DecodeFrameHeader(head);
+        body.resize(h.length);
+        if (h.length > 0 && !ReadFull(fd, body.data(), body.size())) break;
+        inference::ModelInferRequest req;
+        EXPECT_TRUE(req.ParseFromString(body));
+        {
+          absl::MutexLock lock(&mu_);
+          deadlines_.push_back(h.deadline_unix_micros);
+        }
+        auto [code, out] = answer_(req);
+        if (code < 0) break;
+        std::string frame = EncodeFrame(h.tag, static_cast<uint8_t>(code), 0, out);
+        if (!WriteFull(fd, frame.data(), frame.size())) break;
+      }
+      absl::MutexLock lock(&mu_);
+      ::close(fd);
+      conn_fd_ = -1;
+    }
+  }
+
+  const std::string path_;
+  Answer answer_;
+  int listen_fd_ = -1;
+  std::thread thread_;
+  absl::Mutex mu_;
+  int conn_fd_ ABSL_GUARDED_BY(mu_) = -1;
+  std::vector<int64_t> deadlines_ ABSL_GUARDED_BY(mu_);
+};
+
+std::string TempSocket(const std::string& name) {
+  return (std::filesystem::temp_directory_path() /
+          ("kiln-rt-" + std::to_string(getpid()) + "-" + name + ".data"))
+      .string();
+}
+
+inference::ModelInferRequest EncoderRequest() {
+  inference::ModelInferRequest req;
+  req.set_model_name("encoder");
+  req.set_id("q1");
+  auto* in = req.add_inputs();
+  in->set_name("input_ids");
+  in->set_datatype("INT64");
+  in->add_shape(1);
+  in->add_shape(1);
+  in->mutable_contents()->add_int64_contents(7);
+  return req;
+}
+
+// An answer naming output `name`, serialized.
+std::string OutputNamed(const std::string& name) {
+  inference::ModelInferResponse r;
+  r.set_model_name("encoder");
+  r.add_outputs()->set_name(name);
+  return r.SerializeAsString();
+}
+
+// A local replica with a data socket is reached through it (its gRPC address goes nowhere),
+// with the caller's deadline; the answer carries the version that served it.
+TEST(RouterDataSocketTest, ALocalReplicaIsReachedThroughItsDataSocket) {
+  std::string path = TempSocket("a");
+  FakeDataSocket replica(path, [](const inference::ModelInferRequest& req) {
+    EXPECT_EQ(req.id(), "q1");
+    return std::make_pair(0, OutputNamed("from-data-socket"));
+  });
+  auto router = StartRouter({{"a.0", "1", "127.0.0.1:1", "", true, path}});
+  ASSERT_NE(router, nullptr);
+  auto stub = RouterStub(*router);
+  for (int i = 0; i < 3; ++i) {  // one connection, used again
+    grpc::ClientContext ctx;
+    auto before = std::chrono::system_clock::now();
+    ctx.set_deadline(before + std::chrono::seconds(30));
+    inference::ModelInferResponse resp;
+    grpc::Status s = stub->ModelInfer(&ctx, EncoderRequest(), &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(resp.outputs_size(), 1);
+    EXPECT_EQ(resp.outputs(0).name(), "from-data-socket");
+    EXPECT_EQ(resp.parameters().at("kiln-version").string_param(), "1");
+    int64_t sent = replica.deadlines().back();
+    int64_t at = std::chrono::duration_cast<std::chrono::microseconds>(
+                     (before + std::chrono::seconds(30)).time_since_epoch())
+                     .count();
+    EXPECT_NEAR(static_cast<double>(sent), static_cast<double>(at), 2e6);  // gRPC rounds it
+  }
+  EXPECT_EQ(replica.requests(), 3);
+  EXPECT_EQ(router->retries(), 0u);
+}
+
+// The replica's own errors come back as they are, and are not retried elsewhere.
+TEST(RouterDataSocketTest, AReplicaErrorPassesThroughUnretried) {
+  std::string path = TempSocket("b");
+  FakeDataSocket replica(path, [](const inference::ModelInferRequest&) {
+    return std::make_pair(static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED),
+                          std::string("the queue is full (1024 requests)"));
+  });
+  OneAnswerReplica other(grpc::Status::OK);
+  int port = 0;
+  auto server = Serve(&other, &port);
+  // Only the data-socket replica serves version 1; the other is version 2 at weight 0.
+  auto router = StartRouter({{"b.0", "1", "127.0.0.1:1", "", true, path}});
+  ASSERT_NE(router, nullptr);
+  auto stub = RouterStub(*router);
+  grpc::ClientContext ctx;
+  inference::ModelInferResponse resp;
+  grpc::Status s = stub->ModelInfer(&ctx, EncoderRequest(), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(s.error_message(), "the queue is full (1024 requests)");
+  EXPECT_EQ(router->retries(), 0u);
+  EXPECT_EQ(other.calls_.load(), 0);
+}
+
+// A replica that goes away under a call (its connection closes before it answers), and one
+// whose socket is not there at all: the call is retried once elsewhere and the client never
+// sees it.
+TEST(RouterDataSocketTest, AReplicaGoneFromItsDataSocketIsRetriedElsewhere) {
+  OneAnswerReplica good(grpc::Status::OK);
+  int port = 0;
+  auto server = Serve(&good, &port);
+  ASSERT_GT(port, 0);
+  const std::string good_address = "127.0.0.1:" + std::to_string(port);
+  {
+    std::string path = TempSocket("c");
+    FakeDataSocket closing(path, [](const inference::ModelInferRequest&) {
+      return std::make_pair(-1, std::string());
+    });
+    // Both replicas local; "gone.0" sorts first and is tried first when both are idle.
+    auto router = StartRouter({{"gone.0", "1", "127.0.0.1:1", "", true, path},
+                               {"good.0", "1", good_address, "", false, ""}});
+    ASSERT_NE(router, nullptr);
+    auto stub = RouterStub(*router);
+    int ok = 0;
+    for (int i = 0; i < 4; ++i) {
+      grpc::ClientContext ctx;
+      inference::ModelInferResponse resp;
+      grpc::Status s = stub->ModelInfer(&ctx, EncoderRequest(), &resp);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      ok += s.ok();
+    }
+    EXPECT_EQ(ok, 4);
+    EXPECT_GE(closing.requests(), 1);
+    EXPECT_EQ(router->retries(), static_cast<uint64_t>(closing.requests()));
+  }
+  {
+    auto router = StartRouter({{"gone.0", "1", "127.0.0.1:1", "", true, TempSocket("missing")},
+                               {"good.0", "1", good_address, "", false, ""}});
+    ASSERT_NE(router, nullptr);
+    auto stub = RouterStub(*router);
+    grpc::ClientContext ctx;
+    inference::ModelInferResponse resp;
+    grpc::Status s = stub->ModelInfer(&ctx, EncoderRequest(), &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+}
+
+// An answer that is not a ModelInferResponse is an error, not a garbled success.
+TEST(RouterDataSocketTest, AGarbledAnswerIsAnInternalError) {
+  std::string path = TempSocket("d");
+  FakeDataSocket replica(path, [](const inference::ModelInferRequest&) {
+    return std::make_pair(0, std::string("\xff\xff\xff\xff not a message", 20));
+  });
+  auto router = StartRouter({{"d.0", "1", "127.0.0.1:1", "", true, path}});
+  ASSERT_NE(router, nullptr);
+  auto stub = RouterStub(*router);
+  grpc::ClientContext ctx;
+  inference::ModelInferResponse resp;
+  grpc::Status s = stub->ModelInfer(&ctx, EncoderRequest(), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_NE(s.error_message().find("not an inference.ModelInferResponse"), std::string::npos)
+      << s.error_message();
+}
+
 // A replica whose server cancels the call as it shuts down at the end of a drain: the router
 // retries elsewhere, as for a refused one, so the client never sees it.
 TEST(RouterRetryTest, ACallCancelledByTheReplicaIsRetriedElsewhere) {
@@ -68,11 +300,10 @@ TEST(RouterRetryTest, ACallCancelledByTheReplicaIsRetriedElsewhere) {
     servers[i] = b.BuildAndStart();
     ASSERT_GT(ports[i], 0);
   }
-  auto router = StartRouter({{"gone.0", "1", "127.0.0.1:" + std::to_string(ports[0]), "", false},
-                             {"good.0", "1", "127.0.0.1:" + std::to_string(ports[1]), "", false}});
+  auto router = StartRouter({{"gone.0", "1", "127.0.0.1:" + std::to_string(ports[0]), "", false, ""},
+                             {"good.0", "1", "127.0.0.1:" + std::to_string(ports[1]), "", false, ""}});
   ASSERT_NE(router, nullptr);
-  auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
-      "127.0.0.1:" + std::to_string(router->grpc_port()), grpc::InsecureChannelCredentials()));
+  auto stub = RouterStub(*router);
   for (int i = 0; i < 20; ++i) {
     inference::ModelInferRequest req;
     req.set_model_name("encoder");
@@ -103,7 +334,7 @@ TEST(RouterStopTest, StopsWithARestForwardInFlight) {
   });
   ASSERT_TRUE(replica.ok()) << replica.status();
   auto router = StartRouter(
-      {{"slow.0", "1", "127.0.0.1:1", "127.0.0.1:" + std::to_string((*replica)->port()), false}});
+      {{"slow.0", "1", "127.0.0.1:1", "127.0.0.1:" + std::to_string((*replica)->port()), false, ""}});
   ASSERT_NE(router, nullptr);
   std::atomic<int> code{-1};
   std::thread client([&] {
@@ -136,7 +367,7 @@ TEST(RouterRestTest, AChunkedBodyIsForwardedWhole) {
   });
   ASSERT_TRUE(replica.ok()) << replica.status();
   auto router = StartRouter(
-      {{"r.0", "1", "127.0.0.1:1", "127.0.0.1:" + std::to_string((*replica)->port()), false}});
+      {{"r.0", "1", "127.0.0.1:1", "127.0.0.1:" + std::to_string((*replica)->port()), false, ""}});
   ASSERT_NE(router, nullptr);
   std::string body = R"({"inputs":[{"name":"x","datatype":"INT64","shape":[1,3],"data":[1,2,3]}]})";
   testing::RawHttpClient c(router->http_port());

@@ -2,6 +2,7 @@
 // control socket.
 #include <sched.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <cpprest/http_client.h>
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <future>
 #include <sstream>
 #include <thread>
@@ -17,6 +19,7 @@
 #include <grpcpp/create_channel.h>
 
 #include "gtest/gtest.h"
+#include "common/data_frames.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/runtime_process.h"
@@ -858,6 +861,132 @@ TEST(RuntimeTest, PromoteAndDemoteAreRefusedWhileLoading) {
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->state(), v1::SERVING) << (*rt)->Log();
   rt->reset();
+  std::filesystem::remove_all(dir);
+}
+
+// One answer frame from the data socket: tag, code, body; code -1 when the connection ended.
+struct DataAnswer {
+  uint64_t tag = 0;
+  int code = -1;
+  std::string body;
+};
+DataAnswer ReadAnswer(int fd) {
+  DataAnswer a;
+  char head[kFrameHeaderBytes];
+  if (!ReadFull(fd, head, sizeof(head))) return a;
+  FrameHeader h = DecodeFrameHeader(head);
+  a.body.resize(h.length);
+  if (h.length > 0 && !ReadFull(fd, a.body.data(), a.body.size())) return a;
+  a.tag = h.tag;
+  a.code = h.code;
+  return a;
+}
+bool SendFrame(int fd, uint64_t tag, uint8_t code, int64_t deadline, const std::string& body) {
+  std::string f = EncodeFrame(tag, code, deadline, body);
+  return WriteFull(fd, f.data(), f.size());
+}
+
+TEST(RuntimeTest, TheDataSocketServesTheReferenceOutputsAndRefusesBadFrames) {
+  auto dir = std::filesystem::temp_directory_path() / ("kiln_data_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "r.data").string();
+  auto rt = StartRuntime("encoder", "1", "serving", {"--data-socket", path});
+  ASSERT_NE(rt, nullptr);
+  auto state = rt->GetState();
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->data_socket(), path);
+  struct stat st;
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+
+  auto fd = ConnectUnix(path);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  auto refs = References("1");
+  // Several requests in flight on one connection; each answered once, under its own tag.
+  std::map<uint64_t, std::pair<size_t, bool>> sent;  // tag -> (case, raw)
+  uint64_t tag = 100;
+  for (size_t i = 0; i < 3; ++i) {
+    for (bool raw : {false, true}) {
+      ASSERT_TRUE(SendFrame(*fd, tag, 0, 0, GrpcEncoderRequest(refs[i], raw).SerializeAsString()));
+      sent[tag++] = {i, raw};
+    }
+  }
+  for (size_t n = 0; n < 6; ++n) {
+    DataAnswer a = ReadAnswer(*fd);
+    ASSERT_EQ(a.code, 0) << a.body;
+    auto it = sent.find(a.tag);
+    ASSERT_NE(it, sent.end()) << "tag " << a.tag << " not sent or answered twice";
+    inference::ModelInferResponse resp;
+    ASSERT_TRUE(resp.ParseFromString(a.body));
+    EXPECT_EQ(resp.id(), "case");
+    EXPECT_EQ(resp.model_version(), "1");
+    EXPECT_EQ(resp.raw_output_contents_size() > 0, it->second.second);
+    EXPECT_LT(MaxDiff(GrpcFloats(resp), refs[it->second.first]["embedding"]), 1e-5);
+    sent.erase(it);
+  }
+
+  // Bad requests: each answered with the reason, and the connection serves on.
+  auto expect_error = [&](uint8_t code, int64_t deadline, const std::string& body, int want,
+                          const std::string& says) {
+    ASSERT_TRUE(SendFrame(*fd, 7, code, deadline, body));
+    DataAnswer a = ReadAnswer(*fd);
+    EXPECT_EQ(a.tag, 7u);
+    EXPECT_EQ(a.code, want) << a.body;
+    EXPECT_NE(a.body.find(says), std::string::npos) << a.body;
+  };
+  const std::string good = GrpcEncoderRequest(refs[0], true).SerializeAsString();
+  expect_error(0, 0, std::string("\xff\xff\xff\xff", 4), 3, "not an inference.ModelInferRequest");
+  expect_error(9, 0, good, 3, "frame code 9");
+  expect_error(0, 1, good, 4, "deadline");
+  inference::ModelInferRequest other = GrpcEncoderRequest(refs[0], true);
+  other.set_model_name("nope");
+  expect_error(0, 0, other.SerializeAsString(), 5, "unknown model 'nope'");
+  inference::ModelInferRequest short_raw = GrpcEncoderRequest(refs[0], true);
+  short_raw.mutable_raw_input_contents(0)->resize(3);
+  expect_error(0, 0, short_raw.SerializeAsString(), 3, "expected");
+  ASSERT_TRUE(SendFrame(*fd, 8, 0, 0, good));
+  EXPECT_EQ(ReadAnswer(*fd).code, 0);
+
+  // A frame over the size limit ends its connection; the socket takes new ones.
+  char head[kFrameHeaderBytes];
+  EncodeFrameHeader({0x7fffffffu, 9, 0, 0}, head);
+  ASSERT_TRUE(WriteFull(*fd, head, sizeof(head)));
+  EXPECT_EQ(ReadAnswer(*fd).code, -1);
+  ::close(*fd);
+  auto again = ConnectUnix(path);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(SendFrame(*again, 10, 0, 0, good));
+  DataAnswer a = ReadAnswer(*again);
+  EXPECT_EQ(a.tag, 10u);
+  EXPECT_EQ(a.code, 0) << a.body;
+  ::close(*again);
+
+  // Stopping removes the socket file.
+  rt->Signal(SIGTERM);
+  auto exited = rt->WaitExit(absl::Seconds(30));
+  ASSERT_TRUE(exited.ok()) << exited.status();
+  EXPECT_FALSE(std::filesystem::exists(path));
+  std::filesystem::remove_all(dir);
+}
+
+// A data socket path holding some other file is refused, and the file kept.
+TEST(RuntimeTest, ADataSocketPathHoldingAFileIsNotDeleted) {
+  auto dir = std::filesystem::temp_directory_path() / ("kiln_datafile_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  std::string path = (dir / "r.data").string();
+  std::ofstream(path) << "precious";
+  testing::RunResult r = testing::RunToCompletion(
+      {KILN_RUNTIME_BIN, "--model-repository", kRepo, "--model", "addsub", "--grpc-port", "0",
+       "--http-port", "0", "--bind-address", "127.0.0.1", "--data-socket", path},
+      absl::Seconds(60));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--data-socket: " + path + " exists and is not a socket"),
+            std::string::npos)
+      << r.output;
+  std::ifstream kept(path);
+  std::string content;
+  kept >> content;
+  EXPECT_EQ(content, "precious");
   std::filesystem::remove_all(dir);
 }
 

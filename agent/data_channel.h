@@ -1,0 +1,63 @@
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/support/status.h"
+#include "inference/grpc_service.pb.h"
+
+namespace kiln {
+
+// The router's side of a local replica's data socket (common/data_frames.h): one connection,
+// many calls in flight on it, answers matched by tag. Connects on the first call and again
+// after the connection ends. Thread-safe.
+class DataChannel {
+ public:
+  explicit DataChannel(std::string path) : path_(std::move(path)) {}
+  ~DataChannel();  // closes the connection; calls in flight fail UNAVAILABLE
+
+  using Done = std::function<void(const grpc::Status&)>;
+  // Sends `request`; `done` runs once, with `response` filled when OK: on the channel's reader
+  // thread, or inline when the call could not be sent. UNAVAILABLE when the replica cannot be
+  // reached or its connection ended before it answered (it went away: safe to retry elsewhere).
+  void Call(const inference::ModelInferRequest& request, int64_t deadline_unix_micros,
+            inference::ModelInferResponse* response, Done done);
+
+  const std::string& path() const { return path_; }
+  // No call waits on it.
+  bool Idle();
+
+ private:
+  struct Pending {
+    inference::ModelInferResponse* response;
+    Done done;
+  };
+  struct Connection {
+    int fd = -1;
+    std::map<uint64_t, Pending> pending;  // guarded by the channel's mu_
+    bool broken = false;                  // guarded by the channel's mu_
+    std::atomic<bool> finished{false};    // its reader has failed or answered every call
+  };
+  void ReadLoop(std::shared_ptr<Connection> c);
+  // Fails and forgets the connection's calls (its reader saw it end).
+  void Broke(const std::shared_ptr<Connection>& c, const std::string& why);
+
+  const std::string path_;
+  absl::Mutex mu_;
+  std::shared_ptr<Connection> conn_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_tag_ ABSL_GUARDED_BY(mu_) = 1;
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  // Every connection's reader, joined by the destructor (never by a reader itself).
+  std::vector<std::pair<std::shared_ptr<Connection>, std::thread>> readers_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex write_mu_;  // one frame at a time on the connection
+};
+
+}  // namespace kiln

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# What the agent's router adds to a gRPC inference: one SERVING replica of the demo encoder
+# (no dynamic batching) under a kiln-agent, and kiln-loadgen (closed loop, one request in
+# flight, raw tensors) run alternately against the replica's own gRPC port (the baseline) and
+# the router's, ROUNDS times each. Prints one line per run. Not a test.
+#   bench/router_overhead.sh [ROUNDS]          (BUILD_DIR: the build to run, default build/)
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD=${BUILD_DIR:-$ROOT/build}
+MODELS=${MODELS_DIR:-$ROOT/build/models}
+ROUNDS=${1:-2}
+DURATION_S=${DURATION_S:-5}
+WORK=$(mktemp -d /tmp/krouter.XXXXXX)
+AGENT_PID=""
+cleanup() {
+  if [ -n "$AGENT_PID" ]; then kill -TERM "$AGENT_PID" 2>/dev/null || true; wait "$AGENT_PID" 2>/dev/null || true; fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+# The encoder without dynamic batching: each request runs as it comes.
+mkdir -p "$WORK/repo/encoder/1"
+ln -s "$MODELS/encoder/1/model.pt" "$WORK/repo/encoder/1/model.pt"
+python3 - "$MODELS/encoder/config.yaml" "$WORK/repo/encoder/config.yaml" <<'EOF'
+import sys
+lines, out, skip = open(sys.argv[1]).read().splitlines(), [], False
+for l in lines:
+    if l.startswith("dynamic_batching:"):
+        skip = True
+        continue
+    if skip and l.startswith("  "):
+        continue
+    skip = False
+    out.append(l)
+open(sys.argv[2], "w").write("\n".join(out) + "\n")
+EOF
+cat > "$WORK/a.yaml" <<EOF
+replicas:
+  - {id: r0, model: encoder, version: "1", repository: $WORK/repo, cpus: 1, state: SERVING}
+EOF
+"$BUILD/agent/kiln-agent" --assignment-file "$WORK/a.yaml" --state-dir "$WORK/s" \
+  --runtime-binary "$BUILD/runtime/kiln-runtime" --admin-bind 127.0.0.1 --admin-port 0 \
+  --ingress-bind 127.0.0.1 --grpc-port 0 --http-port 0 --reserved-cpus 0 \
+  --stop-replicas-on-exit > "$WORK/agent.log" 2>&1 &
+AGENT_PID=$!
+for _ in $(seq 1 600); do grep -q "serving the assignment" "$WORK/agent.log" && break; sleep 0.05; done
+ROUTER=$(grep -o "router listening grpc_port=[0-9]*" "$WORK/agent.log" | grep -o "[0-9]*$")
+ADMIN=$(grep -o "admin_port=[0-9]*" "$WORK/agent.log" | grep -o "[0-9]*$" | head -1)
+REPLICA=""
+for _ in $(seq 1 600); do
+  REPLICA=$(curl -s "127.0.0.1:$ADMIN/v1/replicas" | python3 -c "
+import json,sys
+for r in json.load(sys.stdin)['replicas']:
+    if r['state']=='SERVING' and r['healthy'] and r['grpc_port']: print(r['grpc_port'])" 2>/dev/null || true)
+  [ -n "$REPLICA" ] && break
+  sleep 0.05
+done
+[ -n "$REPLICA" ] && [ -n "$ROUTER" ] || { echo "the replica never served"; cat "$WORK/agent.log"; exit 1; }
+echo "replica grpc port $REPLICA, router grpc port $ROUTER"
+load() {
+  "$BUILD/bench/kiln-loadgen" --target grpc --raw --mode closed --concurrency 1 --seq-len 16 \
+    --duration-s "$DURATION_S" --warmup-s 1 --address "127.0.0.1:$1" 2>&1 | tail -1
+}
+for i in $(seq 1 "$ROUNDS"); do
+  echo "direct $i: $(load "$REPLICA")"
+  echo "router $i: $(load "$ROUTER")"
+done

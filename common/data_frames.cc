@@ -1,0 +1,153 @@
+#include "common/data_frames.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/status/statusor.h"
+
+namespace kiln {
+
+namespace {
+
+void PutLe(uint64_t v, int bytes, char* out) {
+  for (int i = 0; i < bytes; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+
+uint64_t GetLe(const char* in, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) {
+    v |= static_cast<uint64_t>(static_cast<unsigned char>(in[i])) << (8 * i);
+  }
+  return v;
+}
+
+absl::StatusOr<sockaddr_un> UnixAddress(const std::string& path, const std::string& what) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(what + ": '" + path + "' must be 1.." +
+                                      std::to_string(sizeof(addr.sun_path) - 1) + " bytes long");
+  }
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  return addr;
+}
+
+}  // namespace
+
+void EncodeFrameHeader(const FrameHeader& h, char out[kFrameHeaderBytes]) {
+  PutLe(h.length, 4, out);
+  PutLe(h.tag, 8, out + 4);
+  out[12] = static_cast<char>(h.code);
+  PutLe(static_cast<uint64_t>(h.deadline_unix_micros), 8, out + 13);
+}
+
+FrameHeader DecodeFrameHeader(const char in[kFrameHeaderBytes]) {
+  FrameHeader h;
+  h.length = static_cast<uint32_t>(GetLe(in, 4));
+  h.tag = GetLe(in + 4, 8);
+  h.code = static_cast<uint8_t>(in[12]);
+  h.deadline_unix_micros = static_cast<int64_t>(GetLe(in + 13, 8));
+  return h;
+}
+
+std::string EncodeFrame(uint64_t tag, uint8_t code, int64_t deadline_unix_micros,
+                        const std::string& body) {
+  std::string out(kFrameHeaderBytes, '\0');
+  EncodeFrameHeader({static_cast<uint32_t>(body.size()), tag, code, deadline_unix_micros},
+                    out.data());
+  out += body;
+  return out;
+}
+
+bool ReadFull(int fd, char* buf, size_t n, bool* eof) {
+  size_t got = 0;
+  if (eof) *eof = false;
+  while (got < n) {
+    ssize_t r = ::read(fd, buf + got, n - got);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+    } else if (r == 0) {
+      if (eof && got == 0) *eof = true;
+      return false;
+    } else if (errno != EINTR) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool WriteFull(int fd, const char* data, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t w = ::send(fd, data + done, n - done, MSG_NOSIGNAL);
+    if (w > 0) {
+      done += static_cast<size_t>(w);
+    } else if (w < 0 && errno != EINTR) {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::Status ClearStaleSocket(const std::string& path, const std::string& flag) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return absl::OkStatus();
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::AlreadyExistsError(flag + ": " + path + " exists and is not a socket");
+  }
+  auto live = ConnectUnix(path);
+  if (live.ok()) {
+    ::close(*live);
+    return absl::AlreadyExistsError(flag + ": " + path + " is in use by another process");
+  }
+  std::error_code ec;
+  std::filesystem::remove(path, ec);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> ListenUnix(const std::string& path, const std::string& flag) {
+  auto addr = UnixAddress(path, flag);
+  if (!addr.ok()) return addr.status();
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(flag + ": socket: " + std::strerror(errno));
+  if (absl::Status s = ClearStaleSocket(path, flag); !s.ok()) {
+    ::close(fd);
+    return s;
+  }
+  // Created 0600 (umask while binding), not chmod-ed after: no moment where others may connect.
+  mode_t old = ::umask(0177);
+  int rc = ::bind(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr));
+  int bind_errno = errno;
+  ::umask(old);
+  if (rc == 0 && ::chmod(path.c_str(), 0600) != 0) {  // whatever the file system made of it
+    bind_errno = errno;
+    rc = -1;
+  }
+  if (rc != 0 || ::listen(fd, 64) != 0) {
+    int e = rc != 0 ? bind_errno : errno;
+    ::close(fd);
+    return absl::UnavailableError(flag + ": cannot listen on " + path + ": " + std::strerror(e));
+  }
+  return fd;
+}
+
+absl::StatusOr<int> ConnectUnix(const std::string& path) {
+  auto addr = UnixAddress(path, "data socket");
+  if (!addr.ok()) return absl::UnavailableError(addr.status().message());
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError(std::string("socket: ") + std::strerror(errno));
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+    int e = errno;
+    ::close(fd);
+    return absl::UnavailableError("cannot connect to " + path + ": " + std::strerror(e));
+  }
+  return fd;
+}
+
+}  // namespace kiln
