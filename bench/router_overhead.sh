@@ -59,7 +59,8 @@ done
 echo "replica grpc port $REPLICA, router grpc port $ROUTER"
 load() {
   "$BUILD/bench/kiln-loadgen" --target grpc --raw --mode closed --concurrency 1 --seq-len 16 \
-    --duration-s "$DURATION_S" --warmup-s 1 --address "127.0.0.1:$1" 2>&1 | tail -1
+    --duration-s "$DURATION_S" --warmup-s 1 --address "127.0.0.1:$1" 2>&1 |
+    grep -E "requests:|throughput:|latency ms:" | tr -s ' ' | tr '\n' ' '
 }
 for i in $(seq 1 "$ROUNDS"); do
   echo "direct $i: $(load "$REPLICA")"
