@@ -126,6 +126,7 @@ Controller::Controller(ControllerOptions options, Store* store, Clock* clock)
 Controller::~Controller() { Stop(); }
 
 void Controller::Start() {
+  leading_ = true;
   loop_ = std::thread([this]() {
     for (;;) {
       {
@@ -1155,6 +1156,10 @@ std::string Controller::MetricsText() {
           "Replicas being moved make-before-break, or dropped ahead of their replacement.");
     m << "kiln_controller_replicas_moving " << last_moves_.size() << "\n";
   }
+  gauge("kiln_controller_leader",
+        "1 when this controller makes the decisions (it holds the Lease, or runs without "
+        "election); a follower's other series are empty.");
+  m << "kiln_controller_leader " << (leading_.load() ? 1 : 0) << "\n";
   gauge("kiln_controller_deployments", "ModelDeployments the last pass of the loop read.");
   m << "kiln_controller_deployments " << deployments_.load() << "\n";
   m << "# HELP kiln_controller_rollbacks_total Rollouts rolled back (by their analysis, or "

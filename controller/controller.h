@@ -131,6 +131,7 @@ class Controller
   Histogram tick_seconds_{Histogram::ExponentialBounds(0.001, 2, 13)};
   std::atomic<uint64_t> rollbacks_{0};
   std::atomic<int64_t> deployments_{0};
+  std::atomic<bool> leading_{false};  // Start() was called: this one runs the loop
 
   absl::Mutex mu_;
   NodeRegistry registry_ ABSL_GUARDED_BY(mu_);

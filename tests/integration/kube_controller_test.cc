@@ -137,6 +137,14 @@ TEST_F(KubeControllerTest, OneLeaderActsAndTheOtherTakesOverWhenItIsKilled) {
   // Only the leader's Pod carries the label the agents' Service selects.
   EXPECT_TRUE(Eventually([&] { return LeaderLabel(leader) == "true"; })) << ReadFile(procs_[leader].log);
   EXPECT_EQ(LeaderLabel(follower), "");
+  // /metrics says which one leads (alerts select the leader's series by it).
+  auto leader_gauge = [&](const std::string& id) {
+    auto m = Shell("curl -s http://127.0.0.1:" + std::to_string(procs_[id].admin_port) +
+                   "/metrics | grep '^kiln_controller_leader '");
+    return m.out;
+  };
+  EXPECT_EQ(leader_gauge(leader), "kiln_controller_leader 1\n");
+  EXPECT_EQ(leader_gauge(follower), "kiln_controller_leader 0\n");
 
   // The follower's admin API writes through the Kubernetes API.
   std::string spec = dir_ + "/emb.yaml";
