@@ -264,7 +264,6 @@ absl::Status Agent::Start() {
       return absl::OkStatus();
     };
   }
-  KILN_ASSIGN_OR_RETURN(admin_, StartAdminServer(options_.admin_bind, options_.admin_port, h));
   Router::Options ro;
   ro.bind_address = options_.ingress_bind;
   ro.grpc_port = options_.grpc_port;
@@ -306,6 +305,8 @@ absl::Status Agent::Start() {
   KILN_ASSIGN_OR_RETURN(
       router_, Router::Start(ro, std::make_shared<RouterTable>(BuildRouterTable(
                                      routing_, *supervisor_->Snapshot(), options_.node_name))));
+  // After the router (its /metrics read it) and stopped before it.
+  KILN_ASSIGN_OR_RETURN(admin_, StartAdminServer(options_.admin_bind, options_.admin_port, h));
   Log()->info("admin listening admin_port={} (/healthz /readyz /metrics /v1/replicas)",
               admin_->port());
   last_tick_unix_ms_ = absl::ToUnixMillis(absl::Now());
@@ -731,8 +732,8 @@ void Agent::Stop() {
     stopping_ = true;
   }
   if (loop_.joinable()) loop_.join();
-  router_.reset();
   admin_.reset();
+  router_.reset();
 }
 
 std::string Agent::ReplicasJson() const {

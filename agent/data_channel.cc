@@ -1,88 +1,50 @@
 #include "agent/data_channel.h"
 
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <atomic>
+#include <cerrno>
+#include <limits>
 
+#include "absl/time/clock.h"
 #include "common/data_frames.h"
 
 namespace kiln {
 
 namespace {
 
-// An answer holds the outputs; past this it is not an answer (the connection is dropped).
-constexpr uint32_t kMaxAnswerBytes = 1u << 31;
+// Past this an answer is not one (protobuf parses less than 2 GiB): the connection is dropped.
+constexpr uint32_t kMaxAnswerBytes = (1u << 31) - 1;
+
+int64_t NowMicros() { return absl::ToUnixMicros(absl::Now()); }
 
 }  // namespace
 
+DataChannel::Connection::~Connection() {
+  ::close(fd);
+  ::close(wake_read);
+  ::close(wake_write);
+}
+
 DataChannel::~DataChannel() {
+  FailAll();
   std::vector<std::pair<std::shared_ptr<Connection>, std::thread>> readers;
   {
     absl::MutexLock lock(&mu_);
-    closing_ = true;
-    for (auto& [c, t] : readers_) ::shutdown(c->fd, SHUT_RDWR);  // ends each reader
     readers.swap(readers_);
     conn_.reset();
   }
   for (auto& [c, t] : readers) {
     if (t.joinable()) t.join();
-    ::close(c->fd);
   }
 }
 
-void DataChannel::Call(const inference::ModelInferRequest& request, int64_t deadline_unix_micros,
-                       inference::ModelInferResponse* response, Done done) {
-  std::shared_ptr<Connection> c;
-  uint64_t tag = 0;
-  std::vector<std::pair<std::shared_ptr<Connection>, std::thread>> ended;
-  grpc::Status refused;
-  {
-    absl::MutexLock lock(&mu_);
-    if (closing_) {
-      refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is stopping");
-    } else if (!conn_ || conn_->broken) {
-      auto fd = ConnectUnix(path_);
-      if (!fd.ok()) {
-        refused = grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                               "replica data socket: " + std::string(fd.status().message()));
-      } else {
-        // Readers of connections that ended and have finished their calls are let go here.
-        for (auto it = readers_.begin(); it != readers_.end();) {
-          if (it->first->finished.load()) {
-            ended.push_back(std::move(*it));
-            it = readers_.erase(it);
-          } else {
-            ++it;
-          }
-        }
-        conn_ = std::make_shared<Connection>();
-        conn_->fd = *fd;
-        readers_.emplace_back(conn_, std::thread([this, c = conn_] { ReadLoop(c); }));
-      }
-    }
-    if (refused.ok()) {
-      c = conn_;
-      tag = next_tag_++;
-      c->pending.emplace(tag, Pending{response, std::move(done)});
-    }
-  }
-  for (auto& [old, t] : ended) {  // each has returned from its loop or is about to
-    t.join();
-    ::close(old->fd);
-  }
-  if (!refused.ok()) {
-    done(refused);
-    return;
-  }
-  std::string frame = EncodeFrame(tag, 0, deadline_unix_micros, request.SerializeAsString());
-  bool sent;
-  {
-    absl::MutexLock lock(&write_mu_);
-    sent = WriteFull(c->fd, frame.data(), frame.size());
-  }
-  // Not sent: the connection is gone; its reader fails every call on it, this one too.
-  if (!sent) ::shutdown(c->fd, SHUT_RDWR);
+void DataChannel::FailAll() {
+  absl::MutexLock lock(&mu_);
+  closing_ = true;
+  for (auto& [c, t] : readers_) ::shutdown(c->fd, SHUT_RDWR);  // each reader fails its calls
 }
 
 bool DataChannel::Idle() {
@@ -93,11 +55,122 @@ bool DataChannel::Idle() {
   return true;
 }
 
+void DataChannel::Call(const inference::ModelInferRequest& request, int64_t deadline_unix_micros,
+                       inference::ModelInferResponse* response, Done done) {
+  // Serialized before the call is registered: once it is, a broken connection may finish it
+  // (and the request with it) at any moment.
+  std::string body;
+  if (!request.SerializeToString(&body) || body.size() > std::numeric_limits<uint32_t>::max()) {
+    done(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      "the request cannot be framed for the replica's data socket"));
+    return;
+  }
+  std::shared_ptr<Connection> c;
+  uint64_t tag = 0;
+  std::vector<std::pair<std::shared_ptr<Connection>, std::thread>> ended;
+  grpc::Status refused;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closing_) {
+      refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is stopping");
+    } else if (!conn_ || conn_->broken) {
+      auto fd = ConnectUnix(path_);
+      int wake[2] = {-1, -1};
+      if (!fd.ok()) {
+        refused = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                               "replica data socket: " + std::string(fd.status().message()));
+      } else if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+        ::close(*fd);
+        refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, "replica data socket: pipe failed");
+      } else {
+        // Readers of connections that ended and have finished their calls are let go here.
+        for (auto it = readers_.begin(); it != readers_.end();) {
+          if (it->first->finished.load()) {
+            ended.push_back(std::move(*it));
+            it = readers_.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        conn_ = std::make_shared<Connection>(*fd, wake[0], wake[1]);
+        readers_.emplace_back(conn_, std::thread([this, c = conn_] { ReadLoop(c); }));
+      }
+    }
+    if (refused.ok()) {
+      c = conn_;
+      tag = next_tag_++;
+      c->pending.emplace(tag, Pending{response, std::move(done), deadline_unix_micros});
+      if (deadline_unix_micros > 0 &&
+          (c->waiting_until == 0 || deadline_unix_micros < c->waiting_until)) {
+        char one = 1;
+        (void)!::write(c->wake_write, &one, 1);  // the reader waits for an earlier deadline now
+      }
+    }
+  }
+  for (auto& [old, t] : ended) t.join();  // each has returned from its loop or is about to
+  if (!refused.ok()) {
+    done(refused);
+    return;
+  }
+  std::string frame = EncodeFrame(tag, 0, deadline_unix_micros, body);
+  bool sent;
+  {
+    absl::MutexLock lock(&c->write_mu);
+    sent = WriteFull(c->fd, frame.data(), frame.size());
+  }
+  // Not sent: the connection is gone; its reader fails every call on it, this one too.
+  if (!sent) ::shutdown(c->fd, SHUT_RDWR);
+}
+
+int64_t DataChannel::Expire(const std::shared_ptr<Connection>& c) {
+  std::vector<Pending> expired;
+  int64_t next = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const int64_t now = NowMicros();
+    for (auto it = c->pending.begin(); it != c->pending.end();) {
+      const int64_t d = it->second.deadline_unix_micros;
+      if (d > 0 && d <= now) {
+        expired.push_back(std::move(it->second));
+        it = c->pending.erase(it);  // an answer that comes later finds no call: dropped
+        continue;
+      }
+      if (d > 0 && (next == 0 || d < next)) next = d;
+      ++it;
+    }
+    c->waiting_until = next;
+  }
+  for (auto& p : expired) {
+    p.done(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        "the replica did not answer before the deadline"));
+  }
+  return next;
+}
+
 void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
   char head[kFrameHeaderBytes];
   std::string body;
   std::string why = "the replica closed the connection";
   for (;;) {
+    const int64_t next = Expire(c);
+    int timeout_ms = -1;
+    if (next > 0) {
+      timeout_ms = static_cast<int>(std::min<int64_t>((next - NowMicros() + 999) / 1000, 60000));
+      if (timeout_ms < 0) timeout_ms = 0;
+    }
+    pollfd fds[2] = {{c->fd, POLLIN, 0}, {c->wake_read, POLLIN, 0}};
+    int n = ::poll(fds, 2, timeout_ms);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      why = "poll failed";
+      break;
+    }
+    if (fds[1].revents & POLLIN) {
+      char drain[64];
+      while (::read(c->wake_read, drain, sizeof(drain)) > 0) {
+      }
+    }
+    if (!(fds[0].revents & (POLLIN | POLLHUP | POLLERR))) continue;  // a deadline, or woken
     if (!ReadFull(c->fd, head, sizeof(head))) break;
     FrameHeader h = DecodeFrameHeader(head);
     if (h.length > kMaxAnswerBytes) {
@@ -110,7 +183,7 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
     {
       absl::MutexLock lock(&mu_);
       auto it = c->pending.find(h.tag);
-      if (it == c->pending.end()) continue;  // no such call: nothing to answer
+      if (it == c->pending.end()) continue;  // past its deadline already: nobody waits
       p = std::move(it->second);
       c->pending.erase(it);
     }

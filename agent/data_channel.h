@@ -18,18 +18,24 @@ namespace kiln {
 
 // The router's side of a local replica's data socket (common/data_frames.h): one connection,
 // many calls in flight on it, answers matched by tag. Connects on the first call and again
-// after the connection ends. Thread-safe.
+// after the connection ends. Calls past their deadline fail DEADLINE_EXCEEDED whether or not
+// the replica ever answers. Thread-safe.
 class DataChannel {
  public:
   explicit DataChannel(std::string path) : path_(std::move(path)) {}
   ~DataChannel();  // closes the connection; calls in flight fail UNAVAILABLE
 
   using Done = std::function<void(const grpc::Status&)>;
-  // Sends `request`; `done` runs once, with `response` filled when OK: on the channel's reader
-  // thread, or inline when the call could not be sent. UNAVAILABLE when the replica cannot be
-  // reached or its connection ended before it answered (it went away: safe to retry elsewhere).
+  // Sends `request`; `done` runs exactly once, with `response` filled when OK: on the
+  // channel's reader thread, or inline when the call could not be sent. UNAVAILABLE when the
+  // replica cannot be reached or its connection ended before it answered (it went away: safe
+  // to retry elsewhere). `request` is not used after Call returns. `deadline_unix_micros`:
+  // 0 = none.
   void Call(const inference::ModelInferRequest& request, int64_t deadline_unix_micros,
             inference::ModelInferResponse* response, Done done);
+
+  // Fails every call in flight (UNAVAILABLE) and every later one: the router is stopping.
+  void FailAll();
 
   const std::string& path() const { return path_; }
   // No call waits on it.
@@ -39,16 +45,25 @@ class DataChannel {
   struct Pending {
     inference::ModelInferResponse* response;
     Done done;
+    int64_t deadline_unix_micros;
   };
   struct Connection {
-    int fd = -1;
+    Connection(int fd, int wake_read, int wake_write)
+        : fd(fd), wake_read(wake_read), wake_write(wake_write) {}
+    ~Connection();  // closes the descriptors: no other holder can write to a reused one
+    const int fd;
+    const int wake_read, wake_write;  // a pipe: wakes the reader for an earlier deadline
     std::map<uint64_t, Pending> pending;  // guarded by the channel's mu_
+    int64_t waiting_until = 0;            // the deadline the reader waits for (mu_), 0 = none
     bool broken = false;                  // guarded by the channel's mu_
     std::atomic<bool> finished{false};    // its reader has failed or answered every call
+    absl::Mutex write_mu;                 // one frame at a time
   };
   void ReadLoop(std::shared_ptr<Connection> c);
   // Fails and forgets the connection's calls (its reader saw it end).
   void Broke(const std::shared_ptr<Connection>& c, const std::string& why);
+  // Fails the calls whose deadline passed; returns the next deadline (0 = none).
+  int64_t Expire(const std::shared_ptr<Connection>& c);
 
   const std::string path_;
   absl::Mutex mu_;
@@ -57,7 +72,6 @@ class DataChannel {
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   // Every connection's reader, joined by the destructor (never by a reader itself).
   std::vector<std::pair<std::shared_ptr<Connection>, std::thread>> readers_ ABSL_GUARDED_BY(mu_);
-  absl::Mutex write_mu_;  // one frame at a time on the connection
 };
 
 }  // namespace kiln

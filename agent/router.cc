@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "absl/strings/ascii.h"
+#include "absl/synchronization/notification.h"
 #include "absl/strings/str_split.h"
 #include "common/grpc_status.h"
 #include "common/http_server.h"
@@ -166,6 +167,7 @@ void Router::End(const std::string& id) {
 
 std::shared_ptr<DataChannel> Router::ChannelFor(const std::string& path) {
   absl::MutexLock lock(&mu_);
+  if (channels_closed_) return nullptr;
   auto& channel = channels_[path];
   if (!channel) channel = std::make_shared<DataChannel>(path);
   return channel;
@@ -259,6 +261,11 @@ void Attempt(std::shared_ptr<ForwardCall> c) {
     // A local replica: its data socket, without a second gRPC hop. (The callback must not hold
     // the channel: it may run on the channel's reader, which a last owner would join.)
     std::shared_ptr<DataChannel> channel = c->router->ChannelFor(choice->endpoint.data_socket);
+    if (!channel) {
+      c->router->End(id);
+      c->reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is stopping"));
+      return;
+    }
     int64_t deadline_micros = 0;
     auto deadline = c->server_ctx->deadline();
     if (deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
@@ -642,7 +649,27 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(Options options,
 Router::~Router() { Stop(); }
 
 void Router::Stop() {
+  // Calls in flight on data sockets get the servers' grace to finish; then whatever is left
+  // fails (UNAVAILABLE), so that no server waits on a replica that never answers.
+  absl::Notification stopped;
+  std::thread fail_late([this, &stopped] {
+    if (!stopped.WaitForNotificationWithTimeout(absl::Seconds(6))) FailChannels();
+  });
   if (impl_) impl_->Stop();
+  stopped.Notify();
+  fail_late.join();
+  FailChannels();
+}
+
+void Router::FailChannels() {
+  std::map<std::string, std::shared_ptr<DataChannel>> channels;
+  {
+    absl::MutexLock lock(&mu_);
+    channels_closed_ = true;  // a retry now finds none
+    channels.swap(channels_);
+  }
+  for (auto& [path, channel] : channels) channel->FailAll();
+  channels.clear();  // joins their readers, outside the lock (they finish calls into this)
 }
 
 int Router::grpc_port() const { return impl_ ? impl_->grpc_port_ : 0; }

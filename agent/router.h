@@ -93,7 +93,8 @@ class Router {
   void Begin(const std::string& endpoint_id);
   void End(const std::string& endpoint_id);
   inference::GRPCInferenceService::Stub* StubFor(const std::string& address);
-  // The channel to a local replica's data socket (kept while calls are in flight on it).
+  // The channel to a local replica's data socket (kept while calls are in flight on it);
+  // null once the router is stopping.
   std::shared_ptr<DataChannel> ChannelFor(const std::string& path);
   uint64_t retries() const { return retries_.load(); }
   void CountRetry() { retries_++; }
@@ -106,6 +107,8 @@ class Router {
  private:
   class Impl;
   explicit Router(Options options);
+  // Fails the calls on every data socket and closes them (Stop).
+  void FailChannels();
 
   const Options options_;
   mutable absl::Mutex mu_;
@@ -120,6 +123,7 @@ class Router {
   // Data sockets of local replicas; one that left the table goes once no call is on it.
   // Last: destroyed first (their readers finish calls into the members above).
   std::map<std::string, std::shared_ptr<DataChannel>> channels_ ABSL_GUARDED_BY(mu_);
+  bool channels_closed_ ABSL_GUARDED_BY(mu_) = false;  // stopping: no new channels
 };
 
 }  // namespace kiln

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 
 #include "absl/time/clock.h"
 #include "common/data_frames.h"
@@ -13,6 +14,21 @@
 #include "runtime/grpc_frontend.h"
 
 namespace kiln {
+
+namespace {
+
+// Reads and drops `n` bytes.
+bool Discard(int fd, uint32_t n) {
+  char buf[64 * 1024];
+  while (n > 0) {
+    const size_t chunk = std::min<size_t>(n, sizeof(buf));
+    if (!ReadFull(fd, buf, chunk)) return false;
+    n -= static_cast<uint32_t>(chunk);
+  }
+  return true;
+}
+
+}  // namespace
 
 struct DataServer::Connection {
   explicit Connection(int fd) : fd(fd) {}
@@ -22,6 +38,11 @@ struct DataServer::Connection {
 
   // One whole frame, or nothing once the peer is gone.
   void Send(uint64_t tag, uint8_t code, const std::string& body) {
+    if (body.size() > std::numeric_limits<uint32_t>::max()) {
+      Send(tag, static_cast<uint8_t>(absl::StatusCode::kResourceExhausted),
+           "the answer is too large for a frame (" + std::to_string(body.size()) + " bytes)");
+      return;
+    }
     std::string frame = EncodeFrame(tag, code, 0, body);
     absl::MutexLock lock(&write_mu);
     (void)WriteFull(fd, frame.data(), frame.size());
@@ -69,9 +90,24 @@ void DataServer::AcceptLoop() {
   for (;;) {
     int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      absl::MutexLock lock(&mu_);
-      if (!stopped_) log->error("--data-socket {}: accept: {}", path_, std::strerror(errno));
+      const int e = errno;
+      if (e == EINTR || e == ECONNABORTED) continue;
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopped_) return;
+      }
+      if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) {
+        // Out of descriptors or memory for now: the router's connection waits in the backlog.
+        log->warn("--data-socket {}: accept: {}; trying again", path_, std::strerror(e));
+        absl::SleepFor(absl::Milliseconds(50));
+        continue;
+      }
+      // Anything else will not get better: close the socket, so that the router's connects
+      // fail at once (and go elsewhere) instead of waiting in a backlog nobody reads.
+      log->error("--data-socket {}: accept: {}; no longer serving it", path_, std::strerror(e));
+      ::shutdown(listen_fd_, SHUT_RDWR);
+      std::error_code ec;
+      std::filesystem::remove(path_, ec);
       return;
     }
     auto c = std::make_shared<Connection>(fd);
@@ -100,9 +136,20 @@ void DataServer::ReadLoop(std::shared_ptr<Connection> c) {
     if (!ReadFull(c->fd, head, sizeof(head), &eof)) break;
     FrameHeader h = DecodeFrameHeader(head);
     if (static_cast<int64_t>(h.length) > limit) {
-      log->warn("--data-socket {}: closing a connection: a frame of {} bytes is over the limit "
-                "of {}", path_, h.length, limit);
-      break;
+      // Too large for this replica: that request is refused and the connection (the router's
+      // only one here, with other calls on it) serves on. Past a gibibyte the peer is not a
+      // router speaking the protocol: the connection ends.
+      if (h.length > (1u << 30)) {
+        log->warn("--data-socket {}: closing a connection: a frame of {} bytes", path_,
+                  h.length);
+        break;
+      }
+      if (!Discard(c->fd, h.length)) break;
+      c->Send(h.tag, static_cast<uint8_t>(absl::StatusCode::kResourceExhausted),
+              "the request's frame of " + std::to_string(h.length) +
+                  " bytes exceeds the payload limit of " + std::to_string(max_request_bytes_) +
+                  " bytes (--max-request-bytes) and its framing");
+      continue;
     }
     body.resize(h.length);
     if (h.length > 0 && !ReadFull(c->fd, body.data(), body.size())) break;
@@ -158,7 +205,13 @@ void DataServer::Serve(const std::shared_ptr<Connection>& c, uint64_t tag,
       c->Send(tag, static_cast<uint8_t>(encoded.code()), std::string(encoded.message()));
       return;
     }
-    c->Send(tag, 0, out.SerializeAsString());
+    std::string bytes;
+    if (!out.SerializeToString(&bytes)) {
+      c->Send(tag, static_cast<uint8_t>(absl::StatusCode::kResourceExhausted),
+              "the answer cannot be serialized (over 2 GiB)");
+      return;
+    }
+    c->Send(tag, 0, bytes);
   });
 }
 

@@ -13,6 +13,9 @@
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "agent/data_channel.h"
 #include "agent/router.h"
 #include "common/data_frames.h"
 #include "common/http_server.h"
@@ -73,8 +76,8 @@ std::unique_ptr<grpc::Server> Serve(grpc::Service* replica, int* port) {
 }
 
 // A local replica's data socket (common/data_frames.h) answering each request as `answer`
-// says: (code, body) for a frame carrying `request`, or close the connection when it returns
-// code -1. Records the deadlines it was sent.
+// says: (code, body) for a frame carrying `request`, close the connection when it returns
+// code -1, or never answer that one for -2. Records the deadlines it was sent.
 class FakeDataSocket {
  public:
   using Answer = std::function<std::pair<int, std::string>(const inference::ModelInferRequest&)>;
@@ -125,6 +128,7 @@ class FakeDataSocket {
           deadlines_.push_back(h.deadline_unix_micros);
         }
         auto [code, out] = answer_(req);
+        if (code == -2) continue;
         if (code < 0) break;
         std::string frame = EncodeFrame(h.tag, static_cast<uint8_t>(code), 0, out);
         if (!WriteFull(fd, frame.data(), frame.size())) break;
@@ -209,10 +213,6 @@ TEST(RouterDataSocketTest, AReplicaErrorPassesThroughUnretried) {
     return std::make_pair(static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED),
                           std::string("the queue is full (1024 requests)"));
   });
-  OneAnswerReplica other(grpc::Status::OK);
-  int port = 0;
-  auto server = Serve(&other, &port);
-  // Only the data-socket replica serves version 1; the other is version 2 at weight 0.
   auto router = StartRouter({{"b.0", "1", "127.0.0.1:1", "", true, path}});
   ASSERT_NE(router, nullptr);
   auto stub = RouterStub(*router);
@@ -222,7 +222,45 @@ TEST(RouterDataSocketTest, AReplicaErrorPassesThroughUnretried) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(s.error_message(), "the queue is full (1024 requests)");
   EXPECT_EQ(router->retries(), 0u);
-  EXPECT_EQ(other.calls_.load(), 0);
+  EXPECT_EQ(replica.requests(), 1);
+}
+
+// A replica that never answers: a call past its deadline fails DEADLINE_EXCEEDED (the router
+// does not keep it forever), and a stopping router fails the ones without a deadline.
+TEST(RouterDataSocketTest, CallsEndAtTheirDeadlineOrWhenTheChannelCloses) {
+  std::string path = TempSocket("e");
+  FakeDataSocket silent(path, [](const inference::ModelInferRequest&) {
+    return std::make_pair(-2, std::string());
+  });
+  DataChannel channel(path);
+  inference::ModelInferResponse resp;
+  struct Outcome {
+    absl::Notification done;
+    grpc::Status status;
+  };
+  Outcome late, forever;
+  const int64_t deadline = absl::ToUnixMicros(absl::Now() + absl::Milliseconds(200));
+  channel.Call(EncoderRequest(), deadline, &resp, [&](const grpc::Status& s) {
+    late.status = s;
+    late.done.Notify();
+  });
+  channel.Call(EncoderRequest(), 0, &resp, [&](const grpc::Status& s) {
+    forever.status = s;
+    forever.done.Notify();
+  });
+  ASSERT_TRUE(late.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_FALSE(forever.done.HasBeenNotified());
+  EXPECT_FALSE(channel.Idle());
+  channel.FailAll();
+  ASSERT_TRUE(forever.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(forever.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(channel.Idle());
+  // And after FailAll every new call fails at once.
+  grpc::Status after;
+  channel.Call(EncoderRequest(), 0, &resp, [&](const grpc::Status& s) { after = s; });
+  EXPECT_EQ(after.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(silent.requests(), 2);
 }
 
 // A replica that goes away under a call (its connection closes before it answers), and one

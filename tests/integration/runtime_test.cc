@@ -890,7 +890,8 @@ TEST(RuntimeTest, TheDataSocketServesTheReferenceOutputsAndRefusesBadFrames) {
   auto dir = std::filesystem::temp_directory_path() / ("kiln_data_" + std::to_string(getpid()));
   std::filesystem::create_directories(dir);
   const std::string path = (dir / "r.data").string();
-  auto rt = StartRuntime("encoder", "1", "serving", {"--data-socket", path});
+  auto rt = StartRuntime("encoder", "1", "serving",
+                         {"--data-socket", path, "--max-request-bytes", "1Mi"});
   ASSERT_NE(rt, nullptr);
   auto state = rt->GetState();
   ASSERT_TRUE(state.ok()) << state.status();
@@ -947,7 +948,18 @@ TEST(RuntimeTest, TheDataSocketServesTheReferenceOutputsAndRefusesBadFrames) {
   ASSERT_TRUE(SendFrame(*fd, 8, 0, 0, good));
   EXPECT_EQ(ReadAnswer(*fd).code, 0);
 
-  // A frame over the size limit ends its connection; the socket takes new ones.
+  // A request over --max-request-bytes is refused; the connection (other calls may be on it)
+  // serves on.
+  ASSERT_TRUE(SendFrame(*fd, 11, 0, 0, std::string((1 << 20) + 70 * 1024, 'x')));
+  {
+    DataAnswer big = ReadAnswer(*fd);
+    EXPECT_EQ(big.tag, 11u);
+    EXPECT_EQ(big.code, 8) << big.body;  // RESOURCE_EXHAUSTED
+    EXPECT_NE(big.body.find("exceeds the payload limit"), std::string::npos) << big.body;
+  }
+  ASSERT_TRUE(SendFrame(*fd, 12, 0, 0, good));
+  EXPECT_EQ(ReadAnswer(*fd).code, 0);
+  // A frame no router would send (2 GiB) ends its connection; the socket takes new ones.
   char head[kFrameHeaderBytes];
   EncodeFrameHeader({0x7fffffffu, 9, 0, 0}, head);
   ASSERT_TRUE(WriteFull(*fd, head, sizeof(head)));
