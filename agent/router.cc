@@ -229,10 +229,11 @@ void Attempt(std::shared_ptr<ForwardCall> c) {
   }
   c->attempts++;
   c->client_ctx = std::make_unique<grpc::ClientContext>();
-  auto deadline = c->server_ctx->deadline();
-  if (deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
-    c->client_ctx->set_deadline(deadline);
-  }
+  // The caller's deadline, when it set one (gRPC's "none" is the far future).
+  const auto deadline = c->server_ctx->deadline();
+  const bool has_deadline =
+      deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365);
+  if (has_deadline) c->client_ctx->set_deadline(deadline);
   std::string id = choice->endpoint.id;
   std::string version = choice->version;
   c->router->Begin(id);
@@ -266,13 +267,11 @@ void Attempt(std::shared_ptr<ForwardCall> c) {
       c->reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is stopping"));
       return;
     }
-    int64_t deadline_micros = 0;
-    auto deadline = c->server_ctx->deadline();
-    if (deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
-      deadline_micros = std::chrono::duration_cast<std::chrono::microseconds>(
-                            deadline.time_since_epoch())
-                            .count();
-    }
+    const int64_t deadline_micros =
+        has_deadline ? std::chrono::duration_cast<std::chrono::microseconds>(
+                           deadline.time_since_epoch())
+                           .count()
+                     : 0;
     c->router->CountForward(/*data_socket=*/true);
     channel->Call(*c->request, deadline_micros, c->response, finished);
     return;

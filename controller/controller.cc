@@ -20,7 +20,7 @@ namespace kiln {
 
 namespace {
 
-using ConditionsBefore = std::map<std::string, std::pair<std::string, std::string>>;
+using ConditionsBefore = Controller::ConditionsBefore;
 
 // The conditions of a stored status: type -> (status, lastTransitionTime).
 ConditionsBefore ParseConditions(const std::string& status) {

@@ -88,6 +88,8 @@ class Controller
   // pause | resume | abort | promote the deployment's rollout on the next tick. NOT_FOUND for
   // an unknown deployment, FAILED_PRECONDITION when no rollout is in progress.
   absl::Status RequestRolloutAction(const std::string& name, const std::string& action);
+  // A stored status's conditions: type -> (status, lastTransitionTime).
+  using ConditionsBefore = std::map<std::string, std::pair<std::string, std::string>>;
 
  private:
   // One agent's stream (controller.cc). The controller's loop never writes to it: it leaves
@@ -185,7 +187,7 @@ class Controller
   // Per deployment: the stored status last seen and its conditions (the loop's own).
   struct StoredConditions {
     std::string status;
-    std::map<std::string, std::pair<std::string, std::string>> before;  // type -> (status, since)
+    ConditionsBefore before;
   };
   std::map<std::string, StoredConditions> stored_conditions_;
   // Per deployment: its stored spec text and what it decodes to (the loop's own).
