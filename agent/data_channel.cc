@@ -20,9 +20,19 @@ constexpr uint32_t kMaxAnswerBytes = (1u << 31) - 1;
 
 int64_t NowMicros() { return absl::ToUnixMicros(absl::Now()); }
 
+// A replica that reads no request for this long while requests wait is stuck: its connection
+// is closed (the calls on it fail UNAVAILABLE and are retried elsewhere).
+constexpr absl::Duration kSendStall = absl::Seconds(10);
+constexpr size_t kMaxBacklogBytes = size_t{1} << 30;
+
 }  // namespace
 
+DataChannel::Connection::Connection(int fd, int wake_read, int wake_write)
+    : fd(fd), wake_read(wake_read), wake_write(wake_write),
+      sender(std::make_unique<FrameSender>(fd, kSendStall, kMaxBacklogBytes)) {}
+
 DataChannel::Connection::~Connection() {
+  sender.reset();
   ::close(fd);
   ::close(wake_read);
   ::close(wake_write);
@@ -65,24 +75,37 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
                       "the request cannot be framed for the replica's data socket"));
     return;
   }
+  // A connection is made outside the lock (a replica whose accept lags must not hold up the
+  // channel's other callers); a caller that finds one made meanwhile uses that one instead.
+  std::shared_ptr<Connection> fresh;
+  bool need_connection;
+  {
+    absl::MutexLock lock(&mu_);
+    need_connection = !closing_ && (!conn_ || conn_->broken);
+  }
+  grpc::Status refused;
+  if (need_connection) {
+    auto fd = ConnectUnix(path_);
+    int wake[2] = {-1, -1};
+    if (!fd.ok()) {
+      refused = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                             "replica data socket: " + std::string(fd.status().message()));
+    } else if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+      ::close(*fd);
+      refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, "replica data socket: pipe failed");
+    } else {
+      fresh = std::make_shared<Connection>(*fd, wake[0], wake[1]);
+    }
+  }
   std::shared_ptr<Connection> c;
   uint64_t tag = 0;
   std::vector<std::pair<std::shared_ptr<Connection>, std::thread>> ended;
-  grpc::Status refused;
   {
     absl::MutexLock lock(&mu_);
     if (closing_) {
       refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is stopping");
-    } else if (!conn_ || conn_->broken) {
-      auto fd = ConnectUnix(path_);
-      int wake[2] = {-1, -1};
-      if (!fd.ok()) {
-        refused = grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                               "replica data socket: " + std::string(fd.status().message()));
-      } else if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
-        ::close(*fd);
-        refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, "replica data socket: pipe failed");
-      } else {
+    } else {
+      if ((!conn_ || conn_->broken) && fresh) {
         // Readers of connections that ended and have finished their calls are let go here.
         for (auto it = readers_.begin(); it != readers_.end();) {
           if (it->first->finished.load()) {
@@ -92,18 +115,24 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
             ++it;
           }
         }
-        conn_ = std::make_shared<Connection>(*fd, wake[0], wake[1]);
+        conn_ = fresh;
         readers_.emplace_back(conn_, std::thread([this, c = conn_] { ReadLoop(c); }));
       }
-    }
-    if (refused.ok()) {
-      c = conn_;
-      tag = next_tag_++;
-      c->pending.emplace(tag, Pending{response, std::move(done), deadline_unix_micros});
-      if (deadline_unix_micros > 0 &&
-          (c->waiting_until == 0 || deadline_unix_micros < c->waiting_until)) {
-        char one = 1;
-        (void)!::write(c->wake_write, &one, 1);  // the reader waits for an earlier deadline now
+      if (conn_ && !conn_->broken) {
+        refused = grpc::Status();  // another caller's connection serves this one too
+        c = conn_;
+        tag = next_tag_++;
+        c->pending.emplace(tag, Pending{response, std::move(done), deadline_unix_micros});
+        if (deadline_unix_micros > 0 &&
+            (c->waiting_until == 0 || deadline_unix_micros < c->waiting_until)) {
+          char one = 1;
+          (void)!::write(c->wake_write, &one, 1);  // the reader waits for an earlier deadline
+        }
+      } else if (refused.ok()) {
+        // It broke between our look and now, and this caller made none: it goes elsewhere
+        // (the router retries UNAVAILABLE once).
+        refused = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                               "replica data socket " + path_ + ": the connection ended");
       }
     }
   }
@@ -112,14 +141,8 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
     done(refused);
     return;
   }
-  std::string frame = EncodeFrame(tag, 0, deadline_unix_micros, body);
-  bool sent;
-  {
-    absl::MutexLock lock(&c->write_mu);
-    sent = WriteFull(c->fd, frame.data(), frame.size());
-  }
-  // Not sent: the connection is gone; its reader fails every call on it, this one too.
-  if (!sent) ::shutdown(c->fd, SHUT_RDWR);
+  // Not sent (the connection broke): its reader fails every call on it, this one too.
+  (void)c->sender->Send(EncodeFrame(tag, 0, deadline_unix_micros, body));
 }
 
 int64_t DataChannel::Expire(const std::shared_ptr<Connection>& c) {

@@ -11,6 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "common/frame_sender.h"
 #include "grpcpp/support/status.h"
 #include "inference/grpc_service.pb.h"
 
@@ -48,16 +49,17 @@ class DataChannel {
     int64_t deadline_unix_micros;
   };
   struct Connection {
-    Connection(int fd, int wake_read, int wake_write)
-        : fd(fd), wake_read(wake_read), wake_write(wake_write) {}
+    Connection(int fd, int wake_read, int wake_write);
     ~Connection();  // closes the descriptors: no other holder can write to a reused one
     const int fd;
     const int wake_read, wake_write;  // a pipe: wakes the reader for an earlier deadline
+    // Requests are sent from the router's request threads, which must never wait on a
+    // replica that stopped reading (common/frame_sender.h).
+    std::unique_ptr<FrameSender> sender;
     std::map<uint64_t, Pending> pending;  // guarded by the channel's mu_
     int64_t waiting_until = 0;            // the deadline the reader waits for (mu_), 0 = none
     bool broken = false;                  // guarded by the channel's mu_
     std::atomic<bool> finished{false};    // its reader has failed or answered every call
-    absl::Mutex write_mu;                 // one frame at a time
   };
   void ReadLoop(std::shared_ptr<Connection> c);
   // Fails and forgets the connection's calls (its reader saw it end).

@@ -1,5 +1,6 @@
 #include "common/data_frames.h"
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -36,6 +37,32 @@ absl::StatusOr<sockaddr_un> UnixAddress(const std::string& path, const std::stri
   }
   std::memcpy(addr.sun_path, path.data(), path.size());
   return addr;
+}
+
+// A connection to `path`; on failure, `*err` holds connect's errno. The connect never waits:
+// a listener whose backlog is full (one that stopped accepting) fails it with EAGAIN at once.
+absl::StatusOr<int> TryConnectUnix(const std::string& path, int* err) {
+  auto addr = UnixAddress(path, "data socket");
+  if (!addr.ok()) return absl::UnavailableError(addr.status().message());
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::UnavailableError(std::string("socket: ") + std::strerror(errno));
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+    *err = errno;
+    ::close(fd);
+    if (*err == EAGAIN) {
+      return absl::UnavailableError("cannot connect to " + path +
+                                    ": its backlog is full (the process is not accepting)");
+    }
+    return absl::UnavailableError("cannot connect to " + path + ": " + std::strerror(*err));
+  }
+  // Connected: blocking from here on, as every user of it expects.
+  int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    *err = errno;
+    ::close(fd);
+    return absl::UnavailableError(std::string("fcntl: ") + std::strerror(*err));
+  }
+  return fd;
 }
 
 }  // namespace
@@ -101,9 +128,10 @@ absl::Status ClearStaleSocket(const std::string& path, const std::string& flag) 
   if (!S_ISSOCK(st.st_mode)) {
     return absl::AlreadyExistsError(flag + ": " + path + " exists and is not a socket");
   }
-  auto live = ConnectUnix(path);
-  if (live.ok()) {
-    ::close(*live);
+  int err = 0;
+  auto live = TryConnectUnix(path, &err);
+  if (live.ok() || err == EAGAIN) {  // EAGAIN: a listener with a full backlog is alive too
+    if (live.ok()) ::close(*live);
     return absl::AlreadyExistsError(flag + ": " + path + " is in use by another process");
   }
   std::error_code ec;
@@ -138,16 +166,8 @@ absl::StatusOr<int> ListenUnix(const std::string& path, const std::string& flag)
 }
 
 absl::StatusOr<int> ConnectUnix(const std::string& path) {
-  auto addr = UnixAddress(path, "data socket");
-  if (!addr.ok()) return absl::UnavailableError(addr.status().message());
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::UnavailableError(std::string("socket: ") + std::strerror(errno));
-  if (::connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
-    int e = errno;
-    ::close(fd);
-    return absl::UnavailableError("cannot connect to " + path + ": " + std::strerror(e));
-  }
-  return fd;
+  int e = 0;
+  return TryConnectUnix(path, &e);
 }
 
 }  // namespace kiln

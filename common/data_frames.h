@@ -54,7 +54,8 @@ absl::Status ClearStaleSocket(const std::string& path, const std::string& flag);
 // A unix stream socket listening on `path` (see ClearStaleSocket), mode 0600. Errors name
 // `flag`.
 absl::StatusOr<int> ListenUnix(const std::string& path, const std::string& flag);
-// A connection to the unix socket `path`, or UNAVAILABLE saying why.
+// A connection to the unix socket `path` (a blocking descriptor), or UNAVAILABLE saying why.
+// Never waits: a listener that stopped accepting (its backlog full) is UNAVAILABLE at once.
 absl::StatusOr<int> ConnectUnix(const std::string& path);
 
 }  // namespace kiln

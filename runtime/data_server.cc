@@ -10,6 +10,7 @@
 
 #include "absl/time/clock.h"
 #include "common/data_frames.h"
+#include "common/frame_sender.h"
 #include "common/logging.h"
 #include "runtime/grpc_frontend.h"
 
@@ -28,13 +29,24 @@ bool Discard(int fd, uint32_t n) {
   return true;
 }
 
+// A router that reads no answer for this long while answers wait is stuck: its connection is
+// closed (its calls fail there and are retried elsewhere) and the answers dropped.
+constexpr absl::Duration kSendStall = absl::Seconds(10);
+constexpr size_t kMaxBacklogBytes = size_t{1} << 30;
+
 }  // namespace
 
 struct DataServer::Connection {
-  explicit Connection(int fd) : fd(fd) {}
-  ~Connection() { ::close(fd); }  // the last holder: no write can reach a reused descriptor
+  explicit Connection(int fd)
+      : fd(fd), sender(std::make_unique<FrameSender>(fd, kSendStall, kMaxBacklogBytes)) {}
+  ~Connection() {  // the last holder: no write can reach a reused descriptor
+    sender.reset();
+    ::close(fd);
+  }
   const int fd;
-  absl::Mutex write_mu;
+  // Answers are sent from engine threads, which must never wait on a router that stopped
+  // reading: what the socket does not take at once waits here (common/frame_sender.h).
+  std::unique_ptr<FrameSender> sender;
 
   // One whole frame, or nothing once the peer is gone.
   void Send(uint64_t tag, uint8_t code, const std::string& body) {
@@ -43,9 +55,7 @@ struct DataServer::Connection {
            "the answer is too large for a frame (" + std::to_string(body.size()) + " bytes)");
       return;
     }
-    std::string frame = EncodeFrame(tag, code, 0, body);
-    absl::MutexLock lock(&write_mu);
-    (void)WriteFull(fd, frame.data(), frame.size());
+    (void)sender->Send(EncodeFrame(tag, code, 0, body));
   }
 };
 

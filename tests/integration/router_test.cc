@@ -2,6 +2,7 @@
 // loopback).
 #include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -321,6 +322,133 @@ TEST(RouterDataSocketTest, AGarbledAnswerIsAnInternalError) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL);
   EXPECT_NE(s.error_message().find("not an inference.ModelInferResponse"), std::string::npos)
       << s.error_message();
+}
+
+// A listening unix socket at `path` that never accepts (backlog `backlog`): a replica wedged
+// before its accept. Closed with the object.
+struct NeverAccepting {
+  NeverAccepting(const std::string& path, int backlog) : path(path) {
+    fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+    ::unlink(path.c_str());
+    EXPECT_EQ(::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    EXPECT_EQ(::listen(fd, backlog), 0);
+  }
+  ~NeverAccepting() {
+    ::close(fd);
+    ::unlink(path.c_str());
+  }
+  std::string path;
+  int fd;
+};
+
+// Outcome of one DataChannel call.
+struct CallOutcome {
+  absl::Notification done;
+  grpc::Status status;
+  inference::ModelInferResponse response;
+  DataChannel::Done Callback() {
+    return [this](const grpc::Status& s) {
+      status = s;
+      done.Notify();
+    };
+  }
+};
+
+// A replica that accepted the connection but reads nothing (stopped, wedged): the router's
+// request threads do not wait on it, however large the requests, and the calls end at their
+// deadlines.
+TEST(RouterDataSocketTest, AReplicaThatReadsNothingNeverHoldsTheCallers) {
+  std::string path = TempSocket("w");
+  NeverAccepting wedged(path, 4);  // the connection sits in its backlog, never read
+  DataChannel channel(path);
+  inference::ModelInferRequest big = EncoderRequest();
+  big.add_raw_input_contents(std::string(8 << 20, 'x'));  // far more than a socket buffer
+  const int64_t deadline = absl::ToUnixMicros(absl::Now() + absl::Milliseconds(300));
+  CallOutcome first, second;
+  channel.Call(big, deadline, &first.response, first.Callback());  // returns: nothing waits
+  channel.Call(big, deadline, &second.response, second.Callback());
+  ASSERT_TRUE(first.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(second.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(first.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(channel.Idle());
+}
+
+// A replica that stopped accepting with its backlog full: the call is refused at once
+// (UNAVAILABLE: the router tries another replica), not left waiting in connect.
+TEST(RouterDataSocketTest, AReplicaWithAFullBacklogIsUnavailableAtOnce) {
+  std::string path = TempSocket("b");
+  NeverAccepting wedged(path, 0);
+  // Fill its backlog the way other callers would.
+  std::vector<int> held;
+  for (int i = 0; i < 16; ++i) {
+    auto fd = ConnectUnix(path);
+    if (!fd.ok()) break;
+    held.push_back(*fd);
+  }
+  ASSERT_LT(held.size(), 16u) << "the backlog never filled";
+  DataChannel channel(path);
+  CallOutcome call;
+  channel.Call(EncoderRequest(), 0, &call.response, call.Callback());
+  ASSERT_TRUE(call.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(call.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(call.status.error_message().find("backlog is full"), std::string::npos)
+      << call.status.error_message();
+  for (int fd : held) ::close(fd);
+  // And a socket file nobody listens on any more is not "in use": it can be listened on again.
+}
+
+// A replica's batcher answers out of order: each answer reaches the call it belongs to.
+TEST(RouterDataSocketTest, AnswersOutOfOrderReachTheirOwnCalls) {
+  std::string path = TempSocket("o");
+  auto listening = ListenUnix(path, "test");
+  ASSERT_TRUE(listening.ok()) << listening.status();
+  constexpr int kCalls = 5;
+  std::thread replica([fd = *listening] {
+    int conn = ::accept(fd, nullptr, nullptr);
+    ASSERT_GE(conn, 0);
+    std::vector<std::pair<uint64_t, std::string>> got;  // (tag, request id)
+    char head[kFrameHeaderBytes];
+    std::string body;
+    while (got.size() < kCalls && ReadFull(conn, head, sizeof(head))) {
+      FrameHeader h = DecodeFrameHeader(head);
+      body.resize(h.length);
+      ASSERT_TRUE(ReadFull(conn, body.data(), body.size()));
+      inference::ModelInferRequest req;
+      ASSERT_TRUE(req.ParseFromString(body));
+      got.emplace_back(h.tag, req.id());
+    }
+    for (auto it = got.rbegin(); it != got.rend(); ++it) {  // last asked, first answered
+      inference::ModelInferResponse r;
+      r.set_id(it->second);
+      std::string f = EncodeFrame(it->first, 0, 0, r.SerializeAsString());
+      ASSERT_TRUE(WriteFull(conn, f.data(), f.size()));
+    }
+    char drain;
+    while (::read(conn, &drain, 1) > 0) {
+    }
+    ::close(conn);
+  });
+  {
+    DataChannel channel(path);
+    CallOutcome calls[kCalls];
+    for (int i = 0; i < kCalls; ++i) {
+      inference::ModelInferRequest req = EncoderRequest();
+      req.set_id("q" + std::to_string(i));
+      channel.Call(req, 0, &calls[i].response, calls[i].Callback());
+    }
+    for (int i = 0; i < kCalls; ++i) {
+      ASSERT_TRUE(calls[i].done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+      EXPECT_TRUE(calls[i].status.ok()) << calls[i].status.error_message();
+      EXPECT_EQ(calls[i].response.id(), "q" + std::to_string(i));
+    }
+  }  // the channel closes its connection: the replica's thread ends
+  replica.join();
+  ::close(*listening);
+  ::unlink(path.c_str());
 }
 
 // A replica whose server cancels the call as it shuts down at the end of a drain: the router

@@ -12,12 +12,14 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <future>
 #include <sstream>
 #include <thread>
 
 #include <grpcpp/create_channel.h>
 
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "common/data_frames.h"
 #include "inference/grpc_service.grpc.pb.h"
@@ -978,6 +980,54 @@ TEST(RuntimeTest, TheDataSocketServesTheReferenceOutputsAndRefusesBadFrames) {
   auto exited = rt->WaitExit(absl::Seconds(30));
   ASSERT_TRUE(exited.ok()) << exited.status();
   EXPECT_FALSE(std::filesystem::exists(path));
+  std::filesystem::remove_all(dir);
+}
+
+// A router that stops reading answers (wedged, stopped) must not hold up the replica: its
+// answers wait for it, and everyone else is still served. When it reads again, every answer
+// is there, each once.
+TEST(RuntimeTest, ARouterThatReadsNoAnswersDoesNotHoldUpTheReplica) {
+  auto dir = std::filesystem::temp_directory_path() / ("kiln_stuck_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "r.data").string();
+  auto rt = StartRuntime("encoder", "1", "serving", {"--data-socket", path});
+  ASSERT_NE(rt, nullptr);
+  auto fd = ConnectUnix(path);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  auto refs = References("1");
+  const std::string good = GrpcEncoderRequest(refs[0], true).SerializeAsString();
+  // Far more answers than a unix socket's buffer holds (each carries 256 bytes of embedding:
+  // 750 KB against the default 208 KiB), none read while they are sent. (Sent from a thread: the runtime must go on reading them.)
+  constexpr int kRequests = 3000;
+  absl::Notification all_sent;
+  std::thread sender([&] {
+    for (int i = 0; i < kRequests; ++i) {
+      if (!SendFrame(*fd, 1000 + i, 0, 0, good)) break;
+    }
+    all_sent.Notify();
+  });
+  ASSERT_TRUE(all_sent.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  sender.join();
+  // Meanwhile a gRPC client is served (its deadline is 30 s).
+  auto stub = Stub(*rt);
+  inference::ModelInferResponse resp;
+  ASSERT_TRUE(Infer(stub.get(), GrpcEncoderRequest(refs[1], true), &resp).ok());
+  EXPECT_LT(MaxDiff(GrpcFloats(resp), refs[1]["embedding"]), 1e-5);
+  // Now every answer arrives, each once: results, or the queue's refusals when it was full.
+  std::set<uint64_t> answered;
+  int ok = 0;
+  for (int n = 0; n < kRequests; ++n) {
+    DataAnswer a = ReadAnswer(*fd);
+    ASSERT_NE(a.code, -1) << "answer " << n << " missing";
+    EXPECT_TRUE(a.code == 0 || a.code == 8 || a.code == 14) << a.code << " " << a.body;
+    EXPECT_TRUE(answered.insert(a.tag).second) << "tag " << a.tag << " answered twice";
+    if (a.code == 0) ok++;
+  }
+  EXPECT_EQ(answered.size(), static_cast<size_t>(kRequests));
+  EXPECT_GT(ok, 0);
+  ::close(*fd);
+  rt->Signal(SIGTERM);
+  EXPECT_TRUE(rt->WaitExit(absl::Seconds(30)).ok());
   std::filesystem::remove_all(dir);
 }
 
