@@ -34,6 +34,7 @@ nlohmann::json RolloutState::ToJson() const {
                       {"message", message}};
   if (!failed_version.empty()) j["failedVersion"] = failed_version;
   if (paused) j["paused"] = true;
+  if (promoting) j["promoting"] = true;
   if (!draining_version.empty()) {
     j["drainingVersion"] = draining_version;
     j["drainUntilMicros"] = absl::ToUnixMicros(drain_until);
@@ -57,6 +58,7 @@ RolloutState RolloutState::FromJson(const nlohmann::json& j) {
   s.message = j.value("message", "");
   s.draining_version = j.value("drainingVersion", "");
   s.paused = j.value("paused", false);
+  s.promoting = j.value("promoting", false);
   if (j.contains("drainUntilMicros") && j["drainUntilMicros"].is_number_integer()) {
     s.drain_until = absl::FromUnixMicros(j["drainUntilMicros"].get<int64_t>());
   }
@@ -144,6 +146,8 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     s.weight = 0;
     s.step_started = absl::InfinitePast();
     s.phase = "Progressing";
+    s.paused = false;
+    s.promoting = false;
   }
 
   std::vector<RolloutStep> steps = spec.rollout.steps;
@@ -153,7 +157,7 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     for (auto& st : steps) st.pause_until_resumed = true;  // held until promote or abort
   }
   s.step = std::clamp<int64_t>(s.step, 0, static_cast<int64_t>(steps.size()) - 1);
-  auto promote = [&](const std::string& why) {
+  auto finish_promotion = [&](const std::string& why) {
     p.events.push_back("canary " + want + " promoted: " + why);
     const bool keep_old =
         strategy == "BlueGreen" && spec.rollout.scale_down_delay > absl::ZeroDuration();
@@ -163,6 +167,30 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
                      keep_old ? now + spec.rollout.scale_down_delay : absl::InfinitePast()};
     stable_only();
   };
+  // Make before break: the old version drains only once the whole new set serves.
+  auto promote = [&](const std::string& why) {
+    if (canary.ready >= replicas) {
+      finish_promotion(s.promoting ? "all " + std::to_string(replicas) + " replica(s) serve"
+                                   : why);
+      return;
+    }
+    if (!s.promoting) {
+      p.events.push_back("canary " + want + " promoting (" + why + "): bringing up " +
+                         std::to_string(replicas) + " replica(s) before version " +
+                         s.stable_version + " drains");
+    }
+    s.promoting = true;
+    s.paused = false;
+    s.phase = "Progressing";
+    s.message = "promoting version " + want + ": " + std::to_string(canary.ready) + "/" +
+                std::to_string(replicas) + " replica(s) serving; version " + s.stable_version +
+                " serves beside it (weight " + std::to_string(100 - s.weight) + "%) until then";
+    p.stable_version = s.stable_version;
+    p.stable_replicas = replicas;
+    p.canary_version = want;
+    p.canary_replicas = replicas;
+    p.canary_weight = s.weight;
+  };
   auto roll_back = [&](const std::string& why) {
     p.events.push_back(why);
     s.failed_version = want;
@@ -171,10 +199,19 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     s.step = 0;
     s.step_started = absl::InfinitePast();
     s.paused = false;
+    s.promoting = false;
     s.phase = "Degraded";
     s.message = why;
     stable_only();
   };
+  if (s.promoting) {  // decided: only an abort stops it
+    if (action == RolloutAction::kAbort) {
+      roll_back("promotion of version " + want + " aborted by hand; back to " + s.stable_version);
+    } else {
+      promote("");
+    }
+    return p;
+  }
   switch (action) {
     case RolloutAction::kAbort:
       roll_back("rollout of version " + want + " aborted by hand; back to " + s.stable_version);
@@ -248,9 +285,12 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     numbers += "; over the last " + absl::FormatDuration(now - s.recent.front().at) + ": " +
                std::to_string(wreq) + " requests, error rate " + Percent(window_rate);
   }
-  if ((enough && creq > 0 &&
-       (error_rate > a.max_error_rate || p99_ratio > a.max_latency_p99_ratio)) ||
-      window_bad) {
+  // An A/B test compares the versions for people to judge: its numbers are shown, and only a
+  // promote or an abort ends it.
+  if (strategy != "ABTest" &&
+      ((enough && creq > 0 &&
+        (error_rate > a.max_error_rate || p99_ratio > a.max_latency_p99_ratio)) ||
+       window_bad)) {
     roll_back(where + " failed analysis: " + numbers + "; rolled back to " + s.stable_version);
     return p;
   }

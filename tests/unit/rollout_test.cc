@@ -60,12 +60,63 @@ TEST(RolloutTest, AGoodCanaryWalksTheStepsAndIsPromoted) {
   EXPECT_EQ(p.canary_weight, 25);  // not ready yet
   p = PlanRollout(spec2, p.state, Stats(4, 3000, 0), Stats(2, 400, 1), kT0 + absl::Seconds(33));
   EXPECT_EQ(p.canary_weight, 50);
+  // The last step passes: promoted, make before break. The canary grows to all 4 replicas
+  // beside the whole stable set, at its 50%, before version 1 drains.
   p = PlanRollout(spec2, p.state, Stats(4, 4000, 0), Stats(2, 900, 2), kT0 + absl::Seconds(64));
+  EXPECT_EQ(p.state.phase, "Progressing");
+  EXPECT_TRUE(p.state.promoting);
+  EXPECT_EQ(p.stable_version, "1");
+  EXPECT_EQ(p.stable_replicas, 4);
+  EXPECT_EQ(p.canary_version, "2");
+  EXPECT_EQ(p.canary_replicas, 4);
+  EXPECT_EQ(p.canary_weight, 50);
+  EXPECT_NE(p.events.back().find("promoting"), std::string::npos);
+  EXPECT_NE(p.state.message.find("2/4 replica(s) serving"), std::string::npos) << p.state.message;
+  // Bad numbers no longer matter: the decision is made.
+  p = PlanRollout(spec2, RolloutState::FromJson(p.state.ToJson()), Stats(4, 5000, 0),
+                  Stats(3, 2000, 900), kT0 + absl::Seconds(65));
+  EXPECT_TRUE(p.state.promoting);
+  EXPECT_EQ(p.canary_replicas, 4);
+  EXPECT_TRUE(p.events.empty());
+  p = PlanRollout(spec2, p.state, Stats(4, 5000, 0), Stats(4, 2000, 900), kT0 + absl::Seconds(66));
   EXPECT_EQ(p.state.phase, "Stable");
+  EXPECT_FALSE(p.state.promoting);
   EXPECT_EQ(p.state.stable_version, "2");
   EXPECT_EQ(p.stable_version, "2");
+  EXPECT_EQ(p.stable_replicas, 4);
   EXPECT_TRUE(p.canary_version.empty());
-  EXPECT_NE(p.events.back().find("promoted"), std::string::npos);
+  EXPECT_TRUE(p.old_version.empty());  // version 1 drains now
+  ASSERT_FALSE(p.events.empty());
+  EXPECT_NE(p.events.back().find("promoted: all 4 replica(s) serve"), std::string::npos)
+      << p.events.back();
+}
+
+TEST(RolloutTest, APromotionIsStoppedOnlyByAnAbortOrANewVersion) {
+  RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", kTwoSteps);
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(1, 0, 0), kT0);
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(1, 0, 0), kT0 + absl::Seconds(1),
+                  RolloutAction::kPromote);
+  ASSERT_TRUE(p.state.promoting);
+  EXPECT_EQ(p.canary_weight, 25);
+  // Pause and promote again change nothing.
+  auto again = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(2, 0, 0), kT0 + absl::Seconds(2),
+                           RolloutAction::kPause);
+  EXPECT_TRUE(again.state.promoting);
+  EXPECT_FALSE(again.state.paused);
+  EXPECT_EQ(again.canary_replicas, 4);
+  auto aborted = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(2, 0, 0),
+                             kT0 + absl::Seconds(2), RolloutAction::kAbort);
+  EXPECT_EQ(aborted.state.phase, "Degraded");
+  EXPECT_FALSE(aborted.state.promoting);
+  EXPECT_TRUE(aborted.canary_version.empty());
+  EXPECT_EQ(aborted.stable_version, "1");
+  auto superseded = PlanRollout(Spec("3", kTwoSteps), p.state, Stats(4, 0, 0), Stats(0, 0, 0),
+                                kT0 + absl::Seconds(2));
+  EXPECT_FALSE(superseded.state.promoting);
+  EXPECT_EQ(superseded.canary_version, "3");
+  EXPECT_EQ(superseded.canary_replicas, 1);
+  EXPECT_EQ(superseded.canary_weight, 0);
 }
 
 TEST(RolloutTest, ABadCanaryIsRolledBackAssoonAsTheNumbersSaySo) {
@@ -223,6 +274,11 @@ TEST(RolloutTest, AbTestHoldsItsSplit) {
   EXPECT_EQ(p.canary_weight, 30);
   EXPECT_EQ(p.state.phase, "Progressing");
   EXPECT_NE(p.state.message.find("A/B test running"), std::string::npos);
+  // Worse numbers on one side are shown, not acted on: people end an A/B test.
+  p = PlanRollout(spec2, p.state, Stats(4, 6000, 0), Stats(2, 3000, 500), kT0 + absl::Hours(6));
+  EXPECT_EQ(p.state.phase, "Progressing");
+  EXPECT_EQ(p.canary_weight, 30);
+  EXPECT_NE(p.state.message.find("error rate"), std::string::npos) << p.state.message;
 }
 
 TEST(RolloutTest, StateRoundTripsThroughJson) {
@@ -281,10 +337,21 @@ TEST(RolloutActionTest, AbortAndPromoteByHand) {
   EXPECT_EQ(aborted.state.failed_version, "2");
   EXPECT_NE(aborted.state.message.find("aborted by hand"), std::string::npos);
   EXPECT_TRUE(aborted.canary_version.empty());
-  auto promoted = PlanRollout(spec2, running.state, {}, {}, kT0 + absl::Seconds(1),
+  // Promoted by hand while pre-warming: the new set grows whole first (weight still 0).
+  auto promoted = PlanRollout(spec2, running.state, {}, Stats(0, 0, 0), kT0 + absl::Seconds(1),
                               RolloutAction::kPromote);
+  EXPECT_EQ(promoted.state.phase, "Progressing");
+  EXPECT_EQ(promoted.stable_version, "1");
+  EXPECT_EQ(promoted.canary_replicas, 4);
+  EXPECT_EQ(promoted.canary_weight, 0);
+  promoted = PlanRollout(spec2, promoted.state, {}, Stats(4, 0, 0), kT0 + absl::Seconds(2));
   EXPECT_EQ(promoted.state.phase, "Stable");
   EXPECT_EQ(promoted.stable_version, "2");
+  // With the whole new set already serving, a promote is immediate.
+  auto full = PlanRollout(spec2, running.state, {}, Stats(4, 0, 0), kT0 + absl::Seconds(1),
+                          RolloutAction::kPromote);
+  EXPECT_EQ(full.state.phase, "Stable");
+  EXPECT_EQ(full.stable_version, "2");
 }
 
 TEST(RolloutActionTest, ResumePassesAnIndefinitePause) {
@@ -297,6 +364,9 @@ TEST(RolloutActionTest, ResumePassesAnIndefinitePause) {
   EXPECT_NE(p.state.message.find("paused until resumed"), std::string::npos);
   p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(2, 500, 0), kT0 + absl::Hours(1),
                   RolloutAction::kResume);
+  EXPECT_TRUE(p.state.promoting);  // 2 of 4 serve: the rest come up first
+  EXPECT_EQ(p.canary_replicas, 4);
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(4, 500, 0), kT0 + absl::Hours(1));
   EXPECT_EQ(p.state.phase, "Stable");
   EXPECT_EQ(p.stable_version, "2");
 }
