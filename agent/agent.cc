@@ -6,6 +6,8 @@
 #include <systemd/sd-journal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -66,6 +68,57 @@ std::vector<int> ProcessAffinity() {
 }
 
 }  // namespace
+
+namespace {
+
+// A label name or value: at most 63 of [A-Za-z0-9-_.], alphanumeric at both ends.
+bool LabelWord(std::string_view w) {
+  if (w.size() > 63) return false;
+  if (w.empty()) return true;
+  auto alnum = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0; };
+  if (!alnum(w.front()) || !alnum(w.back())) return false;
+  return std::all_of(w.begin(), w.end(),
+                     [&](char c) { return alnum(c) || c == '-' || c == '_' || c == '.'; });
+}
+
+// A DNS subdomain: at most 253, lowercase alphanumeric, '-' and '.', alphanumeric at both ends.
+bool DnsSubdomain(std::string_view d) {
+  if (d.empty() || d.size() > 253) return false;
+  auto ok_end = [](char c) { return std::islower(static_cast<unsigned char>(c)) || std::isdigit(static_cast<unsigned char>(c)); };
+  if (!ok_end(d.front()) || !ok_end(d.back())) return false;
+  return std::all_of(d.begin(), d.end(), [&](char c) { return ok_end(c) || c == '-' || c == '.'; });
+}
+
+}  // namespace
+
+absl::StatusOr<std::map<std::string, std::string>> ParseNodeLabels(
+    const std::vector<std::string>& flags) {
+  std::map<std::string, std::string> labels;
+  for (const auto& f : flags) {
+    auto bad = [&](const std::string& why) {
+      return absl::InvalidArgumentError("--label '" + f + "': " + why);
+    };
+    const size_t eq = f.find('=');
+    if (eq == std::string::npos) return bad("must be KEY=VALUE");
+    const std::string key = f.substr(0, eq);
+    const std::string value = f.substr(eq + 1);
+    const size_t slash = key.find('/');
+    const std::string name = slash == std::string::npos ? key : key.substr(slash + 1);
+    if (slash != std::string::npos && !DnsSubdomain(key.substr(0, slash))) {
+      return bad("the key's prefix must be a DNS subdomain (lowercase, at most 253 characters)");
+    }
+    if (name.empty() || !LabelWord(name)) {
+      return bad("the key's name must be 1..63 of A-Z a-z 0-9 - _ . starting and ending "
+                 "alphanumeric");
+    }
+    if (!LabelWord(value)) {
+      return bad("the value must be at most 63 of A-Z a-z 0-9 - _ . starting and ending "
+                 "alphanumeric");
+    }
+    if (!labels.emplace(key, value).second) return bad("the key '" + key + "' is given twice");
+  }
+  return labels;
+}
 
 absl::Status ValidateAgentOptions(const AgentOptions& o) {
   if (o.node_name.empty()) return absl::InvalidArgumentError("--node-name: must not be empty");
@@ -412,6 +465,7 @@ v1::Register Agent::MakeRegister() {
   v1::Register r;
   r.set_node_name(options_.node_name);
   r.set_agent_version("0.1.0");
+  for (const auto& [k, v] : options_.labels) (*r.mutable_labels())[k] = v;
   for (const auto& n : topology_.numa_nodes) {
     auto* m = r.add_numa_nodes();
     m->set_id(n.id);

@@ -2,9 +2,11 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
@@ -47,9 +49,19 @@ struct AgentOptions {
   // (--prestart-cpu): a replica that starts is handed one instead of spawning cold.
   int prestart_per_gpu = 0;
   int prestart_cpu = 0;
+  // This node's labels (--label KEY=VALUE), sent to the controller when the agent registers:
+  // `topology.kubernetes.io/zone` (or `zone`) is the zone placement spreads replicas across.
+  std::map<std::string, std::string> labels;
 };
 
 absl::Status ValidateAgentOptions(const AgentOptions& options);
+
+// --label values ("KEY=VALUE", Kubernetes label syntax: a key is [DNS-prefix/]name, the name
+// and the value at most 63 of [A-Za-z0-9-_.], starting and ending alphanumeric; the value may
+// be empty). INVALID_ARGUMENT naming the flag, the value and the reason; a key given twice is
+// an error.
+absl::StatusOr<std::map<std::string, std::string>> ParseNodeLabels(
+    const std::vector<std::string>& flags);
 
 // When a replica was last active, which its reported idle time counts from. With an earlier
 // Stats sample (its request count and when it was last active): now when the count moved

@@ -79,8 +79,19 @@ int main(int argc, char** argv) {
   app.add_option("--prestart-cpu", o.prestart_cpu,
                  "Pre-started runtimes kept for CPU replicas (0..16)")
       ->capture_default_str();
+  std::vector<std::string> labels;
+  app.add_option("--label", labels,
+                 "KEY=VALUE: a label of this node, sent to the controller (repeatable); "
+                 "topology.kubernetes.io/zone=Z (or zone=Z) names the zone replicas are spread "
+                 "across");
   if (auto code = kiln::ParseCommandLine(app, argc, argv)) return *code;
   auto log = kiln::GetLogger("agent.main");
+  auto parsed_labels = kiln::ParseNodeLabels(labels);
+  if (!parsed_labels.ok()) {
+    log->error("{}", std::string(parsed_labels.status().message()));
+    return 2;
+  }
+  o.labels = *parsed_labels;
   o.tick = absl::Milliseconds(tick_ms);
   o.stop_timeout = absl::Milliseconds(stop_timeout_ms);
 

@@ -1186,8 +1186,12 @@ std::string Controller::NodesJson() {
                           {"state", v1::LifecycleState_Name(r.state())},
                           {"healthy", r.healthy()}});
     }
+    nlohmann::json labels = nlohmann::json::object();
+    for (const auto& [k, v] : rec.registration.labels()) labels[k] = v;
     nodes.push_back({{"name", name},
                      {"health", NodeHealthName(registry_.Health(name, now))},
+                     {"zone", ZoneOf(rec.registration)},
+                     {"labels", labels},
                      {"connected", rec.connected},
                      {"cpus", rec.registration.cpu_capacity()},
                      {"gpus", rec.registration.gpus_size()},

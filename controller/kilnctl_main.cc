@@ -388,8 +388,14 @@ int main(int argc, char** argv) {
     Reply r = c.Call(http::methods::GET, kiln::kNodesPath);
     if (r.code != 200) return ServerError(r, c);
     if (PrintStructured(r.body, output)) return 0;
+    const bool wide = output == "wide";
     std::vector<std::vector<std::string>> rows = {
         {"NAME", "STATUS", "CPUS", "GPUS", "REPLICAS", "LAST-SEEN"}};
+    if (wide) {
+      rows[0].push_back("ZONE");
+      rows[0].push_back("GENERATION");
+      rows[0].push_back("REFUSED");
+    }
     for (const auto& n : r.body["items"]) {
       if (!name.empty() && n.value("name", "") != name) continue;
       int serving = 0, warm = 0;
@@ -401,6 +407,13 @@ int main(int argc, char** argv) {
                       std::to_string(n.value("cpus", 0)), std::to_string(n.value("gpus", 0)),
                       std::to_string(serving) + " serving, " + std::to_string(warm) + " warm",
                       std::to_string(n.value("lastHeardSecondsAgo", 0)) + "s ago"});
+      if (wide) {
+        const std::string zone = n.value("zone", "");
+        const std::string refused = n.value("refused", "");
+        rows.back().push_back(zone.empty() ? "<none>" : zone);
+        rows.back().push_back(std::to_string(n.value("assignmentGeneration", 0)));
+        rows.back().push_back(refused.empty() ? "<none>" : refused);
+      }
     }
     if (rows.size() == 1) {
       std::cerr << (name.empty() ? "No resources found.\n" : "Error from server (NotFound): node '" + name + "' not found\n");

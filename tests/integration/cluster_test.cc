@@ -507,6 +507,59 @@ TEST_F(ClusterTest, ADeploymentPiledOnOneNodeSpreadsWhenAnotherJoins) {
   Kill(&a.pid, SIGTERM);
 }
 
+// Zones come from the agents' --label flags: of three nodes, two in zone a and one in zone
+// b, a deployment of two replicas puts one in each zone (by name alone both would go to zone
+// a's nodes). `kilnctl get nodes -o wide` shows each node's zone; a bad label stops the agent
+// with the reason.
+TEST_F(ClusterTest, ReplicasSpreadAcrossTheZonesTheAgentsReport) {
+  StartController("127.0.0.1:0");
+  Agent a1 = StartAnotherAgent("a1", {"--label", "topology.kubernetes.io/zone=a"});
+  Agent a2 = StartAnotherAgent("a2", {"--label", "topology.kubernetes.io/zone=a"});
+  Agent b1 = StartAnotherAgent("b1", {"--label", "topology.kubernetes.io/zone=b", "--label",
+                                      "rack=r7"});
+  for (const Agent* a : {&a1, &a2, &b1}) ASSERT_GT(a->admin, 0) << ReadFile(a->log);
+  bool registered = false;
+  for (int i = 0; i < 800 && !registered; ++i) {  // bounded: all three registered
+    auto [code, text] = Http("GET", admin_, "/apis/serving.kiln.dev/v1alpha1/nodes");
+    json j = json::parse(text, nullptr, false);
+    registered = code == 200 && !j.is_discarded() && j["items"].size() == 3;
+    if (!registered) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_TRUE(registered) << ReadFile(clog_);
+  std::string out = ApplySpec("enc", "encoder", "  replicas: 2\n");
+  ASSERT_EQ(last_rc_, 0) << out;
+  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+  const size_t in_a = Pids(a1.admin).size() + Pids(a2.admin).size();
+  const size_t in_b = Pids(b1.admin).size();
+  EXPECT_EQ(in_a, 1u);
+  EXPECT_EQ(in_b, 1u);
+  out = Ctl("get nodes -o wide");
+  EXPECT_EQ(last_rc_, 0) << out;
+  EXPECT_NE(out.find("ZONE"), std::string::npos) << out;
+  std::istringstream lines(out);
+  std::string line;
+  int zone_a = 0, zone_b = 0;
+  while (std::getline(lines, line)) {
+    if (line.rfind("a", 0) == 0 && line.find(" a ") != std::string::npos) zone_a++;
+    if (line.rfind("b1", 0) == 0 && line.find(" b ") != std::string::npos) zone_b++;
+  }
+  EXPECT_EQ(zone_a, 2) << out;
+  EXPECT_EQ(zone_b, 1) << out;
+  auto [code, text] = Http("GET", admin_, "/apis/serving.kiln.dev/v1alpha1/nodes");
+  json nodes = json::parse(text, nullptr, false);
+  ASSERT_FALSE(nodes.is_discarded()) << text;
+  for (const auto& n : nodes["items"]) {
+    if (n.value("name", "") == "b1") EXPECT_EQ(n["labels"].value("rack", ""), "r7") << n.dump();
+  }
+  // A label that is not one: the agent does not start, and says why.
+  kiln::testing::ShellResult bad = kiln::testing::Shell(
+      std::string(KILN_AGENT_BIN) + " --controller 127.0.0.1:1 --state-dir " + dir_ +
+      "/agent-bad --runtime-binary " + KILN_RUNTIME_BIN + " --label 'zone=not ok'");
+  EXPECT_EQ(bad.rc, 2) << bad.out;
+  EXPECT_NE(bad.out.find("--label 'zone=not ok': the value must be"), std::string::npos)
+      << bad.out;
+}
+
 TEST_F(ClusterTest, TlsFlagsAreCheckedAtStartup) {
   kiln::testing::TestCa ca(dir_, "kiln-ca");
   auto server = ca.Issue("controller", "kiln-controller", {"IP:127.0.0.1"});

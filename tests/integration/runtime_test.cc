@@ -1008,10 +1008,17 @@ TEST(RuntimeTest, ARouterThatReadsNoAnswersDoesNotHoldUpTheReplica) {
   });
   ASSERT_TRUE(all_sent.WaitForNotificationWithTimeout(absl::Seconds(60)));
   sender.join();
-  // Meanwhile a gRPC client is served (its deadline is 30 s).
+  // Meanwhile a gRPC client is served: at once, or once the engine has worked through the
+  // queue those requests filled (RESOURCE_EXHAUSTED until then). A blocked engine never does.
   auto stub = Stub(*rt);
   inference::ModelInferResponse resp;
-  ASSERT_TRUE(Infer(stub.get(), GrpcEncoderRequest(refs[1], true), &resp).ok());
+  grpc::Status served;
+  for (int i = 0; i < 600; ++i) {  // bounded poll
+    served = Infer(stub.get(), GrpcEncoderRequest(refs[1], true), &resp);
+    if (served.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(served.ok()) << served.error_code() << ": " << served.error_message();
   EXPECT_LT(MaxDiff(GrpcFloats(resp), refs[1]["embedding"]), 1e-5);
   // Now every answer arrives, each once: results, or the queue's refusals when it was full.
   std::set<uint64_t> answered;

@@ -108,6 +108,13 @@ caps = agent[("DaemonSet", "kiln-agent")]["spec"]["template"]["spec"]["container
 if caps.get("add") != ["SYS_ADMIN"]:
     errors.append(f"gpuPowerPolicy=enforce: capabilities are {caps}, want SYS_ADMIN added")
 
+# agent.extraArgs are passed after the chart's own flags.
+extra = ["--label=topology.kubernetes.io/zone=z1", "--label=rack=r7"]
+agent = objects(render((chart / "templates/agent.yaml").read_text(), {".Values.agent.extraArgs": extra}))
+args = agent[("DaemonSet", "kiln-agent")]["spec"]["template"]["spec"]["containers"][0]["args"]
+if args[-2:] != extra:
+    errors.append(f"agent.extraArgs: the DaemonSet passes {args}, want {extra} at the end")
+
 # mTLS: each side mounts its Secret and passes the flags that read it.
 tls_on = {".Values.tls.enabled": True}
 tls_objects = {**objects(render((chart / "templates/controller.yaml").read_text(), tls_on)),

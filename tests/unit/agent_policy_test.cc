@@ -376,5 +376,31 @@ TEST(LastActiveTest, IdleTimeSurvivesAnAgentRestart) {
   EXPECT_EQ(LastActive(before, 2, now, served), now);
 }
 
+// --label: Kubernetes label syntax, each error naming the flag, the value and the reason.
+TEST(NodeLabelsTest, ParsedAndCheckedLikeKubernetesLabels) {
+  auto ok = ParseNodeLabels({"topology.kubernetes.io/zone=eu-west-1a", "rack=r12", "spare="});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->at("topology.kubernetes.io/zone"), "eu-west-1a");
+  EXPECT_EQ(ok->at("rack"), "r12");
+  EXPECT_EQ(ok->at("spare"), "");
+  EXPECT_TRUE(ParseNodeLabels({})->empty());
+  auto says = [](std::vector<std::string> flags, const std::string& what) {
+    auto r = ParseNodeLabels(flags);
+    ASSERT_FALSE(r.ok()) << flags[0];
+    EXPECT_NE(r.status().message().find("--label '" + flags.back() + "': " + what),
+              std::string::npos)
+        << r.status();
+  };
+  says({"zone"}, "must be KEY=VALUE");
+  says({"=a"}, "the key's name must be 1..63");
+  says({"-zone=a"}, "the key's name must be 1..63");
+  says({std::string(64, 'k') + "=a"}, "the key's name must be 1..63");
+  says({"Bad_Prefix/zone=a"}, "the key's prefix must be a DNS subdomain");
+  says({"/zone=a"}, "the key's prefix must be a DNS subdomain");
+  says({"zone=a b"}, "the value must be at most 63");
+  says({"zone=" + std::string(64, 'v')}, "the value must be at most 63");
+  says({"zone=a", "zone=b"}, "the key 'zone' is given twice");
+}
+
 }  // namespace
 }  // namespace kiln
