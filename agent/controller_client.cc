@@ -2,6 +2,8 @@
 
 #include <grpcpp/create_channel.h>
 
+#include "absl/random/random.h"
+
 #include "common/grpc_status.h"
 
 namespace kiln {
@@ -46,16 +48,21 @@ uint64_t ControllerClient::connects() const {
 
 void ControllerClient::Run() {
   absl::Duration backoff = absl::Seconds(1);
+  absl::BitGen jitter;
   for (;;) {
     absl::Time started = absl::Now();
     if (!Session()) return;
     if (absl::Now() - started > absl::Seconds(30)) backoff = absl::Seconds(1);  // was healthy
+    // 80-100% of the backoff: a fleet that lost its controller together does not come back
+    // in lockstep.
+    const absl::Duration wait = backoff * absl::Uniform(jitter, 0.8, 1.0);
     hooks_.log("controller " + address_ + ": disconnected; retrying in " +
-               absl::FormatDuration(backoff) + " (serving the last assignment meanwhile)");
+               absl::FormatDuration(absl::Trunc(wait, absl::Milliseconds(1))) +
+               " (serving the last assignment meanwhile)");
     absl::MutexLock lock(&mu_);
     auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
-    if (mu_.AwaitWithTimeout(absl::Condition(&stop), backoff)) return;
-    backoff = std::min(backoff * 2, absl::Seconds(30));
+    if (mu_.AwaitWithTimeout(absl::Condition(&stop), wait)) return;
+    backoff = std::min(backoff * 2, kMaxReconnectBackoff);
   }
 }
 

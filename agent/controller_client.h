@@ -17,8 +17,13 @@ namespace kiln {
 
 // The agent's side of kiln.v1.ControlPlane.Connect: registers, sends Status every
 // `status_period`, hands each Assignment and RoutingTable to the agent and answers Ack or
-// Nack with the generation; reconnects with backoff (1 s doubling to 30 s). While the
-// controller is away the agent keeps serving what it last applied.
+// Nack with the generation; reconnects with backoff (1 s doubling to kMaxReconnectBackoff,
+// jittered). While the controller is away the agent keeps serving what it last applied.
+//
+// The cap is shorter than the controller's observe window after a start (--observe-seconds,
+// 10 s by default): a restarted controller hears from every agent before it places anything,
+// so replicas on nodes that were merely reconnecting are not placed again elsewhere.
+inline constexpr absl::Duration kMaxReconnectBackoff = absl::Seconds(5);
 class ControllerClient {
  public:
   struct Hooks {

@@ -694,7 +694,19 @@ void Controller::Tick() {
         reports = true;
       }
       auto current = autoscaled_to_.find(d.name);
-      int64_t now_count = current == autoscaled_to_.end() ? d.spec.autoscale->min : current->second;
+      int64_t now_count = d.spec.autoscale->min;
+      if (current != autoscaled_to_.end()) {
+        now_count = current->second;
+      } else {
+        // First sight (this controller just started, or the deployment just turned to
+        // autoscaling): the count its status last recorded, so a restart neither drops
+        // replicas that are serving load nor skips the scale-down window.
+        auto status = nlohmann::json::parse(deps[i].object.status, nullptr, false);
+        if (status.is_object() && status.contains("desiredReplicas") &&
+            status["desiredReplicas"].is_number_integer()) {
+          now_count = status["desiredReplicas"].get<int64_t>();
+        }
+      }
       int64_t next = autoscale_[d.name].Recommend(*d.spec.autoscale, in_flight, reports, now_count,
                                                   now, options_.scale_down_stabilization);
       if (next != now_count) {

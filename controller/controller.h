@@ -39,7 +39,7 @@ namespace kiln {
 
 struct ControllerOptions {
   absl::Duration tick = absl::Milliseconds(200);
-  absl::Duration observe_for = absl::Seconds(5);
+  absl::Duration observe_for = absl::Seconds(10);
   // Autoscaled deployments scale down only after their load has stayed low this long.
   absl::Duration scale_down_stabilization = absl::Minutes(5);
   NodeRegistry::Options leases;

@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   int port = 7070;
   std::string token_file;
   std::string listen = "127.0.0.1:7071";
-  double observe_s = 5, not_ready_s = 10, lost_s = 30, stabilization_s = 300, rebalance_s = 30,
+  double observe_s = 10, not_ready_s = 10, lost_s = 30, stabilization_s = 300, rebalance_s = 30,
          counters_s = 10;
   std::string store_kind = "sqlite";
   std::string kubeconfig, kube_namespace;
@@ -92,7 +92,8 @@ int main(int argc, char** argv) {
                  "carries; false where agents share one certificate (one Secret for a DaemonSet)")
       ->capture_default_str();
   app.add_option("--observe-seconds", observe_s,
-                 "After a start, wait this long for agents to re-register before acting")
+                 "After a start, wait this long for agents to re-register before acting "
+                 "(agents retry at most every 5 s; keep it above that)")
       ->check(CLI::Range(0.0, 3600.0))
       ->capture_default_str();
   app.add_option("--node-not-ready-seconds", not_ready_s, "A silent node is NotReady after this")

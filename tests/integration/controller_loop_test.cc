@@ -150,6 +150,41 @@ TEST_F(ControllerLoopTest, CountersAloneAreWrittenAtMostEveryTenSeconds) {
   EXPECT_EQ(StoredRequests(), 400);
 }
 
+// A restarted controller takes an autoscaled deployment's count from its stored status: an
+// idle moment right after the restart neither drops it to the minimum at once nor skips the
+// scale-down window.
+TEST_F(ControllerLoopTest, AnAutoscaledCountSurvivesAControllerRestart) {
+  auto d = ParseModelDeployment(
+      "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
+      "spec:\n  model: {name: encoder, version: \"1\", uri: \"file:///m/encoder/1/model.pt\"}\n"
+      "  autoscale: {min: 1, max: 4, targetInFlight: 1}\n",
+      "test");
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "enc", EncodeForStore(*d)).ok());
+  // What the controller before this one left: scaled to 3.
+  ASSERT_TRUE(store_->UpdateStatus(kModelDeploymentKind, "enc",
+                                   R"({"desiredReplicas": 3, "readyReplicas": 3})", 0)
+                  .ok());
+  auto desired = [&]() {
+    auto o = store_->Get(kModelDeploymentKind, "enc");
+    if (!o.ok()) return int64_t{-1};
+    auto st = nlohmann::json::parse(o->status, nullptr, false);
+    return st.is_object() ? st.value("desiredReplicas", int64_t{-1}) : int64_t{-1};
+  };
+  Connect();
+  Report(0, 1);  // serving, nothing in flight: the raw recommendation is the minimum
+  controller_->Tick();
+  EXPECT_EQ(desired(), 3);
+  clock_.Advance(absl::Minutes(4));
+  Report(0, 2);
+  controller_->Tick();
+  EXPECT_EQ(desired(), 3);  // still inside the 5-minute window
+  clock_.Advance(absl::Minutes(2));
+  Report(0, 3);
+  controller_->Tick();
+  EXPECT_EQ(desired(), 1);  // idle for the whole window: down
+}
+
 TEST_F(ControllerLoopTest, ASecondDeploymentOfTheSameModelIsRefusedUntilTheFirstGoes) {
   auto apply = [&](const std::string& name) {
     auto d = ParseModelDeployment(
