@@ -91,6 +91,19 @@ class ControllerLoopTest : public ::testing::Test {
     reg.mutable_register_()->set_cpu_capacity(4);
     ASSERT_TRUE(stream_->Write(reg));
   }
+  // Stores deployment `name` of the encoder, version 1, with `spec_tail` (more spec lines,
+  // two-space indented); returns it as parsed.
+  ModelDeployment CreateEncoder(const std::string& name, const std::string& spec_tail) {
+    auto d = ParseModelDeployment(
+        "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: " + name +
+            "}\nspec:\n  model: {name: encoder, version: \"1\", uri: "
+            "\"file:///m/encoder/1/model.pt\"}\n" + spec_tail,
+        "test");
+    EXPECT_TRUE(d.ok()) << d.status();
+    if (!d.ok()) return {};
+    EXPECT_TRUE(store_->Create(kModelDeploymentKind, name, EncodeForStore(*d)).ok());
+    return *d;
+  }
   // The stored status's request count of version 1.
   int64_t StoredRequests() {
     auto o = store_->Get(kModelDeploymentKind, "enc");
@@ -114,13 +127,7 @@ class ControllerLoopTest : public ::testing::Test {
 };
 
 TEST_F(ControllerLoopTest, CountersAloneAreWrittenAtMostEveryTenSeconds) {
-  auto d = ParseModelDeployment(
-      "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
-      "spec:\n  model: {name: encoder, version: \"1\", uri: \"file:///m/encoder/1/model.pt\"}\n"
-      "  replicas: 1\n",
-      "test");
-  ASSERT_TRUE(d.ok()) << d.status();
-  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "enc", EncodeForStore(*d)).ok());
+  const ModelDeployment d = CreateEncoder("enc", "  replicas: 1\n");
   Connect();
   Report(100, 1);
   controller_->Tick();
@@ -139,7 +146,7 @@ TEST_F(ControllerLoopTest, CountersAloneAreWrittenAtMostEveryTenSeconds) {
   clock_.Advance(absl::Seconds(1));
   ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc",
                              EncodeForStore([&] {
-                               ModelDeployment two = *d;
+                               ModelDeployment two = d;
                                two.spec.replicas = 2;
                                return two;
                              }()),
@@ -154,13 +161,7 @@ TEST_F(ControllerLoopTest, CountersAloneAreWrittenAtMostEveryTenSeconds) {
 // idle moment right after the restart neither drops it to the minimum at once nor skips the
 // scale-down window.
 TEST_F(ControllerLoopTest, AnAutoscaledCountSurvivesAControllerRestart) {
-  auto d = ParseModelDeployment(
-      "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
-      "spec:\n  model: {name: encoder, version: \"1\", uri: \"file:///m/encoder/1/model.pt\"}\n"
-      "  autoscale: {min: 1, max: 4, targetInFlight: 1}\n",
-      "test");
-  ASSERT_TRUE(d.ok()) << d.status();
-  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "enc", EncodeForStore(*d)).ok());
+  CreateEncoder("enc", "  autoscale: {min: 1, max: 4, targetInFlight: 1}\n");
   // What the controller before this one left: scaled to 3.
   ASSERT_TRUE(store_->UpdateStatus(kModelDeploymentKind, "enc",
                                    R"({"desiredReplicas": 3, "readyReplicas": 3})", 0)
@@ -186,15 +187,7 @@ TEST_F(ControllerLoopTest, AnAutoscaledCountSurvivesAControllerRestart) {
 }
 
 TEST_F(ControllerLoopTest, ASecondDeploymentOfTheSameModelIsRefusedUntilTheFirstGoes) {
-  auto apply = [&](const std::string& name) {
-    auto d = ParseModelDeployment(
-        "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: " + name +
-            "}\nspec:\n  model: {name: encoder, version: \"1\", uri: "
-            "\"file:///m/encoder/1/model.pt\"}\n  replicas: 1\n",
-        "test");
-    ASSERT_TRUE(d.ok()) << d.status();
-    ASSERT_TRUE(store_->Create(kModelDeploymentKind, name, EncodeForStore(*d)).ok());
-  };
+  auto apply = [&](const std::string& name) { CreateEncoder(name, "  replicas: 1\n"); };
   auto other = ParseModelDeployment(
       "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: old}\n"
       "spec:\n  model: {name: other, version: \"1\", uri: \"file:///m/other/1/model.pt\"}\n"
@@ -250,13 +243,7 @@ TEST_F(ControllerLoopTest, ASecondDeploymentOfTheSameModelIsRefusedUntilTheFirst
 }
 
 TEST_F(ControllerLoopTest, AnOverloadedGpuHasOneReplicaMovedOffAfterTheRebalanceDelay) {
-  auto d = ParseModelDeployment(
-      "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: emb}\n"
-      "spec:\n  model: {name: encoder, version: \"1\", uri: \"file:///m/encoder/1/model.pt\"}\n"
-      "  replicas: 2\n  resources: {gpus: 1, gpuMemory: 10Gi, cpus: 1}\n",
-      "test");
-  ASSERT_TRUE(d.ok()) << d.status();
-  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "emb", EncodeForStore(*d)).ok());
+  CreateEncoder("emb", "  replicas: 2\n  resources: {gpus: 1, gpuMemory: 10Gi, cpus: 1}\n");
   ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
   stream_ = stub_->Connect(&ctx_);
   v1::AgentMessage reg;
