@@ -110,6 +110,31 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
     out.body = nodes_();
     return out;
   }
+  if (r.path == kReplicasPath && nodes_) {
+    if (r.method != "GET") {
+      return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
+    }
+    auto nodes = nlohmann::json::parse(nodes_(), nullptr, false);
+    nlohmann::json items = nlohmann::json::array();
+    if (nodes.is_object() && nodes.contains("items")) {
+      for (const auto& n : nodes["items"]) {
+        for (const auto& rep : n.value("replicas", nlohmann::json::array())) {
+          nlohmann::json one = rep;
+          one["node"] = n.value("name", "");
+          items.push_back(std::move(one));
+        }
+      }
+    }
+    return Json(200, {{"kind", "ReplicaList"}, {"items", items}});
+  }
+  if (r.path == kEventsPath) {
+    if (r.method != "GET") {
+      return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
+    }
+    auto events = store_->ListEvents(kModelDeploymentKind, "", 500);
+    if (!events.ok()) return ErrorResponse(events.status());
+    return Json(200, RenderEvents(*events));
+  }
   const std::string prefix = kDeploymentsPath;
   if (r.path.rfind(prefix, 0) != 0) {
     return ErrorResponse(absl::NotFoundError("no such path: " + r.path));
@@ -167,6 +192,15 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
     return Json(202, {{"kind", "Status"}, {"status", "Success"},
                       {"message", j["action"].get<std::string>() + " requested"}});
   }
+  if (sub == "events") {
+    if (r.method != "GET") {
+      return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
+    }
+    if (auto o = store_->Get(kModelDeploymentKind, name); !o.ok()) return ErrorResponse(o.status());
+    auto events = store_->ListEvents(kModelDeploymentKind, name, 100);
+    if (!events.ok()) return ErrorResponse(events.status());
+    return Json(200, RenderEvents(*events));
+  }
   if (!sub.empty()) return ErrorResponse(absl::NotFoundError("no such path: " + r.path));
   if (r.method == "GET") {
     auto o = store_->Get(kModelDeploymentKind, name);
@@ -183,6 +217,20 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
                       {"details", {{"name", name}, {"kind", "modeldeployments"}}}});
   }
   return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
+}
+
+nlohmann::json AdminApi::RenderEvents(const std::vector<ObjectEvent>& events) {
+  nlohmann::json items = nlohmann::json::array();
+  for (const auto& e : events) {
+    items.push_back({{"involvedObject", {{"kind", e.kind}, {"name", e.name}}},
+                     {"type", e.type},
+                     {"reason", e.reason},
+                     {"message", e.message},
+                     {"lastTimestamp", absl::FormatTime("%Y-%m-%dT%H:%M:%SZ",
+                                                        absl::FromUnixMicros(e.unix_micros),
+                                                        absl::UTCTimeZone())}});
+  }
+  return {{"apiVersion", "v1"}, {"kind", "EventList"}, {"items", items}};
 }
 
 ApiResponse AdminApi::Create(const std::string& body) {
@@ -212,17 +260,24 @@ ApiResponse AdminApi::Scale(const std::string& name, const std::string& body) {
     return ErrorResponse(absl::InvalidArgumentError(
         "spec.replicas: the body must be {\"spec\": {\"replicas\": N}} with an integer N"));
   }
-  auto o = store_->Get(kModelDeploymentKind, name);
-  if (!o.ok()) return ErrorResponse(o.status());
-  auto d = DecodeFromStore(o->name, o->spec);
-  if (!d.ok()) return ErrorResponse(d.status());
-  if (d->spec.autoscale) {
-    return ErrorResponse(absl::InvalidArgumentError(
-        "spec.replicas: '" + name + "' autoscales (spec.autoscale); change its min and max instead"));
+  // Read, change, write; again when the controller wrote the status in between (a conflict
+  // on the resourceVersion that says nothing about the spec), a few times at most.
+  absl::StatusOr<StoredObject> updated;
+  absl::StatusOr<ModelDeployment> d;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    auto o = store_->Get(kModelDeploymentKind, name);
+    if (!o.ok()) return ErrorResponse(o.status());
+    d = DecodeFromStore(o->name, o->spec);
+    if (!d.ok()) return ErrorResponse(d.status());
+    if (d->spec.autoscale) {
+      return ErrorResponse(absl::InvalidArgumentError(
+          "spec.replicas: '" + name + "' autoscales (spec.autoscale); change its min and max instead"));
+    }
+    d->spec.replicas = j["spec"]["replicas"].get<int64_t>();
+    if (absl::Status s = ValidateModelDeployment(*d); !s.ok()) return ErrorResponse(s);
+    updated = store_->Update(kModelDeploymentKind, name, EncodeForStore(*d), o->resource_version);
+    if (updated.ok() || updated.status().code() != absl::StatusCode::kAborted) break;
   }
-  d->spec.replicas = j["spec"]["replicas"].get<int64_t>();
-  if (absl::Status s = ValidateModelDeployment(*d); !s.ok()) return ErrorResponse(s);
-  auto updated = store_->Update(kModelDeploymentKind, name, EncodeForStore(*d), o->resource_version);
   if (!updated.ok()) return ErrorResponse(updated.status());
   return Json(200, {{"kind", "Scale"},
                     {"metadata", {{"name", name}, {"resourceVersion", std::to_string(updated->resource_version)}}},

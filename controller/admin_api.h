@@ -10,6 +10,11 @@
 //                                                                     is given)
 //   DELETE /apis/serving.kiln.dev/v1alpha1/modeldeployments/NAME       delete
 //   GET|PUT .../modeldeployments/NAME/scale                            {"spec": {"replicas": N}}
+//   GET    .../modeldeployments/NAME/events                           its newest 100 events
+//   POST   .../modeldeployments/NAME/rollout                          {"action": "..."}
+//   GET    /apis/serving.kiln.dev/v1alpha1/nodes                      the controller's nodes
+//   GET    /apis/serving.kiln.dev/v1alpha1/replicas                   every node's replicas
+//   GET    /apis/serving.kiln.dev/v1alpha1/events                     the newest 500 events
 //   GET    /healthz
 //
 // Errors are Kubernetes Status objects: 400 Invalid (the field named), 401 Unauthorized, 404
@@ -26,6 +31,8 @@ namespace kiln {
 
 inline constexpr char kDeploymentsPath[] = "/apis/serving.kiln.dev/v1alpha1/modeldeployments";
 inline constexpr char kNodesPath[] = "/apis/serving.kiln.dev/v1alpha1/nodes";
+inline constexpr char kReplicasPath[] = "/apis/serving.kiln.dev/v1alpha1/replicas";
+inline constexpr char kEventsPath[] = "/apis/serving.kiln.dev/v1alpha1/events";
 
 struct ApiRequest {
   std::string method;         // GET, POST, PUT, DELETE
@@ -46,7 +53,8 @@ class AdminApi {
   // `Authorization: Bearer <token>`.
   AdminApi(Store* store, std::string token);
   ApiResponse Handle(const ApiRequest& request);
-  // GET /apis/serving.kiln.dev/v1alpha1/nodes answers with this (the controller's view).
+  // GET /apis/serving.kiln.dev/v1alpha1/nodes answers with this (the controller's view), and
+  // GET .../replicas with its nodes' replicas, each naming its node.
   void SetNodesSource(std::function<std::string()> nodes) { nodes_ = std::move(nodes); }
   // GET /metrics answers with this (Prometheus text; behind the bearer token like the rest).
   void SetMetricsSource(std::function<std::string()> metrics) { metrics_ = std::move(metrics); }
@@ -54,6 +62,9 @@ class AdminApi {
   void SetRolloutActions(std::function<absl::Status(const std::string&, const std::string&)> f) {
     rollout_action_ = std::move(f);
   }
+
+  // An EventList of `events` (each with its object, type, reason, message and time).
+  static nlohmann::json RenderEvents(const std::vector<ObjectEvent>& events);
 
   // The object as the API shows it (apiVersion, kind, metadata, spec, status).
   static nlohmann::json Render(const StoredObject& o);

@@ -1196,7 +1196,12 @@ std::string Controller::NodesJson() {
                           {"model", r.model()},
                           {"version", r.version()},
                           {"state", v1::LifecycleState_Name(r.state())},
-                          {"healthy", r.healthy()}});
+                          {"healthy", r.healthy()},
+                          {"healthReason", r.health_reason()},
+                          {"device", r.device()},
+                          {"restarts", r.restarts()},
+                          {"crashLoop", r.crash_loop()},
+                          {"inFlight", r.load().in_flight()}});
     }
     nlohmann::json labels = nlohmann::json::object();
     for (const auto& [k, v] : rec.registration.labels()) labels[k] = v;

@@ -157,7 +157,8 @@ void PrintTable(const std::vector<json>& items, bool wide) {
                                     model.value("version", ""),
                                     replicas,
                                     std::to_string(status.value("readyReplicas", 0)) + "/" +
-                                        std::to_string(spec.value("replicas", 0)),
+                                        std::to_string(status.value(
+                                            "desiredReplicas", spec.value("replicas", 0))),
                                     Age(o["metadata"].value("creationTimestamp", ""))};
     if (wide) {
       row.push_back(std::to_string(spec.value("warmPool", 0)));
@@ -230,20 +231,29 @@ int Apply(Client& c, const std::string& path) {
                 {"metadata", {{"name", d.name}, {"labels", labels}}},
                 {"spec", kiln::SpecToJson(d.spec)}};
     std::string path_one = std::string(kiln::kDeploymentsPath) + "/" + d.name;
-    Reply current = c.Call(http::methods::GET, path_one);
-    Reply r;
+    Reply current, r;
     std::string verb;
-    if (current.code == 404) {
-      r = c.Call(http::methods::POST, kiln::kDeploymentsPath, doc.dump());
-      verb = "created";
-    } else if (current.code == 200) {
-      doc["metadata"]["resourceVersion"] = current.body["metadata"].value("resourceVersion", "0");
-      r = c.Call(http::methods::PUT, path_one, doc.dump());
-      verb = r.code == 200 && r.body["metadata"].value("resourceVersion", "") ==
-                                  current.body["metadata"].value("resourceVersion", "")
-                 ? "unchanged"
-                 : "configured";
-    } else {
+    // Read, then write against what was read; again (a few times) when the controller wrote
+    // the status in between (409 Conflict says nothing about the spec here).
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      current = c.Call(http::methods::GET, path_one);
+      if (current.code == 404) {
+        r = c.Call(http::methods::POST, kiln::kDeploymentsPath, doc.dump());
+        verb = "created";
+      } else if (current.code == 200) {
+        doc["metadata"]["resourceVersion"] =
+            current.body["metadata"].value("resourceVersion", "0");
+        r = c.Call(http::methods::PUT, path_one, doc.dump());
+        verb = r.code == 200 && r.body["metadata"].value("resourceVersion", "") ==
+                                    current.body["metadata"].value("resourceVersion", "")
+                   ? "unchanged"
+                   : "configured";
+      } else {
+        break;
+      }
+      if (r.code != 409) break;
+    }
+    if (current.code != 404 && current.code != 200) {
       rc = ServerError(current, c);
       continue;
     }
@@ -254,6 +264,146 @@ int Apply(Client& c, const std::string& path) {
     std::cout << kResource << "/" << d.name << " " << verb << "\n";
   }
   return rc;
+}
+
+// "<none>" for an empty cell, as kubectl shows one.
+std::string Cell(const std::string& v) { return v.empty() ? "<none>" : v; }
+
+// The replicas the controller sees on every node; those of deployment `of` (or the replica
+// named so) when it is given.
+std::vector<json> ReplicasOf(const json& list, const std::string& of) {
+  std::vector<json> out;
+  for (const auto& r : list.value("items", json::array())) {
+    const std::string id = r.value("id", "");
+    if (!of.empty() && id != of && id.rfind(of + ".", 0) != 0) continue;
+    out.push_back(r);
+  }
+  return out;
+}
+
+void PrintReplicas(const std::vector<json>& replicas, bool wide, const std::string& indent = "") {
+  std::vector<std::vector<std::string>> rows = {
+      {indent + "NAME", "NODE", "MODEL", "VERSION", "STATE", "HEALTHY", "RESTARTS"}};
+  if (wide) rows[0].insert(rows[0].end(), {"DEVICE", "IN-FLIGHT", "REASON"});
+  for (const auto& r : replicas) {
+    std::string restarts = std::to_string(r.value("restarts", 0));
+    if (r.value("crashLoop", false)) restarts += " (CrashLoop)";
+    rows.push_back({indent + r.value("id", ""), r.value("node", ""), r.value("model", ""),
+                    r.value("version", ""), r.value("state", ""),
+                    r.value("healthy", false) ? "true" : "false", restarts});
+    if (wide) {
+      rows.back().push_back(Cell(r.value("device", "")));
+      rows.back().push_back(std::to_string(r.value("inFlight", 0)));
+      rows.back().push_back(Cell(r.value("healthReason", "")));
+    }
+  }
+  PrintRows(rows);
+}
+
+void PrintEvents(const json& list, const std::string& indent = "") {
+  std::vector<std::vector<std::string>> rows = {{indent + "TYPE", "REASON", "AGE", "OBJECT", "MESSAGE"}};
+  for (const auto& e : list.value("items", json::array())) {
+    rows.push_back({indent + e.value("type", ""), e.value("reason", ""),
+                    Age(e.value("lastTimestamp", "")),
+                    e["involvedObject"].value("name", ""), e.value("message", "")});
+  }
+  PrintRows(rows);
+}
+
+// `kilnctl describe deployment NAME`: the object, its rollout, versions, conditions, replicas
+// and recent events, as `kubectl describe` lays them out.
+int Describe(Client& c, const std::string& name) {
+  Reply r = c.Call(http::methods::GET, std::string(kiln::kDeploymentsPath) + "/" + name);
+  if (r.code != 200) return ServerError(r, c);
+  const json& o = r.body;
+  const json& spec = o.value("spec", json::object());
+  const json& status = o.value("status", json::object());
+  const json& model = spec.value("model", json::object());
+  const json& meta = o.value("metadata", json::object());
+  auto line = [](const std::string& k, const std::string& v) {
+    std::cout << k << ":" << std::string(k.size() < 20 ? 20 - k.size() : 1, ' ') << v << "\n";
+  };
+  line("Name", meta.value("name", ""));
+  std::string labels;
+  for (const auto& [k, v] : meta.value("labels", json::object()).items()) {
+    labels += (labels.empty() ? "" : ",") + k + "=" + v.get<std::string>();
+  }
+  line("Labels", Cell(labels));
+  line("Created", meta.value("creationTimestamp", "") + " (" + Age(meta.value("creationTimestamp", "")) + " ago)");
+  line("Generation", std::to_string(meta.value("generation", 0)) + " (observed " +
+                         std::to_string(status.value("observedGeneration", 0)) + ")");
+  line("Model", model.value("name", "") + " version " + model.value("version", ""));
+  line("URI", model.value("uri", ""));
+  std::string want = spec.contains("autoscale")
+                         ? "autoscale " + std::to_string(spec["autoscale"].value("min", 0)) + ".." +
+                               std::to_string(spec["autoscale"].value("max", 0)) + " (" +
+                               std::to_string(status.value("desiredReplicas", 0)) + " desired)"
+                         : std::to_string(spec.value("replicas", 0)) + " desired";
+  line("Replicas", want + " | " + std::to_string(status.value("readyReplicas", 0)) + " ready | " +
+                       std::to_string(status.value("warmReplicas", 0)) + " warm (pool " +
+                       std::to_string(spec.value("warmPool", 0)) + ")");
+  const json& ro_spec = spec.value("rollout", json::object());
+  line("Strategy", ro_spec.value("strategy", "Canary"));
+  const json& ro = status.value("rollout", json::object());
+  if (!ro.empty()) {
+    std::cout << "Rollout:\n";
+    std::cout << "  Phase:            " << ro.value("phase", "") << "\n";
+    std::cout << "  Stable version:   " << Cell(ro.value("stableVersion", "")) << "\n";
+    const std::string canary = ro.value("canaryVersion", "");
+    std::cout << "  Canary version:   " << Cell(canary);
+    if (!canary.empty()) {
+      std::cout << " (weight " << ro.value("canaryWeight", 0) << "%, step "
+                << ro.value("step", 0) + 1 << ")";
+    }
+    std::cout << "\n";
+    if (!ro.value("failedVersion", "").empty()) {
+      std::cout << "  Failed version:   " << ro.value("failedVersion", "")
+                << " (not tried again until the spec names another)\n";
+    }
+    if (ro.value("promoting", false)) std::cout << "  Promoting:        true\n";
+    if (ro.value("paused", false)) std::cout << "  Paused:           true\n";
+    std::cout << "  Message:          " << ro.value("message", "") << "\n";
+  }
+  const json& versions = status.value("versions", json::array());
+  if (!versions.empty()) {
+    std::cout << "Versions:\n";
+    std::vector<std::vector<std::string>> rows = {
+        {"  VERSION", "WEIGHT", "READY", "REQUESTS", "ERROR-RATE", "P99-MS"}};
+    for (const auto& v : versions) {
+      char rate[32], p99[32];
+      std::snprintf(rate, sizeof(rate), "%.2f%%", 100.0 * v.value("errorRate", 0.0));
+      std::snprintf(p99, sizeof(p99), "%.1f", v.value("latencyP99Ms", 0.0));
+      rows.push_back({"  " + v.value("version", ""), std::to_string(v.value("weight", 0)) + "%",
+                      std::to_string(v.value("readyReplicas", 0)),
+                      std::to_string(v.value("requests", uint64_t{0})), rate, p99});
+    }
+    PrintRows(rows);
+  }
+  const json& conditions = status.value("conditions", json::array());
+  if (!conditions.empty()) {
+    std::cout << "Conditions:\n";
+    std::vector<std::vector<std::string>> rows = {{"  TYPE", "STATUS", "REASON", "MESSAGE"}};
+    for (const auto& cnd : conditions) {
+      rows.push_back({"  " + cnd.value("type", ""), cnd.value("status", ""),
+                      cnd.value("reason", ""), cnd.value("message", "")});
+    }
+    PrintRows(rows);
+  }
+  Reply reps = c.Call(http::methods::GET, kiln::kReplicasPath);
+  if (reps.code == 200) {
+    auto mine = ReplicasOf(reps.body, name);
+    std::cout << "Replicas:" << (mine.empty() ? "            <none>" : "") << "\n";
+    if (!mine.empty()) PrintReplicas(mine, false, "  ");
+  }
+  Reply ev = c.Call(http::methods::GET, std::string(kiln::kDeploymentsPath) + "/" + name + "/events");
+  if (ev.code == 200) {
+    json recent = ev.body;
+    auto& items = recent["items"];
+    if (items.size() > 20) items.erase(items.begin(), items.end() - 20);
+    std::cout << "Events:" << (items.empty() ? "              <none>" : "") << "\n";
+    if (!items.empty()) PrintEvents(recent, "  ");
+  }
+  return 0;
 }
 
 }  // namespace
@@ -271,11 +421,17 @@ int main(int argc, char** argv) {
   apply->add_option("-f,--filename", file, "A file or a directory of them")->required();
 
   std::string type, name, output;
-  auto* get = app.add_subcommand("get", "List or show ModelDeployments");
-  get->add_option("type", type, "deployments")->required();
-  get->add_option("name", name, "One deployment");
+  auto* get = app.add_subcommand("get", "List or show deployments, nodes, replicas or events");
+  get->add_option("type", type, "deployments, nodes, replicas or events")->required();
+  get->add_option("name", name,
+                  "One deployment or node; for replicas and events, those of this deployment");
   get->add_option("-o,--output", output, "wide, yaml or json")
       ->check(CLI::IsMember({"wide", "yaml", "json"}));
+
+  std::string describe_type, describe_name;
+  auto* describe = app.add_subcommand("describe", "Show a deployment in detail, with its events");
+  describe->add_option("type", describe_type, "deployment")->required();
+  describe->add_option("name", describe_name, "Its name")->required();
 
   auto* del = app.add_subcommand("delete", "Delete a ModelDeployment");
   del->add_option("type", type, "deployment")->required();
@@ -384,6 +540,41 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::milliseconds(250));
     }
   }
+  if (describe->parsed()) {
+    if (!IsDeploymentType(describe_type)) {
+      std::cerr << "error: kilnctl describes deployments, not \"" << describe_type << "\"\n";
+      return 1;
+    }
+    return Describe(c, describe_name);
+  }
+  if (get->parsed() && (type == "replicas" || type == "replica" || type == "rep")) {
+    Reply r = c.Call(http::methods::GET, kiln::kReplicasPath);
+    if (r.code != 200) return ServerError(r, c);
+    auto replicas = ReplicasOf(r.body, name);
+    if (output == "json" || output == "yaml") {
+      PrintStructured(json{{"kind", "ReplicaList"}, {"items", replicas}}, output);
+      return 0;
+    }
+    if (replicas.empty()) {
+      std::cerr << "No resources found.\n";
+      return 0;
+    }
+    PrintReplicas(replicas, output == "wide");
+    return 0;
+  }
+  if (get->parsed() && (type == "events" || type == "event" || type == "ev")) {
+    Reply r = c.Call(http::methods::GET,
+                     name.empty() ? std::string(kiln::kEventsPath)
+                                  : std::string(kiln::kDeploymentsPath) + "/" + name + "/events");
+    if (r.code != 200) return ServerError(r, c);
+    if (PrintStructured(r.body, output)) return 0;
+    if (r.body.value("items", json::array()).empty()) {
+      std::cerr << "No resources found.\n";
+      return 0;
+    }
+    PrintEvents(r.body);
+    return 0;
+  }
   if (get->parsed() && (type == "nodes" || type == "node" || type == "no")) {
     Reply r = c.Call(http::methods::GET, kiln::kNodesPath);
     if (r.code != 200) return ServerError(r, c);
@@ -425,7 +616,7 @@ int main(int argc, char** argv) {
   if (get->parsed() || del->parsed()) {
     if (!IsDeploymentType(type)) {
       std::cerr << "error: the server doesn't have a resource type \"" << type
-                << "\" (kilnctl knows: deployments, nodes)\n";
+                << "\" (kilnctl knows: deployments, nodes, replicas, events)\n";
       return 1;
     }
   }

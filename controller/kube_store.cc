@@ -404,6 +404,38 @@ void KubernetesStore::RecordEvent(const std::string& kind, const std::string& na
   events_.push_back(std::move(body));
 }
 
+absl::StatusOr<std::vector<ObjectEvent>> KubernetesStore::ListEvents(const std::string& kind,
+                                                                      const std::string& name,
+                                                                      int limit) {
+  if (limit <= 0) return absl::InvalidArgumentError("limit: must be > 0");
+  auto r = client_.Call("GET", "/api/v1/namespaces/" + client_.config().ns + "/events");
+  if (!r.ok()) return r.status();
+  if (r->code != 200) {
+    return absl::UnavailableError("events: the API server answered " + std::to_string(r->code));
+  }
+  std::vector<ObjectEvent> out;
+  if (!r->body.is_object() || !r->body.contains("items") || !r->body["items"].is_array()) return out;
+  for (const auto& e : r->body["items"]) {
+    if (!e.is_object() || !e.contains("involvedObject") || !e["involvedObject"].is_object()) continue;
+    const json& about = e["involvedObject"];
+    if (about.value("kind", "") != kind || (!name.empty() && about.value("name", "") != name)) {
+      continue;
+    }
+    ObjectEvent ev{kind, about.value("name", ""), e.value("type", ""), e.value("reason", ""),
+                   e.value("message", ""), 0};
+    absl::Time t;
+    std::string err;
+    if (absl::ParseTime(absl::RFC3339_full, e.value("lastTimestamp", ""), &t, &err)) {
+      ev.unix_micros = absl::ToUnixMicros(t);
+    }
+    out.push_back(std::move(ev));
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const ObjectEvent& a, const ObjectEvent& b) { return a.unix_micros < b.unix_micros; });
+  if (static_cast<int>(out.size()) > limit) out.erase(out.begin(), out.end() - limit);
+  return out;
+}
+
 void KubernetesStore::EventLoop() {
   for (;;) {
     nlohmann::json body;

@@ -53,6 +53,11 @@ class KubernetesStore : public Store {
   bool WaitForChange(int64_t resource_version, absl::Duration timeout) override;
   void RecordEvent(const std::string& kind, const std::string& name, const std::string& type,
                    const std::string& reason, const std::string& message) override;
+  // The namespace's Events about ModelDeployments (from the API server: every controller's,
+  // this one's still queued aside), filtered here.
+  absl::StatusOr<std::vector<ObjectEvent>> ListEvents(const std::string& kind,
+                                                      const std::string& name,
+                                                      int limit) override;
 
   KubeClient* client() { return &client_; }
   int64_t lists() const;           // full lists so far (1 + relists)

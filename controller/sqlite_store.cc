@@ -6,6 +6,9 @@
 #include <filesystem>
 #include <random>
 
+#include "common/logging.h"
+#include "common/status.h"
+
 namespace kiln {
 
 const char* WatchEventTypeName(WatchEvent::Type t) {
@@ -137,7 +140,7 @@ absl::StatusOr<std::unique_ptr<SqliteStore>> SqliteStore::Open(Options options, 
   if (options.state_dir.empty()) {
     return absl::InvalidArgumentError("--state-dir: must not be empty");
   }
-  if (options.event_retention < 1) {
+  if (options.event_retention < 1 || options.object_event_retention < 1) {
     return absl::InvalidArgumentError("event retention: must be >= 1");
   }
   std::error_code ec;
@@ -170,6 +173,11 @@ absl::StatusOr<std::unique_ptr<SqliteStore>> SqliteStore::Open(Options options, 
         "kind TEXT NOT NULL, name TEXT NOT NULL, uid TEXT NOT NULL, generation INTEGER NOT "
         "NULL, resource_version INTEGER NOT NULL, created_micros INTEGER NOT NULL, spec TEXT "
         "NOT NULL, status TEXT NOT NULL)",
+        // Operators' events (the table above is the watch's change log).
+        "CREATE TABLE IF NOT EXISTS object_events (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+        "kind TEXT NOT NULL, name TEXT NOT NULL, type TEXT NOT NULL, reason TEXT NOT NULL, "
+        "message TEXT NOT NULL, unix_micros INTEGER NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS object_events_by_name ON object_events (kind, name, seq)",
         "INSERT OR IGNORE INTO meta (key, value) VALUES ('rv', 0), ('compacted', 0)"}) {
     absl::Status s = store->Exec(sql);
     if (!s.ok()) {
@@ -425,6 +433,65 @@ bool SqliteStore::WaitForChange(int64_t resource_version, absl::Duration timeout
     return current_rv_ > resource_version;
   };
   return mu_.AwaitWithTimeout(absl::Condition(&moved), timeout);
+}
+
+void SqliteStore::RecordEvent(const std::string& kind, const std::string& name,
+                              const std::string& type, const std::string& reason,
+                              const std::string& message) {
+  absl::MutexLock lock(&mu_);
+  Stmt s(db_, &statements_,
+         "INSERT INTO object_events (kind, name, type, reason, message, unix_micros) VALUES "
+         "(?, ?, ?, ?, ?, ?)");
+  absl::Status st = s.ok();
+  if (st.ok()) {
+    s.Bind(1, kind).Bind(2, name).Bind(3, type).Bind(4, reason).Bind(5, message.substr(0, 1024));
+    s.Bind(6, absl::ToUnixMicros(clock_->Now()));
+    if (s.Step() != SQLITE_DONE) st = absl::InternalError(sqlite3_errmsg(db_));
+  }
+  // Pruned every 256 events (each prune is one indexed delete; up to 255 more than the
+  // retention may wait for it), or at each one when under 512 are kept.
+  const int64_t prune_every = options_.object_event_retention >= 512 ? 256 : 1;
+  if (st.ok() && ++events_since_prune_ >= prune_every) {
+    events_since_prune_ = 0;
+    Stmt prune(db_, &statements_,
+               "DELETE FROM object_events WHERE seq <= (SELECT MAX(seq) FROM object_events) - ?");
+    st = prune.ok();
+    if (st.ok() && prune.Bind(1, options_.object_event_retention).Step() != SQLITE_DONE) {
+      st = absl::InternalError(sqlite3_errmsg(db_));
+    }
+  }
+  if (!st.ok()) {
+    GetLogger("controller.store")->warn("event {} {}/{} not kept: {}", reason, kind, name,
+                                        std::string(st.message()));
+  }
+}
+
+absl::StatusOr<std::vector<ObjectEvent>> SqliteStore::ListEvents(const std::string& kind,
+                                                                 const std::string& name,
+                                                                 int limit) {
+  if (limit <= 0) return absl::InvalidArgumentError("limit: must be > 0");
+  absl::MutexLock lock(&mu_);
+  Stmt s(db_, &statements_,
+         name.empty()
+             ? "SELECT kind, name, type, reason, message, unix_micros FROM object_events WHERE "
+               "kind = ? ORDER BY seq DESC LIMIT ?"
+             : "SELECT kind, name, type, reason, message, unix_micros FROM object_events WHERE "
+               "kind = ? AND name = ? ORDER BY seq DESC LIMIT ?");
+  KILN_RETURN_IF_ERROR(s.ok());
+  s.Bind(1, kind);
+  if (name.empty()) {
+    s.Bind(2, static_cast<int64_t>(limit));
+  } else {
+    s.Bind(2, name).Bind(3, static_cast<int64_t>(limit));
+  }
+  std::vector<ObjectEvent> out;
+  int rc;
+  while ((rc = s.Step()) == SQLITE_ROW) {
+    out.push_back({s.Text(0), s.Text(1), s.Text(2), s.Text(3), s.Text(4), s.Int(5)});
+  }
+  if (rc != SQLITE_DONE) return absl::InternalError(std::string("store: ") + sqlite3_errmsg(db_));
+  std::reverse(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace kiln

@@ -22,6 +22,8 @@ class SqliteStore : public Store {
   struct Options {
     std::string state_dir;
     int64_t event_retention = 10000;
+    // Operators' events (RecordEvent) kept: the newest this many.
+    int64_t object_event_retention = 10000;
   };
   static absl::StatusOr<std::unique_ptr<SqliteStore>> Open(Options options, Clock* clock);
   ~SqliteStore() override;
@@ -42,6 +44,13 @@ class SqliteStore : public Store {
   absl::StatusOr<std::vector<WatchEvent>> EventsSince(int64_t resource_version,
                                                       int limit) override;
   bool WaitForChange(int64_t resource_version, absl::Duration timeout) override;
+  // Kept in the database, the newest `object_event_retention` of them (older ones are pruned as
+  // new ones come). A failed write is logged, never an error to the caller.
+  void RecordEvent(const std::string& kind, const std::string& name, const std::string& type,
+                   const std::string& reason, const std::string& message) override;
+  absl::StatusOr<std::vector<ObjectEvent>> ListEvents(const std::string& kind,
+                                                      const std::string& name,
+                                                      int limit) override;
 
   const std::string& path() const { return path_; }
 
@@ -71,6 +80,7 @@ class SqliteStore : public Store {
   sqlite3* db_ ABSL_GUARDED_BY(mu_);
   int64_t current_rv_ ABSL_GUARDED_BY(mu_) = 0;
   Statements statements_ ABSL_GUARDED_BY(mu_);
+  int64_t events_since_prune_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kiln

@@ -37,6 +37,16 @@ struct WatchEvent {
 };
 const char* WatchEventTypeName(WatchEvent::Type t);
 
+// What the controller did to an object and why, for operators (Kubernetes' core/v1 Event).
+struct ObjectEvent {
+  std::string kind;
+  std::string name;
+  std::string type;    // Normal or Warning
+  std::string reason;  // CamelCase: RolloutStep, RolledBack, FailedPlacement, ...
+  std::string message;
+  int64_t unix_micros = 0;
+};
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -74,12 +84,15 @@ class Store {
 
   // An event about an object for operators (type Normal or Warning, a CamelCase reason):
   // rollout steps, rollbacks, placement failures. The Kubernetes store records a core/v1
-  // Event; the embedded store has no event sink (the controller's log has every one).
+  // Event; the embedded store keeps the newest kMaxObjectEvents in its database.
   virtual void RecordEvent(const std::string& kind, const std::string& name,
                            const std::string& type, const std::string& reason,
-                           const std::string& message) {
-    (void)kind, (void)name, (void)type, (void)reason, (void)message;
-  }
+                           const std::string& message) = 0;
+  // Events about `kind`/`name` (every object of `kind` when `name` is empty): the newest
+  // `limit`, oldest first.
+  virtual absl::StatusOr<std::vector<ObjectEvent>> ListEvents(const std::string& kind,
+                                                              const std::string& name,
+                                                              int limit) = 0;
 };
 
 }  // namespace kiln

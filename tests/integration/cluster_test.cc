@@ -822,6 +822,33 @@ TEST_F(ClusterTest, ABadCanaryIsRolledBackByItself) {
   EXPECT_NE(out.find("rollout of version 3 failed and was rolled back"), std::string::npos) << out;
   // Still rolled back on later ticks (the spec names version 3 still).
   EXPECT_EQ(Deployment("enc")["status"]["rollout"].value("phase", ""), "Degraded");
+  // What an operator looks at afterwards: the events (kept in the store), the replicas, and
+  // all of it together in `describe`.
+  out = Ctl("get events enc");
+  EXPECT_EQ(last_rc_, 0) << out;
+  EXPECT_NE(out.find("RolledBack"), std::string::npos) << out;
+  EXPECT_NE(out.find("failed analysis"), std::string::npos) << out;
+  out = Ctl("get replicas enc -o wide");
+  EXPECT_EQ(last_rc_, 0) << out;
+  EXPECT_NE(out.find("NODE"), std::string::npos) << out;
+  EXPECT_NE(out.find("DEVICE"), std::string::npos) << out;
+  EXPECT_NE(out.find("n1"), std::string::npos) << out;
+  EXPECT_NE(out.find("n2"), std::string::npos) << out;
+  EXPECT_EQ(out.find("   3   "), std::string::npos) << "a version 3 replica is left: " << out;
+  out = Ctl("get replicas enc -o yaml");
+  EXPECT_EQ(last_rc_, 0) << out;
+  EXPECT_NE(out.find("kind: ReplicaList"), std::string::npos) << out;
+  out = Ctl("describe deployment enc");
+  EXPECT_EQ(last_rc_, 0) << out;
+  for (const char* part : {"Name:", "enc", "Phase:", "Degraded", "Versions:", "Replicas:",
+                           "Events:", "RolledBack", "SERVING"}) {
+    EXPECT_NE(out.find(part), std::string::npos) << part << " missing in:\n" << out;
+  }
+  out = Ctl("describe deployment nope");
+  EXPECT_EQ(last_rc_, 1) << out;
+  EXPECT_NE(out.find("NotFound"), std::string::npos) << out;
+  out = Ctl("describe pod enc");
+  EXPECT_EQ(last_rc_, 1) << out;
 }
 
 }  // namespace

@@ -230,6 +230,19 @@ TEST_F(KubeStoreTest, EventsAreRecordedAgainstTheDeployment) {
   EXPECT_EQ(events[0]["involvedObject"]["uid"], created->uid);
   EXPECT_EQ(events[0]["reason"], "RolledBack");
   EXPECT_EQ(events[0]["type"], "Warning");
+  // And listed back from the API server (what `kilnctl describe` shows).
+  store_->RecordEvent(kModelDeploymentKind, "other", "Normal", "RolloutStep", "elsewhere");
+  for (int i = 0; i < 400 && api_->EventsRecorded().size() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  auto listed = store_->ListEvents(kModelDeploymentKind, "enc", 10);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].reason, "RolledBack");
+  EXPECT_EQ((*listed)[0].message, "canary 2 failed analysis");
+  EXPECT_GT((*listed)[0].unix_micros, 0);
+  EXPECT_EQ(store_->ListEvents(kModelDeploymentKind, "", 10)->size(), 2u);
+  EXPECT_EQ(store_->ListEvents(kModelDeploymentKind, "", 1)->size(), 1u);
 }
 
 TEST_F(KubeStoreTest, EventsGoOnAfterTheApiWasAway) {

@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "common/clock.h"
+#include "controller/model_deployment.h"
 #include "controller/sqlite_store.h"
 #include "gtest/gtest.h"
 
@@ -154,6 +155,38 @@ TEST_F(AdminApiTest, RolloutActionsGoToTheController) {
   EXPECT_EQ(Call("POST", One("emb") + "/rollout", R"({"do": "promote"})").code, 400);
   EXPECT_EQ(Call("POST", One("nope") + "/rollout", R"({"action": "promote"})").code, 404);
   EXPECT_EQ(Call("GET", One("emb") + "/rollout").code, 405);
+}
+
+// A deployment's events, every deployment's, and every node's replicas (from the nodes
+// source), each naming its node.
+TEST_F(AdminApiTest, EventsAndReplicas) {
+  ASSERT_EQ(Call("POST", kDeploymentsPath, kDoc).code, 201);
+  store_->RecordEvent(kModelDeploymentKind, "emb", "Warning", "RolledBack", "canary 2 failed");
+  store_->RecordEvent(kModelDeploymentKind, "other", "Normal", "RolloutStep", "step 1");
+  auto mine = Call("GET", One("emb") + "/events");
+  ASSERT_EQ(mine.code, 200) << mine.body;
+  auto items = Body(mine)["items"];
+  ASSERT_EQ(items.size(), 1u) << mine.body;
+  EXPECT_EQ(items[0]["reason"], "RolledBack");
+  EXPECT_EQ(items[0]["type"], "Warning");
+  EXPECT_EQ(items[0]["message"], "canary 2 failed");
+  EXPECT_EQ(items[0]["involvedObject"]["name"], "emb");
+  EXPECT_EQ(items[0]["lastTimestamp"], "2027-01-15T08:00:00Z");
+  EXPECT_EQ(Body(Call("GET", kEventsPath))["items"].size(), 2u);
+  EXPECT_EQ(Call("GET", One("nope") + "/events").code, 404);
+  EXPECT_EQ(Call("POST", kEventsPath).code, 405);
+  // Replicas: none without a nodes source; then each node's, naming the node.
+  EXPECT_EQ(Call("GET", kReplicasPath).code, 404);
+  api_->SetNodesSource([] {
+    return R"({"items": [{"name": "n1", "replicas": [{"id": "emb.0", "state": "SERVING"}]},
+                         {"name": "n2", "replicas": [{"id": "emb.1", "state": "WARM"}]}]})";
+  });
+  auto reps = Body(Call("GET", kReplicasPath))["items"];
+  ASSERT_EQ(reps.size(), 2u);
+  EXPECT_EQ(reps[0]["id"], "emb.0");
+  EXPECT_EQ(reps[0]["node"], "n1");
+  EXPECT_EQ(reps[1]["node"], "n2");
+  EXPECT_EQ(reps[1]["state"], "WARM");
 }
 
 TEST_F(AdminApiTest, BearerTokenWhenConfigured) {

@@ -181,6 +181,45 @@ TEST_F(StoreTest, EverythingSurvivesReopening) {
   EXPECT_EQ(store_->EventsSince(0, 100)->size(), 5u);
 }
 
+// Operators' events: kept across a reopen, listed oldest first per object (the newest
+// `limit`), pruned to the newest `object_event_retention`.
+TEST_F(StoreTest, EventsAreKeptListedAndPruned) {
+  for (int i = 0; i < 3; ++i) {
+    clock_.Advance(absl::Seconds(1));
+    store_->RecordEvent(kKind, "a", "Normal", "RolloutStep", "a step " + std::to_string(i));
+    store_->RecordEvent(kKind, "b", "Warning", "RolledBack", "b back " + std::to_string(i));
+  }
+  auto a = store_->ListEvents(kKind, "a", 100);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(a->size(), 3u);
+  EXPECT_EQ((*a)[0].message, "a step 0");
+  EXPECT_EQ((*a)[2].message, "a step 2");
+  EXPECT_EQ((*a)[2].reason, "RolloutStep");
+  EXPECT_EQ((*a)[2].type, "Normal");
+  EXPECT_EQ((*a)[2].unix_micros, absl::ToUnixMicros(absl::FromUnixSeconds(1800000003)));
+  auto newest_two = store_->ListEvents(kKind, "", 2);
+  ASSERT_TRUE(newest_two.ok());
+  ASSERT_EQ(newest_two->size(), 2u);
+  EXPECT_EQ((*newest_two)[0].message, "a step 2");
+  EXPECT_EQ((*newest_two)[1].message, "b back 2");
+  EXPECT_FALSE(store_->ListEvents(kKind, "a", 0).ok());
+  EXPECT_TRUE(store_->ListEvents("Other", "", 10)->empty());
+  // Kept across a restart.
+  store_.reset();
+  SqliteStore::Options o;
+  o.state_dir = dir_;
+  o.object_event_retention = 5;
+  store_ = std::move(*SqliteStore::Open(o, &clock_));
+  EXPECT_EQ(store_->ListEvents(kKind, "b", 100)->size(), 3u);
+  // Only the newest 5 are kept.
+  for (int i = 0; i < 6; ++i) store_->RecordEvent(kKind, "c", "Normal", "X", std::to_string(i));
+  auto all = store_->ListEvents(kKind, "", 100);
+  ASSERT_TRUE(all.ok());
+  ASSERT_EQ(all->size(), 5u);
+  EXPECT_EQ(all->front().message, "1");
+  EXPECT_EQ(all->back().message, "5");
+}
+
 TEST_F(StoreTest, AStateDirThatCannotBeUsedIsAClearError) {
   SqliteStore::Options o;
   o.state_dir = "/proc/kiln-cannot-be-here";
