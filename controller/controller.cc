@@ -731,6 +731,7 @@ void Controller::Tick() {
         ++it;
       } else {
         rollout_uids_.erase(it->first);
+        linger_.erase(it->first);
         autoscale_.erase(it->first);
         autoscaled_to_.erase(it->first);
         it = rollouts_.erase(it);
@@ -789,6 +790,7 @@ void Controller::Tick() {
       PlacementDemand stable = demands[i];
       stable.version = plan.stable_version;
       stable.serving = plan.stable_replicas;
+      stable.linger = LingerFor(d.name, stable.version, stable.serving, now);
       all_demands.push_back(stable);
       if (!plan.old_version.empty() && plan.old_version != plan.stable_version) {
         PlacementDemand old = demands[i];  // BlueGreen's previous set, ready but unrouted
@@ -1182,6 +1184,24 @@ std::string Controller::MetricsText() {
       "kiln_controller_loop_duration_seconds",
       "How long each pass of the decision loop took (placement, rollouts, routing, status).");
   return m.str();
+}
+
+int64_t Controller::LingerFor(const std::string& name, const std::string& version,
+                              int64_t serving, absl::Time now) {
+  if (options_.scale_down_warm_for <= absl::ZeroDuration()) return 0;
+  Linger& l = linger_[name];
+  if (l.version != version) {  // a new stable version: the old one's replicas drain as usual
+    l = Linger{version, serving, {}};
+    return 0;
+  }
+  if (serving < l.last_serving) {
+    l.until.emplace_back(now + options_.scale_down_warm_for, l.last_serving - serving);
+  }
+  l.last_serving = serving;
+  while (!l.until.empty() && l.until.front().first <= now) l.until.pop_front();
+  int64_t n = 0;
+  for (const auto& [until, count] : l.until) n += count;
+  return n;
 }
 
 std::string Controller::NodesJson() {

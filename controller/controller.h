@@ -15,6 +15,7 @@
 // written back to the store.
 
 #include <atomic>
+#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -42,6 +43,10 @@ struct ControllerOptions {
   absl::Duration observe_for = absl::Seconds(10);
   // Autoscaled deployments scale down only after their load has stayed low this long.
   absl::Duration scale_down_stabilization = absl::Minutes(5);
+  // Scale-down to WARM first: replicas a deployment no longer needs (its count went down) stay
+  // WARM this long (loaded, not routed: a scale-up within it promotes them in milliseconds),
+  // then drain. WARM replicas are the first to go when a GPU needs room. 0 = drain at once.
+  absl::Duration scale_down_warm_for = absl::Minutes(5);
   NodeRegistry::Options leases;
   // A deployment whose replicas pile up on a node (placement.h, skew) for this long gets one
   // moved, make-before-break; a move whose replacement never serves is given up after
@@ -198,6 +203,17 @@ class Controller
   std::map<std::string, Decoded> decoded_;
   std::map<std::string, AutoscaleHistory> autoscale_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> autoscaled_to_ ABSL_GUARDED_BY(mu_);
+  // Per deployment: its stable version's SERVING count last tick, and the replicas its
+  // scale-downs left WARM, each batch until it expires (scale_down_warm_for). Memory only.
+  struct Linger {
+    std::string version;
+    int64_t last_serving = 0;
+    std::deque<std::pair<absl::Time, int64_t>> until;
+  };
+  std::map<std::string, Linger> linger_ ABSL_GUARDED_BY(mu_);
+  // How many replicas of `name` beyond `serving` stay WARM now (placement.h, linger).
+  int64_t LingerFor(const std::string& name, const std::string& version, int64_t serving,
+                    absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Rollout state per deployment; seeded from the stored status after a restart.
   std::map<std::string, RolloutState> rollouts_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> rollout_uids_ ABSL_GUARDED_BY(mu_);

@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
   int port = 7070;
   std::string token_file;
   std::string listen = "127.0.0.1:7071";
+  double scale_down_warm_s = 300;
   double observe_s = 10, not_ready_s = 10, lost_s = 30, stabilization_s = 300, rebalance_s = 30,
          counters_s = 10;
   std::string store_kind = "sqlite";
@@ -122,6 +123,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--scale-down-stabilization-seconds", stabilization_s,
                  "Autoscaled deployments scale down only after load stayed low this long")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
+  app.add_option("--scale-down-warm-seconds", scale_down_warm_s,
+                 "Replicas a scale-down leaves over stay WARM this long (a scale-up within it "
+                 "promotes them), then drain; WARM ones go first when a GPU needs room (0 = "
+                 "drain at once)")
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
   if (auto code = kiln::ParseCommandLine(app, argc, argv)) return *code;
@@ -216,6 +223,7 @@ int main(int argc, char** argv) {
   co.leases.not_ready_after = absl::Seconds(not_ready_s);
   co.leases.lost_after = absl::Seconds(lost_s);
   co.scale_down_stabilization = absl::Seconds(stabilization_s);
+  co.scale_down_warm_for = absl::Seconds(scale_down_warm_s);
   co.rebalance_after = absl::Seconds(rebalance_s);
   co.overload_utilization_pct = overload_pct;
   co.status_counters_every = absl::Seconds(counters_s);

@@ -257,6 +257,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   // Per (deployment, version); ids are unique per deployment across its versions.
   struct Kept {
     int64_t serving = 0, warm = 0;
+    std::set<std::string> lingering;  // WARM beyond the pool, kept after a scale-down
     int64_t new_serving = 0;  // SERVING replicas to start (short of the count, within surge)
     int64_t keep_moving = 0;  // moving replicas kept serving (they cover a shortfall)
     bool moving = false;      // some replica of it is moving
@@ -347,6 +348,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     });
     std::vector<Existing*> keep;
     int64_t serving = 0, warm = 0, ready = 0;
+    std::set<std::string> lingering;
     for (Existing* e : staying) {
       if (serving < d.serving) {
         e->keep_as = v1::SERVING;
@@ -355,6 +357,9 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       } else if (warm < d.warm) {
         e->keep_as = v1::WARM;
         warm++;
+      } else if (static_cast<int64_t>(lingering.size()) < d.linger) {
+        e->keep_as = v1::WARM;  // scaled down: WARM for a while before it goes
+        lingering.insert(e->spec().replica_id());
       } else {
         continue;  // beyond what is wanted: dropped (the agent drains it)
       }
@@ -394,6 +399,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     Kept& counts = kept[group[di]];
     counts.serving = serving;
     counts.warm = warm;
+    counts.lingering = std::move(lingering);
     counts.keep_moving = keep_moving;
     counts.moving = !moving.empty();
     for (Existing* e : keep) {
@@ -540,7 +546,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
           [](const PlacementDemand& a, const std::string& b) { return a.deployment < b; });
       for (auto it = first; it != demands.end() && it->deployment == dep; ++it) {
         if (it->version == spec.version()) {
-          kept[group[it - demands.begin()]].warm--;
+          Kept& victim = kept[group[it - demands.begin()]];
+          if (!victim.lingering.erase(spec.replica_id())) victim.warm--;  // a pool's: refilled
           break;
         }
       }

@@ -90,6 +90,10 @@ struct PlacementDemand {
   // Replicas beyond `serving` while replicas move, and serving slots that may go empty.
   int64_t max_surge = 1;
   int64_t max_unavailable = 0;
+  // Scale-down to WARM first: up to this many existing replicas beyond `serving` and `warm`
+  // stay, WARM (loaded, not routed), instead of being dropped; none is started for it, and
+  // they count as WARM replicas for evictions (least recently used first).
+  int64_t linger = 0;
 };
 
 struct PlacementResult {

@@ -91,6 +91,43 @@ class ControllerLoopTest : public ::testing::Test {
     reg.mutable_register_()->set_cpu_capacity(4);
     ASSERT_TRUE(stream_->Write(reg));
   }
+  // `spec`'s replica as n1 reports it: encoder version 1, healthy, in `state`.
+  static v1::ReplicaStatus* AddReported(v1::NodeStatus* st, const v1::ReplicaSpec& spec,
+                                        v1::LifecycleState state) {
+    auto* r = st->add_replicas();
+    r->set_replica_id(spec.replica_id());
+    r->set_model("encoder");
+    r->set_version("1");
+    r->set_state(state);
+    r->set_healthy(true);
+    return r;
+  }
+  // Sends a status report marked `mark` (its assignment generation); bounded poll until the
+  // controller has it.
+  void SendReport(const v1::AgentMessage& m) {
+    ASSERT_TRUE(stream_->Write(m));
+    const std::string seen =
+        "\"assignmentGeneration\":" + std::to_string(m.status().assignment_generation());
+    for (int i = 0; i < 400 && controller_->NodesJson().find(seen) == std::string::npos; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  // Bounded poll until node n1 has registered.
+  void WaitRegistered() {
+    for (int i = 0; i < 400 && controller_->NodesJson().find("\"n1\"") == std::string::npos; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  // One pass of the loop, and the assignment it sent n1 (read until one comes: the stream's
+  // deadline bounds the wait).
+  v1::Assignment TickAndRead() {
+    controller_->Tick();
+    v1::ControllerMessage m;
+    while (stream_->Read(&m)) {
+      if (m.has_assignment()) return m.assignment();
+    }
+    return {};
+  }
   // Stores deployment `name` of the encoder, version 1, with `spec_tail` (more spec lines,
   // two-space indented); returns it as parsed.
   ModelDeployment CreateEncoder(const std::string& name, const std::string& spec_tail) {
@@ -186,6 +223,55 @@ TEST_F(ControllerLoopTest, AnAutoscaledCountSurvivesAControllerRestart) {
   EXPECT_EQ(desired(), 1);  // idle for the whole window: down
 }
 
+// Scale-down to WARM first: 3 -> 1 leaves two replicas WARM (not drained) for
+// scale_down_warm_for; a scale-up inside it promotes them; after it they drain.
+TEST_F(ControllerLoopTest, AScaleDownLeavesReplicasWarmForAWhile) {
+  const ModelDeployment d = CreateEncoder("enc", "  replicas: 3\n");
+  ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
+  Connect();
+  WaitRegistered();
+  v1::Assignment assigned;
+  auto tick_and_read = [&]() { assigned = TickAndRead(); };
+  int64_t mark = 10;
+  auto report_as_assigned = [&]() {  // the node runs what it was told
+    v1::AgentMessage m;
+    auto* st = m.mutable_status();
+    st->set_assignment_generation(++mark);
+    for (const auto& spec : assigned.replicas()) AddReported(st, spec, spec.state());
+    SendReport(m);
+  };
+  auto states = [&]() {
+    std::vector<std::string> out;
+    for (const auto& r : assigned.replicas()) {
+      out.push_back(r.replica_id() + ":" + v1::LifecycleState_Name(r.state()));
+    }
+    return out;
+  };
+  auto set_replicas = [&](int64_t n) {
+    ModelDeployment changed = d;
+    changed.spec.replicas = n;
+    ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", EncodeForStore(changed), 0).ok());
+  };
+  tick_and_read();
+  ASSERT_EQ(assigned.replicas_size(), 3);
+  report_as_assigned();
+  set_replicas(1);
+  clock_.Advance(absl::Seconds(1));
+  tick_and_read();
+  EXPECT_EQ(states(), (std::vector<std::string>{"enc.0:SERVING", "enc.1:WARM", "enc.2:WARM"}));
+  report_as_assigned();
+  // Up to 2 within the window: a WARM one is promoted, nothing new starts.
+  set_replicas(2);
+  clock_.Advance(absl::Minutes(1));
+  tick_and_read();
+  EXPECT_EQ(states(), (std::vector<std::string>{"enc.0:SERVING", "enc.1:SERVING", "enc.2:WARM"}));
+  report_as_assigned();
+  // The window of the 3 -> 1 scale-down ends: what is left over drains.
+  clock_.Advance(absl::Minutes(5));
+  tick_and_read();
+  EXPECT_EQ(states(), (std::vector<std::string>{"enc.0:SERVING", "enc.1:SERVING"}));
+}
+
 TEST_F(ControllerLoopTest, ASecondDeploymentOfTheSameModelIsRefusedUntilTheFirstGoes) {
   auto apply = [&](const std::string& name) { CreateEncoder(name, "  replicas: 1\n"); };
   auto other = ParseModelDeployment(
@@ -201,9 +287,7 @@ TEST_F(ControllerLoopTest, ASecondDeploymentOfTheSameModelIsRefusedUntilTheFirst
   clock_.Advance(absl::Seconds(1));
   apply("alpha");
   Connect();
-  for (int i = 0; i < 400 && controller_->NodesJson().find("\"n1\"") == std::string::npos; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // bounded: until it registers
-  }
+  WaitRegistered();
   auto status = [&](const std::string& name) {
     auto o = store_->Get(kModelDeploymentKind, name);
     return o.ok() ? nlohmann::json::parse(o->status, nullptr, false) : nlohmann::json();
@@ -255,21 +339,10 @@ TEST_F(ControllerLoopTest, AnOverloadedGpuHasOneReplicaMovedOffAfterTheRebalance
     gpu->set_memory_bytes(40LL << 30);
   }
   ASSERT_TRUE(stream_->Write(reg));
-  for (int i = 0; i < 400 && controller_->NodesJson().find("\"n1\"") == std::string::npos; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // bounded: until it registers
-  }
+  WaitRegistered();
   // The node's assignment as last sent (bounded reads).
   v1::Assignment assigned;
-  auto tick_and_read = [&]() {
-    controller_->Tick();
-    v1::ControllerMessage m;
-    while (stream_->Read(&m)) {
-      if (m.has_assignment()) {
-        assigned = m.assignment();
-        return;
-      }
-    }
-  };
+  auto tick_and_read = [&]() { assigned = TickAndRead(); };
   tick_and_read();
   ASSERT_EQ(assigned.replicas_size(), 2);
   for (const auto& r : assigned.replicas()) EXPECT_EQ(r.gpu(), 0);  // best fit: both on GPU 0
@@ -280,13 +353,9 @@ TEST_F(ControllerLoopTest, AnOverloadedGpuHasOneReplicaMovedOffAfterTheRebalance
     auto* st = m.mutable_status();
     st->set_assignment_generation(++mark);
     for (const auto& spec : assigned.replicas()) {
-      auto* r = st->add_replicas();
-      r->set_replica_id(spec.replica_id());
-      r->set_model("encoder");
-      r->set_version("1");
-      r->set_state(v1::SERVING);
-      r->set_healthy(true);
-      r->mutable_load()->set_queue_depth(spec.gpu() == 0 ? queued : 0);
+      AddReported(st, spec, v1::SERVING)
+          ->mutable_load()
+          ->set_queue_depth(spec.gpu() == 0 ? queued : 0);
     }
     for (int g = 0; g < 2; ++g) {
       auto* gs = st->add_gpus();
@@ -294,11 +363,7 @@ TEST_F(ControllerLoopTest, AnOverloadedGpuHasOneReplicaMovedOffAfterTheRebalance
       gs->set_healthy(true);
       gs->set_utilization_pct(g == 0 ? utilization : 5);
     }
-    ASSERT_TRUE(stream_->Write(m));
-    const std::string seen = "\"assignmentGeneration\":" + std::to_string(mark);
-    for (int i = 0; i < 400 && controller_->NodesJson().find(seen) == std::string::npos; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    SendReport(m);
   };
   // Busy but keeping up (nothing queued): not overloaded.
   report(98, 0);

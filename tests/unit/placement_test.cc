@@ -323,6 +323,48 @@ TEST(PlacementTest, AServingReplicaEvictsTheLeastRecentlyUsedWarmReplicasOfOther
   EXPECT_EQ(next.unplaced[0].rfind("cold: 1 of 2", 0), 0u);
 }
 
+// Scale-down to WARM first: replicas beyond the new count (and the pool) stay WARM up to
+// `linger`; none is started for it; and a lingering one evicted for room is not refilled.
+TEST(PlacementTest, ScaledDownReplicasLingerWarmAndAreEvictedWithoutRefill) {
+  PlacementNode a = CpuNode("a", 8);
+  a.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::SERVING), Reported("enc.1", v1::SERVING),
+                                        Reported("enc.2", v1::SERVING)});
+  PlacementDemand d = Cpu("enc", 1, 0);
+  d.linger = 2;
+  auto p = Place({d}, {a});
+  EXPECT_EQ(Ids(p.nodes["a"]),
+            (std::vector<std::string>{"enc.0:SERVING", "enc.1:WARM", "enc.2:WARM"}));
+  EXPECT_TRUE(p.unplaced.empty());
+  d.linger = 5;  // more than there are: nothing new for it
+  EXPECT_EQ(Place({d}, {a}).nodes["a"].size(), 3u);
+  d.linger = 1;
+  EXPECT_EQ(Ids(Place({d}, {a}).nodes["a"]),
+            (std::vector<std::string>{"enc.0:SERVING", "enc.1:WARM"}));
+  // Scaled up again: the lingering ones are promoted first, nothing starts.
+  d.serving = 3;
+  d.linger = 0;
+  EXPECT_EQ(Ids(Place({d}, {a}).nodes["a"]),
+            (std::vector<std::string>{"enc.0:SERVING", "enc.1:SERVING", "enc.2:SERVING"}));
+
+  // On a full GPU a SERVING replica of another deployment evicts a lingering one, which is
+  // not placed again elsewhere (the pool's WARM replicas would be).
+  std::vector<PlacementNode> nodes = {GpuNode("g", {24LL << 30})};
+  PlacementDemand cold = GpuOf("cold", 2, 0, 10);
+  auto g = Place({cold}, nodes);
+  ASSERT_EQ(All(g), (std::vector<std::string>{"g/0:cold.0:SERVING", "g/0:cold.1:SERVING"}));
+  Apply(g, &nodes);
+  cold.serving = 1;
+  cold.linger = 1;
+  g = Place({cold}, nodes);
+  ASSERT_EQ(All(g), (std::vector<std::string>{"g/0:cold.0:SERVING", "g/0:cold.1:WARM"}));
+  Apply(g, &nodes);
+  PlacementDemand hot = GpuOf("hot", 1, 0, 10);
+  g = Place({cold, hot}, nodes);
+  EXPECT_EQ(g.evicted.count("cold.1"), 1u);
+  EXPECT_EQ(All(g), (std::vector<std::string>{"g/0:cold.0:SERVING", "g/0:hot.0:SERVING"}));
+  EXPECT_TRUE(g.unplaced.empty());
+}
+
 TEST(PlacementTest, EvictionPicksTheSpotThatEvictsFewestAndNeverHelpsWarmOrHopelessDemands) {
   // n1: two 10 GiB WARM replicas (4 free); n2: three 6 GiB ones (6 free). 14 GiB needed:
   // one eviction on n1, two on n2.
