@@ -438,7 +438,10 @@ void Controller::Acked(const std::string& node, const v1::AgentMessage& m) {
     }
     return;
   }
-  if (m.nack().kind() == v1::Ack::ASSIGNMENT) sent_[node].nack = m.nack().reason();
+  if (m.nack().kind() == v1::Ack::ASSIGNMENT) {
+    sent_[node].nack = m.nack().reason();
+    new_nacks_[node] = m.nack().reason();
+  }
   GetLogger("controller")
       ->warn("node {} refused generation {}: {}", node, m.nack().generation(), m.nack().reason());
 }
@@ -572,9 +575,30 @@ void Controller::Tick() {
     std::string name, type, reason, message;
   };
   std::vector<PendingEvent> events;
+  std::map<std::string, std::vector<std::string>> refused_by;  // deployment -> "node: why"
   {
     absl::MutexLock lock(&mu_);
     TakeStatuses();
+    // Refused assignments: an event for each deployment they held replicas of (said once, as the
+    // Nack came), and a condition while the refusal stands (below). Not sent again until the
+    // assignment changes: a refusal is not retried in a loop.
+    for (const auto& [node, sent] : sent_) {
+      if (sent.nack.empty()) continue;
+      std::set<std::string> deps_here;
+      for (const auto& spec : sent.replicas) {
+        deps_here.insert(DeploymentOfReplica(spec.replica_id()));
+      }
+      const bool fresh = new_nacks_.count(node) > 0;
+      for (const auto& dep : deps_here) {
+        refused_by[dep].push_back(node + ": " + sent.nack);
+        if (fresh) {
+          events.push_back({dep, "Warning", "AssignmentRefused",
+                            "node " + node + " refused its assignment (generation " +
+                                std::to_string(sent.assignment_generation) + "): " + sent.nack});
+        }
+      }
+    }
+    new_nacks_.clear();
     // One deployment per model name: a node's router routes requests by model name (and
     // refuses a routing table that names a model twice). The deployment that serves a model
     // keeps it while it names it (an edit elsewhere cannot take it away); a model without one
@@ -1065,6 +1089,14 @@ void Controller::Tick() {
                               {"status", "False"},
                               {"reason", "NoRoom"},
                               {"message", unplaced}});
+      }
+      if (auto refused = refused_by.find(dep.d.name); refused != refused_by.end()) {
+        std::string why;
+        for (const auto& r : refused->second) why += (why.empty() ? "" : "; ") + r;
+        conditions.push_back({{"type", "AssignmentsApplied"},
+                              {"status", "False"},
+                              {"reason", "Refused"},
+                              {"message", why}});
       }
       // The stored status is parsed again only when its text changed (each pass parsed all).
       StoredConditions& stored = stored_conditions_[dep.d.name];

@@ -10,8 +10,10 @@
 // microseconds), so an agent never mistakes a new assignment for one it applied. After a
 // start the controller observes for `observe_for` (agents re-register with the replicas they
 // run) before it sends anything, so a controller restart does not churn replicas. A Nack'd
-// generation is reported in the log and in the deployment's status, not re-sent in a loop:
-// the next change makes a new one. Deployment status (replicas, ready, warm, conditions) is
+// generation is reported in the log, in one AssignmentRefused event per deployment it held
+// replicas of, and in their status (condition AssignmentsApplied False, naming the node and
+// why, until the node acks an assignment); it is not re-sent in a loop: the next change makes
+// a new one. Deployment status (replicas, ready, warm, conditions) is
 // written back to the store.
 
 #include <atomic>
@@ -218,6 +220,9 @@ class Controller
   std::map<std::string, RolloutState> rollouts_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> rollout_uids_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, RolloutAction> pending_actions_ ABSL_GUARDED_BY(mu_);
+  // Nodes that refused an assignment since the last pass (node -> the reason): each deployment
+  // with replicas in it gets an AssignmentRefused event.
+  std::map<std::string, std::string> new_nacks_ ABSL_GUARDED_BY(mu_);
   std::thread loop_;
 };
 

@@ -272,6 +272,66 @@ TEST_F(ControllerLoopTest, AScaleDownLeavesReplicasWarmForAWhile) {
   EXPECT_EQ(states(), (std::vector<std::string>{"enc.0:SERVING", "enc.1:SERVING"}));
 }
 
+// A node that refuses (Nacks) its assignment: the refusal shows in the deployment's status
+// (condition AssignmentsApplied False, naming the node and why) and in one Warning event; an
+// Ack of a later assignment clears it.
+TEST_F(ControllerLoopTest, ARefusedAssignmentShowsInTheDeploymentsStatus) {
+  CreateEncoder("enc", "  replicas: 1\n");
+  ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
+  Connect();
+  WaitRegistered();
+  const v1::Assignment assigned = TickAndRead();
+  ASSERT_EQ(assigned.replicas_size(), 1);
+  v1::AgentMessage nack;
+  nack.mutable_nack()->set_kind(v1::Ack::ASSIGNMENT);
+  nack.mutable_nack()->set_generation(assigned.generation());
+  nack.mutable_nack()->set_reason("replica enc.0: device cuda:7 is not on this node");
+  ASSERT_TRUE(stream_->Write(nack));
+  for (int i = 0; i < 400 && controller_->NodesJson().find("cuda:7") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // bounded: until it arrives
+  }
+  auto condition = [&]() {
+    auto o = store_->Get(kModelDeploymentKind, "enc");
+    auto st = nlohmann::json::parse(o.ok() ? o->status : "", nullptr, false);
+    if (st.is_object()) {
+      for (const auto& c : st.value("conditions", nlohmann::json::array())) {
+        if (c.value("type", "") == "AssignmentsApplied") return c;
+      }
+    }
+    return nlohmann::json();
+  };
+  for (int pass = 0; pass < 2; ++pass) {
+    clock_.Advance(absl::Seconds(1));
+    controller_->Tick();
+  }
+  nlohmann::json c = condition();
+  ASSERT_TRUE(c.is_object()) << store_->Get(kModelDeploymentKind, "enc")->status;
+  EXPECT_EQ(c.value("status", ""), "False");
+  EXPECT_EQ(c.value("reason", ""), "Refused");
+  EXPECT_EQ(c.value("message", ""), "n1: replica enc.0: device cuda:7 is not on this node");
+  auto events = store_->ListEvents(kModelDeploymentKind, "enc", 100);
+  ASSERT_TRUE(events.ok());
+  int refused_events = 0;
+  for (const auto& e : *events) {
+    if (e.reason != "AssignmentRefused") continue;
+    refused_events++;
+    EXPECT_EQ(e.type, "Warning");
+    EXPECT_NE(e.message.find("node n1 refused its assignment"), std::string::npos) << e.message;
+  }
+  EXPECT_EQ(refused_events, 1);  // once, as it came: not every pass
+  // The node takes it after all (an Ack of that generation): the condition goes.
+  v1::AgentMessage ack;
+  ack.mutable_ack()->set_kind(v1::Ack::ASSIGNMENT);
+  ack.mutable_ack()->set_generation(assigned.generation());
+  ASSERT_TRUE(stream_->Write(ack));
+  for (int i = 0; i < 400 && controller_->NodesJson().find("cuda:7") != std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // bounded
+  }
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  EXPECT_FALSE(condition().is_object());
+}
+
 TEST_F(ControllerLoopTest, ASecondDeploymentOfTheSameModelIsRefusedUntilTheFirstGoes) {
   auto apply = [&](const std::string& name) { CreateEncoder(name, "  replicas: 1\n"); };
   auto other = ParseModelDeployment(
