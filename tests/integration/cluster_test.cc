@@ -11,6 +11,7 @@
 #include <cpprest/http_client.h>
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -90,8 +91,10 @@ class ClusterTest : public ::testing::Test {
   void StartController(const std::string& listen, std::vector<std::string> extra = {}) {
     clog_ = dir_ + "/controller" + std::to_string(++controllers_) + ".log";
     std::vector<std::string> args = {KILN_CONTROLLER_BIN, "--state-dir", dir_ + "/state",
-                                     "--admin-port", "0", "--listen", listen,
-                                     "--observe-seconds", "0.3"};
+                                     "--admin-port", "0", "--listen", listen};
+    if (std::find(extra.begin(), extra.end(), "--observe-seconds") == extra.end()) {
+      args.insert(args.end(), {"--observe-seconds", "0.3"});  // quick, where nothing restarts
+    }
     args.insert(args.end(), extra.begin(), extra.end());
     controller_ = SpawnLogged(args, clog_);
     admin_ = WaitForNumber(clog_, "admin=http://127.0.0.1:");
@@ -165,13 +168,26 @@ class ClusterTest : public ::testing::Test {
                   << Deployment(name).dump() << "\n" << ReadFile(alog_) << ReadFile(clog_);
     return false;
   }
-  std::map<std::string, int> Pids(int admin = 0) {
+  // Replica id -> pid on the node whose admin port is `admin` (0: n1), and on `also`'s.
+  std::map<std::string, int> Pids(int admin = 0, int also = 0) {
     std::map<std::string, int> out;
-    auto [code, text] = Http("GET", admin ? admin : agent_admin_, "/v1/replicas");
-    json j = json::parse(text, nullptr, false);
-    if (code != 200 || j.is_discarded()) return out;
-    for (const auto& r : j["replicas"]) out[r["id"].get<std::string>()] = r["pid"].get<int>();
+    for (int port : {admin ? admin : agent_admin_, also}) {
+      if (port == 0) continue;
+      auto [code, text] = Http("GET", port, "/v1/replicas");
+      json j = json::parse(text, nullptr, false);
+      if (code != 200 || j.is_discarded()) continue;
+      for (const auto& r : j["replicas"]) out[r["id"].get<std::string>()] = r["pid"].get<int>();
+    }
     return out;
+  }
+  // A controller and two nodes, n1 and the returned n2.
+  Agent StartTwoNodes(std::vector<std::string> controller_flags = {}) {
+    StartController("127.0.0.1:0", std::move(controller_flags));
+    StartAgent();
+    Agent n2 = StartAnotherAgent("n2");
+    EXPECT_GT(n2.admin, 0) << ReadFile(n2.log);
+    EXPECT_GT(n2.router_grpc, 0) << ReadFile(n2.log);
+    return n2;
   }
   grpc::Status Infer(int router = 0, std::string* version = nullptr, int64_t first_token = 1) {
     auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
@@ -208,6 +224,21 @@ class ClusterTest : public ::testing::Test {
     return "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: enc}\n"
            "spec:\n  model: {name: encoder, version: \"" + version + "\", uri: \"file://" + repo +
            "/encoder/" + version + "/model.pt\"}\n  replicas: 2\n" + rollout;
+  }
+  // Two nodes (n1 and the returned n2) and deployment enc (2 replicas, `rollout` appended) at
+  // version 1, serving; FILE.yaml for `next` (version 2 unless given, from `repo`) written
+  // beside it for the test to apply.
+  Agent StartRolloutCluster(const std::string& rollout, const std::string& next = "v2",
+                            const std::string& next_version = "2",
+                            const std::string& repo = KILN_MODEL_REPO,
+                            std::vector<std::string> controller_flags = {}) {
+    Agent n2 = StartTwoNodes(std::move(controller_flags));
+    std::ofstream(dir_ + "/v1.yaml") << EncoderSpec("1", KILN_MODEL_REPO, rollout);
+    std::ofstream(dir_ + "/" + next + ".yaml") << EncoderSpec(next_version, repo, rollout);
+    std::string out = Ctl("apply -f " + dir_ + "/v1.yaml");
+    EXPECT_EQ(last_rc_, 0) << out;
+    EXPECT_TRUE(WaitForStatus("enc", 2, 0));
+    return n2;
   }
   // Bounded poll until n1 and `other_admin`'s node run `n` replicas together.
   void WaitForReplicasOnBothNodes(size_t n, int other_admin) {
@@ -299,6 +330,80 @@ TEST_F(ClusterTest, DeployServeScaleFromWarmPoolAndSurviveAControllerKill) {
   std::this_thread::sleep_for(std::chrono::milliseconds(600));  // a few more ticks
   EXPECT_EQ(Pids(), scaled);
   EXPECT_TRUE(Infer().ok());
+}
+
+// Scale 1 -> 3 from a warm pool of 2 across two nodes: both WARM replicas are promoted in
+// place (the same processes serve), and requests succeed right after.
+TEST_F(ClusterTest, ScalesOneToThreeFromTheWarmPool) {
+  Agent n2 = StartTwoNodes();
+  ASSERT_FALSE(HasFailure());
+  std::string out = ApplySpec("enc", "encoder", "  replicas: 1\n  warmPool: 2\n");
+  ASSERT_EQ(last_rc_, 0) << out;
+  ASSERT_TRUE(WaitForStatus("enc", 1, 2));
+  auto all_pids = [&]() { return Pids(0, n2.admin); };
+  const auto before = all_pids();
+  ASSERT_EQ(before.size(), 3u);
+  out = Ctl("scale enc --replicas 3");
+  ASSERT_EQ(last_rc_, 0) << out;
+  bool ready = false;
+  for (int i = 0; i < 1200 && !ready; ++i) {  // bounded poll
+    ready = Deployment("enc")["status"].value("readyReplicas", 0) == 3;
+    if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_TRUE(ready) << Deployment("enc").dump() << ReadFile(clog_);
+  const auto after = all_pids();
+  for (const auto& [id, pid] : before) {
+    ASSERT_TRUE(after.count(id)) << id << " is gone";
+    EXPECT_EQ(after.at(id), pid) << id << " was restarted, not promoted";
+  }
+  for (int i = 0; i < 6; ++i) {
+    grpc::Status st = Infer(i % 2 ? n2.router_grpc : 0);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+  }
+}
+
+// The controller killed and restarted while two nodes serve steady traffic: no request
+// fails, no replica is restarted or moved, and the new controller takes the nodes back.
+TEST_F(ClusterTest, AControllerKilledUnderLoadCostsNoRequestAndNoReplica) {
+  Agent n2 = StartTwoNodes();
+  ASSERT_FALSE(HasFailure());
+  std::string out = ApplySpec("enc", "encoder", "  replicas: 2\n");
+  ASSERT_EQ(last_rc_, 0) << out;
+  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+  WaitForReplicasOnBothNodes(2, n2.admin);
+  auto all_pids = [&]() { return Pids(0, n2.admin); };
+  const auto before = all_pids();
+  ASSERT_EQ(before.size(), 2u);
+  Traffic on_n1(this, router_grpc_), on_n2(this, n2.router_grpc);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const int control = control_;
+  Kill(&controller_, SIGKILL);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // nodes serve on alone
+  // Observing longer than the agents' reconnect backoff takes (1 s, then 2 s: this VM may
+  // miss the first), as the defaults do (10 s against at most 5 s): a node that is only
+  // reconnecting is heard before anything is placed.
+  StartController("127.0.0.1:" + std::to_string(control), {"--observe-seconds", "4"});
+  // Both nodes re-register and the new controller, having observed, assigns them again.
+  bool back = false;
+  for (int i = 0; i < 1200 && !back; ++i) {  // bounded poll
+    auto [code, text] = Http("GET", admin_, "/apis/serving.kiln.dev/v1alpha1/nodes");
+    json j = json::parse(text, nullptr, false);
+    int ready = 0;
+    if (code == 200 && !j.is_discarded()) {
+      for (const auto& n : j["items"]) ready += n.value("health", "") == "Ready";
+    }
+    back = ready == 2 && Deployment("enc")["status"].value("readyReplicas", 0) == 2 &&
+           ReadFile(clog_).find("assignment generation") != std::string::npos;
+    if (!back) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_TRUE(back) << ReadFile(clog_);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // a few more passes
+  on_n1.Stop();
+  on_n2.Stop();
+  EXPECT_EQ(on_n1.failed.load(), 0) << on_n1.first_error;
+  EXPECT_EQ(on_n2.failed.load(), 0) << on_n2.first_error;
+  EXPECT_GT(on_n1.ok.load() + on_n2.ok.load(), 100);
+  EXPECT_EQ(all_pids(), before) << "a replica was restarted or moved";
 }
 
 // Two nodes; one is killed outright (agent and its runtime): after the NotReady and Lost
@@ -588,20 +693,12 @@ TEST_F(ClusterTest, TlsFlagsAreCheckedAtStartup) {
 // A canary under steady traffic: version 2 is pre-warmed beside version 1, takes 50% after its
 // replica serves, passes the analysis and is promoted; version 1 is drained. No request fails.
 TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
-  StartController("127.0.0.1:0", {"--status-counters-seconds", "0"});
-  StartAgent();
-  Agent n2 = StartAnotherAgent("n2");
-  ASSERT_GT(n2.router_grpc, 0) << ReadFile(n2.log);
-  auto spec = [&](const std::string& version) {
-    return EncoderSpec(version, KILN_MODEL_REPO,
-                       "  rollout:\n    steps: [{weight: 50, pause: 1s}]\n"
-                       "    analysis: {minRequests: 20, maxErrorRate: 0.01, maxLatencyP99Ratio: 100}\n");
-  };
-  std::ofstream(dir_ + "/v1.yaml") << spec("1");
-  std::ofstream(dir_ + "/v2.yaml") << spec("2");
-  std::string out = Ctl("apply -f " + dir_ + "/v1.yaml");
-  ASSERT_EQ(last_rc_, 0) << out;
-  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+  Agent n2 = StartRolloutCluster(
+      "  rollout:\n    steps: [{weight: 50, pause: 1s}]\n"
+      "    analysis: {minRequests: 20, maxErrorRate: 0.01, maxLatencyP99Ratio: 100}\n",
+      "v2", "2", KILN_MODEL_REPO, {"--status-counters-seconds", "0"});
+  ASSERT_FALSE(HasFailure());
+  std::string out;
 
   std::atomic<bool> stop{false};
   std::atomic<int> ok{0}, failed{0}, served_by_2{0};
@@ -664,6 +761,57 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   EXPECT_NE(log.find("rollout enc: canary 2 promoted"), std::string::npos) << log;
 }
 
+// An A/B test run by the controller: 30% of distinct users (a sticky header) reach version 2,
+// within 2 points over 2,000 users, and each user stays on the version it first saw.
+TEST_F(ClusterTest, AnAbTestSplitsUsersByItsWeightAndKeepsThemThere) {
+  Agent n2 = StartRolloutCluster(
+      "  rollout:\n    strategy: ABTest\n    steps: [{weight: 30}]\n"
+      "    stickyKey: header:x-user-id\n");
+  ASSERT_FALSE(HasFailure());
+  ASSERT_EQ((Ctl("apply -f " + dir_ + "/v2.yaml"), last_rc_), 0);
+  json d;
+  for (int i = 0; i < 1200; ++i) {  // bounded: version 2 serves and takes its 30%
+    d = Deployment("enc");
+    if (d["status"].value("rollout", json::object()).value("canaryWeight", 0) == 30) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_EQ(d["status"]["rollout"].value("canaryWeight", 0), 30) << d.dump();
+  // The routing table reaches the node a moment after the status says so: bounded poll until
+  // the router sends some user to version 2.
+  auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(router_grpc_), grpc::InsecureChannelCredentials()));
+  auto version_for = [&](const std::string& user) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    ctx.AddMetadata("x-user-id", user);
+    inference::ModelInferResponse resp;
+    grpc::Status st = stub->ModelInfer(&ctx, kiln::testing::EncoderRequest(1), &resp);
+    return st.ok() ? resp.model_version() : "error: " + st.error_message();
+  };
+  bool split = false;
+  for (int i = 0; i < 400 && !split; ++i) {
+    for (int u = 0; u < 20 && !split; ++u) split = version_for("probe-" + std::to_string(u)) == "2";
+    if (!split) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_TRUE(split) << ReadFile(clog_);
+  constexpr int kUsers = 2000;
+  std::vector<std::string> first(kUsers);
+  int on_2 = 0;
+  for (int u = 0; u < kUsers; ++u) {
+    first[u] = version_for("user-" + std::to_string(u));
+    ASSERT_TRUE(first[u] == "1" || first[u] == "2") << first[u];
+    on_2 += first[u] == "2";
+  }
+  const double share = static_cast<double>(on_2) / kUsers;
+  EXPECT_NEAR(share, 0.30, 0.02) << on_2 << " of " << kUsers << " users on version 2";
+  // Sticky: every user again, in another order, sees the same version.
+  for (int u = kUsers - 1; u >= 0; u -= 7) {
+    EXPECT_EQ(version_for("user-" + std::to_string(u)), first[u]) << "user-" << u;
+  }
+  // An A/B test is never ended by itself: still running, both versions served.
+  EXPECT_EQ(Deployment("enc")["status"]["rollout"].value("phase", ""), "Progressing");
+}
+
 // Autoscaling from the in-flight requests the replicas report: three clients keeping slow
 // requests in flight against a target of one per replica scale 1 -> 2 (the max); when the load
 // stops, it scales back to 1 after the stabilisation window (2 s here).
@@ -716,17 +864,8 @@ TEST_F(ClusterTest, AutoscalesOnRequestsInFlight) {
 // By hand: a rollout whose step waits for a resume is promoted with `kilnctl rollout promote`;
 // actions on a deployment without a rollout say so.
 TEST_F(ClusterTest, ARolloutIsPromotedByHand) {
-  StartController("127.0.0.1:0");
-  StartAgent();
-  Agent n2 = StartAnotherAgent("n2");
-  ASSERT_GT(n2.router_grpc, 0) << ReadFile(n2.log);
-  auto spec = [&](const std::string& version) {
-    return EncoderSpec(version, KILN_MODEL_REPO, "  rollout:\n    steps: [{weight: 50, pause: {}}]\n");
-  };
-  std::ofstream(dir_ + "/v1.yaml") << spec("1");
-  std::ofstream(dir_ + "/v2.yaml") << spec("2");
-  ASSERT_EQ((Ctl("apply -f " + dir_ + "/v1.yaml"), last_rc_), 0);
-  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+  Agent n2 = StartRolloutCluster("  rollout:\n    steps: [{weight: 50, pause: {}}]\n");
+  ASSERT_FALSE(HasFailure());
   std::string out = Ctl("rollout promote enc");
   EXPECT_EQ(last_rc_, 1) << out;
   EXPECT_NE(out.find("no rollout in progress"), std::string::npos) << out;
@@ -757,20 +896,12 @@ TEST_F(ClusterTest, ARolloutIsPromotedByHand) {
 // back (weight 0, canary drained, Degraded); no request that version 1 served failed, and
 // after the rollback nothing fails at all.
 TEST_F(ClusterTest, ABadCanaryIsRolledBackByItself) {
-  StartController("127.0.0.1:0");
-  StartAgent();
-  Agent n2 = StartAnotherAgent("n2");
-  ASSERT_GT(n2.router_grpc, 0) << ReadFile(n2.log);
-  auto spec = [&](const std::string& version, const std::string& repo) {
-    return EncoderSpec(version, repo,
-                       "  rollout:\n    steps: [{weight: 50, pause: 1m}]\n"
-                       "    analysis: {minRequests: 15, maxErrorRate: 0.05, maxLatencyP99Ratio: 100}\n");
-  };
-  std::ofstream(dir_ + "/v1.yaml") << spec("1", KILN_MODEL_REPO);
-  std::ofstream(dir_ + "/v3.yaml") << spec("3", std::string(KILN_MODEL_REPO) + "-faulty");
-  std::string out = Ctl("apply -f " + dir_ + "/v1.yaml");
-  ASSERT_EQ(last_rc_, 0) << out;
-  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+  Agent n2 = StartRolloutCluster(
+      "  rollout:\n    steps: [{weight: 50, pause: 1m}]\n"
+      "    analysis: {minRequests: 15, maxErrorRate: 0.05, maxLatencyP99Ratio: 100}\n",
+      "v3", "3", std::string(KILN_MODEL_REPO) + "-faulty");
+  ASSERT_FALSE(HasFailure());
+  std::string out;
 
   std::atomic<bool> stop{false};
   std::atomic<int> ok{0}, canary_failed{0}, other_failed{0};
