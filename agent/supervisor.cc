@@ -126,7 +126,8 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
     return it == renames.end() ? id : it->second;
   };
   std::map<std::string, CpuAssignment> cpus;
-  std::set<int> used;
+  std::set<int> used;     // every running replica's CPUs, and those given out below
+  std::set<int> staying;  // the same without the replicas this assignment takes away
   for (const auto& [id, r] : replicas_) {
     bool kept = false;
     for (const auto& s : a.replicas()) {
@@ -138,7 +139,10 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
     }
     // Replicas being replaced keep their CPUs until they are gone.
     used.insert(r.cpus.cpus.begin(), r.cpus.cpus.end());
-    if (kept) cpus[id_after(id)] = r.cpus;
+    if (kept) {
+      cpus[id_after(id)] = r.cpus;
+      staying.insert(r.cpus.cpus.begin(), r.cpus.cpus.end());
+    }
   }
   for (const auto& s : a.replicas()) {
     if (cpus.count(s.replica_id())) continue;
@@ -148,8 +152,16 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
                                         std::to_string(topology_.gpus.size()) + " GPUs)");
     }
     auto alloc = AllocateCpus(topology_, used, reserved_, s.gpu(), s.cpus());
-    if (!alloc.ok()) return Annotate(alloc.status(), "replica " + s.replica_id());
+    if (!alloc.ok()) {
+      // Free once the replicas this assignment takes away are gone (a full node that swaps a
+      // replica for another): it starts then (Tick waits for them). Only what cannot fit even
+      // then refuses the assignment.
+      auto later = AllocateCpus(topology_, staying, reserved_, s.gpu(), s.cpus());
+      if (!later.ok()) return Annotate(alloc.status(), "replica " + s.replica_id());
+      alloc = std::move(later);
+    }
     used.insert(alloc->cpus.begin(), alloc->cpus.end());
+    staying.insert(alloc->cpus.begin(), alloc->cpus.end());
     cpus[s.replica_id()] = *alloc;
   }
 
@@ -710,6 +722,25 @@ void Supervisor::Observe(Replica& r) {
   }
 }
 
+bool Supervisor::WaitsForCpus(Replica& r) {
+  for (const auto& [id, other] : replicas_) {
+    if (&other == &r || (other.pid <= 0 && !other.removing)) continue;
+    for (int c : r.cpus.cpus) {
+      if (std::find(other.cpus.cpus.begin(), other.cpus.cpus.end(), c) == other.cpus.cpus.end()) {
+        continue;
+      }
+      if (!r.waiting_for_cpus) {
+        log_("replica " + r.spec.replica_id() + ": waits for CPU " + std::to_string(c) +
+             ", held by " + id + " until it is gone");
+      }
+      r.waiting_for_cpus = true;
+      return true;
+    }
+  }
+  r.waiting_for_cpus = false;
+  return false;
+}
+
 void Supervisor::Tick() {
   load_time_this_tick_ = absl::ZeroDuration();
   const size_t pool_before = prestarted_.size();
@@ -732,7 +763,8 @@ void Supervisor::Tick() {
       r.phase = Phase::kFailed;
       r.last_error = "gpu " + std::to_string(r.spec.gpu()) + " unhealthy: " +
                      unhealthy_gpus_[r.spec.gpu()];
-    } else if ((r.phase == Phase::kPending || r.phase == Phase::kBackoff) && now >= r.due) {
+    } else if ((r.phase == Phase::kPending || r.phase == Phase::kBackoff) && now >= r.due &&
+               !WaitsForCpus(r)) {
       absl::Status s = Launch(r);
       changed_set = true;
       if (!s.ok()) {

@@ -167,6 +167,7 @@ class Supervisor {
     CpuAssignment readd_cpus;
     bool adopted = false;
     bool held = false;  // stopped because its GPU is unhealthy
+    bool waiting_for_cpus = false;  // its CPUs are still held by a replica on its way out
     absl::Time last_answer;
     absl::Time last_used;
     bool control_ok = false;
@@ -201,6 +202,9 @@ class Supervisor {
   };
 
   absl::Status Launch(Replica& r);
+  // Another replica (one on its way out) still holds one of `r`'s CPUs: `r` starts once it is
+  // gone. Says so in the log the first time.
+  bool WaitsForCpus(Replica& r);
   // Gives `r` a ready pre-started runtime of its pool (same GPU, or for a CPU replica the same
   // NUMA node) started with the environment a cold start would have: true when one took it,
   // false when none could (then it starts cold). A runtime that fails the Load is killed; one

@@ -814,7 +814,9 @@ void Controller::Tick() {
       PlacementDemand stable = demands[i];
       stable.version = plan.stable_version;
       stable.serving = plan.stable_replicas;
-      stable.linger = LingerFor(d.name, stable.version, stable.serving, now);
+      // The deployment's own count (a promotion shrinking the old version is not a
+      // scale-down).
+      stable.linger = LingerFor(d.name, stable.version, demands[i].serving, now);
       all_demands.push_back(stable);
       if (!plan.old_version.empty() && plan.old_version != plan.stable_version) {
         PlacementDemand old = demands[i];  // BlueGreen's previous set, ready but unrouted
@@ -837,6 +839,14 @@ void Controller::Tick() {
     std::set<std::string> evicted;
     for (const auto& [id, e] : evicted_) evicted.insert(id);
     PlacementResult placed = Place(all_demands, nodes, retired, moves, evicted);
+    // Replicas left WARM by a scale-down hold their room only while nobody needs it: when
+    // something found no room, placement runs again without them (they drain).
+    if (!placed.unplaced.empty() &&
+        std::any_of(all_demands.begin(), all_demands.end(),
+                    [](const PlacementDemand& d) { return d.linger > 0; })) {
+      for (auto& d : all_demands) d.linger = 0;
+      placed = Place(all_demands, nodes, retired, moves, evicted);
+    }
     auto still_reported = [&](const std::string& id) {
       for (const Seen& seen : reported_of(DeploymentOfReplica(id))) {
         if (seen.replica->replica_id() == id) return true;

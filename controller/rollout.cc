@@ -167,7 +167,9 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
                      keep_old ? now + spec.rollout.scale_down_delay : absl::InfinitePast()};
     stable_only();
   };
-  // Make before break: the old version drains only once the whole new set serves.
+  // Make before break, replica by replica: the stable set gives up a replica only for a canary
+  // replica that serves (at most maxUnavailable fewer in all), so a promotion needs room for
+  // one more replica, not a second set; the split follows the serving counts.
   auto promote = [&](const std::string& why) {
     if (canary.ready >= replicas) {
       finish_promotion(s.promoting ? "all " + std::to_string(replicas) + " replica(s) serve"
@@ -175,18 +177,25 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
       return;
     }
     if (!s.promoting) {
-      p.events.push_back("canary " + want + " promoting (" + why + "): bringing up " +
-                         std::to_string(replicas) + " replica(s) before version " +
-                         s.stable_version + " drains");
+      p.events.push_back("canary " + want + " promoting (" + why + "): version " +
+                         s.stable_version + " gives way replica by replica as version " + want +
+                         "'s serve");
     }
     s.promoting = true;
     s.paused = false;
     s.phase = "Progressing";
-    s.message = "promoting version " + want + ": " + std::to_string(canary.ready) + "/" +
-                std::to_string(replicas) + " replica(s) serving; version " + s.stable_version +
-                " serves beside it (weight " + std::to_string(100 - s.weight) + "%) until then";
+    const int64_t serving = std::max<int64_t>(0, canary.ready);
+    const int64_t stable_left =
+        std::max<int64_t>(0, replicas - spec.rollout.max_unavailable - serving);
+    if (replicas > 0) {
+      s.weight = std::clamp<int64_t>(std::max(s.weight, (100 * serving + replicas / 2) / replicas),
+                                     0, 100);
+    }
+    s.message = "promoting version " + want + ": " + std::to_string(serving) + "/" +
+                std::to_string(replicas) + " replica(s) serving at " + std::to_string(s.weight) +
+                "%; version " + s.stable_version + " keeps " + std::to_string(stable_left);
     p.stable_version = s.stable_version;
-    p.stable_replicas = replicas;
+    p.stable_replicas = stable_left;
     p.canary_version = want;
     p.canary_replicas = replicas;
     p.canary_weight = s.weight;

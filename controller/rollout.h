@@ -14,9 +14,11 @@
 // judgement (weight back to 0, canary drained, condition Degraded, and the
 // same version is not tried again until the spec changes). At the end of a step's pause,
 // with enough requests and no failure, it passes to the next step; after the last the canary
-// is promoted: it grows to the deployment's full replica count beside the whole stable set
-// (the traffic split unchanged, no analysis: the decision is made), then becomes stable and the
-// old version is drained. Only an abort stops a promotion. A spec that changes version
+// is promoted, make before break: it grows to the deployment's replica count while the stable
+// set gives up one replica for each canary replica that serves (never more than
+// maxUnavailable short in all), the split following the serving counts, with no analysis (the
+// decision is made); when all serve it becomes stable and the rest of the old version drains.
+// Only an abort stops a promotion. A spec that changes version
 // again mid-rollout supersedes the canary; a spec set back to the stable version aborts it.
 // By hand (`kilnctl rollout ...`): pause holds the current step (failures still roll back),
 // resume continues (and passes a `pause: {}` step), abort rolls back as a failure would,
@@ -60,8 +62,8 @@ struct RolloutState {
   absl::Time drain_until = absl::InfinitePast();
   bool paused = false;  // held by hand
   // Promoted (by its last step or by hand) while fewer canary replicas serve than the
-  // deployment has: the canary grows to the full count beside the whole stable set, at the
-  // weight it had, and becomes stable only when all of them serve (make before break).
+  // deployment has: the canary grows to the full count as the stable set shrinks by the canary
+  // replicas that serve, and becomes stable only when all of them serve (make before break).
   bool promoting = false;
   // The canary's counters at each analysis of the current step, for the recent window (kept
   // in memory only: after a controller restart the window starts again).

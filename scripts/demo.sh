@@ -87,7 +87,8 @@ router_http=$(wait_number "$work/n1.log" "router listening grpc_port=[0-9]* http
 printf '%s\n' "apiVersion: serving.kiln.dev/v1alpha1" "kind: ModelDeployment" \
   "metadata: {name: encoder}" "spec:" \
   "  model: {name: encoder, version: \"1\", uri: \"file://$PWD/build/models/encoder/1/model.pt\"}" \
-  "  replicas: 1" "  warmPool: 1" >"$work/encoder.yaml"
+  "  replicas: 1" "  warmPool: 2" "  resources: {gpus: 1, gpuMemory: 2Gi, cpus: 1}" \
+  >"$work/encoder.yaml"
 echo "\$ kilnctl apply -f encoder.yaml"
 ctl apply -f "$work/encoder.yaml"
 # Bounded wait until N replicas serve; prints how long it took.
@@ -114,10 +115,10 @@ echo "== requests through node n1's router (to a replica on either node)"
 build/examples/kiln-demo-client --grpc "127.0.0.1:$router_grpc" --http "127.0.0.1:$router_http" \
   --model encoder
 echo
-echo "\$ kilnctl scale encoder --replicas 2    (the warm replica is promoted)"
-ctl scale encoder --replicas 2
-echo "scale-up from the warm pool: $(wait_ready 2) from scale to 2 ready as the controller sees it"
-grep -h "promoted to SERVING" "$work"/n*.log | tail -1
+echo "\$ kilnctl scale encoder --replicas 3    (both warm replicas are promoted)"
+ctl scale encoder --replicas 3
+echo "scale-up from the warm pool: $(wait_ready 3) from scale to 3 ready as the controller sees it"
+grep -h "promoted to SERVING" "$work"/n*.log | tail -2
 echo "  (the promote itself is milliseconds; the rest is the agent's 1 s report period)"
 echo "\$ kilnctl get deployments -o wide"
 ctl get deployments -o wide
@@ -126,8 +127,9 @@ ctl get nodes
 echo
 echo "== a canary rollout, version 1 -> 2, under live traffic"
 sed -e 's#/encoder/1/model.pt#/encoder/2/model.pt#' -e 's/version: "1"/version: "2"/' \
-  -e 's/replicas: 1/replicas: 2/' "$work/encoder.yaml" >"$work/encoder-v2.yaml"
-printf '%s\n' "  rollout:" "    steps: [{weight: 50, pause: 3s}]" \
+  -e 's/replicas: 1/replicas: 3/' -e 's/warmPool: 2/warmPool: 0/' "$work/encoder.yaml" \
+  >"$work/encoder-v2.yaml"
+printf '%s\n' "  rollout:" "    steps: [{weight: 33, pause: 3s}]" \
   "    analysis: {minRequests: 50, maxErrorRate: 0.01, maxLatencyP99Ratio: 3}" \
   >>"$work/encoder-v2.yaml"
 build/bench/kiln-loadgen --target grpc --raw --address "127.0.0.1:$router_grpc" \
@@ -145,6 +147,8 @@ echo "traffic during the rollout (kiln-loadgen through node n1's router):"
 grep -E "requests:|throughput:|latency" "$work/loadgen.txt"
 echo "\$ kilnctl get deployments -o wide"
 ctl get deployments -o wide
+echo "\$ kilnctl describe deployment encoder"
+ctl describe deployment encoder
 
 echo
 echo "== stopping the cluster (agents drain their replicas, then the controller stops)"

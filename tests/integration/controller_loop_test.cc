@@ -272,6 +272,41 @@ TEST_F(ControllerLoopTest, AScaleDownLeavesReplicasWarmForAWhile) {
   EXPECT_EQ(states(), (std::vector<std::string>{"enc.0:SERVING", "enc.1:SERVING"}));
 }
 
+// Replicas left WARM by a scale-down give way when another deployment needs the room.
+TEST_F(ControllerLoopTest, ReplicasLeftWarmGiveWayToOnesThatNeedTheRoom) {
+  const ModelDeployment d = CreateEncoder("enc", "  replicas: 3\n");
+  ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
+  Connect();  // 4 CPUs
+  WaitRegistered();
+  v1::Assignment assigned = TickAndRead();
+  ASSERT_EQ(assigned.replicas_size(), 3);
+  v1::AgentMessage m;
+  m.mutable_status()->set_assignment_generation(21);
+  for (const auto& spec : assigned.replicas()) AddReported(m.mutable_status(), spec, v1::SERVING);
+  SendReport(m);
+  ModelDeployment one = d;
+  one.spec.replicas = 1;
+  ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", EncodeForStore(one), 0).ok());
+  clock_.Advance(absl::Seconds(1));
+  assigned = TickAndRead();
+  ASSERT_EQ(assigned.replicas_size(), 3);  // 1 SERVING, 2 left WARM
+  // Another deployment of two replicas: 1 CPU is free, so the WARM ones make room.
+  auto other = ParseModelDeployment(
+      "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: oth}\n"
+      "spec:\n  model: {name: other, version: \"1\", uri: \"file:///m/other/1/model.pt\"}\n"
+      "  replicas: 2\n",
+      "test");
+  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "oth", EncodeForStore(*other)).ok());
+  clock_.Advance(absl::Seconds(1));
+  assigned = TickAndRead();
+  std::vector<std::string> ids;
+  for (const auto& r : assigned.replicas()) {
+    ids.push_back(r.replica_id() + ":" + v1::LifecycleState_Name(r.state()));
+  }
+  EXPECT_EQ(ids, (std::vector<std::string>{"enc.0:SERVING", "oth.0:SERVING", "oth.1:SERVING"}));
+}
+
 // A node that refuses (Nacks) its assignment: the refusal shows in the deployment's status
 // (condition AssignmentsApplied False, naming the node and why) and in one Warning event; an
 // Ack of a later assignment clears it.

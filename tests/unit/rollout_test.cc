@@ -60,25 +60,35 @@ TEST(RolloutTest, AGoodCanaryWalksTheStepsAndIsPromoted) {
   EXPECT_EQ(p.canary_weight, 25);  // not ready yet
   p = PlanRollout(spec2, p.state, Stats(4, 3000, 0), Stats(2, 400, 1), kT0 + absl::Seconds(33));
   EXPECT_EQ(p.canary_weight, 50);
-  // The last step passes: promoted, make before break. The canary grows to all 4 replicas
-  // beside the whole stable set, at its 50%, before version 1 drains.
+  // The last step passes: promoted, make before break, replica by replica. 2 of 4 canary
+  // replicas serve: the stable set keeps 2, the canary grows to 4, the split follows (50%).
   p = PlanRollout(spec2, p.state, Stats(4, 4000, 0), Stats(2, 900, 2), kT0 + absl::Seconds(64));
   EXPECT_EQ(p.state.phase, "Progressing");
   EXPECT_TRUE(p.state.promoting);
   EXPECT_EQ(p.stable_version, "1");
-  EXPECT_EQ(p.stable_replicas, 4);
+  EXPECT_EQ(p.stable_replicas, 2);
   EXPECT_EQ(p.canary_version, "2");
   EXPECT_EQ(p.canary_replicas, 4);
   EXPECT_EQ(p.canary_weight, 50);
   EXPECT_NE(p.events.back().find("promoting"), std::string::npos);
   EXPECT_NE(p.state.message.find("2/4 replica(s) serving"), std::string::npos) << p.state.message;
-  // Bad numbers no longer matter: the decision is made.
-  p = PlanRollout(spec2, RolloutState::FromJson(p.state.ToJson()), Stats(4, 5000, 0),
+  // A third serves: the stable set gives up another, 75% to the canary. Bad numbers no longer
+  // matter: the decision is made.
+  p = PlanRollout(spec2, RolloutState::FromJson(p.state.ToJson()), Stats(2, 5000, 0),
                   Stats(3, 2000, 900), kT0 + absl::Seconds(65));
   EXPECT_TRUE(p.state.promoting);
+  EXPECT_EQ(p.stable_replicas, 1);
   EXPECT_EQ(p.canary_replicas, 4);
+  EXPECT_EQ(p.canary_weight, 75);
   EXPECT_TRUE(p.events.empty());
-  p = PlanRollout(spec2, p.state, Stats(4, 5000, 0), Stats(4, 2000, 900), kT0 + absl::Seconds(66));
+  // With maxUnavailable 1 the stable set may run one short of the count.
+  auto loose = spec2;
+  loose.rollout.max_unavailable = 1;
+  EXPECT_EQ(PlanRollout(loose, p.state, Stats(1, 5000, 0), Stats(3, 2000, 900),
+                        kT0 + absl::Seconds(65))
+                .stable_replicas,
+            0);
+  p = PlanRollout(spec2, p.state, Stats(1, 5000, 0), Stats(4, 2000, 900), kT0 + absl::Seconds(66));
   EXPECT_EQ(p.state.phase, "Stable");
   EXPECT_FALSE(p.state.promoting);
   EXPECT_EQ(p.state.stable_version, "2");

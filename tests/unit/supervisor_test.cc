@@ -220,6 +220,40 @@ TEST_F(SupervisorTest, AnAssignmentThatDoesNotFitIsRejectedWhole) {
   EXPECT_FALSE(sup_->Apply(Assignment({Spec("x", 7, 1, v1::SERVING)}, 3)).ok());      // no GPU 7
 }
 
+// A full node told to swap a replica for another (a canary for a stable one): the assignment
+// is taken, not refused; the new replica waits for the CPUs of the one on its way out and
+// starts once it is gone.
+TEST_F(SupervisorTest, ANewReplicaWaitsForTheCpusOfOneOnItsWayOut) {
+  // GPU 0's node: 8 CPUs, one kept for the agent: a (4) and b (3) fill it.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 4, v1::SERVING), Spec("b", 0, 3, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t b = View("b")->pid;
+  const auto b_cpus = View("b")->cpus;
+  ASSERT_EQ(launcher_.launches().size(), 2u);
+  auto s = sup_->Apply(Assignment({Spec("a", 0, 4, v1::SERVING), Spec("c", 0, 3, v1::SERVING, "2")}, 2));
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(sup_->applied_generation(), 2);
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), 2u);  // c waits
+  EXPECT_EQ(View("b")->phase, "STOPPING");
+  EXPECT_EQ(View("c")->cpus, b_cpus);
+  bool said = false;
+  for (const auto& line : log_) said |= line.find("replica c: waits for CPU") != std::string::npos;
+  EXPECT_TRUE(said);
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), 2u);
+  launcher_.ExitCode(b, 0);  // b drained
+  sup_->Tick();
+  ASSERT_EQ(launcher_.launches().size(), 3u);
+  EXPECT_EQ(Arg(launcher_.launches().back(), "--version"), "2");
+  EXPECT_NE(View("c")->pid, 0);
+  // What cannot fit even once the leaving ones are gone is still refused whole.
+  EXPECT_EQ(sup_->Apply(Assignment({Spec("a", 0, 4, v1::SERVING), Spec("c", 0, 3, v1::SERVING, "2"),
+                                    Spec("d", 0, 1, v1::SERVING)}, 3))
+                .code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
 TEST_F(SupervisorTest, ARestartedSupervisorAdoptsLiveReplicasAndDrainsOrphans) {
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::WARM),
                                       Spec("c", -1, 1, v1::SERVING)})).ok());
