@@ -77,15 +77,22 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
   }
   // A connection is made outside the lock (a replica whose accept lags must not hold up the
   // channel's other callers); a caller that finds one made meanwhile uses that one instead.
+  // One caller connects at a time (a burst of first calls would otherwise open one each, and
+  // fill the replica's backlog): the others wait for its connection (the connect never
+  // blocks, so they wait microseconds).
   std::shared_ptr<Connection> fresh;
   bool need_connection;
   {
     absl::MutexLock lock(&mu_);
-    need_connection = !closing_ && (!conn_ || conn_->broken);
+    auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !connecting_ || closing_; };
+    mu_.AwaitWithTimeout(absl::Condition(&settled), absl::Seconds(5));
+    need_connection = !closing_ && !connecting_ && (!conn_ || conn_->broken);
+    if (need_connection) connecting_ = true;
   }
   grpc::Status refused;
   if (need_connection) {
     auto fd = ConnectUnix(path_);
+    if (fd.ok()) connections_made_++;
     int wake[2] = {-1, -1};
     if (!fd.ok()) {
       refused = grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -102,6 +109,7 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
   std::vector<std::pair<std::shared_ptr<Connection>, std::thread>> ended;
   {
     absl::MutexLock lock(&mu_);
+    if (need_connection) connecting_ = false;
     if (closing_) {
       refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is stopping");
     } else {

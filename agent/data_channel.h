@@ -39,6 +39,8 @@ class DataChannel {
   void FailAll();
 
   const std::string& path() const { return path_; }
+  // Connections made to the replica so far (one, unless they ended).
+  int connections_made() const { return connections_made_.load(); }
   // No call waits on it.
   bool Idle();
 
@@ -72,6 +74,8 @@ class DataChannel {
   std::shared_ptr<Connection> conn_ ABSL_GUARDED_BY(mu_);
   uint64_t next_tag_ ABSL_GUARDED_BY(mu_) = 1;
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  bool connecting_ ABSL_GUARDED_BY(mu_) = false;  // a caller is connecting (outside the lock)
+  std::atomic<int> connections_made_{0};
   // Every connection's reader, joined by the destructor (never by a reader itself).
   std::vector<std::pair<std::shared_ptr<Connection>, std::thread>> readers_ ABSL_GUARDED_BY(mu_);
 };

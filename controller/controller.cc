@@ -438,7 +438,10 @@ void Controller::Acked(const std::string& node, const v1::AgentMessage& m) {
     }
     return;
   }
-  if (m.nack().kind() == v1::Ack::ASSIGNMENT) {
+  // Only a Nack of the assignment in force counts: a late one for an older generation says
+  // nothing about the one the node has now.
+  if (m.nack().kind() == v1::Ack::ASSIGNMENT &&
+      m.nack().generation() == sent_[node].assignment_generation) {
     sent_[node].nack = m.nack().reason();
     new_nacks_[node] = m.nack().reason();
   }
@@ -846,6 +849,7 @@ void Controller::Tick() {
                     [](const PlacementDemand& d) { return d.linger > 0; })) {
       for (auto& d : all_demands) d.linger = 0;
       placed = Place(all_demands, nodes, retired, moves, evicted);
+      for (auto& [name, l] : linger_) l.until.clear();  // they are gone for good
     }
     auto still_reported = [&](const std::string& id) {
       for (const Seen& seen : reported_of(DeploymentOfReplica(id))) {

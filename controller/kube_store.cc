@@ -408,7 +408,11 @@ absl::StatusOr<std::vector<ObjectEvent>> KubernetesStore::ListEvents(const std::
                                                                       const std::string& name,
                                                                       int limit) {
   if (limit <= 0) return absl::InvalidArgumentError("limit: must be > 0");
-  auto r = client_.Call("GET", "/api/v1/namespaces/" + client_.config().ns + "/events");
+  // The API server filters (the fields are indexed for Events); the loop below checks again.
+  std::string selector = "involvedObject.kind%3D" + kind;
+  if (!name.empty()) selector += "%2CinvolvedObject.name%3D" + name;
+  auto r = client_.Call("GET", "/api/v1/namespaces/" + client_.config().ns +
+                                   "/events?fieldSelector=" + selector);
   if (!r.ok()) return r.status();
   if (r->code != 200) {
     return absl::UnavailableError("events: the API server answered " + std::to_string(r->code));
@@ -417,17 +421,20 @@ absl::StatusOr<std::vector<ObjectEvent>> KubernetesStore::ListEvents(const std::
   if (!r->body.is_object() || !r->body.contains("items") || !r->body["items"].is_array()) return out;
   for (const auto& e : r->body["items"]) {
     if (!e.is_object() || !e.contains("involvedObject") || !e["involvedObject"].is_object()) continue;
+    // Fields may be missing or null (Events written by other tools): read safely.
+    auto text = [](const json& o, const char* key) {
+      auto it = o.find(key);
+      return it != o.end() && it->is_string() ? it->get<std::string>() : std::string();
+    };
     const json& about = e["involvedObject"];
-    if (about.value("kind", "") != kind || (!name.empty() && about.value("name", "") != name)) {
-      continue;
-    }
-    ObjectEvent ev{kind, about.value("name", ""), e.value("type", ""), e.value("reason", ""),
-                   e.value("message", ""), 0};
+    if (text(about, "kind") != kind || (!name.empty() && text(about, "name") != name)) continue;
+    ObjectEvent ev{kind, text(about, "name"), text(e, "type"), text(e, "reason"),
+                   text(e, "message"), 0};
     absl::Time t;
     std::string err;
-    if (absl::ParseTime(absl::RFC3339_full, e.value("lastTimestamp", ""), &t, &err)) {
-      ev.unix_micros = absl::ToUnixMicros(t);
-    }
+    std::string when = text(e, "lastTimestamp");
+    if (when.empty()) when = text(e, "eventTime");
+    if (absl::ParseTime(absl::RFC3339_full, when, &t, &err)) ev.unix_micros = absl::ToUnixMicros(t);
     out.push_back(std::move(ev));
   }
   std::stable_sort(out.begin(), out.end(),

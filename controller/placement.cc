@@ -357,8 +357,10 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       } else if (warm < d.warm) {
         e->keep_as = v1::WARM;
         warm++;
-      } else if (static_cast<int64_t>(lingering.size()) < d.linger) {
-        e->keep_as = v1::WARM;  // scaled down: WARM for a while before it goes
+      } else if (static_cast<int64_t>(lingering.size()) < d.linger && e->assigned) {
+        // Scaled down: WARM for a while before it goes. Only one still assigned: one already
+        // taken off its node (its agent may still report it) is never taken back.
+        e->keep_as = v1::WARM;
         lingering.insert(e->spec().replica_id());
       } else {
         continue;  // beyond what is wanted: dropped (the agent drains it)
@@ -547,7 +549,15 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       for (auto it = first; it != demands.end() && it->deployment == dep; ++it) {
         if (it->version == spec.version()) {
           Kept& victim = kept[group[it - demands.begin()]];
-          if (!victim.lingering.erase(spec.replica_id())) victim.warm--;  // a pool's: refilled
+          // A pool's replica: a lingering one of the deployment takes its place in the pool,
+          // else the pool is short and refilled.
+          if (!victim.lingering.erase(spec.replica_id())) {
+            if (!victim.lingering.empty()) {
+              victim.lingering.erase(victim.lingering.begin());
+            } else {
+              victim.warm--;
+            }
+          }
           break;
         }
       }

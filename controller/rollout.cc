@@ -94,7 +94,13 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
   RolloutPlan p;
   p.state = state;
   RolloutState& s = p.state;
-  const std::string& want = spec.model.version;
+  // A promotion, once begun, completes: the old version has given up replicas for the new
+  // one, so dropping the new one now (an abort, or a spec naming another version) would leave
+  // too few serving. What the spec names next is rolled out after it, make before break too.
+  const std::string& want = s.promoting && !s.canary_version.empty() ? s.canary_version
+                                                                      : spec.model.version;
+  const std::string waiting =
+      want != spec.model.version ? "; version " + spec.model.version + " waits for it" : "";
   const int64_t replicas = spec.replicas;
   auto stable_only = [&]() {
     p.stable_version = s.stable_version;
@@ -185,19 +191,25 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     s.paused = false;
     s.phase = "Progressing";
     const int64_t serving = std::max<int64_t>(0, canary.ready);
+    // The old version keeps the count, less one for each new replica that serves.
     const int64_t stable_left =
         std::max<int64_t>(0, replicas - spec.rollout.max_unavailable - serving);
-    if (replicas > 0) {
-      s.weight = std::clamp<int64_t>(std::max(s.weight, (100 * serving + replicas / 2) / replicas),
-                                     0, 100);
+    // The split follows what serves on each side (as it was while nothing does).
+    const int64_t stable_serving = std::min<int64_t>(stable.ready, stable_left);
+    if (serving + stable_serving > 0) {
+      s.weight = (100 * serving + (serving + stable_serving) / 2) / (serving + stable_serving);
     }
     s.message = "promoting version " + want + ": " + std::to_string(serving) + "/" +
                 std::to_string(replicas) + " replica(s) serving at " + std::to_string(s.weight) +
-                "%; version " + s.stable_version + " keeps " + std::to_string(stable_left);
+                "%; version " + s.stable_version + " keeps " + std::to_string(stable_left) +
+                waiting;
     p.stable_version = s.stable_version;
     p.stable_replicas = stable_left;
     p.canary_version = want;
-    p.canary_replicas = replicas;
+    // One more at a time (maxSurge): room for one replica is all a promotion needs, and
+    // other deployments' WARM replicas are not evicted for the whole set at once.
+    p.canary_replicas =
+        std::min<int64_t>(replicas, serving + std::max<int64_t>(1, spec.rollout.max_surge));
     p.canary_weight = s.weight;
   };
   auto roll_back = [&](const std::string& why) {
@@ -213,12 +225,12 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     s.message = why;
     stable_only();
   };
-  if (s.promoting) {  // decided: only an abort stops it
+  if (s.promoting) {  // decided: it completes (see `want` above)
     if (action == RolloutAction::kAbort) {
-      roll_back("promotion of version " + want + " aborted by hand; back to " + s.stable_version);
-    } else {
-      promote("");
+      p.events.push_back("abort refused: version " + want +
+                         " is being promoted; apply the previous version once it is done");
     }
+    promote("");
     return p;
   }
   switch (action) {

@@ -18,7 +18,8 @@
 // set gives up one replica for each canary replica that serves (never more than
 // maxUnavailable short in all), the split following the serving counts, with no analysis (the
 // decision is made); when all serve it becomes stable and the rest of the old version drains.
-// Only an abort stops a promotion. A spec that changes version
+// A promotion, once begun, completes: an abort is refused, and a spec naming another version
+// waits for it (then rolls out from the promoted version). Before that, a spec that changes version
 // again mid-rollout supersedes the canary; a spec set back to the stable version aborts it.
 // By hand (`kilnctl rollout ...`): pause holds the current step (failures still roll back),
 // resume continues (and passes a `pause: {}` step), abort rolls back as a failure would,

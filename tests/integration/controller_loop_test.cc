@@ -305,6 +305,26 @@ TEST_F(ControllerLoopTest, ReplicasLeftWarmGiveWayToOnesThatNeedTheRoom) {
     ids.push_back(r.replica_id() + ":" + v1::LifecycleState_Name(r.state()));
   }
   EXPECT_EQ(ids, (std::vector<std::string>{"enc.0:SERVING", "oth.0:SERVING", "oth.1:SERVING"}));
+  // The node still reports the two it is stopping: they are not taken back a tick later.
+  clock_.Advance(absl::Seconds(1));
+  v1::AgentMessage again;
+  again.mutable_status()->set_assignment_generation(22);
+  for (const char* id : {"enc.0", "enc.1", "enc.2"}) {
+    v1::ReplicaSpec spec;
+    spec.set_replica_id(id);
+    AddReported(again.mutable_status(), spec, std::string(id) == "enc.0" ? v1::SERVING : v1::WARM);
+  }
+  SendReport(again);
+  controller_->Tick();
+  auto stored = store_->Get(kModelDeploymentKind, "enc");
+  ASSERT_TRUE(stored.ok());
+  auto st = nlohmann::json::parse(stored->status);
+  EXPECT_EQ(st.value("desiredReplicas", 0), 1);
+  EXPECT_NE(controller_->NodesJson().find("enc.2"), std::string::npos);  // still reported
+  // ...but assigned nowhere: 3 replicas in the node's assignment (enc.0, oth.0, oth.1).
+  EXPECT_NE(controller_->MetricsText().find("kiln_controller_replicas_assigned 3\n"),
+            std::string::npos)
+      << controller_->MetricsText();
 }
 
 // A node that refuses (Nacks) its assignment: the refusal shows in the deployment's status

@@ -401,6 +401,34 @@ TEST(RouterDataSocketTest, AReplicaWithAFullBacklogIsUnavailableAtOnce) {
   // And a socket file nobody listens on any more is not "in use": it can be listened on again.
 }
 
+// A burst of first calls on a new channel makes one connection, not one each (which would
+// fill the replica's backlog and refuse calls to a healthy replica).
+TEST(RouterDataSocketTest, ABurstOfFirstCallsSharesOneConnection) {
+  std::string path = TempSocket("u");
+  FakeDataSocket replica(path, [](const inference::ModelInferRequest&) {
+    return std::make_pair(0, OutputNamed("embedding"));
+  });
+  DataChannel channel(path);
+  constexpr int kCallers = 100;
+  std::vector<CallOutcome> calls(kCallers);
+  std::vector<std::thread> threads;
+  absl::Notification go;
+  for (int i = 0; i < kCallers; ++i) {
+    threads.emplace_back([&, i] {
+      go.WaitForNotification();
+      channel.Call(EncoderRequest(), 0, &calls[i].response, calls[i].Callback());
+    });
+  }
+  go.Notify();
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kCallers; ++i) {
+    ASSERT_TRUE(calls[i].done.WaitForNotificationWithTimeout(absl::Seconds(30))) << i;
+    EXPECT_TRUE(calls[i].status.ok()) << i << ": " << calls[i].status.error_message();
+  }
+  EXPECT_EQ(replica.requests(), kCallers);
+  EXPECT_EQ(channel.connections_made(), 1);
+}
+
 // A replica's batcher answers out of order: each answer reaches the call it belongs to.
 TEST(RouterDataSocketTest, AnswersOutOfOrderReachTheirOwnCalls) {
   std::string path = TempSocket("o");

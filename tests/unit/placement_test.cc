@@ -326,9 +326,9 @@ TEST(PlacementTest, AServingReplicaEvictsTheLeastRecentlyUsedWarmReplicasOfOther
 // Scale-down to WARM first: replicas beyond the new count (and the pool) stay WARM up to
 // `linger`; none is started for it; and a lingering one evicted for room is not refilled.
 TEST(PlacementTest, ScaledDownReplicasLingerWarmAndAreEvictedWithoutRefill) {
-  PlacementNode a = CpuNode("a", 8);
-  a.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::SERVING), Reported("enc.1", v1::SERVING),
-                                        Reported("enc.2", v1::SERVING)});
+  std::vector<PlacementNode> on_a = {CpuNode("a", 8)};
+  Apply(Place({Cpu("enc", 3, 0)}, on_a), &on_a);  // three assigned and serving
+  const PlacementNode& a = on_a[0];
   PlacementDemand d = Cpu("enc", 1, 0);
   d.linger = 2;
   auto p = Place({d}, {a});
@@ -340,6 +340,11 @@ TEST(PlacementTest, ScaledDownReplicasLingerWarmAndAreEvictedWithoutRefill) {
   d.linger = 1;
   EXPECT_EQ(Ids(Place({d}, {a}).nodes["a"]),
             (std::vector<std::string>{"enc.0:SERVING", "enc.1:WARM"}));
+  // One the node only still reports (taken off it already) is never taken back.
+  PlacementNode stale = CpuNode("a", 8);
+  stale.reported = a.reported;
+  d.linger = 2;
+  EXPECT_EQ(Ids(Place({d}, {stale}).nodes["a"]), (std::vector<std::string>{"enc.0:SERVING"}));
   // Scaled up again: the lingering ones are promoted first, nothing starts.
   d.serving = 3;
   d.linger = 0;

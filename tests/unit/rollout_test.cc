@@ -68,7 +68,7 @@ TEST(RolloutTest, AGoodCanaryWalksTheStepsAndIsPromoted) {
   EXPECT_EQ(p.stable_version, "1");
   EXPECT_EQ(p.stable_replicas, 2);
   EXPECT_EQ(p.canary_version, "2");
-  EXPECT_EQ(p.canary_replicas, 4);
+  EXPECT_EQ(p.canary_replicas, 3);  // one more at a time (maxSurge 1)
   EXPECT_EQ(p.canary_weight, 50);
   EXPECT_NE(p.events.back().find("promoting"), std::string::npos);
   EXPECT_NE(p.state.message.find("2/4 replica(s) serving"), std::string::npos) << p.state.message;
@@ -101,32 +101,49 @@ TEST(RolloutTest, AGoodCanaryWalksTheStepsAndIsPromoted) {
       << p.events.back();
 }
 
-TEST(RolloutTest, APromotionIsStoppedOnlyByAnAbortOrANewVersion) {
+// A promotion, once begun, completes: an abort is refused (said in an event), and a spec that
+// names another version waits for it, then rolls out from the promoted version.
+TEST(RolloutTest, APromotionCompletesWhateverComes) {
   RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
   auto spec2 = Spec("2", kTwoSteps);
   auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(1, 0, 0), kT0);
   p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(1, 0, 0), kT0 + absl::Seconds(1),
                   RolloutAction::kPromote);
   ASSERT_TRUE(p.state.promoting);
-  EXPECT_EQ(p.canary_weight, 25);
-  // Pause and promote again change nothing.
-  auto again = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(2, 0, 0), kT0 + absl::Seconds(2),
+  EXPECT_EQ(p.canary_weight, 25);  // 1 serving beside 3
+  EXPECT_EQ(p.stable_replicas, 3);
+  EXPECT_EQ(p.canary_replicas, 2);
+  // Pause changes nothing.
+  auto again = PlanRollout(spec2, p.state, Stats(3, 0, 0), Stats(2, 0, 0), kT0 + absl::Seconds(2),
                            RolloutAction::kPause);
   EXPECT_TRUE(again.state.promoting);
   EXPECT_FALSE(again.state.paused);
-  EXPECT_EQ(again.canary_replicas, 4);
-  auto aborted = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(2, 0, 0),
-                             kT0 + absl::Seconds(2), RolloutAction::kAbort);
-  EXPECT_EQ(aborted.state.phase, "Degraded");
-  EXPECT_FALSE(aborted.state.promoting);
-  EXPECT_TRUE(aborted.canary_version.empty());
-  EXPECT_EQ(aborted.stable_version, "1");
-  auto superseded = PlanRollout(Spec("3", kTwoSteps), p.state, Stats(4, 0, 0), Stats(0, 0, 0),
-                                kT0 + absl::Seconds(2));
-  EXPECT_FALSE(superseded.state.promoting);
-  EXPECT_EQ(superseded.canary_version, "3");
-  EXPECT_EQ(superseded.canary_replicas, 1);
-  EXPECT_EQ(superseded.canary_weight, 0);
+  EXPECT_EQ(again.canary_replicas, 3);
+  EXPECT_EQ(again.stable_replicas, 2);
+  EXPECT_EQ(again.canary_weight, 50);
+  // An abort is refused: dropping the new version now would leave too few serving.
+  auto aborted = PlanRollout(spec2, again.state, Stats(2, 0, 0), Stats(2, 0, 0),
+                             kT0 + absl::Seconds(3), RolloutAction::kAbort);
+  EXPECT_TRUE(aborted.state.promoting);
+  EXPECT_EQ(aborted.canary_version, "2");
+  ASSERT_FALSE(aborted.events.empty());
+  EXPECT_NE(aborted.events.back().find("abort refused"), std::string::npos);
+  // A new version in the spec waits for the promotion...
+  auto spec3 = Spec("3", kTwoSteps);
+  auto next = PlanRollout(spec3, again.state, Stats(2, 0, 0), Stats(3, 0, 0), kT0 + absl::Seconds(3));
+  EXPECT_TRUE(next.state.promoting);
+  EXPECT_EQ(next.canary_version, "2");
+  EXPECT_EQ(next.canary_weight, 75);
+  EXPECT_NE(next.state.message.find("version 3 waits for it"), std::string::npos)
+      << next.state.message;
+  next = PlanRollout(spec3, next.state, Stats(1, 0, 0), Stats(4, 0, 0), kT0 + absl::Seconds(4));
+  EXPECT_EQ(next.state.stable_version, "2");
+  EXPECT_FALSE(next.state.promoting);
+  // ...then rolls out from it.
+  next = PlanRollout(spec3, next.state, Stats(4, 0, 0), Stats(0, 0, 0), kT0 + absl::Seconds(5));
+  EXPECT_EQ(next.stable_version, "2");
+  EXPECT_EQ(next.canary_version, "3");
+  EXPECT_EQ(next.canary_weight, 0);  // pre-warming
 }
 
 TEST(RolloutTest, ABadCanaryIsRolledBackAssoonAsTheNumbersSaySo) {
@@ -347,12 +364,14 @@ TEST(RolloutActionTest, AbortAndPromoteByHand) {
   EXPECT_EQ(aborted.state.failed_version, "2");
   EXPECT_NE(aborted.state.message.find("aborted by hand"), std::string::npos);
   EXPECT_TRUE(aborted.canary_version.empty());
-  // Promoted by hand while pre-warming: the new set grows whole first (weight still 0).
-  auto promoted = PlanRollout(spec2, running.state, {}, Stats(0, 0, 0), kT0 + absl::Seconds(1),
-                              RolloutAction::kPromote);
+  // Promoted by hand while pre-warming: the new replicas come one more at a time, and no
+  // traffic moves while none serves.
+  auto promoted = PlanRollout(spec2, running.state, Stats(4, 0, 0), Stats(0, 0, 0),
+                              kT0 + absl::Seconds(1), RolloutAction::kPromote);
   EXPECT_EQ(promoted.state.phase, "Progressing");
   EXPECT_EQ(promoted.stable_version, "1");
-  EXPECT_EQ(promoted.canary_replicas, 4);
+  EXPECT_EQ(promoted.stable_replicas, 4);
+  EXPECT_EQ(promoted.canary_replicas, 1);
   EXPECT_EQ(promoted.canary_weight, 0);
   promoted = PlanRollout(spec2, promoted.state, {}, Stats(4, 0, 0), kT0 + absl::Seconds(2));
   EXPECT_EQ(promoted.state.phase, "Stable");
@@ -375,7 +394,7 @@ TEST(RolloutActionTest, ResumePassesAnIndefinitePause) {
   p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(2, 500, 0), kT0 + absl::Hours(1),
                   RolloutAction::kResume);
   EXPECT_TRUE(p.state.promoting);  // 2 of 4 serve: the rest come up first
-  EXPECT_EQ(p.canary_replicas, 4);
+  EXPECT_EQ(p.canary_replicas, 3);  // one more than serve
   p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(4, 500, 0), kT0 + absl::Hours(1));
   EXPECT_EQ(p.state.phase, "Stable");
   EXPECT_EQ(p.stable_version, "2");
