@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "controller/kube_client.h"
 #include "controller/model_deployment.h"
+#include "tests/support/eventually.h"
 #include "tests/support/fake_kube_api.h"
 #include "tests/support/shell.h"
 
@@ -31,12 +32,7 @@ using testing::Shell;
 
 template <typename F>
 bool Eventually(F pred, absl::Duration limit = absl::Seconds(20)) {
-  absl::Time end = absl::Now() + limit;
-  while (absl::Now() < end) {
-    if (pred()) return true;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return pred();
+  return testing::Eventually(pred, limit, absl::Milliseconds(20));
 }
 
 class KubeControllerTest : public ::testing::Test {

@@ -19,6 +19,7 @@
 #include "controller/leader_election.h"
 #include "controller/model_deployment.h"
 #include "controller/kube_client.h"
+#include "tests/support/eventually.h"
 #include "tests/support/fake_kube_api.h"
 #include "tests/support/shell.h"
 #include "tests/support/test_ca.h"
@@ -33,11 +34,7 @@ using testing::FakeKubeApi;
 // Polls `pred` every 5 ms for up to 10 s.
 template <typename F>
 bool Eventually(F pred) {
-  for (int i = 0; i < 2000; ++i) {
-    if (pred()) return true;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return pred();
+  return testing::Eventually(pred, absl::Seconds(10));
 }
 
 std::string Spec(int replicas, const std::string& version = "1") {

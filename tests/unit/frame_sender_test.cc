@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "common/data_frames.h"
 #include "gtest/gtest.h"
+#include "tests/support/eventually.h"
 
 namespace kiln {
 namespace {
@@ -40,15 +41,6 @@ class FrameSenderTest : public ::testing::Test {
     if (h.length > 0 && !ReadFull(fds_[1], body.data(), body.size())) return {-1, ""};
     return {static_cast<int64_t>(h.tag), body};
   }
-  // Bounded poll.
-  template <typename F>
-  static bool Eventually(F f) {
-    for (int i = 0; i < 5000; ++i) {
-      if (f()) return true;
-      absl::SleepFor(absl::Milliseconds(2));
-    }
-    return f();
-  }
   int fds_[2];
 };
 
@@ -73,7 +65,7 @@ TEST_F(FrameSenderTest, APeerThatDoesNotReadNeverHoldsTheSenderAndLosesNothing) 
     ASSERT_EQ(tag, i);
     EXPECT_EQ(body, std::string(1000 + i, static_cast<char>('a' + i % 26)));
   }
-  EXPECT_TRUE(Eventually([&] { return s.backlog_bytes() == 0; }));
+  EXPECT_TRUE(testing::Eventually([&] { return s.backlog_bytes() == 0; }, absl::Seconds(10)));
   EXPECT_FALSE(s.broken());
   // And a frame sent with nothing waiting goes straight out again.
   ASSERT_TRUE(s.Send(Frame(7, 3)));
@@ -83,7 +75,7 @@ TEST_F(FrameSenderTest, APeerThatDoesNotReadNeverHoldsTheSenderAndLosesNothing) 
 TEST_F(FrameSenderTest, APeerThatReadsNothingForTheStallBreaksTheConnection) {
   FrameSender s(fds_[0], absl::Milliseconds(1), 64 << 20);
   for (int i = 0; i < 50; ++i) s.Send(Frame(i, 1000));
-  ASSERT_TRUE(Eventually([&] { return s.broken(); }));
+  ASSERT_TRUE(testing::Eventually([&] { return s.broken(); }, absl::Seconds(10)));
   EXPECT_EQ(s.backlog_bytes(), 0u);        // what waited is dropped
   EXPECT_FALSE(s.Send(Frame(99, 1)));      // and nothing more goes
   // The peer sees whole frames, then the end (shut down): never a cut frame read as whole.
