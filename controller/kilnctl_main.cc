@@ -599,11 +599,9 @@ int main(int argc, char** argv) {
                       std::to_string(serving) + " serving, " + std::to_string(warm) + " warm",
                       std::to_string(n.value("lastHeardSecondsAgo", 0)) + "s ago"});
       if (wide) {
-        const std::string zone = n.value("zone", "");
-        const std::string refused = n.value("refused", "");
-        rows.back().push_back(zone.empty() ? "<none>" : zone);
+        rows.back().push_back(Cell(n.value("zone", "")));
         rows.back().push_back(std::to_string(n.value("assignmentGeneration", 0)));
-        rows.back().push_back(refused.empty() ? "<none>" : refused);
+        rows.back().push_back(Cell(n.value("refused", "")));
       }
     }
     if (rows.size() == 1) {
