@@ -110,6 +110,23 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
     out.body = nodes_();
     return out;
   }
+  if (r.path.rfind(std::string(kNodesPath) + "/", 0) == 0 && forget_node_) {
+    const std::string name = r.path.substr(std::string(kNodesPath).size() + 1);
+    if (r.method != "DELETE") {
+      return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
+    }
+    if (name.empty() || name.find('/') != std::string::npos) {
+      return ErrorResponse(absl::NotFoundError("no such path: " + r.path));
+    }
+    absl::Status s = forget_node_(name);
+    // A node still connected is a conflict with its state (409), as Kubernetes answers.
+    if (s.code() == absl::StatusCode::kFailedPrecondition) s = absl::AbortedError(s.message());
+    if (!s.ok()) return ErrorResponse(s);
+    return Json(200, {{"kind", "Status"},
+                      {"apiVersion", "v1"},
+                      {"status", "Success"},
+                      {"details", {{"name", name}, {"kind", "nodes"}}}});
+  }
   if (r.path == kReplicasPath && nodes_) {
     if (r.method != "GET") {
       return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));

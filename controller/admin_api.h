@@ -13,6 +13,9 @@
 //   GET    .../modeldeployments/NAME/events                           its newest 100 events
 //   POST   .../modeldeployments/NAME/rollout                          {"action": "..."}
 //   GET    /apis/serving.kiln.dev/v1alpha1/nodes                      the controller's nodes
+//   DELETE /apis/serving.kiln.dev/v1alpha1/nodes/NAME                 forget a node whose agent
+//                                                                     is gone (409 while it is
+//                                                                     connected)
 //   GET    /apis/serving.kiln.dev/v1alpha1/replicas                   every node's replicas
 //   GET    /apis/serving.kiln.dev/v1alpha1/events                     the newest 500 events
 //   GET    /healthz
@@ -56,6 +59,10 @@ class AdminApi {
   // GET /apis/serving.kiln.dev/v1alpha1/nodes answers with this (the controller's view), and
   // GET .../replicas with its nodes' replicas, each naming its node.
   void SetNodesSource(std::function<std::string()> nodes) { nodes_ = std::move(nodes); }
+  // DELETE .../nodes/NAME calls this.
+  void SetNodeRemover(std::function<absl::Status(const std::string&)> f) {
+    forget_node_ = std::move(f);
+  }
   // GET /metrics answers with this (Prometheus text; behind the bearer token like the rest).
   void SetMetricsSource(std::function<std::string()> metrics) { metrics_ = std::move(metrics); }
   // POST .../modeldeployments/NAME/rollout {"action": "pause|resume|abort|promote"}.
@@ -78,6 +85,7 @@ class AdminApi {
   const std::string token_;
   std::function<std::string()> nodes_;
   std::function<std::string()> metrics_;
+  std::function<absl::Status(const std::string&)> forget_node_;
   std::function<absl::Status(const std::string&, const std::string&)> rollout_action_;
 };
 

@@ -30,4 +30,37 @@ int64_t AutoscaleHistory::Recommend(const Autoscale& spec, double in_flight, boo
   return std::min(current, highest);
 }
 
+int64_t WarmAfterScaleDown::Update(const std::string& version, int64_t serving, absl::Time now,
+                                   absl::Duration window) {
+  if (version != version_) {
+    version_ = version;
+    last_serving_ = serving;
+    batches_.clear();
+    return 0;
+  }
+  if (serving < last_serving_) {
+    batches_.emplace_back(now + window, last_serving_ - serving);
+  } else {
+    // Promoted back: the newest batches give them up first.
+    for (int64_t up = serving - last_serving_; up > 0 && !batches_.empty();) {
+      const int64_t taken = std::min(up, batches_.back().second);
+      batches_.back().second -= taken;
+      up -= taken;
+      if (batches_.back().second == 0) batches_.pop_back();
+    }
+  }
+  last_serving_ = serving;
+  while (!batches_.empty() && batches_.front().first <= now) batches_.pop_front();
+  int64_t n = 0;
+  for (const auto& [until, count] : batches_) n += count;
+  return n;
+}
+
+void WarmAfterScaleDown::Restore(std::string version, int64_t last_serving,
+                                 std::deque<std::pair<absl::Time, int64_t>> batches) {
+  version_ = std::move(version);
+  last_serving_ = last_serving;
+  batches_ = std::move(batches);
+}
+
 }  // namespace kiln

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <string>
 #include <utility>
 
 #include "absl/time/time.h"
@@ -32,5 +33,29 @@ class AutoscaleHistory {
 
 // ceil(in_flight / target) clamped to [min, max].
 int64_t RawRecommendation(const Autoscale& spec, double in_flight);
+
+// Scale-down to WARM first: how many replicas beyond a deployment's SERVING count stay WARM
+// now. Each scale-down leaves its replicas WARM for `window` from when it happened; a scale-up
+// inside a window takes replicas back from the newest batches first (they are promoted), so
+// a batch counts only replicas still left over. A new stable version starts afresh (the old
+// version's replicas drain as usual).
+class WarmAfterScaleDown {
+ public:
+  // The deployment's SERVING count of `version` now; returns the replicas to leave WARM.
+  int64_t Update(const std::string& version, int64_t serving, absl::Time now,
+                 absl::Duration window);
+  // What to keep in the deployment's status, and take up again after a restart.
+  const std::string& version() const { return version_; }
+  int64_t last_serving() const { return last_serving_; }
+  const std::deque<std::pair<absl::Time, int64_t>>& batches() const { return batches_; }
+  void Restore(std::string version, int64_t last_serving,
+               std::deque<std::pair<absl::Time, int64_t>> batches);
+  void Clear() { batches_.clear(); }  // the lingering replicas are gone
+
+ private:
+  std::string version_;
+  int64_t last_serving_ = 0;
+  std::deque<std::pair<absl::Time, int64_t>> batches_;  // (until, replicas), oldest first
+};
 
 }  // namespace kiln

@@ -413,6 +413,15 @@ grpc::Status Controller::Registered(const std::shared_ptr<Stream>& stream, const
     }
     if (first) {
       sessions_[node] = stream;
+      // A forgotten node is back: what it runs is reported again, its ids in use as such.
+      for (auto it = retired_.begin(); it != retired_.end();) {
+        if (it->first != node) {
+          ++it;
+          continue;
+        }
+        retired_count_ -= it->second.size();
+        it = retired_.erase(it);
+      }
       // What this node was sent before is unknown to it now (or it is new): send it all again.
       Sent& sent = sent_[node];
       int64_t gen = sent.assignment_generation;
@@ -582,6 +591,13 @@ void Controller::Tick() {
   {
     absl::MutexLock lock(&mu_);
     TakeStatuses();
+    if (options_.forget_lost_after > absl::ZeroDuration()) {
+      for (const auto& [name, record] : registry_.Forget(now, options_.forget_lost_after)) {
+        Retire(name, record,
+               "Lost for " + absl::FormatDuration(options_.forget_lost_after) +
+                   " past its lease");
+      }
+    }
     // Refused assignments: an event for each deployment they held replicas of (said once, as the
     // Nack came), and a condition while the refusal stands (below). Not sent again until the
     // assignment changes: a refusal is not retried in a loop.
@@ -650,6 +666,7 @@ void Controller::Tick() {
     }
     std::vector<PlacementNode> nodes;
     std::set<std::string> retired;
+    for (const auto& [node, ids] : retired_) retired.insert(ids.begin(), ids.end());
     nodes.reserve(registry_.nodes().size());
     std::vector<const v1::Register*> registrations;  // nodes[i]'s
     std::vector<Sent*> sent_to;                      // nodes[i]'s (a map's nodes stay put)
@@ -678,6 +695,7 @@ void Controller::Tick() {
         n.gpus.push_back(pg);
       }
       // The registry's and sent_'s records themselves: nothing below changes them this tick.
+      n.assignment_known = sent.assignment_sent;
       for (const auto& spec : sent.replicas) n.assigned.push_back(&spec);
       for (const auto& r : rec.status.replicas()) {
         n.reported.push_back(&r);
@@ -819,7 +837,8 @@ void Controller::Tick() {
       stable.serving = plan.stable_replicas;
       // The deployment's own count (a promotion shrinking the old version is not a
       // scale-down).
-      stable.linger = LingerFor(d.name, stable.version, demands[i].serving, now);
+      stable.linger =
+          LingerFor(d.name, stable.version, demands[i].serving, now, deps[i].object.status);
       all_demands.push_back(stable);
       if (!plan.old_version.empty() && plan.old_version != plan.stable_version) {
         PlacementDemand old = demands[i];  // BlueGreen's previous set, ready but unrouted
@@ -849,7 +868,7 @@ void Controller::Tick() {
                     [](const PlacementDemand& d) { return d.linger > 0; })) {
       for (auto& d : all_demands) d.linger = 0;
       placed = Place(all_demands, nodes, retired, moves, evicted);
-      for (auto& [name, l] : linger_) l.until.clear();  // they are gone for good
+      for (auto& [name, l] : linger_) l.Clear();  // they are gone for good
     }
     auto still_reported = [&](const std::string& id) {
       for (const Seen& seen : reported_of(DeploymentOfReplica(id))) {
@@ -1128,6 +1147,9 @@ void Controller::Tick() {
                            {"conditions", conditions},
                            {"rollout", plan.state.ToJson()},
                            {"versions", VersionsJson(plan, version_stats[dep.d.name])}};
+      if (nlohmann::json lingering = LingerJson(dep.d.name); !lingering.is_null()) {
+        st["scaleDownWarm"] = std::move(lingering);
+      }
       statuses.emplace_back(dep.object.name, st);
     }
   }
@@ -1173,6 +1195,38 @@ absl::Status Controller::RequestRolloutAction(const std::string& name, const std
   }
   pending_actions_[name] = *a;
   GetLogger("controller")->info("rollout {}: {} requested", name, action);
+  return absl::OkStatus();
+}
+
+void Controller::Retire(const std::string& node, const NodeRecord& record,
+                        const std::string& why) {
+  std::vector<std::string> ids;
+  for (const auto& r : record.status.replicas()) ids.push_back(r.replica_id());
+  if (auto sent = sent_.find(node); sent != sent_.end()) {
+    for (const auto& r : sent->second.replicas) ids.push_back(r.replica_id());
+    sent_.erase(sent);
+  }
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  GetLogger("controller")
+      ->warn("node {} forgotten ({}); its {} replica id(s) stay retired", node, why, ids.size());
+  nodes_forgotten_++;
+  new_nacks_.erase(node);
+  if (ids.empty()) return;
+  retired_count_ += ids.size();
+  retired_.emplace_back(node, std::move(ids));
+  while (retired_count_ > kMaxRetiredIds && retired_.size() > 1) {
+    retired_count_ -= retired_.front().second.size();
+    retired_.pop_front();
+  }
+}
+
+absl::Status Controller::ForgetNode(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  TakeStatuses();
+  auto record = registry_.Remove(name);
+  if (!record.ok()) return record.status();
+  Retire(name, *record, "removed by hand");
   return absl::OkStatus();
 }
 
@@ -1226,6 +1280,10 @@ std::string Controller::MetricsText() {
        "aborted by hand).\n"
     << "# TYPE kiln_controller_rollbacks_total counter\n"
     << "kiln_controller_rollbacks_total " << rollbacks_.load() << "\n";
+  m << "# HELP kiln_controller_nodes_forgotten_total Nodes forgotten: Lost past "
+       "--forget-lost-node-seconds, or removed by hand.\n"
+    << "# TYPE kiln_controller_nodes_forgotten_total counter\n"
+    << "kiln_controller_nodes_forgotten_total " << nodes_forgotten_.load() << "\n";
   m << tick_seconds_.Take().Prometheus(
       "kiln_controller_loop_duration_seconds",
       "How long each pass of the decision loop took (placement, rollouts, routing, status).");
@@ -1233,21 +1291,46 @@ std::string Controller::MetricsText() {
 }
 
 int64_t Controller::LingerFor(const std::string& name, const std::string& version,
-                              int64_t serving, absl::Time now) {
+                              int64_t serving, absl::Time now, const std::string& stored_status) {
   if (options_.scale_down_warm_for <= absl::ZeroDuration()) return 0;
-  Linger& l = linger_[name];
-  if (l.version != version) {  // a new stable version: the old one's replicas drain as usual
-    l = Linger{version, serving, {}};
-    return 0;
+  auto [it, first_sight] = linger_.try_emplace(name);
+  WarmAfterScaleDown& l = it->second;
+  if (first_sight) {
+    // After a restart: what the controller before this one recorded, so replicas a scale-down
+    // left WARM neither drain early nor stay past their window. Anything unreadable is
+    // ignored (they drain, as before this was kept).
+    auto status = nlohmann::json::parse(stored_status, nullptr, false);
+    const nlohmann::json* kept = nullptr;
+    if (status.is_object() && status.contains("scaleDownWarm")) kept = &status["scaleDownWarm"];
+    if (kept && kept->is_object() && kept->value("version", "") == version &&
+        kept->contains("lastServing") && (*kept)["lastServing"].is_number_integer() &&
+        kept->contains("until") && (*kept)["until"].is_array()) {
+      std::deque<std::pair<absl::Time, int64_t>> batches;
+      for (const auto& batch : (*kept)["until"]) {
+        if (!batch.is_object() || !batch.contains("time") || !batch["time"].is_string() ||
+            !batch.contains("replicas") || !batch["replicas"].is_number_integer()) {
+          continue;
+        }
+        auto until = ParseRfc3339(batch["time"].get<std::string>(), "scaleDownWarm.until.time");
+        const int64_t count = batch["replicas"].get<int64_t>();
+        if (until.ok() && count > 0) batches.emplace_back(*until, count);
+      }
+      l.Restore(version, (*kept)["lastServing"].get<int64_t>(), std::move(batches));
+    }
   }
-  if (serving < l.last_serving) {
-    l.until.emplace_back(now + options_.scale_down_warm_for, l.last_serving - serving);
+  return l.Update(version, serving, now, options_.scale_down_warm_for);
+}
+
+nlohmann::json Controller::LingerJson(const std::string& name) const {
+  auto it = linger_.find(name);
+  if (it == linger_.end() || it->second.batches().empty()) return nullptr;
+  nlohmann::json until = nlohmann::json::array();
+  for (const auto& [at, count] : it->second.batches()) {
+    until.push_back({{"time", FormatRfc3339(at)}, {"replicas", count}});
   }
-  l.last_serving = serving;
-  while (!l.until.empty() && l.until.front().first <= now) l.until.pop_front();
-  int64_t n = 0;
-  for (const auto& [until, count] : l.until) n += count;
-  return n;
+  return {{"version", it->second.version()},
+          {"lastServing", it->second.last_serving()},
+          {"until", until}};
 }
 
 std::string Controller::NodesJson() {
@@ -1267,7 +1350,13 @@ std::string Controller::NodesJson() {
                           {"device", r.device()},
                           {"restarts", r.restarts()},
                           {"crashLoop", r.crash_loop()},
-                          {"inFlight", r.load().in_flight()}});
+                          {"inFlight", r.load().in_flight()},
+                          {"pid", r.pid()},
+                          {"cpus", r.cpus()},
+                          {"qps", r.load().qps()},
+                          {"p99Ms", r.load().latency_p99_micros() / 1000.0},
+                          {"gpuMemoryBytes", r.measured_gpu_memory_bytes()},
+                          {"idleSeconds", r.idle_ms() / 1000}});
     }
     nlohmann::json labels = nlohmann::json::object();
     for (const auto& [k, v] : rec.registration.labels()) labels[k] = v;

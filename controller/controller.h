@@ -37,6 +37,7 @@
 #include "controller/store.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
+#include "nlohmann/json.hpp"
 
 namespace kiln {
 
@@ -50,6 +51,10 @@ struct ControllerOptions {
   // then drain. WARM replicas are the first to go when a GPU needs room. 0 = drain at once.
   absl::Duration scale_down_warm_for = absl::Minutes(5);
   NodeRegistry::Options leases;
+  // A node Lost this much longer (its lease's second grace passed, its stream closed) is
+  // forgotten: gone from the node list and the metrics. Its replicas' ids stay retired (never
+  // given to new replicas) in case it comes back with them running. 0 = never.
+  absl::Duration forget_lost_after = absl::Hours(1);
   // A deployment whose replicas pile up on a node (placement.h, skew) for this long gets one
   // moved, make-before-break; a move whose replacement never serves is given up after
   // `move_deadline`.
@@ -95,6 +100,10 @@ class Controller
   // pause | resume | abort | promote the deployment's rollout on the next tick. NOT_FOUND for
   // an unknown deployment, FAILED_PRECONDITION when no rollout is in progress.
   absl::Status RequestRolloutAction(const std::string& name, const std::string& action);
+  // Forgets a node now (an operator removing a dead node, like `kubectl delete node`): its
+  // replicas are placed elsewhere on the next pass without waiting out the lease. NOT_FOUND for
+  // an unknown node, FAILED_PRECONDITION while its agent is connected.
+  absl::Status ForgetNode(const std::string& name);
   // A stored status's conditions: type -> (status, lastTransitionTime).
   using ConditionsBefore = std::map<std::string, std::pair<std::string, std::string>>;
 
@@ -130,6 +139,9 @@ class Controller
   void Ended(const std::string& node, const Stream* stream);
   // Moves each stream's newest NodeStatus into the registry.
   void TakeStatuses() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps a forgotten node's replica ids retired and drops what was sent to it.
+  void Retire(const std::string& node, const NodeRecord& record, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ControllerOptions options_;
   Store* store_;
@@ -139,6 +151,7 @@ class Controller
   // the deployments the last pass read.
   Histogram tick_seconds_{Histogram::ExponentialBounds(0.001, 2, 13)};
   std::atomic<uint64_t> rollbacks_{0};
+  std::atomic<uint64_t> nodes_forgotten_{0};
   std::atomic<int64_t> deployments_{0};
   std::atomic<bool> leading_{false};  // Start() was called: this one runs the loop
 
@@ -148,6 +161,11 @@ class Controller
   // Every open stream, registered or not (Stop ends them all).
   std::map<const Stream*, std::weak_ptr<Stream>> streams_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Sent> sent_ ABSL_GUARDED_BY(mu_);
+  // Forgotten nodes' replica ids, oldest first, until the node registers again; at most
+  // kMaxRetiredIds in all (the oldest node's go first).
+  static constexpr size_t kMaxRetiredIds = 200000;
+  std::deque<std::pair<std::string, std::vector<std::string>>> retired_ ABSL_GUARDED_BY(mu_);
+  size_t retired_count_ ABSL_GUARDED_BY(mu_) = 0;
   // A node's previous report, on its way back to a stream to be parsed into (TakeStatuses).
   v1::NodeStatus spare_status_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
@@ -206,16 +224,16 @@ class Controller
   std::map<std::string, AutoscaleHistory> autoscale_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> autoscaled_to_ ABSL_GUARDED_BY(mu_);
   // Per deployment: its stable version's SERVING count last tick, and the replicas its
-  // scale-downs left WARM, each batch until it expires (scale_down_warm_for). Memory only.
-  struct Linger {
-    std::string version;
-    int64_t last_serving = 0;
-    std::deque<std::pair<absl::Time, int64_t>> until;
-  };
-  std::map<std::string, Linger> linger_ ABSL_GUARDED_BY(mu_);
-  // How many replicas of `name` beyond `serving` stay WARM now (placement.h, linger).
+  // scale-downs left WARM, each batch until it expires (scale_down_warm_for). Kept in the
+  // deployment's status (scaleDownWarm) and taken from there after a restart.
+  std::map<std::string, WarmAfterScaleDown> linger_ ABSL_GUARDED_BY(mu_);
+  // How many replicas of `name` beyond `serving` stay WARM now (placement.h, linger);
+  // `stored_status` seeds what this controller has not seen yet.
   int64_t LingerFor(const std::string& name, const std::string& version, int64_t serving,
-                    absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                    absl::Time now, const std::string& stored_status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The scaleDownWarm status field of `name` (null when nothing lingers).
+  nlohmann::json LingerJson(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Rollout state per deployment; seeded from the stored status after a restart.
   std::map<std::string, RolloutState> rollouts_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> rollout_uids_ ABSL_GUARDED_BY(mu_);

@@ -104,6 +104,13 @@ int main(int argc, char** argv) {
                  "A silent node is Lost (its replicas placed elsewhere) after this")
       ->check(CLI::Range(0.1, 86400.0))
       ->capture_default_str();
+  double forget_s = 3600;
+  app.add_option("--forget-lost-node-seconds", forget_s,
+                 "A Lost node whose agent stays away this much longer is forgotten (gone from "
+                 "the node list; its replica ids stay retired); 0 = never. kilnctl delete node "
+                 "forgets one at once")
+      ->check(CLI::Range(0.0, 31536000.0))
+      ->capture_default_str();
   app.add_option("--status-counters-seconds", counters_s,
                  "Per-version request/error/p99 counters in status are written at most this often "
                  "when nothing else in it changed (each write is a store transaction)")
@@ -222,6 +229,7 @@ int main(int argc, char** argv) {
   co.observe_for = absl::Seconds(observe_s);
   co.leases.not_ready_after = absl::Seconds(not_ready_s);
   co.leases.lost_after = absl::Seconds(lost_s);
+  co.forget_lost_after = absl::Seconds(forget_s);
   co.scale_down_stabilization = absl::Seconds(stabilization_s);
   co.scale_down_warm_for = absl::Seconds(scale_down_warm_s);
   co.rebalance_after = absl::Seconds(rebalance_s);
@@ -304,6 +312,7 @@ int main(int argc, char** argv) {
   kiln::AdminApi api(store, token);
   api.SetNodesSource([&controller]() { return controller.NodesJson(); });
   api.SetMetricsSource([&controller]() { return controller.MetricsText(); });
+  api.SetNodeRemover([&controller](const std::string& name) { return controller.ForgetNode(name); });
   api.SetRolloutActions([&controller](const std::string& name, const std::string& action) {
     return controller.RequestRolloutAction(name, action);
   });

@@ -2,6 +2,7 @@
 #include <cpprest/http_client.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -284,7 +285,10 @@ std::vector<json> ReplicasOf(const json& list, const std::string& of) {
 void PrintReplicas(const std::vector<json>& replicas, bool wide, const std::string& indent = "") {
   std::vector<std::vector<std::string>> rows = {
       {indent + "NAME", "NODE", "MODEL", "VERSION", "STATE", "HEALTHY", "RESTARTS"}};
-  if (wide) rows[0].insert(rows[0].end(), {"DEVICE", "IN-FLIGHT", "REASON"});
+  if (wide) {
+    rows[0].insert(rows[0].end(),
+                   {"DEVICE", "CPUS", "PID", "QPS", "P99", "IN-FLIGHT", "GPU-MEM", "IDLE", "REASON"});
+  }
   for (const auto& r : replicas) {
     std::string restarts = std::to_string(r.value("restarts", 0));
     if (r.value("crashLoop", false)) restarts += " (CrashLoop)";
@@ -293,7 +297,18 @@ void PrintReplicas(const std::vector<json>& replicas, bool wide, const std::stri
                     r.value("healthy", false) ? "true" : "false", restarts});
     if (wide) {
       rows.back().push_back(Cell(r.value("device", "")));
+      rows.back().push_back(Cell(r.value("cpus", "")));
+      const int64_t pid = r.value("pid", int64_t{0});
+      rows.back().push_back(pid > 0 ? std::to_string(pid) : "<none>");
+      char qps[32], p99[32];
+      std::snprintf(qps, sizeof(qps), "%.1f", r.value("qps", 0.0));
+      std::snprintf(p99, sizeof(p99), "%.1fms", r.value("p99Ms", 0.0));
+      rows.back().push_back(qps);
+      rows.back().push_back(p99);
       rows.back().push_back(std::to_string(r.value("inFlight", 0)));
+      const int64_t gpu_mem = r.value("gpuMemoryBytes", int64_t{0});
+      rows.back().push_back(gpu_mem > 0 ? std::to_string(gpu_mem >> 20) + "Mi" : "<none>");
+      rows.back().push_back(std::to_string(r.value("idleSeconds", int64_t{0})) + "s");
       rows.back().push_back(Cell(r.value("healthReason", "")));
     }
   }
@@ -433,8 +448,9 @@ int main(int argc, char** argv) {
   describe->add_option("type", describe_type, "deployment")->required();
   describe->add_option("name", describe_name, "Its name")->required();
 
-  auto* del = app.add_subcommand("delete", "Delete a ModelDeployment");
-  del->add_option("type", type, "deployment")->required();
+  auto* del = app.add_subcommand(
+      "delete", "Delete a ModelDeployment, or forget a node whose agent is gone for good");
+  del->add_option("type", type, "deployment | node")->required();
   del->add_option("name", name, "Its name")->required();
 
   int64_t replicas = -1;
@@ -609,6 +625,12 @@ int main(int argc, char** argv) {
       return name.empty() ? 0 : 1;
     }
     PrintRows(rows);
+    return 0;
+  }
+  if (del->parsed() && (type == "node" || type == "nodes" || type == "no")) {
+    Reply r = c.Call(http::methods::DEL, std::string(kiln::kNodesPath) + "/" + name);
+    if (r.code != 200) return ServerError(r, c);
+    std::cout << "node \"" << name << "\" deleted\n";
     return 0;
   }
   if (get->parsed() || del->parsed()) {

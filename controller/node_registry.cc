@@ -77,14 +77,30 @@ NodeHealth NodeRegistry::Health(const std::string& node, absl::Time now) const {
   return NodeHealth::kReady;
 }
 
-void NodeRegistry::Forget(absl::Time now, absl::Duration forget_after) {
+std::vector<std::pair<std::string, NodeRecord>> NodeRegistry::Forget(
+    absl::Time now, absl::Duration forget_after) {
+  std::vector<std::pair<std::string, NodeRecord>> gone;
   for (auto it = nodes_.begin(); it != nodes_.end();) {
-    if (now - it->second.last_heard >= options_.lost_after + forget_after) {
+    if (!it->second.connected && now - it->second.last_heard >= options_.lost_after + forget_after) {
+      gone.emplace_back(it->first, std::move(it->second));
       it = nodes_.erase(it);
     } else {
       ++it;
     }
   }
+  return gone;
+}
+
+absl::StatusOr<NodeRecord> NodeRegistry::Remove(const std::string& node) {
+  auto it = nodes_.find(node);
+  if (it == nodes_.end()) return absl::NotFoundError("node '" + node + "' is not known");
+  if (it->second.connected) {
+    return absl::FailedPreconditionError(
+        "node '" + node + "' is connected: its agent is running; stop it first");
+  }
+  NodeRecord record = std::move(it->second);
+  nodes_.erase(it);
+  return record;
 }
 
 }  // namespace kiln

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kiln/v1/control_plane.pb.h"
 
@@ -47,8 +48,13 @@ class NodeRegistry {
 
   NodeHealth Health(const std::string& node, absl::Time now) const;
   const std::map<std::string, NodeRecord>& nodes() const { return nodes_; }
-  // Forgets nodes Lost for longer than `forget_after` (their replicas were placed again).
-  void Forget(absl::Time now, absl::Duration forget_after);
+  // Forgets nodes Lost for longer than `forget_after` (their replicas were placed again) whose
+  // stream is closed, and returns their records (the caller retires their replica ids).
+  std::vector<std::pair<std::string, NodeRecord>> Forget(absl::Time now,
+                                                         absl::Duration forget_after);
+  // Forgets one node now (an operator removing a node that will not come back) and returns its
+  // record. NOT_FOUND for an unknown node, FAILED_PRECONDITION while its agent's stream is open.
+  absl::StatusOr<NodeRecord> Remove(const std::string& node);
 
  private:
   Options options_;

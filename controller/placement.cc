@@ -224,6 +224,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   std::vector<NodeState*> order;  // by name (the map's order)
   std::map<std::string, int> zones;
   std::vector<bool> unlabelled_zone;  // by zone id: a node without a zone label
+  std::vector<std::string> zone_names;  // by zone id: the label (empty when unlabelled)
   for (auto& [name, ns] : state) {
     ns.index = static_cast<int>(order.size());
     ns.gpu_used.assign(ns.node->gpus.size(), 0);
@@ -231,7 +232,18 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     std::string zone = ns.node->zone.empty() ? "node:" + name : ns.node->zone;
     auto [z, added] = zones.emplace(zone, static_cast<int>(zones.size()));
     ns.zone_id = z->second;
-    if (added) unlabelled_zone.push_back(ns.node->zone.empty());
+    if (added) {
+      unlabelled_zone.push_back(ns.node->zone.empty());
+      zone_names.push_back(ns.node->zone);
+    }
+  }
+  // Per deployment, the nodes where one of its replicas crash-loops or FAILED: its new
+  // replicas go elsewhere while another node has room (the fault may be the node's).
+  std::unordered_map<std::string_view, std::vector<int>> crashed_on;
+  for (const auto& [dep, replicas] : by_deployment) {
+    for (const Existing& e : replicas) {
+      if (!e.healthy) crashed_on[dep].push_back(e.ns->index);
+    }
   }
   std::unordered_map<std::string, Spread> spread;
   auto spread_of = [&](const std::string& dep) -> Spread& {
@@ -282,8 +294,17 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     }
     return it->second;
   };
+  // maxSurge and maxUnavailable are the deployment's, shared by its demands (its versions
+  // during a rollout): what the stable version, first, uses of them the others do not get.
+  const std::string* budget_of = nullptr;
+  int64_t surge_left = 0, unavailable_left = 0;
   for (size_t di = 0; di < demands.size(); ++di) {
     const PlacementDemand& d = demands[di];
+    if (budget_of == nullptr || *budget_of != d.deployment) {
+      budget_of = &d.deployment;
+      surge_left = d.max_surge;
+      unavailable_left = d.max_unavailable;
+    }
     std::vector<Existing*> mine;
     for (Existing& e : existing_of(d.deployment)) {
       // A replica whose CPUs or GPU kind no longer fit the spec is replaced (the agent
@@ -357,9 +378,11 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       } else if (warm < d.warm) {
         e->keep_as = v1::WARM;
         warm++;
-      } else if (static_cast<int64_t>(lingering.size()) < d.linger && e->assigned) {
+      } else if (static_cast<int64_t>(lingering.size()) < d.linger &&
+                 (e->assigned || !e->ns->node->assignment_known)) {
         // Scaled down: WARM for a while before it goes. Only one still assigned: one already
-        // taken off its node (its agent may still report it) is never taken back.
+        // taken off its node (its agent may still report it) is never taken back. (A node not
+        // sent an assignment yet, after a restart, took nothing off.)
         e->keep_as = v1::WARM;
         lingering.insert(e->spec().replica_id());
       } else {
@@ -372,7 +395,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     // (Voluntary moves, sorted first, stay until their replacement serves, maxUnavailable or
     // not.)
     const int64_t keep_moving = std::max(
-        std::clamp<int64_t>(d.serving - d.max_unavailable - ready, 0,
+        std::clamp<int64_t>(d.serving - unavailable_left - ready, 0,
                             static_cast<int64_t>(moving.size())),
         std::min(static_cast<int64_t>(voluntary.size()), std::max<int64_t>(0, d.serving - ready)));
     std::set<const Existing*> leaving;
@@ -387,7 +410,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       } else if (ready + keep_moving < d.serving) {
         out.moves.push_back(d.deployment + ": " + where +
                             " dropped before its replacement serves (maxUnavailable " +
-                            std::to_string(d.max_unavailable) + ")");
+                            std::to_string(d.max_unavailable) + " for the deployment)");
       }
     }
     for (Existing* e : keep) {
@@ -409,8 +432,12 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     }
     // New SERVING replicas this pass, within maxSurge of the wanted count (the moving ones
     // kept count against it).
-    counts.new_serving = std::clamp<int64_t>(d.serving + d.max_surge - serving - keep_moving, 0,
+    counts.new_serving = std::clamp<int64_t>(d.serving + surge_left - serving - keep_moving, 0,
                                              d.serving - serving);
+    surge_left -= std::max<int64_t>(0, serving + keep_moving + counts.new_serving - d.serving);
+    unavailable_left -= std::max<int64_t>(0, d.serving - ready - keep_moving);
+    surge_left = std::max<int64_t>(0, surge_left);
+    unavailable_left = std::max<int64_t>(0, unavailable_left);
   }
   // The room index for pass 2, per zone, in the placement key's order: each healthy GPU that
   // is not overloaded by its free memory, each node by its free CPUs (then load, node, GPU).
@@ -470,6 +497,15 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     return 0;  // placed but not reported yet: just made
   };
   using Key = std::tuple<int, int, int64_t, double, int, int>;
+  // Added to a node's count of the deployment where the deployment crash-loops: any other
+  // node with room wins.
+  constexpr int kAvoided = 1 << 20;
+  auto avoided = [&crashed_on](const std::string& deployment, int node) {
+    if (crashed_on.empty()) return false;
+    auto it = crashed_on.find(deployment);
+    return it != crashed_on.end() &&
+           std::find(it->second.begin(), it->second.end(), node) != it->second.end();
+  };
   // Under GPU memory pressure SERVING outranks WARM: a new SERVING replica of `d` with no room
   // anywhere gets it by evicting WARM replicas of other deployments from one GPU, least
   // recently used first. Only GPU memory is freed this way: the node must have the CPUs
@@ -481,6 +517,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   auto evict_for = [&](const PlacementDemand& d) -> std::optional<Key> {
     if (d.gpus == 0) return std::nullopt;
     struct Plan {
+      bool avoided = false;  // the deployment crash-loops on the node
       size_t count = 0;
       int64_t bytes = 0;
       int node = 0;
@@ -509,6 +546,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         const int gpu = n.gpus[gi].index;
         int64_t memory_free = n.gpus[gi].memory_bytes - ns.gpu_used[gi];
         Plan p;
+        p.avoided = avoided(d.deployment, ns.index);
         p.node = ns.index;
         p.gpu = gpu;
         for (const auto& [neg_idle, id, pos] : warm) {
@@ -522,8 +560,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         }
         p.count = p.victims.size();
         if (p.count == 0 || memory_free < d.gpu_memory_bytes) continue;
-        if (!best || std::tie(p.count, p.bytes, p.node, p.gpu) <
-                         std::tie(best->count, best->bytes, best->node, best->gpu)) {
+        if (!best || std::tie(p.avoided, p.count, p.bytes, p.node, p.gpu) <
+                         std::tie(best->avoided, best->count, best->bytes, best->node, best->gpu)) {
           best = std::move(p);
         }
       }
@@ -613,7 +651,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     auto key_of = [&](NodeState& ns, bool overloaded) -> std::optional<Key> {
       const PlacementNode& n = *ns.node;
       if (!n.schedulable || ns.cpu_used + d.cpus > n.cpu_capacity) return std::nullopt;
-      int here = sp.on(ns.index);
+      // A node the deployment crash-loops on comes after every other node with room.
+      int here = sp.on(ns.index) + (avoided(d.deployment, ns.index) ? kAvoided : 0);
       int zone_count = sp.per_zone[ns.zone_id];
       if (d.gpus == 0) {
         if (overloaded) return std::nullopt;  // CPU slots are never overloaded
@@ -643,7 +682,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         if (best && std::get<1>(*best) < zone_count) continue;
         for (auto [it, end] = room_in(d, z); it != end; ++it) {
           const NodeState& ns = *order[std::get<2>(*it)];
-          if (sp.on(ns.index) != 0 || ns.cpu_used + d.cpus > ns.node->cpu_capacity) {
+          if (sp.on(ns.index) != 0 || ns.cpu_used + d.cpus > ns.node->cpu_capacity ||
+              avoided(d.deployment, ns.index)) {
             continue;
           }
           Key k{0, zone_count, std::get<0>(*it) - need, std::get<1>(*it), ns.index,
@@ -775,12 +815,52 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
           for (auto [it, end] = room_in(d, z); it != end; ++it) {
             const NodeState& to = *order[std::get<2>(*it)];
             const int there = sp.on(to.index);
-            if (there > most - 2 || to.cpu_used + d.cpus > to.node->cpu_capacity) continue;
+            if (there > most - 2 || to.cpu_used + d.cpus > to.node->cpu_capacity ||
+                avoided(d.deployment, to.index)) {
+              continue;
+            }
             out.skewed[from->spec().replica_id()] =
                 "spread: " + from->ns->node->name + " runs " + std::to_string(most) + " of " +
                 d.deployment + ", " + to.node->name + " " + std::to_string(there);
             break;
           }
+        }
+      }
+      // Across zones (labelled ones): the zone with the most of the deployment against a zone
+      // with at least two fewer and a node free of it with room. A new replica goes to such a
+      // node of the zone with the fewest (best_fresh), so the move always evens the zones out
+      // and never swings back.
+      const Existing* zone_from = nullptr;
+      for (const Existing* e : counts.ready_kept) {
+        if (e->ns->node->zone.empty()) continue;
+        if (!zone_from ||
+            std::make_tuple(sp.per_zone[e->ns->zone_id], sp.on(e->ns->index),
+                            std::string_view(e->spec().replica_id())) >
+                std::make_tuple(sp.per_zone[zone_from->ns->zone_id], sp.on(zone_from->ns->index),
+                                std::string_view(zone_from->spec().replica_id()))) {
+          zone_from = e;
+        }
+      }
+      const int zone_most = zone_from ? sp.per_zone[zone_from->ns->zone_id] : 0;
+      for (size_t z = 0; zone_from && zone_most >= 2 && z < zones.size() &&
+                         !out.skewed.count(zone_from->spec().replica_id()) &&
+                         !out.skewed.count(from ? from->spec().replica_id() : std::string());
+           ++z) {
+        if (unlabelled_zone[z] || static_cast<int>(z) == zone_from->ns->zone_id ||
+            sp.per_zone[z] > zone_most - 2) {
+          continue;
+        }
+        for (auto [it, end] = room_in(d, z); it != end; ++it) {
+          const NodeState& to = *order[std::get<2>(*it)];
+          if (sp.on(to.index) != 0 || to.cpu_used + d.cpus > to.node->cpu_capacity ||
+              avoided(d.deployment, to.index)) {
+            continue;
+          }
+          out.skewed[zone_from->spec().replica_id()] =
+              "zones: " + zone_names[zone_from->ns->zone_id] + " runs " +
+              std::to_string(zone_most) + " of " + d.deployment + ", " + zone_names[z] + " " +
+              std::to_string(sp.per_zone[z]) + " (room on " + to.node->name + ")";
+          break;
         }
       }
     }

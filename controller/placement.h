@@ -13,7 +13,9 @@
 //   enough free memory, counting each replica at the larger of its reservation and what it
 //   reports using), preferring, in order: fewer replicas of the deployment on the node, then
 //   in the node's zone (spread), then the best fit (least memory or CPUs left), then low load,
-//   then the node name and GPU index (determinism).
+//   then the node name and GPU index (determinism). A node where a replica of the deployment
+//   crash-loops or FAILED comes after every other node with room, for new replicas and for
+//   evictions (the fault may be the node's); with no other room it is used all the same.
 // - Replica ids are `<deployment>.<n>`, n the smallest number not in use by the deployment.
 // - Rebalancing, make-before-break: a replica on a GPU the node reports unhealthy (or no longer
 //   reports) is moved. While it serves, it keeps its SERVING slot and a replacement is placed
@@ -23,14 +25,18 @@
 //   replacement serves, counting slots already held by replicas not yet serving. A moving
 //   replica that does not serve (WARM, loading) is dropped at once: it costs no capacity.
 //   maxSurge bounds SERVING replicas only: a warm pool emptied by a move (its replicas
-//   promoted as replacements) is refilled at once. It applies per demand, so during a canary
-//   each version may surge.
+//   promoted as replacements) is refilled at once. Both bounds are the deployment's: its
+//   demands (the versions of a rollout) share them, the first demand (the stable version)
+//   using them first.
 // - Skew: a deployment at full strength whose replicas pile up on one node (at least two more
 //   there than on another node of the zone with room for one) gets one of them named in
 //   `skewed`. Placement keeps no memory: the caller decides whether to move it and then passes
 //   it in `moves` on every call until it is gone, so the move runs make-before-break exactly
 //   like one off an unhealthy GPU and is not undone when the skew it fixes disappears while
-//   the replacement loads.
+//   the replacement loads. Zones (labelled ones) are evened out the same way: failing a node to
+//   even out, the zone with the most of the deployment names one of its replicas when a zone
+//   with at least two fewer has a node free of the deployment with room (where a new replica
+//   then goes, so the move never swings back).
 // - Overload: an overloaded GPU takes new replicas only when no other GPU has room, and a
 //   deployment at full strength with a replica serving there (nothing of it moving) names one
 //   in `skewed` when a GPU that is not overloaded has room for it; one per overloaded GPU at a
@@ -71,6 +77,9 @@ struct PlacementNode {
   // node each tick): they must outlive the call.
   std::vector<const v1::ReplicaSpec*> assigned;
   std::vector<const v1::ReplicaStatus*> reported;
+  // False until the caller has sent the node an assignment (after a controller restart, what
+  // the node reports is all there is: a replica only reported was not taken off it).
+  bool assignment_known = true;
   double load = 0;                          // requests in flight on the node
   // False for a NotReady node: its replicas still count (the node may come back within the
   // grace), but nothing new goes there. Lost nodes are left out altogether.

@@ -141,6 +141,24 @@ class ControllerLoopTest : public ::testing::Test {
     EXPECT_TRUE(store_->Create(kModelDeploymentKind, name, EncodeForStore(*d)).ok());
     return *d;
   }
+  // Node n1 connects, runs the 3 replicas of `d` (deployment "enc", stored with replicas: 3)
+  // and reports them SERVING (marked `mark`); then `d` is scaled to 1. Returns the assignment
+  // of the tick after the scale-down.
+  v1::Assignment ScaleDownThreeToOne(const ModelDeployment& d, int64_t mark) {
+    Connect();
+    WaitRegistered();
+    v1::Assignment assigned = TickAndRead();
+    EXPECT_EQ(assigned.replicas_size(), 3);
+    v1::AgentMessage m;
+    m.mutable_status()->set_assignment_generation(mark);
+    for (const auto& spec : assigned.replicas()) AddReported(m.mutable_status(), spec, v1::SERVING);
+    SendReport(m);
+    ModelDeployment one = d;
+    one.spec.replicas = 1;
+    EXPECT_TRUE(store_->Update(kModelDeploymentKind, "enc", EncodeForStore(one), 0).ok());
+    clock_.Advance(absl::Seconds(1));
+    return TickAndRead();
+  }
   // The stored status's request count of version 1.
   int64_t StoredRequests() {
     auto o = store_->Get(kModelDeploymentKind, "enc");
@@ -272,23 +290,86 @@ TEST_F(ControllerLoopTest, AScaleDownLeavesReplicasWarmForAWhile) {
   EXPECT_EQ(states(), (std::vector<std::string>{"enc.0:SERVING", "enc.1:SERVING"}));
 }
 
+// The replicas a scale-down left WARM keep their window across a controller restart: the
+// next controller takes it from the deployment's status instead of draining them at once.
+TEST_F(ControllerLoopTest, ReplicasLeftWarmKeepTheirWindowAcrossARestart) {
+  const ModelDeployment d = CreateEncoder("enc", "  replicas: 3\n");
+  ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
+  v1::Assignment assigned = ScaleDownThreeToOne(d, 7);
+  ASSERT_EQ(assigned.replicas_size(), 3);  // two of them WARM now
+  auto stored = nlohmann::json::parse(store_->Get(kModelDeploymentKind, "enc")->status);
+  ASSERT_TRUE(stored.contains("scaleDownWarm")) << stored.dump();
+  EXPECT_EQ(stored["scaleDownWarm"]["until"][0]["replicas"], 2);
+  EXPECT_EQ(stored["scaleDownWarm"]["lastServing"], 1);
+
+  // A new controller on the same store; the node re-registers with what it runs.
+  ControllerOptions co;
+  co.observe_for = absl::ZeroDuration();
+  co.leases.not_ready_after = absl::Hours(1);
+  co.leases.lost_after = absl::Hours(2);
+  Controller second(co, store_.get(), &clock_);
+  grpc::ServerBuilder b;
+  int port = 0;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(&second);
+  auto server = b.BuildAndStart();
+  ASSERT_TRUE(server && port > 0);
+  auto stub = v1::ControlPlane::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto stream = stub->Connect(&ctx);
+  v1::AgentMessage reg;
+  reg.mutable_register_()->set_node_name("n1");
+  reg.mutable_register_()->set_cpu_capacity(4);
+  for (const auto& spec : assigned.replicas()) {
+    auto* r = reg.mutable_register_()->add_replicas();
+    r->set_replica_id(spec.replica_id());
+    r->set_model("encoder");
+    r->set_version("1");
+    r->set_state(spec.state());
+    r->set_healthy(true);
+    r->set_device("cpu");
+    r->set_cpus(std::to_string(r->replica_id().back() - '0'));  // one CPU each
+  }
+  ASSERT_TRUE(stream->Write(reg));
+  for (int i = 0; i < 400 && second.NodesJson().find("\"n1\"") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  auto tick_and_read = [&]() {
+    second.Tick();
+    v1::ControllerMessage msg;
+    std::vector<std::string> out;
+    while (stream->Read(&msg)) {
+      if (!msg.has_assignment()) continue;
+      for (const auto& r : msg.assignment().replicas()) {
+        out.push_back(r.replica_id() + ":" + v1::LifecycleState_Name(r.state()));
+      }
+      return out;
+    }
+    ADD_FAILURE() << "no assignment came";
+    return out;
+  };
+  clock_.Advance(absl::Minutes(1));
+  EXPECT_EQ(tick_and_read(),
+            (std::vector<std::string>{"enc.0:SERVING", "enc.1:WARM", "enc.2:WARM"}));
+  // The window (5 minutes from the scale-down) ends as it would have.
+  clock_.Advance(absl::Minutes(4));
+  EXPECT_EQ(tick_and_read(), (std::vector<std::string>{"enc.0:SERVING"}));
+  ctx.TryCancel();
+  v1::ControllerMessage drained;
+  while (stream->Read(&drained)) {
+  }
+  stream->Finish();
+  server->Shutdown(std::chrono::system_clock::now());
+  second.Stop();
+}
+
 // Replicas left WARM by a scale-down give way when another deployment needs the room.
 TEST_F(ControllerLoopTest, ReplicasLeftWarmGiveWayToOnesThatNeedTheRoom) {
   const ModelDeployment d = CreateEncoder("enc", "  replicas: 3\n");
   ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
-  Connect();  // 4 CPUs
-  WaitRegistered();
-  v1::Assignment assigned = TickAndRead();
-  ASSERT_EQ(assigned.replicas_size(), 3);
-  v1::AgentMessage m;
-  m.mutable_status()->set_assignment_generation(21);
-  for (const auto& spec : assigned.replicas()) AddReported(m.mutable_status(), spec, v1::SERVING);
-  SendReport(m);
-  ModelDeployment one = d;
-  one.spec.replicas = 1;
-  ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", EncodeForStore(one), 0).ok());
-  clock_.Advance(absl::Seconds(1));
-  assigned = TickAndRead();
+  v1::Assignment assigned = ScaleDownThreeToOne(d, 21);  // n1 has 4 CPUs
   ASSERT_EQ(assigned.replicas_size(), 3);  // 1 SERVING, 2 left WARM
   // Another deployment of two replicas: 1 CPU is free, so the WARM ones make room.
   auto other = ParseModelDeployment(
@@ -644,6 +725,169 @@ TEST_F(ControllerLoopTest, ANodeThatReconnectsIsToldAgainToRunNothing) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
+}
+
+
+// A node whose agent never comes back: Lost (its replica placed elsewhere), then forgotten an
+// hour later; its replica's id stays retired, and a node still connected cannot be removed.
+TEST_F(ControllerLoopTest, ALostNodeIsForgottenLaterAndItsReplicaIdsStayRetired) {
+  struct Agent {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::AgentMessage, v1::ControllerMessage>> stream;
+    int64_t mark = 100;
+    v1::Assignment assigned;
+  };
+  auto connect = [&](Agent& a, const std::string& name) {
+    a.ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));  // no hang
+    a.stream = stub_->Connect(&a.ctx);
+    v1::AgentMessage reg;
+    reg.mutable_register_()->set_node_name(name);
+    reg.mutable_register_()->set_cpu_capacity(4);
+    ASSERT_TRUE(a.stream->Write(reg));
+    for (int i = 0; i < 400 && controller_->NodesJson().find("\"" + name + "\"") == std::string::npos;
+         ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  };
+  auto report = [&](Agent& a) {  // the node runs what it was told
+    v1::AgentMessage m;
+    auto* st = m.mutable_status();
+    st->set_assignment_generation(++a.mark);
+    for (const auto& spec : a.assigned.replicas()) AddReported(st, spec, spec.state());
+    ASSERT_TRUE(a.stream->Write(m));
+    const std::string seen = "\"assignmentGeneration\":" + std::to_string(a.mark);
+    for (int i = 0; i < 400 && controller_->NodesJson().find(seen) == std::string::npos; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  };
+  auto read_assignment = [](Agent& a) {
+    v1::ControllerMessage m;
+    while (a.stream->Read(&m)) {
+      if (m.has_assignment()) {
+        a.assigned = m.assignment();
+        return;
+      }
+    }
+    ADD_FAILURE() << "no assignment came";
+  };
+  auto ids = [](const Agent& a) {
+    std::vector<std::string> out;
+    for (const auto& r : a.assigned.replicas()) out.push_back(r.replica_id());
+    return out;
+  };
+  const ModelDeployment d = CreateEncoder("enc", "  replicas: 1\n");
+  Agent n1, n2;
+  n2.mark = 200;  // each node's reports are told apart by their marks
+  connect(n1, "n1");
+  connect(n2, "n2");
+  controller_->Tick();
+  read_assignment(n1);
+  read_assignment(n2);
+  ASSERT_EQ(ids(n1), (std::vector<std::string>{"enc.0"}));  // name order breaks the tie
+  report(n1);
+  EXPECT_EQ(controller_->ForgetNode("n1").code(), absl::StatusCode::kFailedPrecondition);
+  // n1's agent goes away for good.
+  n1.ctx.TryCancel();
+  v1::ControllerMessage drained;
+  while (n1.stream->Read(&drained)) {
+  }
+  n1.stream->Finish();
+  auto connected = [&](const std::string& name) {
+    for (const auto& n : nlohmann::json::parse(controller_->NodesJson())["items"]) {
+      if (n["name"] == name) return n["connected"].get<bool>();
+    }
+    return false;
+  };
+  for (int i = 0; i < 400 && connected("n1"); ++i) {  // bounded poll: the stream's end is seen
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_FALSE(connected("n1"));
+  // Lost (the lease's 2 h): its replica is placed again on n2, under a new id.
+  clock_.Advance(absl::Hours(2) + absl::Seconds(1));
+  report(n2);
+  controller_->Tick();
+  read_assignment(n2);
+  EXPECT_EQ(ids(n2), (std::vector<std::string>{"enc.1"}));
+  report(n2);
+  EXPECT_NE(controller_->NodesJson().find("\"n1\""), std::string::npos);  // Lost, still listed
+  // An hour more: forgotten.
+  clock_.Advance(absl::Hours(1));
+  report(n2);
+  controller_->Tick();
+  EXPECT_EQ(controller_->NodesJson().find("\"n1\""), std::string::npos) << controller_->NodesJson();
+  EXPECT_NE(controller_->MetricsText().find("kiln_controller_nodes_forgotten_total 1\n"),
+            std::string::npos);
+  // enc.0 may still run on n1 if it comes back: a scale-up does not reuse its id.
+  ModelDeployment two = d;
+  two.spec.replicas = 2;
+  ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", EncodeForStore(two), 0).ok());
+  clock_.Advance(absl::Seconds(1));
+  report(n2);
+  controller_->Tick();
+  read_assignment(n2);
+  EXPECT_EQ(ids(n2), (std::vector<std::string>{"enc.1", "enc.2"}));
+  // By hand: an unknown node is not found, a connected one refused.
+  EXPECT_EQ(controller_->ForgetNode("n1").code(), absl::StatusCode::kNotFound);
+  absl::Status refused = controller_->ForgetNode("n2");
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.message().find("connected"), std::string::npos) << refused;
+  n2.ctx.TryCancel();
+  while (n2.stream->Read(&drained)) {
+  }
+  n2.stream->Finish();
+}
+
+// Removing a dead node by hand places its replicas elsewhere at once, without waiting out the
+// lease.
+TEST_F(ControllerLoopTest, ANodeRemovedByHandHasItsReplicasPlacedAgainAtOnce) {
+  CreateEncoder("enc", "  replicas: 1\n");
+  grpc::ClientContext ctx1, ctx2;
+  ctx1.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto s1 = stub_->Connect(&ctx1);
+  auto s2 = stub_->Connect(&ctx2);
+  for (auto [s, name] : {std::pair{s1.get(), "n1"}, std::pair{s2.get(), "n2"}}) {
+    v1::AgentMessage reg;
+    reg.mutable_register_()->set_node_name(name);
+    reg.mutable_register_()->set_cpu_capacity(4);
+    ASSERT_TRUE(s->Write(reg));
+  }
+  for (int i = 0; i < 400 && controller_->NodesJson().find("\"n2\"") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  controller_->Tick();
+  auto next_assignment = [](auto* s) {
+    v1::ControllerMessage m;
+    std::vector<std::string> out;
+    while (s->Read(&m)) {
+      if (!m.has_assignment()) continue;
+      for (const auto& r : m.assignment().replicas()) out.push_back(r.replica_id());
+      return out;
+    }
+    ADD_FAILURE() << "no assignment came";
+    return out;
+  };
+  ASSERT_EQ(next_assignment(s1.get()), (std::vector<std::string>{"enc.0"}));
+  ASSERT_TRUE(next_assignment(s2.get()).empty());
+  ctx1.TryCancel();
+  v1::ControllerMessage drained;
+  while (s1->Read(&drained)) {
+  }
+  s1->Finish();
+  absl::Status removed = absl::UnknownError("not tried");
+  for (int i = 0; i < 400; ++i) {  // bounded poll until the controller saw the stream end
+    removed = controller_->ForgetNode("n1");
+    if (removed.code() != absl::StatusCode::kFailedPrecondition) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(removed.ok()) << removed;
+  clock_.Advance(absl::Seconds(1));  // well inside the lease
+  controller_->Tick();
+  EXPECT_EQ(next_assignment(s2.get()), (std::vector<std::string>{"enc.1"}));
+  ctx2.TryCancel();
+  while (s2->Read(&drained)) {
+  }
+  s2->Finish();
 }
 
 }  // namespace

@@ -257,6 +257,21 @@ TEST_F(ControllerTest, TheControlPlaneRefusesBadStreamsWithTheReason) {
   auto nodes = Shell(Ctl("get nodes"));
   EXPECT_EQ(nodes.rc, 0) << nodes.out;
   EXPECT_NE(nodes.out.find("n1"), std::string::npos) << nodes.out;
+  // Its agent gone for good, an operator removes the node (409 until the controller has seen
+  // the stream end: a bounded poll).
+  auto removed = Shell(Ctl("delete node n1"));
+  for (int i = 0; i < 100 && removed.rc != 0 && removed.out.find("Conflict") != std::string::npos;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    removed = Shell(Ctl("delete node n1"));
+  }
+  ASSERT_EQ(removed.rc, 0) << removed.out;
+  EXPECT_EQ(removed.out, "node \"n1\" deleted\n");
+  nodes = Shell(Ctl("get nodes"));
+  EXPECT_EQ(nodes.out.find("n1"), std::string::npos) << nodes.out;
+  removed = Shell(Ctl("delete node n1"));
+  EXPECT_EQ(removed.rc, 1);
+  EXPECT_NE(removed.out.find("Error from server (NotFound)"), std::string::npos) << removed.out;
 }
 
 TEST_F(ControllerTest, BearerTokenWhenConfigured) {

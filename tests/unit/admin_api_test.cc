@@ -189,6 +189,27 @@ TEST_F(AdminApiTest, EventsAndReplicas) {
   EXPECT_EQ(reps[1]["state"], "WARM");
 }
 
+TEST_F(AdminApiTest, DeletingANodeForgetsItUnlessItIsConnected) {
+  std::vector<std::string> asked;
+  api_->SetNodeRemover([&](const std::string& name) {
+    asked.push_back(name);
+    if (name == "up") return absl::FailedPreconditionError("node 'up' is connected");
+    if (name == "nope") return absl::NotFoundError("node 'nope' is not known");
+    return absl::OkStatus();
+  });
+  const std::string nodes = kNodesPath;
+  auto r = Call("DELETE", nodes + "/gone");
+  EXPECT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(Body(r)["details"]["name"], "gone");
+  auto up = Call("DELETE", nodes + "/up");
+  EXPECT_EQ(up.code, 409) << up.body;
+  EXPECT_NE(up.body.find("connected"), std::string::npos);
+  EXPECT_EQ(Call("DELETE", nodes + "/nope").code, 404);
+  EXPECT_EQ(Call("GET", nodes + "/gone").code, 405);
+  EXPECT_EQ(Call("DELETE", nodes + "/a/b").code, 404);
+  EXPECT_EQ(asked, (std::vector<std::string>{"gone", "up", "nope"}));
+}
+
 TEST_F(AdminApiTest, BearerTokenWhenConfigured) {
   AdminApi secured(store_.get(), "s3cret");
   EXPECT_EQ(secured.Handle({"GET", kDeploymentsPath, "", ""}).code, 401);

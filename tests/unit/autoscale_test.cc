@@ -68,5 +68,52 @@ TEST(AutoscaleTest, NoReportsKeepsTheCountWithinBounds) {
   EXPECT_EQ(h.Recommend(Spec(2, 4, 1), 0, false, 0, kT0, absl::Minutes(5)), 2);
 }
 
+TEST(WarmAfterScaleDownTest, EachScaleDownLeavesItsReplicasWarmForTheWindow) {
+  const absl::Time t0 = absl::FromUnixSeconds(1800000000);
+  const absl::Duration w = absl::Minutes(5);
+  WarmAfterScaleDown l;
+  EXPECT_EQ(l.Update("1", 3, t0, w), 0);
+  EXPECT_EQ(l.Update("1", 1, t0 + absl::Seconds(1), w), 2);  // 3 -> 1
+  EXPECT_EQ(l.Update("1", 1, t0 + absl::Minutes(2), w), 2);
+  EXPECT_EQ(l.Update("1", 0, t0 + absl::Minutes(3), w), 3);  // 1 -> 0: a second batch
+  EXPECT_EQ(l.Update("1", 0, t0 + absl::Minutes(5) + absl::Seconds(1), w), 1);  // the first ends
+  EXPECT_EQ(l.Update("1", 0, t0 + absl::Minutes(8), w), 0);
+  // A new stable version starts afresh.
+  EXPECT_EQ(l.Update("1", 4, t0 + absl::Minutes(9), w), 0);
+  EXPECT_EQ(l.Update("2", 1, t0 + absl::Minutes(10), w), 0);
+  EXPECT_EQ(l.version(), "2");
+}
+
+TEST(WarmAfterScaleDownTest, AScaleUpTakesReplicasBackFromTheNewestBatchFirst) {
+  const absl::Time t0 = absl::FromUnixSeconds(1800000000);
+  const absl::Duration w = absl::Minutes(5);
+  WarmAfterScaleDown l;
+  l.Update("1", 4, t0, w);
+  EXPECT_EQ(l.Update("1", 2, t0 + absl::Minutes(1), w), 2);  // until t0+6
+  EXPECT_EQ(l.Update("1", 1, t0 + absl::Minutes(2), w), 3);  // until t0+7
+  // Up by 2: the newest batch (1) and one of the older one are promoted back.
+  EXPECT_EQ(l.Update("1", 3, t0 + absl::Minutes(3), w), 1);
+  ASSERT_EQ(l.batches().size(), 1u);
+  EXPECT_EQ(l.batches().front().first, t0 + absl::Minutes(6));
+  // Down again: a new batch beside what is left; nothing counts a replica twice.
+  EXPECT_EQ(l.Update("1", 2, t0 + absl::Minutes(4), w), 2);
+  EXPECT_EQ(l.Update("1", 2, t0 + absl::Minutes(6), w), 1);
+  // Up past everything left over: nothing lingers, and the count goes on from there.
+  EXPECT_EQ(l.Update("1", 9, t0 + absl::Minutes(7), w), 0);
+  EXPECT_TRUE(l.batches().empty());
+  EXPECT_EQ(l.Update("1", 8, t0 + absl::Minutes(8), w), 1);
+}
+
+TEST(WarmAfterScaleDownTest, RestoredStateGoesOnWhereItWas) {
+  const absl::Time t0 = absl::FromUnixSeconds(1800000000);
+  WarmAfterScaleDown l;
+  l.Restore("1", 1, {{t0 + absl::Minutes(5), 2}});
+  EXPECT_EQ(l.Update("1", 1, t0 + absl::Minutes(1), absl::Minutes(5)), 2);
+  EXPECT_EQ(l.Update("1", 1, t0 + absl::Minutes(5), absl::Minutes(5)), 0);
+  WarmAfterScaleDown other;
+  other.Restore("1", 1, {{t0 + absl::Minutes(5), 2}});
+  EXPECT_EQ(other.Update("2", 1, t0, absl::Minutes(5)), 0);  // restored for another version
+}
+
 }  // namespace
 }  // namespace kiln

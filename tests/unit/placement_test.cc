@@ -26,11 +26,33 @@ TEST(NodeRegistryTest, LeasesGoNotReadyThenLost) {
   EXPECT_EQ(reg.Health("n1", kT0 + absl::Seconds(42)), NodeHealth::kLost);
   EXPECT_EQ(reg.Health("never", kT0), NodeHealth::kLost);
   EXPECT_EQ(reg.ReportStatus("never", v1::NodeStatus(), kT0).code(), absl::StatusCode::kNotFound);
-  reg.Forget(kT0 + absl::Seconds(100), absl::Seconds(60));
+  // Lost long enough, but its stream is still open: kept.
+  EXPECT_TRUE(reg.Forget(kT0 + absl::Seconds(103), absl::Seconds(60)).empty());
+  reg.Disconnected("n1");
+  EXPECT_TRUE(reg.Forget(kT0 + absl::Seconds(100), absl::Seconds(60)).empty());
   EXPECT_EQ(reg.nodes().size(), 1u);
-  reg.Forget(kT0 + absl::Seconds(103), absl::Seconds(60));
+  auto gone = reg.Forget(kT0 + absl::Seconds(103), absl::Seconds(60));
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].first, "n1");
+  EXPECT_EQ(gone[0].second.registration.cpu_capacity(), 8);
   EXPECT_TRUE(reg.nodes().empty());
   EXPECT_STREQ(NodeHealthName(NodeHealth::kNotReady), "NotReady");
+}
+
+TEST(NodeRegistryTest, RemovingANodeByHandNeedsItsStreamClosed) {
+  NodeRegistry reg({});
+  v1::Register r;
+  r.set_node_name("n1");
+  ASSERT_TRUE(reg.Register(r, kT0).ok());
+  EXPECT_EQ(reg.Remove("nope").status().code(), absl::StatusCode::kNotFound);
+  auto connected = reg.Remove("n1");
+  EXPECT_EQ(connected.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(connected.status().message().find("connected"), std::string::npos);
+  reg.Disconnected("n1");
+  auto removed = reg.Remove("n1");
+  ASSERT_TRUE(removed.ok());
+  EXPECT_EQ(removed->registration.node_name(), "n1");
+  EXPECT_TRUE(reg.nodes().empty());
 }
 
 TEST(NodeRegistryTest, BadRegistrationsNameTheField) {
@@ -683,13 +705,13 @@ TEST(PlacementTest, AVoluntaryMoveNeverLeavesASlotEmpty) {
             (std::vector<std::string>{"a/-1:enc.0:SERVING", "a/-1:enc.1:SERVING"}));
 }
 
-TEST(PlacementTest, NoSkewMoveWithoutRoomOrSurgeOrAcrossZones) {
+TEST(PlacementTest, NoSkewMoveWithoutRoomOrSurge) {
   std::vector<PlacementNode> nodes = {CpuNode("a", 8, "z1")};
   PlacementDemand d = Cpu("enc", 3, 0);
   Apply(Place({d}, nodes), &nodes);
-  // b has no room for one more; c is in another zone (zone spread is placement's to keep).
+  // b has no room for one more; c, in another zone, has none either.
   nodes.push_back(CpuNode("b", 0, "z1"));
-  nodes.push_back(CpuNode("c", 8, "z2"));
+  nodes.push_back(CpuNode("c", 0, "z2"));
   EXPECT_TRUE(Place({d}, nodes).skewed.empty());
   nodes[1].cpu_capacity = 8;
   EXPECT_EQ(Place({d}, nodes).skewed.size(), 1u);
@@ -699,9 +721,125 @@ TEST(PlacementTest, NoSkewMoveWithoutRoomOrSurgeOrAcrossZones) {
   d.max_surge = 1;
   for (auto& n : nodes) n.zone.clear();
   nodes[1].cpu_capacity = 0;
+  nodes[2].cpu_capacity = 8;
   auto p = Place({d}, nodes);
   ASSERT_EQ(p.skewed.size(), 1u);
   EXPECT_EQ(p.skewed.begin()->second, "spread: a runs 3 of enc, c 0");
+}
+
+TEST(PlacementTest, ZonesAreEvenedOutToo) {
+  // Three replicas in z1 (z2's node joined later); each on its own node, so no node is skewed.
+  std::vector<PlacementNode> nodes = {CpuNode("a", 8, "z1"), CpuNode("b", 8, "z1"),
+                                      CpuNode("x", 8, "z1")};
+  PlacementDemand d = Cpu("enc", 3, 0);
+  Apply(Place({d}, nodes), &nodes);
+  nodes.push_back(CpuNode("c", 8, "z2"));
+  auto p = Place({d}, nodes);
+  ASSERT_EQ(p.skewed.size(), 1u);
+  // The highest id in the fullest zone.
+  EXPECT_EQ(p.skewed.begin()->first, "enc.2");
+  EXPECT_EQ(p.skewed.begin()->second, "zones: z1 runs 3 of enc, z2 0 (room on c)");
+  // Moved make-before-break: the replacement goes to z2, then the old one goes.
+  std::map<std::string, std::string> moves = {{"enc.2", "zones"}};
+  auto moving = Place({d}, nodes, {}, moves);
+  Apply(moving, &nodes);
+  auto done = Place({d}, nodes, {}, moves);
+  Apply(done, &nodes);
+  auto settled = Place({d}, nodes);
+  EXPECT_EQ(All(settled), (std::vector<std::string>{"a/-1:enc.0:SERVING", "b/-1:enc.1:SERVING",
+                                                     "c/-1:enc.3:SERVING"}))
+      << ::testing::PrintToString(All(settled));
+  EXPECT_TRUE(settled.skewed.empty());  // 2 against 1: even enough
+}
+
+TEST(PlacementTest, NoZoneMoveWithoutAFreeNodeThereOrWithoutLabels) {
+  std::vector<PlacementNode> nodes = {CpuNode("a", 8, "z1"), CpuNode("b", 8, "z1"),
+                                      CpuNode("x", 8, "z1")};
+  PlacementDemand d = Cpu("enc", 4, 0);
+  Apply(Place({d}, nodes), &nodes);  // a 2, b 1, x 1
+  // z2's only node already runs one: a replacement would land in z1 again (on a node free of
+  // the deployment), so the move would swing back and forth. Not named.
+  PlacementNode c = CpuNode("c", 8, "z2");
+  v1::ReplicaStatus there = Reported("enc.9", v1::SERVING);
+  c.reported = Keep<v1::ReplicaStatus>({there});
+  nodes.push_back(c);
+  nodes.push_back(CpuNode("y", 8, "z1"));
+  d.serving = 5;
+  auto p = Place({d}, nodes);
+  for (const auto& [id, why] : p.skewed) EXPECT_EQ(why.rfind("zones:", 0), std::string::npos) << why;
+  // Nodes without labels are no zones to even out.
+  std::vector<PlacementNode> plain = {CpuNode("a", 8), CpuNode("b", 8)};
+  Apply(Place({Cpu("enc", 2, 0)}, plain), &plain);
+  plain.push_back(CpuNode("c", 8));
+  EXPECT_TRUE(Place({Cpu("enc", 2, 0)}, plain).skewed.empty());
+}
+
+TEST(PlacementTest, ACrashLoopingReplicasReplacementGoesToAnotherNode) {
+  PlacementNode a = CpuNode("a", 8);
+  a.reported = Keep<v1::ReplicaStatus>(
+      {Reported("enc.0", v1::SERVING), Reported("enc.1", v1::SERVING, "1", /*crash_loop=*/true)});
+  // a has room and would win (best fit), but enc.1 crash-loops there.
+  auto p = Place({Cpu("enc", 2, 0)}, {a, CpuNode("b", 16)});
+  EXPECT_EQ(All(p), (std::vector<std::string>{"a/-1:enc.0:SERVING", "b/-1:enc.2:SERVING"}))
+      << ::testing::PrintToString(All(p));
+  // The same for a FAILED one, and for new replicas of another version.
+  PlacementNode failed = CpuNode("a", 8);
+  failed.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::FAILED, "0")});
+  p = Place({Cpu("enc", 1, 0)}, {failed, CpuNode("b", 16)});
+  EXPECT_EQ(All(p), (std::vector<std::string>{"b/-1:enc.1:SERVING"}));
+  // With no other node with room it goes back where it was (better than not serving).
+  p = Place({Cpu("enc", 2, 0)}, {a, CpuNode("b", 0)});
+  EXPECT_EQ(All(p), (std::vector<std::string>{"a/-1:enc.0:SERVING", "a/-1:enc.2:SERVING"}));
+  // Other deployments are not kept off the node.
+  p = Place({Cpu("enc", 2, 0), Cpu("other", 1, 0)}, {a, CpuNode("b", 16)});
+  EXPECT_EQ(p.nodes["a"].size(), 2u) << ::testing::PrintToString(All(p));
+}
+
+TEST(PlacementTest, ACrashLoopingGpuReplicaEvictsElsewhereFirst) {
+  // Two nodes, each GPU full of another deployment's WARM replicas; emb crash-loops on a.
+  std::vector<PlacementNode> nodes = {GpuNode("a", {20LL << 30}), GpuNode("b", {20LL << 30})};
+  Apply(Place({GpuOf("pool", 0, 8, 5)}, nodes), &nodes);
+  std::vector<v1::ReplicaStatus> reported;
+  for (const auto* r : nodes[0].reported) reported.push_back(*r);
+  v1::ReplicaStatus crashing = Reported("emb.0", v1::SERVING, "1", /*crash_loop=*/true);
+  crashing.set_device("cuda:0");
+  reported.push_back(crashing);
+  nodes[0].reported = Keep(reported);
+  auto p = Place({GpuOf("pool", 0, 8, 5), GpuOf("emb", 1, 0, 10)}, nodes);
+  bool on_b = false;
+  for (const auto& line : All(p)) on_b |= line.find("b/0:emb.") == 0;
+  EXPECT_TRUE(on_b) << ::testing::PrintToString(All(p));
+  ASSERT_FALSE(p.evicted.empty());
+  for (const auto& [id, why] : p.evicted) EXPECT_NE(why.find(" on b "), std::string::npos) << why;
+}
+
+TEST(PlacementTest, MaxSurgeIsTheDeploymentsAcrossItsVersions) {
+  // A canary in progress: two stable and two canary replicas serve on a's GPU, which goes bad.
+  std::vector<PlacementNode> nodes = {GpuNode("a", {80LL << 30}), GpuNode("b", {80LL << 30}, 2)};
+  PlacementDemand stable = GpuDemand(2, /*surge=*/1, /*unavailable=*/0);
+  PlacementDemand canary = stable;
+  canary.version = "2";
+  nodes[1].cpu_capacity = 0;  // everything lands on a
+  Apply(Place({stable, canary}, nodes), &nodes);
+  ASSERT_EQ(All(Place({stable, canary}, nodes)).size(), 4u);
+  nodes[1].cpu_capacity = 32;
+  nodes[0].gpus[0].healthy = false;
+  auto p = Place({stable, canary}, nodes);
+  // One replacement for the whole deployment (the stable version's first), not one per
+  // version.
+  int serving = 0;
+  for (const auto& line : All(p)) serving += line.find(":SERVING") != std::string::npos;
+  EXPECT_EQ(serving, 5) << ::testing::PrintToString(All(p));
+  EXPECT_EQ(p.nodes["b"].size(), 1u);
+  EXPECT_EQ(p.nodes["b"][0].version(), "1");
+  // maxUnavailable too: with 1, one replica of the deployment may go before its replacement
+  // serves, not one per version.
+  stable.max_surge = canary.max_surge = 0;
+  stable.max_unavailable = canary.max_unavailable = 1;
+  p = Place({stable, canary}, nodes);
+  // The stable version drops one and starts one; both canary replicas serve on until then.
+  EXPECT_EQ(All(p).size(), 4u) << ::testing::PrintToString(All(p));
+  EXPECT_EQ(p.nodes["b"].size(), 1u) << ::testing::PrintToString(All(p));
 }
 
 // One node with one GPU of `gib` GiB, `serving` replicas of GpuDemand placed and applied, then
