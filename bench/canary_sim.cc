@@ -15,6 +15,14 @@
 // failures to the first routing table that takes version 2's traffic away ("seen"), and the
 // same plus one status period (the failures may begin just after a report: the worst case).
 // Prints one JSON line.
+//
+// With --lose-nodes K it measures the decision after a node loss instead: once the deployments
+// are placed, nodes sim-0 .. sim-(K-1) fall silent (no report, no Ack; their streams stay open,
+// as a machine that died without closing its connections), and the time is taken from the end
+// of their lease (their last report sent plus --node-lost-seconds, which must match the
+// controller's) to the first Assignment that gives another node one of their replicas' new
+// places, and to the one that completes them. The lease is counted from the report's sending,
+// so a report the controller read late makes the figure larger, never smaller.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -107,14 +115,21 @@ class Node {
 
   // An Assignment: its replicas are what this node runs now (each SERVING at once, counters
   // kept for those it ran before). The Ack to send back.
-  v1::AgentMessage Apply(const v1::Assignment& a) {
+  // `added`: how many of its replicas this node did not run before.
+  v1::AgentMessage Apply(const v1::Assignment& a, int* added) {
     absl::MutexLock lock(&mu_);
     std::vector<Replica> next;
+    *added = 0;
     for (const auto& spec : a.replicas()) {
       Replica r;
+      bool known = false;
       for (const auto& old : replicas_) {
-        if (old.id == spec.replica_id()) r = old;
+        if (old.id == spec.replica_id()) {
+          r = old;
+          known = true;
+        }
       }
+      *added += known ? 0 : 1;
       r.id = spec.replica_id();
       r.model = spec.model();
       r.version = spec.version();
@@ -166,6 +181,8 @@ int main(int argc, char** argv) {
   int nodes = 1000, replicas = 5, samples = 5, channels = 64;
   double period_s = 1.0, clean_s = 3.0, timeout_s = 60.0;
   uint64_t per_period = 100;
+  int lose_nodes = 0;
+  double lost_after_s = 30.0;
   CLI::App app{"kiln-canary-sim: bad-canary rollback latency through a running kiln-controller"};
   app.add_option("--controller", address, "ControlPlane HOST:PORT (loopback)")->required();
   app.add_option("--admin", admin, "Admin API http://127.0.0.1:PORT")->required();
@@ -183,6 +200,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(2, 1000000));
   app.add_option("--timeout-seconds", timeout_s, "Give up on a sample after this")
       ->check(CLI::Range(1.0, 3600.0));
+  app.add_option("--lose-nodes", lose_nodes,
+                 "Measure the decision after these nodes fall silent instead of canaries")
+      ->check(CLI::Range(0, 100000));
+  app.add_option("--node-lost-seconds", lost_after_s,
+                 "The controller's --node-lost-seconds (with --lose-nodes)")
+      ->check(CLI::Range(0.1, 3600.0));
   CLI11_PARSE(app, argc, argv);
   if (address.rfind("127.", 0) != 0 || admin.rfind("http://127.", 0) != 0) {
     std::cerr << "--controller, --admin: loopback addresses only\n";
@@ -206,7 +229,15 @@ int main(int argc, char** argv) {
     std::unique_ptr<grpc::ClientReaderWriter<v1::AgentMessage, v1::ControllerMessage>> stream;
     absl::Mutex write_mu;  // the reader Acks while the main thread reports
     std::thread reader;
+    std::atomic<bool> silent{false};       // a lost node: sends nothing
+    Clock::time_point last_sent{};         // its last report (under write_mu)
   };
+  // --lose-nodes: replicas newly given to the nodes that stay, from when the others fell
+  // silent; the first such Assignment's time and the one that completed the count.
+  std::atomic<bool> counting_added{false};
+  absl::Mutex added_mu;
+  int added_total = 0;
+  Clock::time_point first_added{}, all_added{};
   absl::Mutex seen_mu;
   std::map<std::string, RouteSeen> seen;  // by model, the first node to see it wins
   std::vector<std::unique_ptr<Agent>> agents;
@@ -224,11 +255,22 @@ int main(int argc, char** argv) {
       break;
     }
     Agent* self = a.get();
-    a->reader = std::thread([self, &seen_mu, &seen] {
+    a->reader = std::thread([&, self] {
       v1::ControllerMessage m;
       while (self->stream->Read(&m)) {
+        if (self->silent) continue;
         if (m.has_assignment()) {
-          v1::AgentMessage ack = self->node->Apply(m.assignment());
+          int added = 0;
+          v1::AgentMessage ack = self->node->Apply(m.assignment(), &added);
+          if (added > 0 && counting_added) {
+            const auto now = Clock::now();
+            absl::MutexLock lock(&added_mu);
+            if (added_total == 0) first_added = now;
+            added_total += added;
+            if (added_total >= lose_nodes * replicas && all_added == Clock::time_point{}) {
+              all_added = now;
+            }
+          }
           absl::MutexLock lock(&self->write_mu);
           self->stream->Write(ack);
         } else if (m.has_routing_table()) {
@@ -272,9 +314,12 @@ int main(int argc, char** argv) {
         }
       }
       for (auto& a : agents) {
+        if (a->silent) continue;
         v1::AgentMessage m = a->node->Report(per_period, now_failing);
         absl::MutexLock lock(&a->write_mu);
+        if (a->silent) continue;  // fell silent meanwhile
         a->stream->Write(m);
+        a->last_sent = Clock::now();
       }
       std::this_thread::sleep_until(next);
     }
@@ -318,7 +363,45 @@ int main(int argc, char** argv) {
     std::this_thread::sleep_for(
         std::chrono::milliseconds(static_cast<int64_t>(2 * period_s * 1e3)));
   }
-  for (int d = 0; d < samples && exit_code == 0; ++d) {
+  nlohmann::json loss;
+  if (lose_nodes > 0 && exit_code == 0) {
+    if (lose_nodes >= nodes) {
+      std::cerr << "--lose-nodes: fewer than --nodes (" << nodes << ")\n";
+      exit_code = 2;
+    } else {
+      counting_added = true;
+      for (int i = 0; i < lose_nodes; ++i) {
+        absl::MutexLock lock(&agents[i]->write_mu);  // no report of theirs is under way
+        agents[i]->silent = true;
+      }
+      Clock::time_point last{};
+      for (int i = 0; i < lose_nodes; ++i) {
+        absl::MutexLock lock(&agents[i]->write_mu);
+        last = std::max(last, agents[i]->last_sent);
+      }
+      const auto lease_end =
+          last + std::chrono::microseconds(static_cast<int64_t>(lost_after_s * 1e6));
+      const bool done = wait_for([&] {
+        absl::MutexLock lock(&added_mu);
+        return all_added != Clock::time_point{};
+      });
+      absl::MutexLock lock(&added_mu);
+      if (!done) {
+        std::cerr << "the lost nodes' replicas were not all placed again within --timeout-seconds ("
+                  << added_total << " of " << lose_nodes * replicas << ")\n";
+        exit_code = 1;
+      } else {
+        auto ms = [&](Clock::time_point t) {
+          return std::chrono::duration<double, std::milli>(t - lease_end).count();
+        };
+        loss = {{"lost_nodes", lose_nodes},
+                {"replicas_placed_again", added_total},
+                {"first_new_place_after_lease_ms", ms(first_added)},
+                {"all_new_places_after_lease_ms", ms(all_added)}};
+      }
+    }
+  }
+  for (int d = 0; d < samples && exit_code == 0 && lose_nodes == 0; ++d) {
     const std::string model = "m" + std::to_string(d);
     if (!apply(d, "2", /*create=*/false)) {
       exit_code = 1;
@@ -366,6 +449,7 @@ int main(int argc, char** argv) {
                         {"samples", results},
                         {"max_from_first_failing_report_ms", worst},
                         {"max_worst_case_from_failure_ms", worst + period_s * 1e3}};
+  if (!loss.is_null()) out["node_loss"] = loss;
   std::cout << out.dump() << std::endl;
   return exit_code;
 }

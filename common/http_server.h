@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/uri.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
@@ -116,7 +117,5 @@ int LocalPort(int fd);
 // that are not UTF-8 are replaced, never thrown on).
 std::string JsonError(const std::string& message);
 
-// Decodes %XX escapes (and nothing else: '+' stays '+'); a malformed escape is kept as is.
-std::string PercentDecode(std::string_view text);
 
 }  // namespace kiln

@@ -2,6 +2,7 @@
 
 #include "absl/time/time.h"
 #include "common/status.h"
+#include "common/uri.h"
 #include "controller/model_deployment.h"
 
 namespace kiln {
@@ -111,13 +112,14 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
     return out;
   }
   if (r.path.rfind(std::string(kNodesPath) + "/", 0) == 0 && forget_node_) {
-    const std::string name = r.path.substr(std::string(kNodesPath).size() + 1);
+    const std::string segment = r.path.substr(std::string(kNodesPath).size() + 1);
     if (r.method != "DELETE") {
       return ErrorResponse(absl::UnimplementedError(r.method + " is not allowed on " + r.path));
     }
-    if (name.empty() || name.find('/') != std::string::npos) {
+    if (segment.empty() || segment.find('/') != std::string::npos) {
       return ErrorResponse(absl::NotFoundError("no such path: " + r.path));
     }
+    const std::string name = PercentDecode(segment);  // kilnctl escapes what a path cannot hold
     absl::Status s = forget_node_(name);
     // A node still connected is a conflict with its state (409), as Kubernetes answers.
     if (s.code() == absl::StatusCode::kFailedPrecondition) s = absl::AbortedError(s.message());

@@ -132,7 +132,14 @@ void Controller::Start() {
       {
         absl::MutexLock lock(&mu_);
         auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
-        if (mu_.AwaitWithTimeout(absl::Condition(&stop), options_.tick)) return;
+        // The next pass comes a tick after this one ended, or when a node's lease ends if
+        // sooner (a millisecond after: the lease ends at that instant), so a lost node's
+        // replicas are placed again at once instead of up to a tick and a pass later.
+        absl::Duration wait = options_.tick;
+        const absl::Time now = clock_->Now();
+        const absl::Duration to_lease = registry_.NextTransition(now) - now;
+        if (to_lease < wait) wait = to_lease + absl::Milliseconds(1);
+        if (mu_.AwaitWithTimeout(absl::Condition(&stop), wait)) return;
       }
       Tick();
     }
@@ -525,6 +532,7 @@ std::string Controller::Overloaded(const v1::GpuStatus& gpu, const v1::NodeStatu
 }
 
 void Controller::Tick() {
+  leading_ = true;  // whoever runs the decisions holds the nodes (Start, or a test by hand)
   auto log = GetLogger("controller");
   const absl::Time now = clock_->Now();
   // Every pass is timed, whichever way it ends.
@@ -589,13 +597,24 @@ void Controller::Tick() {
   std::vector<PendingEvent> events;
   std::map<std::string, std::vector<std::string>> refused_by;  // deployment -> "node: why"
   {
+    // Streams of forgotten nodes, ended once the lock below is released (declared first, so
+    // destroyed last).
+    struct EndStreams {
+      std::vector<std::shared_ptr<Stream>> streams;
+      ~EndStreams() {
+        for (const auto& s : streams) {
+          s->End(grpc::Status(grpc::StatusCode::NOT_FOUND, "this node was forgotten"));
+        }
+      }
+    } forgotten_streams;
     absl::MutexLock lock(&mu_);
     TakeStatuses();
     if (options_.forget_lost_after > absl::ZeroDuration()) {
       for (const auto& [name, record] : registry_.Forget(now, options_.forget_lost_after)) {
         Retire(name, record,
                "Lost for " + absl::FormatDuration(options_.forget_lost_after) +
-                   " past its lease");
+                   " past its lease",
+               &forgotten_streams.streams);
       }
     }
     // Refused assignments: an event for each deployment they held replicas of (said once, as the
@@ -672,10 +691,18 @@ void Controller::Tick() {
     std::vector<Sent*> sent_to;                      // nodes[i]'s (a map's nodes stay put)
     registrations.reserve(registry_.nodes().size());
     sent_to.reserve(registry_.nodes().size());
+    std::vector<std::pair<std::string, absl::Time>> newly_lost;  // and when their lease ended
+    std::set<std::string> lost;
     for (const auto& [name, rec] : registry_.nodes()) {
       NodeHealth health = registry_.Health(name, now);
       Sent& sent = sent_[name];
       if (health == NodeHealth::kLost) {  // its replicas are placed again elsewhere
+        lost.insert(name);
+        const absl::Time lease_end = rec.last_heard + options_.leases.lost_after;
+        // (Not while the controller observed after its start: that held the decision back.)
+        if (!lost_.count(name) && lease_end >= started_ + options_.observe_for) {
+          newly_lost.emplace_back(name, lease_end);
+        }
         for (const auto& r : rec.status.replicas()) retired.insert(r.replica_id());
         for (const auto& r : sent.replicas) retired.insert(r.replica_id());
         continue;
@@ -700,6 +727,14 @@ void Controller::Tick() {
       for (const auto& r : rec.status.replicas()) {
         n.reported.push_back(&r);
         n.load += static_cast<double>(r.load().in_flight());
+        if (r.crash_loop() || r.state() == v1::FAILED) {
+          crash_sites_[name][DeploymentOfReplica(r.replica_id())] = now;
+        }
+      }
+      if (auto sites = crash_sites_.find(name); sites != crash_sites_.end()) {
+        std::erase_if(sites->second, [&](const auto& e) { return now - e.second > kCrashMemory; });
+        for (const auto& [dep, at] : sites->second) n.crashed.push_back(dep);
+        if (sites->second.empty()) crash_sites_.erase(sites);
       }
       nodes.push_back(std::move(n));
       registrations.push_back(&rec.registration);
@@ -965,6 +1000,15 @@ void Controller::Tick() {
       log->info("node {}: assignment generation {}: {} replica(s)", node, gen, s.replicas.size());
       Send(node, m);
     }
+    lost_ = std::move(lost);
+    if (!newly_lost.empty()) {
+      const absl::Time decided = clock_->Now();
+      for (const auto& [name, lease_end] : newly_lost) {
+        node_loss_seconds_.Record(absl::ToDoubleSeconds(decided - lease_end));
+        log->warn("node {} lost: its replicas were placed again {} after its lease ended", name,
+                  absl::FormatDuration(decided - lease_end));
+      }
+    }
 
     // Routing (routing.h): each node learns which other nodes serve each version, reached
     // through their routers; its own replicas it routes to itself (the agent leaves itself
@@ -1198,8 +1242,12 @@ absl::Status Controller::RequestRolloutAction(const std::string& name, const std
   return absl::OkStatus();
 }
 
-void Controller::Retire(const std::string& node, const NodeRecord& record,
-                        const std::string& why) {
+void Controller::Retire(const std::string& node, const NodeRecord& record, const std::string& why,
+                        std::vector<std::shared_ptr<Stream>>* to_end) {
+  if (auto session = sessions_.find(node); session != sessions_.end()) {
+    to_end->push_back(session->second);  // its end then finds no session: nothing more to do
+    sessions_.erase(session);
+  }
   std::vector<std::string> ids;
   for (const auto& r : record.status.replicas()) ids.push_back(r.replica_id());
   if (auto sent = sent_.find(node); sent != sent_.end()) {
@@ -1212,6 +1260,7 @@ void Controller::Retire(const std::string& node, const NodeRecord& record,
       ->warn("node {} forgotten ({}); its {} replica id(s) stay retired", node, why, ids.size());
   nodes_forgotten_++;
   new_nacks_.erase(node);
+  crash_sites_.erase(node);
   if (ids.empty()) return;
   retired_count_ += ids.size();
   retired_.emplace_back(node, std::move(ids));
@@ -1222,11 +1271,22 @@ void Controller::Retire(const std::string& node, const NodeRecord& record,
 }
 
 absl::Status Controller::ForgetNode(const std::string& name) {
-  absl::MutexLock lock(&mu_);
-  TakeStatuses();
-  auto record = registry_.Remove(name);
-  if (!record.ok()) return record.status();
-  Retire(name, *record, "removed by hand");
+  if (!leading_) {
+    return absl::UnavailableError(
+        "this controller is not the leader and holds no nodes; ask the leader (the "
+        "kiln-controller-leader Service)");
+  }
+  std::vector<std::shared_ptr<Stream>> to_end;
+  {
+    absl::MutexLock lock(&mu_);
+    TakeStatuses();
+    auto record = registry_.Remove(name, clock_->Now());
+    if (!record.ok()) return record.status();
+    Retire(name, *record, "removed by hand", &to_end);
+  }
+  for (const auto& s : to_end) {
+    s->End(grpc::Status(grpc::StatusCode::NOT_FOUND, "node '" + name + "' was removed"));
+  }
   return absl::OkStatus();
 }
 
@@ -1284,6 +1344,9 @@ std::string Controller::MetricsText() {
        "--forget-lost-node-seconds, or removed by hand.\n"
     << "# TYPE kiln_controller_nodes_forgotten_total counter\n"
     << "kiln_controller_nodes_forgotten_total " << nodes_forgotten_.load() << "\n";
+  m << node_loss_seconds_.Take().Prometheus(
+      "kiln_controller_node_loss_decision_seconds",
+      "From a node's lease ending (Lost) to its replicas' new places sent to the nodes.");
   m << tick_seconds_.Take().Prometheus(
       "kiln_controller_loop_duration_seconds",
       "How long each pass of the decision loop took (placement, rollouts, routing, status).");
@@ -1302,7 +1365,8 @@ int64_t Controller::LingerFor(const std::string& name, const std::string& versio
     auto status = nlohmann::json::parse(stored_status, nullptr, false);
     const nlohmann::json* kept = nullptr;
     if (status.is_object() && status.contains("scaleDownWarm")) kept = &status["scaleDownWarm"];
-    if (kept && kept->is_object() && kept->value("version", "") == version &&
+    if (kept && kept->is_object() && kept->contains("version") &&
+        (*kept)["version"].is_string() && (*kept)["version"].get<std::string>() == version &&
         kept->contains("lastServing") && (*kept)["lastServing"].is_number_integer() &&
         kept->contains("until") && (*kept)["until"].is_array()) {
       std::deque<std::pair<absl::Time, int64_t>> batches;
@@ -1313,7 +1377,10 @@ int64_t Controller::LingerFor(const std::string& name, const std::string& versio
         }
         auto until = ParseRfc3339(batch["time"].get<std::string>(), "scaleDownWarm.until.time");
         const int64_t count = batch["replicas"].get<int64_t>();
-        if (until.ok() && count > 0) batches.emplace_back(*until, count);
+        // Never past a window from now (one written under a longer window, or a clock ahead).
+        if (until.ok() && count > 0) {
+          batches.emplace_back(std::min(*until, now + options_.scale_down_warm_for), count);
+        }
       }
       l.Restore(version, (*kept)["lastServing"].get<int64_t>(), std::move(batches));
     }

@@ -102,7 +102,8 @@ class Controller
   absl::Status RequestRolloutAction(const std::string& name, const std::string& action);
   // Forgets a node now (an operator removing a dead node, like `kubectl delete node`): its
   // replicas are placed elsewhere on the next pass without waiting out the lease. NOT_FOUND for
-  // an unknown node, FAILED_PRECONDITION while its agent is connected.
+  // an unknown node, FAILED_PRECONDITION while its agent is connected and reporting,
+  // UNAVAILABLE on a controller that is not the leader (it holds no nodes).
   absl::Status ForgetNode(const std::string& name);
   // A stored status's conditions: type -> (status, lastTransitionTime).
   using ConditionsBefore = std::map<std::string, std::pair<std::string, std::string>>;
@@ -140,8 +141,9 @@ class Controller
   // Moves each stream's newest NodeStatus into the registry.
   void TakeStatuses() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps a forgotten node's replica ids retired and drops what was sent to it.
-  void Retire(const std::string& node, const NodeRecord& record, const std::string& why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A stream the node still has open is handed to `to_end` (ended outside the lock).
+  void Retire(const std::string& node, const NodeRecord& record, const std::string& why,
+              std::vector<std::shared_ptr<Stream>>* to_end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ControllerOptions options_;
   Store* store_;
@@ -150,6 +152,9 @@ class Controller
   // For /metrics: each pass of the loop (seconds, by the controller's clock), rollbacks, and
   // the deployments the last pass read.
   Histogram tick_seconds_{Histogram::ExponentialBounds(0.001, 2, 13)};
+  // From a node's lease ending (Lost) to its replicas' new places handed to the other nodes'
+  // streams: the decision after a node loss.
+  Histogram node_loss_seconds_{Histogram::ExponentialBounds(0.001, 2, 13)};
   std::atomic<uint64_t> rollbacks_{0};
   std::atomic<uint64_t> nodes_forgotten_{0};
   std::atomic<int64_t> deployments_{0};
@@ -161,6 +166,11 @@ class Controller
   // Every open stream, registered or not (Stop ends them all).
   std::map<const Stream*, std::weak_ptr<Stream>> streams_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Sent> sent_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> lost_ ABSL_GUARDED_BY(mu_);  // the nodes Lost at the last pass
+  // Per node, the deployments a replica of which crash-looped or FAILED there, and when last
+  // seen: placement keeps their new replicas off the node for kCrashMemory (placement.h).
+  static constexpr absl::Duration kCrashMemory = absl::Minutes(10);
+  std::map<std::string, std::map<std::string, absl::Time>> crash_sites_ ABSL_GUARDED_BY(mu_);
   // Forgotten nodes' replica ids, oldest first, until the node registers again; at most
   // kMaxRetiredIds in all (the oldest node's go first).
   static constexpr size_t kMaxRetiredIds = 200000;

@@ -628,7 +628,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (del->parsed() && (type == "node" || type == "nodes" || type == "no")) {
-    Reply r = c.Call(http::methods::DEL, std::string(kiln::kNodesPath) + "/" + name);
+    Reply r = c.Call(http::methods::DEL, std::string(kiln::kNodesPath) + "/" +
+                                             web::uri::encode_data_string(name));
     if (r.code != 200) return ServerError(r, c);
     std::cout << "node \"" << name << "\" deleted\n";
     return 0;

@@ -77,11 +77,22 @@ NodeHealth NodeRegistry::Health(const std::string& node, absl::Time now) const {
   return NodeHealth::kReady;
 }
 
+absl::Time NodeRegistry::NextTransition(absl::Time now) const {
+  absl::Time next = absl::InfiniteFuture();
+  for (const auto& [name, rec] : nodes_) {
+    for (absl::Duration after : {options_.not_ready_after, options_.lost_after}) {
+      const absl::Time at = rec.last_heard + after;
+      if (at > now && at < next) next = at;
+    }
+  }
+  return next;
+}
+
 std::vector<std::pair<std::string, NodeRecord>> NodeRegistry::Forget(
     absl::Time now, absl::Duration forget_after) {
   std::vector<std::pair<std::string, NodeRecord>> gone;
   for (auto it = nodes_.begin(); it != nodes_.end();) {
-    if (!it->second.connected && now - it->second.last_heard >= options_.lost_after + forget_after) {
+    if (now - it->second.last_heard >= options_.lost_after + forget_after) {
       gone.emplace_back(it->first, std::move(it->second));
       it = nodes_.erase(it);
     } else {
@@ -91,12 +102,12 @@ std::vector<std::pair<std::string, NodeRecord>> NodeRegistry::Forget(
   return gone;
 }
 
-absl::StatusOr<NodeRecord> NodeRegistry::Remove(const std::string& node) {
+absl::StatusOr<NodeRecord> NodeRegistry::Remove(const std::string& node, absl::Time now) {
   auto it = nodes_.find(node);
   if (it == nodes_.end()) return absl::NotFoundError("node '" + node + "' is not known");
-  if (it->second.connected) {
+  if (it->second.connected && Health(node, now) != NodeHealth::kLost) {
     return absl::FailedPreconditionError(
-        "node '" + node + "' is connected: its agent is running; stop it first");
+        "node '" + node + "' is connected and reporting: its agent is running; stop it first");
   }
   NodeRecord record = std::move(it->second);
   nodes_.erase(it);

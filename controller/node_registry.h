@@ -47,14 +47,20 @@ class NodeRegistry {
   void Disconnected(const std::string& node);
 
   NodeHealth Health(const std::string& node, absl::Time now) const;
+  // When the next node goes NotReady or Lost if it stays silent (after `now`); the infinite
+  // future when no node will. The loop wakes then, so a lease that ends is acted on at once
+  // instead of at the next tick.
+  absl::Time NextTransition(absl::Time now) const;
   const std::map<std::string, NodeRecord>& nodes() const { return nodes_; }
-  // Forgets nodes Lost for longer than `forget_after` (their replicas were placed again) whose
-  // stream is closed, and returns their records (the caller retires their replica ids).
+  // Forgets nodes Lost for longer than `forget_after` (their replicas were placed again), and
+  // returns their records (the caller retires their replica ids and ends a stream still open:
+  // a machine that died without closing its connection leaves one behind).
   std::vector<std::pair<std::string, NodeRecord>> Forget(absl::Time now,
                                                          absl::Duration forget_after);
   // Forgets one node now (an operator removing a node that will not come back) and returns its
-  // record. NOT_FOUND for an unknown node, FAILED_PRECONDITION while its agent's stream is open.
-  absl::StatusOr<NodeRecord> Remove(const std::string& node);
+  // record. NOT_FOUND for an unknown node, FAILED_PRECONDITION while its agent's stream is open
+  // and its lease has not ended (a Lost node's open stream is a dead machine's).
+  absl::StatusOr<NodeRecord> Remove(const std::string& node, absl::Time now);
 
  private:
   Options options_;

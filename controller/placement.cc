@@ -245,6 +245,9 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       if (!e.healthy) crashed_on[dep].push_back(e.ns->index);
     }
   }
+  for (const NodeState* ns : order) {
+    for (const std::string& dep : ns->node->crashed) crashed_on[dep].push_back(ns->index);
+  }
   std::unordered_map<std::string, Spread> spread;
   auto spread_of = [&](const std::string& dep) -> Spread& {
     Spread& sp = spread[dep];
@@ -791,8 +794,11 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     // Skew: at full strength with nothing moving, the node with the most of the deployment
     // against a node of its zone with room and at least two fewer.
     // (Once per deployment: its first demand, the stable version's.)
+    // (Not while replicas a scale-down left WARM linger: they count where they are, and would
+    // have replicas moved that the window's end then takes away.)
     if (first_of_deployment && serving == d.serving && warm == d.warm && !counts.moving &&
-        d.max_surge > 0 && !counts.ready_kept.empty() && !overload_named) {
+        d.max_surge > 0 && !counts.ready_kept.empty() && !overload_named &&
+        counts.lingering.empty()) {
       const Existing* from = nullptr;
       int most = 0;
       for (const Existing* e : counts.ready_kept) {

@@ -77,6 +77,10 @@ struct PlacementNode {
   // node each tick): they must outlive the call.
   std::vector<const v1::ReplicaSpec*> assigned;
   std::vector<const v1::ReplicaStatus*> reported;
+  // Deployments a replica of which crash-looped or FAILED here recently (the caller's memory:
+  // the replica itself is gone from the reports soon after it is replaced). Treated as a
+  // crash-looping replica is: new replicas and skew moves go elsewhere while there is room.
+  std::vector<std::string> crashed;
   // False until the caller has sent the node an assignment (after a controller restart, what
   // the node reports is all there is: a replica only reported was not taken off it).
   bool assignment_known = true;

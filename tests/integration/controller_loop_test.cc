@@ -601,7 +601,7 @@ TEST_F(ControllerLoopTest, AnOverloadedGpuHasOneReplicaMovedOffAfterTheRebalance
   EXPECT_NE(assigned.replicas(0).gpu(), assigned.replicas(1).gpu());
   // The node falls silent past the lost grace: its replicas have nowhere to go, and what it
   // was last sent no longer counts as assigned.
-  clock_.Advance(absl::Hours(3));
+  clock_.Advance(absl::Hours(2) + absl::Minutes(30));  // (forgotten only an hour after that)
   controller_->Tick();
   const std::string lost = controller_->MetricsText();
   for (const char* line :
@@ -808,6 +808,12 @@ TEST_F(ControllerLoopTest, ALostNodeIsForgottenLaterAndItsReplicaIdsStayRetired)
   controller_->Tick();
   read_assignment(n2);
   EXPECT_EQ(ids(n2), (std::vector<std::string>{"enc.1"}));
+  // The decision is timed from the lease's end (1 s before this pass, on the simulated clock).
+  const std::string metrics = controller_->MetricsText();
+  EXPECT_NE(metrics.find("kiln_controller_node_loss_decision_seconds_count 1\n"),
+            std::string::npos);
+  EXPECT_NE(metrics.find("kiln_controller_node_loss_decision_seconds_sum 1\n"), std::string::npos)
+      << metrics;
   report(n2);
   EXPECT_NE(controller_->NodesJson().find("\"n1\""), std::string::npos);  // Lost, still listed
   // An hour more: forgotten.

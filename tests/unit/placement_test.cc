@@ -26,9 +26,7 @@ TEST(NodeRegistryTest, LeasesGoNotReadyThenLost) {
   EXPECT_EQ(reg.Health("n1", kT0 + absl::Seconds(42)), NodeHealth::kLost);
   EXPECT_EQ(reg.Health("never", kT0), NodeHealth::kLost);
   EXPECT_EQ(reg.ReportStatus("never", v1::NodeStatus(), kT0).code(), absl::StatusCode::kNotFound);
-  // Lost long enough, but its stream is still open: kept.
-  EXPECT_TRUE(reg.Forget(kT0 + absl::Seconds(103), absl::Seconds(60)).empty());
-  reg.Disconnected("n1");
+  // Its stream still open (a machine that died without closing it) changes nothing.
   EXPECT_TRUE(reg.Forget(kT0 + absl::Seconds(100), absl::Seconds(60)).empty());
   EXPECT_EQ(reg.nodes().size(), 1u);
   auto gone = reg.Forget(kT0 + absl::Seconds(103), absl::Seconds(60));
@@ -39,20 +37,40 @@ TEST(NodeRegistryTest, LeasesGoNotReadyThenLost) {
   EXPECT_STREQ(NodeHealthName(NodeHealth::kNotReady), "NotReady");
 }
 
+TEST(NodeRegistryTest, TheNextTransitionIsTheNearestLeaseToEnd) {
+  NodeRegistry reg({absl::Seconds(10), absl::Seconds(30)});
+  EXPECT_EQ(reg.NextTransition(kT0), absl::InfiniteFuture());
+  v1::Register r;
+  r.set_node_name("a");
+  ASSERT_TRUE(reg.Register(r, kT0).ok());
+  r.set_node_name("b");
+  ASSERT_TRUE(reg.Register(r, kT0 + absl::Seconds(4)).ok());
+  EXPECT_EQ(reg.NextTransition(kT0), kT0 + absl::Seconds(10));  // a goes NotReady
+  EXPECT_EQ(reg.NextTransition(kT0 + absl::Seconds(10)), kT0 + absl::Seconds(14));  // then b
+  EXPECT_EQ(reg.NextTransition(kT0 + absl::Seconds(14)), kT0 + absl::Seconds(30));  // a Lost
+  ASSERT_TRUE(reg.ReportStatus("a", v1::NodeStatus(), kT0 + absl::Seconds(20)).ok());
+  EXPECT_EQ(reg.NextTransition(kT0 + absl::Seconds(20)), kT0 + absl::Seconds(30));  // a again
+  EXPECT_EQ(reg.NextTransition(kT0 + absl::Seconds(30)), kT0 + absl::Seconds(34));  // b Lost
+  EXPECT_EQ(reg.NextTransition(kT0 + absl::Seconds(50)), absl::InfiniteFuture());
+}
+
 TEST(NodeRegistryTest, RemovingANodeByHandNeedsItsStreamClosed) {
   NodeRegistry reg({});
   v1::Register r;
   r.set_node_name("n1");
   ASSERT_TRUE(reg.Register(r, kT0).ok());
-  EXPECT_EQ(reg.Remove("nope").status().code(), absl::StatusCode::kNotFound);
-  auto connected = reg.Remove("n1");
+  EXPECT_EQ(reg.Remove("nope", kT0).status().code(), absl::StatusCode::kNotFound);
+  auto connected = reg.Remove("n1", kT0 + absl::Seconds(5));
   EXPECT_EQ(connected.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(connected.status().message().find("connected"), std::string::npos);
   reg.Disconnected("n1");
-  auto removed = reg.Remove("n1");
+  auto removed = reg.Remove("n1", kT0 + absl::Seconds(5));
   ASSERT_TRUE(removed.ok());
   EXPECT_EQ(removed->registration.node_name(), "n1");
   EXPECT_TRUE(reg.nodes().empty());
+  // Connected but Lost (its lease ended): a dead machine's stream, removable.
+  ASSERT_TRUE(reg.Register(r, kT0).ok());
+  EXPECT_TRUE(reg.Remove("n1", kT0 + absl::Seconds(30)).ok());
 }
 
 TEST(NodeRegistryTest, BadRegistrationsNameTheField) {
@@ -763,10 +781,15 @@ TEST(PlacementTest, NoZoneMoveWithoutAFreeNodeThereOrWithoutLabels) {
   v1::ReplicaStatus there = Reported("enc.9", v1::SERVING);
   c.reported = Keep<v1::ReplicaStatus>({there});
   nodes.push_back(c);
-  nodes.push_back(CpuNode("y", 8, "z1"));
   d.serving = 5;
   auto p = Place({d}, nodes);
-  for (const auto& [id, why] : p.skewed) EXPECT_EQ(why.rfind("zones:", 0), std::string::npos) << why;
+  EXPECT_TRUE(p.skewed.empty()) << p.skewed.begin()->second;
+  // With a node free of it in z2, the zone move is named.
+  nodes.push_back(CpuNode("d", 8, "z2"));
+  p = Place({d}, nodes);
+  ASSERT_EQ(p.skewed.size(), 1u);
+  EXPECT_EQ(p.skewed.begin()->second.rfind("zones: z1 runs 4 of enc, z2 1", 0), 0u)
+      << p.skewed.begin()->second;
   // Nodes without labels are no zones to even out.
   std::vector<PlacementNode> plain = {CpuNode("a", 8), CpuNode("b", 8)};
   Apply(Place({Cpu("enc", 2, 0)}, plain), &plain);
@@ -776,12 +799,28 @@ TEST(PlacementTest, NoZoneMoveWithoutAFreeNodeThereOrWithoutLabels) {
 
 TEST(PlacementTest, ACrashLoopingReplicasReplacementGoesToAnotherNode) {
   PlacementNode a = CpuNode("a", 8);
+  a.reported = Keep<v1::ReplicaStatus>({Reported("enc.1", v1::SERVING, "1", /*crash_loop=*/true)});
+  PlacementNode c = CpuNode("c", 8);
+  c.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::SERVING)});
+  // a and b are both free of enc; a would win (best fit), but enc.1 crash-loops there.
+  auto p = Place({Cpu("enc", 2, 0)}, {a, CpuNode("b", 16), c});
+  EXPECT_EQ(All(p), (std::vector<std::string>{"b/-1:enc.2:SERVING", "c/-1:enc.0:SERVING"}))
+      << ::testing::PrintToString(All(p));
+  // The caller's memory does the same once the crashed replica is gone from the reports.
+  PlacementNode remembered = CpuNode("a", 8);
+  remembered.crashed = {"enc"};
+  p = Place({Cpu("enc", 2, 0)}, {remembered, CpuNode("b", 16), c});
+  EXPECT_EQ(All(p), (std::vector<std::string>{"b/-1:enc.1:SERVING", "c/-1:enc.0:SERVING"}))
+      << ::testing::PrintToString(All(p));
+  // Nor is it where a skew move goes: c runs 3, a (remembered) 0 and full otherwise.
+  PlacementNode piled = CpuNode("c", 8);
+  piled.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::SERVING),
+                                            Reported("enc.1", v1::SERVING),
+                                            Reported("enc.2", v1::SERVING)});
+  EXPECT_TRUE(Place({Cpu("enc", 3, 0)}, {remembered, piled}).skewed.empty());
+  EXPECT_EQ(Place({Cpu("enc", 3, 0)}, {CpuNode("a", 8), piled}).skewed.size(), 1u);
   a.reported = Keep<v1::ReplicaStatus>(
       {Reported("enc.0", v1::SERVING), Reported("enc.1", v1::SERVING, "1", /*crash_loop=*/true)});
-  // a has room and would win (best fit), but enc.1 crash-loops there.
-  auto p = Place({Cpu("enc", 2, 0)}, {a, CpuNode("b", 16)});
-  EXPECT_EQ(All(p), (std::vector<std::string>{"a/-1:enc.0:SERVING", "b/-1:enc.2:SERVING"}))
-      << ::testing::PrintToString(All(p));
   // The same for a FAILED one, and for new replicas of another version.
   PlacementNode failed = CpuNode("a", 8);
   failed.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::FAILED, "0")});

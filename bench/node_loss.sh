@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The decision after a node loss, end to end: a fresh kiln-controller (SQLite store) and
+# kiln-canary-sim --lose-nodes K with N simulated agents; from the end of the lost nodes' lease
+# to the first (and the last) Assignment that places their replicas on other nodes. Then the
+# controller's own kiln_controller_node_loss_decision_seconds from /metrics.
+#
+#   bench/node_loss.sh [NODES] [LOSE] [RUNS]      (defaults 1000 5 3)
+#   BUILD_DIR=...   a build with kiln-controller and kiln-canary-sim (default ./build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NODES="${1:-1000}"
+LOSE="${2:-5}"
+RUNS="${3:-3}"
+BUILD_DIR="${BUILD_DIR:-build}"
+LOST_S=3
+for run in $(seq 1 "$RUNS"); do
+  dir="$(mktemp -d)"
+  port=$((17100 + run))
+  "$BUILD_DIR/controller/kiln-controller" --state-dir "$dir" --admin-port 0 \
+    --listen "127.0.0.1:$port" --observe-seconds 0 --node-not-ready-seconds 1 \
+    --node-lost-seconds "$LOST_S" > "$dir/log" 2>&1 &
+  pid=$!
+  admin=""
+  for _ in $(seq 1 200); do
+    admin="$(grep -o 'admin=http://[0-9.:]*' "$dir/log" | head -1 | cut -d= -f2 || true)"
+    [ -n "$admin" ] && break
+    sleep 0.05
+  done
+  if [ -z "$admin" ]; then
+    cat "$dir/log"
+    kill "$pid"
+    exit 1
+  fi
+  "$BUILD_DIR/bench/kiln-canary-sim" --controller "127.0.0.1:$port" --admin "$admin" \
+    --nodes "$NODES" --replicas-per-node 5 --samples 5 --lose-nodes "$LOSE" \
+    --node-lost-seconds "$LOST_S" --timeout-seconds 60 | tee "$dir/sim.json"
+  curl -s "$admin/metrics" | grep -E '^kiln_controller_node_loss_decision_seconds_(sum|count)|^kiln_controller_loop_duration_seconds_(sum|count)' || true
+  grep -E 'lost: its replicas' "$dir/log" | head -"$LOSE" || true
+  kill "$pid"
+  wait "$pid" 2>/dev/null || true
+  rm -rf "$dir"
+done
