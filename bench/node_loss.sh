@@ -6,18 +6,21 @@
 #
 #   bench/node_loss.sh [NODES] [LOSE] [RUNS]      (defaults 1000 5 3)
 #   BUILD_DIR=...   a build with kiln-controller and kiln-canary-sim (default ./build)
+#   CONTROLLER_BUILD=...  another build's kiln-controller (a baseline), the simulator kept
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NODES="${1:-1000}"
 LOSE="${2:-5}"
 RUNS="${3:-3}"
 BUILD_DIR="${BUILD_DIR:-build}"
-LOST_S=3
+CONTROLLER_BUILD="${CONTROLLER_BUILD:-$BUILD_DIR}"
+LOST_S="${LOST_S:-3}"
+NOT_READY_S="${NOT_READY_S:-1}"
 for run in $(seq 1 "$RUNS"); do
   dir="$(mktemp -d)"
   port=$((17100 + run))
-  "$BUILD_DIR/controller/kiln-controller" --state-dir "$dir" --admin-port 0 \
-    --listen "127.0.0.1:$port" --observe-seconds 0 --node-not-ready-seconds 1 \
+  "$CONTROLLER_BUILD/controller/kiln-controller" --state-dir "$dir" --admin-port 0 \
+    --listen "127.0.0.1:$port" --observe-seconds 0 --node-not-ready-seconds "$NOT_READY_S" \
     --node-lost-seconds "$LOST_S" > "$dir/log" 2>&1 &
   pid=$!
   admin=""
