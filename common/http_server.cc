@@ -536,5 +536,4 @@ std::string JsonError(const std::string& message) {
                                                  nlohmann::json::error_handler_t::replace);
 }
 
-
 }  // namespace kiln

@@ -26,9 +26,9 @@
 #include <utility>
 #include <vector>
 
-#include "common/uri.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/uri.h"
 
 namespace kiln {
 
@@ -116,6 +116,5 @@ int LocalPort(int fd);
 // The JSON error body of the Open Inference Protocol's REST errors, {"error": "..."} (bytes
 // that are not UTF-8 are replaced, never thrown on).
 std::string JsonError(const std::string& message);
-
 
 }  // namespace kiln

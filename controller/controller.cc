@@ -421,14 +421,10 @@ grpc::Status Controller::Registered(const std::shared_ptr<Stream>& stream, const
     if (first) {
       sessions_[node] = stream;
       // A forgotten node is back: what it runs is reported again, its ids in use as such.
-      for (auto it = retired_.begin(); it != retired_.end();) {
-        if (it->first != node) {
-          ++it;
-          continue;
-        }
-        retired_count_ -= it->second.size();
-        it = retired_.erase(it);
-      }
+      // (One entry at most: a node is forgotten once between registrations.)
+      auto retired = std::find_if(retired_.begin(), retired_.end(),
+                                  [&node](const auto& e) { return e.first == node; });
+      if (retired != retired_.end()) Unretire(retired);
       // What this node was sent before is unknown to it now (or it is new): send it all again.
       Sent& sent = sent_[node];
       int64_t gen = sent.assignment_generation;
@@ -684,8 +680,7 @@ void Controller::Tick() {
       }
     }
     std::vector<PlacementNode> nodes;
-    std::set<std::string> retired;
-    for (const auto& [node, ids] : retired_) retired.insert(ids.begin(), ids.end());
+    std::set<std::string> lost_ids;  // replicas on Lost nodes, placed again elsewhere
     nodes.reserve(registry_.nodes().size());
     std::vector<const v1::Register*> registrations;  // nodes[i]'s
     std::vector<Sent*> sent_to;                      // nodes[i]'s (a map's nodes stay put)
@@ -703,8 +698,8 @@ void Controller::Tick() {
         if (!lost_.count(name) && lease_end >= started_ + options_.observe_for) {
           newly_lost.emplace_back(name, lease_end);
         }
-        for (const auto& r : rec.status.replicas()) retired.insert(r.replica_id());
-        for (const auto& r : sent.replicas) retired.insert(r.replica_id());
+        for (const auto& r : rec.status.replicas()) lost_ids.insert(r.replica_id());
+        for (const auto& r : sent.replicas) lost_ids.insert(r.replica_id());
         continue;
       }
       PlacementNode n;
@@ -895,14 +890,22 @@ void Controller::Tick() {
     for (const auto& [id, r] : rebalancing_) moves[id] = r.reason;
     std::set<std::string> evicted;
     for (const auto& [id, e] : evicted_) evicted.insert(id);
-    PlacementResult placed = Place(all_demands, nodes, retired, moves, evicted);
+    // Ids not to give new replicas: forgotten nodes' (kept as one set) and Lost nodes'.
+    std::set<std::string> merged;
+    const std::set<std::string>* retired = &retired_ids_;
+    if (!lost_ids.empty()) {
+      merged = retired_ids_;
+      merged.insert(lost_ids.begin(), lost_ids.end());
+      retired = &merged;
+    }
+    PlacementResult placed = Place(all_demands, nodes, *retired, moves, evicted);
     // Replicas left WARM by a scale-down hold their room only while nobody needs it: when
     // something found no room, placement runs again without them (they drain).
     if (!placed.unplaced.empty() &&
         std::any_of(all_demands.begin(), all_demands.end(),
                     [](const PlacementDemand& d) { return d.linger > 0; })) {
       for (auto& d : all_demands) d.linger = 0;
-      placed = Place(all_demands, nodes, retired, moves, evicted);
+      placed = Place(all_demands, nodes, *retired, moves, evicted);
       for (auto& [name, l] : linger_) l.Clear();  // they are gone for good
     }
     auto still_reported = [&](const std::string& id) {
@@ -1262,12 +1265,15 @@ void Controller::Retire(const std::string& node, const NodeRecord& record, const
   new_nacks_.erase(node);
   crash_sites_.erase(node);
   if (ids.empty()) return;
-  retired_count_ += ids.size();
+  retired_ids_.insert(ids.begin(), ids.end());
   retired_.emplace_back(node, std::move(ids));
-  while (retired_count_ > kMaxRetiredIds && retired_.size() > 1) {
-    retired_count_ -= retired_.front().second.size();
-    retired_.pop_front();
-  }
+  while (retired_ids_.size() > kMaxRetiredIds && retired_.size() > 1) Unretire(retired_.begin());
+}
+
+void Controller::Unretire(
+    std::deque<std::pair<std::string, std::vector<std::string>>>::iterator it) {
+  for (const auto& id : it->second) retired_ids_.erase(id);
+  retired_.erase(it);
 }
 
 absl::Status Controller::ForgetNode(const std::string& name) {

@@ -51,8 +51,8 @@ struct ControllerOptions {
   // then drain. WARM replicas are the first to go when a GPU needs room. 0 = drain at once.
   absl::Duration scale_down_warm_for = absl::Minutes(5);
   NodeRegistry::Options leases;
-  // A node Lost this much longer (its lease's second grace passed, its stream closed) is
-  // forgotten: gone from the node list and the metrics. Its replicas' ids stay retired (never
+  // A node Lost this much longer (its lease's second grace passed; a stream a dead machine
+  // left open is ended) is forgotten: gone from the node list and the metrics. Its replicas' ids stay retired (never
   // given to new replicas) in case it comes back with them running. 0 = never.
   absl::Duration forget_lost_after = absl::Hours(1);
   // A deployment whose replicas pile up on a node (placement.h, skew) for this long gets one
@@ -171,11 +171,15 @@ class Controller
   // seen: placement keeps their new replicas off the node for kCrashMemory (placement.h).
   static constexpr absl::Duration kCrashMemory = absl::Minutes(10);
   std::map<std::string, std::map<std::string, absl::Time>> crash_sites_ ABSL_GUARDED_BY(mu_);
-  // Forgotten nodes' replica ids, oldest first, until the node registers again; at most
-  // kMaxRetiredIds in all (the oldest node's go first).
+  // Forgotten nodes' replica ids until the node registers again: per node, oldest first, and
+  // all of them in one set that placement reads as it is (not rebuilt every pass); at most
+  // kMaxRetiredIds (the oldest node's go first).
   static constexpr size_t kMaxRetiredIds = 200000;
   std::deque<std::pair<std::string, std::vector<std::string>>> retired_ ABSL_GUARDED_BY(mu_);
-  size_t retired_count_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<std::string> retired_ids_ ABSL_GUARDED_BY(mu_);
+  // Drops one node's entry of retired_ and its ids from retired_ids_.
+  void Unretire(std::deque<std::pair<std::string, std::vector<std::string>>>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A node's previous report, on its way back to a stream to be parsed into (TakeStatuses).
   v1::NodeStatus spare_status_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

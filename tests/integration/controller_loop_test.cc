@@ -30,19 +30,83 @@ class ControllerLoopTest : public ::testing::Test {
     auto store = SqliteStore::Open(so, &clock_);
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = std::move(*store);
+    controller_ = std::make_unique<Controller>(Options(), store_.get(), &clock_);
+    stub_ = Serve(controller_.get(), &server_);
+    ASSERT_TRUE(stub_);
+  }
+  // The loop's options here: no observing after a start, leases the simulated clock's jumps
+  // stay inside.
+  static ControllerOptions Options() {
     ControllerOptions co;
     co.observe_for = absl::ZeroDuration();
-    co.leases.not_ready_after = absl::Hours(1);  // the simulated clock jumps
+    co.leases.not_ready_after = absl::Hours(1);
     co.leases.lost_after = absl::Hours(2);
-    controller_ = std::make_unique<Controller>(co, store_.get(), &clock_);
+    return co;
+  }
+  // Serves `c`'s ControlPlane on a loopback port (in `*server`); a stub to it, null on failure.
+  static std::unique_ptr<v1::ControlPlane::Stub> Serve(Controller* c,
+                                                      std::unique_ptr<grpc::Server>* server) {
     grpc::ServerBuilder b;
     int port = 0;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(controller_.get());
-    server_ = b.BuildAndStart();
-    ASSERT_TRUE(server_ && port > 0);
-    stub_ = v1::ControlPlane::NewStub(grpc::CreateChannel(
+    b.RegisterService(c);
+    *server = b.BuildAndStart();
+    if (!*server || port == 0) return nullptr;
+    return v1::ControlPlane::NewStub(grpc::CreateChannel(
         "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  }
+  // One more node's agent on its own stream (the fixture's own is n1's, Connect()).
+  struct Agent {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::AgentMessage, v1::ControllerMessage>> stream;
+    int64_t mark = 100;  // its reports' marks: give each agent its own range
+    v1::Assignment assigned;
+  };
+  // Registers `name` (4 CPUs) on `a`; bounded poll until the controller lists it.
+  void ConnectAgent(Agent& a, const std::string& name) {
+    a.ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));  // no hang
+    a.stream = stub_->Connect(&a.ctx);
+    v1::AgentMessage reg;
+    reg.mutable_register_()->set_node_name(name);
+    reg.mutable_register_()->set_cpu_capacity(4);
+    ASSERT_TRUE(a.stream->Write(reg));
+    for (int i = 0; i < 400 && controller_->NodesJson().find("\"" + name + "\"") == std::string::npos;
+         ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  // `a` reports what it was assigned, running; bounded poll until the controller has it.
+  void ReportAssigned(Agent& a) {
+    v1::AgentMessage m;
+    auto* st = m.mutable_status();
+    st->set_assignment_generation(++a.mark);
+    for (const auto& spec : a.assigned.replicas()) AddReported(st, spec, spec.state());
+    ASSERT_TRUE(a.stream->Write(m));
+    const std::string seen = "\"assignmentGeneration\":" + std::to_string(a.mark);
+    for (int i = 0; i < 400 && controller_->NodesJson().find(seen) == std::string::npos; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  // Reads until an assignment comes (the stream's deadline bounds the wait); its replica ids.
+  static std::vector<std::string> ReadAssignment(Agent& a) {
+    v1::ControllerMessage m;
+    while (a.stream->Read(&m)) {
+      if (!m.has_assignment()) continue;
+      a.assigned = m.assignment();
+      std::vector<std::string> ids;
+      for (const auto& r : a.assigned.replicas()) ids.push_back(r.replica_id());
+      return ids;
+    }
+    ADD_FAILURE() << "no assignment came";
+    return {};
+  }
+  // The agent goes away: its stream ends from its side.
+  static void Hangup(Agent& a) {
+    a.ctx.TryCancel();
+    v1::ControllerMessage drained;
+    while (a.stream->Read(&drained)) {
+    }
+    a.stream->Finish();
   }
   void TearDown() override {
     if (stream_) {
@@ -303,19 +367,10 @@ TEST_F(ControllerLoopTest, ReplicasLeftWarmKeepTheirWindowAcrossARestart) {
   EXPECT_EQ(stored["scaleDownWarm"]["lastServing"], 1);
 
   // A new controller on the same store; the node re-registers with what it runs.
-  ControllerOptions co;
-  co.observe_for = absl::ZeroDuration();
-  co.leases.not_ready_after = absl::Hours(1);
-  co.leases.lost_after = absl::Hours(2);
-  Controller second(co, store_.get(), &clock_);
-  grpc::ServerBuilder b;
-  int port = 0;
-  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  b.RegisterService(&second);
-  auto server = b.BuildAndStart();
-  ASSERT_TRUE(server && port > 0);
-  auto stub = v1::ControlPlane::NewStub(grpc::CreateChannel(
-      "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  Controller second(Options(), store_.get(), &clock_);
+  std::unique_ptr<grpc::Server> server;
+  auto stub = Serve(&second, &server);
+  ASSERT_TRUE(stub);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   auto stream = stub->Connect(&ctx);
@@ -731,67 +786,17 @@ TEST_F(ControllerLoopTest, ANodeThatReconnectsIsToldAgainToRunNothing) {
 // A node whose agent never comes back: Lost (its replica placed elsewhere), then forgotten an
 // hour later; its replica's id stays retired, and a node still connected cannot be removed.
 TEST_F(ControllerLoopTest, ALostNodeIsForgottenLaterAndItsReplicaIdsStayRetired) {
-  struct Agent {
-    grpc::ClientContext ctx;
-    std::unique_ptr<grpc::ClientReaderWriter<v1::AgentMessage, v1::ControllerMessage>> stream;
-    int64_t mark = 100;
-    v1::Assignment assigned;
-  };
-  auto connect = [&](Agent& a, const std::string& name) {
-    a.ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));  // no hang
-    a.stream = stub_->Connect(&a.ctx);
-    v1::AgentMessage reg;
-    reg.mutable_register_()->set_node_name(name);
-    reg.mutable_register_()->set_cpu_capacity(4);
-    ASSERT_TRUE(a.stream->Write(reg));
-    for (int i = 0; i < 400 && controller_->NodesJson().find("\"" + name + "\"") == std::string::npos;
-         ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  };
-  auto report = [&](Agent& a) {  // the node runs what it was told
-    v1::AgentMessage m;
-    auto* st = m.mutable_status();
-    st->set_assignment_generation(++a.mark);
-    for (const auto& spec : a.assigned.replicas()) AddReported(st, spec, spec.state());
-    ASSERT_TRUE(a.stream->Write(m));
-    const std::string seen = "\"assignmentGeneration\":" + std::to_string(a.mark);
-    for (int i = 0; i < 400 && controller_->NodesJson().find(seen) == std::string::npos; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  };
-  auto read_assignment = [](Agent& a) {
-    v1::ControllerMessage m;
-    while (a.stream->Read(&m)) {
-      if (m.has_assignment()) {
-        a.assigned = m.assignment();
-        return;
-      }
-    }
-    ADD_FAILURE() << "no assignment came";
-  };
-  auto ids = [](const Agent& a) {
-    std::vector<std::string> out;
-    for (const auto& r : a.assigned.replicas()) out.push_back(r.replica_id());
-    return out;
-  };
   const ModelDeployment d = CreateEncoder("enc", "  replicas: 1\n");
   Agent n1, n2;
   n2.mark = 200;  // each node's reports are told apart by their marks
-  connect(n1, "n1");
-  connect(n2, "n2");
+  ConnectAgent(n1, "n1");
+  ConnectAgent(n2, "n2");
   controller_->Tick();
-  read_assignment(n1);
-  read_assignment(n2);
-  ASSERT_EQ(ids(n1), (std::vector<std::string>{"enc.0"}));  // name order breaks the tie
-  report(n1);
+  ASSERT_EQ(ReadAssignment(n1), (std::vector<std::string>{"enc.0"}));  // name order breaks the tie
+  ReadAssignment(n2);
+  ReportAssigned(n1);
   EXPECT_EQ(controller_->ForgetNode("n1").code(), absl::StatusCode::kFailedPrecondition);
-  // n1's agent goes away for good.
-  n1.ctx.TryCancel();
-  v1::ControllerMessage drained;
-  while (n1.stream->Read(&drained)) {
-  }
-  n1.stream->Finish();
+  Hangup(n1);  // n1's agent goes away for good
   auto connected = [&](const std::string& name) {
     for (const auto& n : nlohmann::json::parse(controller_->NodesJson())["items"]) {
       if (n["name"] == name) return n["connected"].get<bool>();
@@ -804,21 +809,20 @@ TEST_F(ControllerLoopTest, ALostNodeIsForgottenLaterAndItsReplicaIdsStayRetired)
   ASSERT_FALSE(connected("n1"));
   // Lost (the lease's 2 h): its replica is placed again on n2, under a new id.
   clock_.Advance(absl::Hours(2) + absl::Seconds(1));
-  report(n2);
+  ReportAssigned(n2);
   controller_->Tick();
-  read_assignment(n2);
-  EXPECT_EQ(ids(n2), (std::vector<std::string>{"enc.1"}));
+  EXPECT_EQ(ReadAssignment(n2), (std::vector<std::string>{"enc.1"}));
   // The decision is timed from the lease's end (1 s before this pass, on the simulated clock).
   const std::string metrics = controller_->MetricsText();
   EXPECT_NE(metrics.find("kiln_controller_node_loss_decision_seconds_count 1\n"),
             std::string::npos);
   EXPECT_NE(metrics.find("kiln_controller_node_loss_decision_seconds_sum 1\n"), std::string::npos)
       << metrics;
-  report(n2);
+  ReportAssigned(n2);
   EXPECT_NE(controller_->NodesJson().find("\"n1\""), std::string::npos);  // Lost, still listed
   // An hour more: forgotten.
   clock_.Advance(absl::Hours(1));
-  report(n2);
+  ReportAssigned(n2);
   controller_->Tick();
   EXPECT_EQ(controller_->NodesJson().find("\"n1\""), std::string::npos) << controller_->NodesJson();
   EXPECT_NE(controller_->MetricsText().find("kiln_controller_nodes_forgotten_total 1\n"),
@@ -828,58 +832,29 @@ TEST_F(ControllerLoopTest, ALostNodeIsForgottenLaterAndItsReplicaIdsStayRetired)
   two.spec.replicas = 2;
   ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", EncodeForStore(two), 0).ok());
   clock_.Advance(absl::Seconds(1));
-  report(n2);
+  ReportAssigned(n2);
   controller_->Tick();
-  read_assignment(n2);
-  EXPECT_EQ(ids(n2), (std::vector<std::string>{"enc.1", "enc.2"}));
+  EXPECT_EQ(ReadAssignment(n2), (std::vector<std::string>{"enc.1", "enc.2"}));
   // By hand: an unknown node is not found, a connected one refused.
   EXPECT_EQ(controller_->ForgetNode("n1").code(), absl::StatusCode::kNotFound);
   absl::Status refused = controller_->ForgetNode("n2");
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(refused.message().find("connected"), std::string::npos) << refused;
-  n2.ctx.TryCancel();
-  while (n2.stream->Read(&drained)) {
-  }
-  n2.stream->Finish();
+  Hangup(n2);
 }
 
 // Removing a dead node by hand places its replicas elsewhere at once, without waiting out the
 // lease.
 TEST_F(ControllerLoopTest, ANodeRemovedByHandHasItsReplicasPlacedAgainAtOnce) {
   CreateEncoder("enc", "  replicas: 1\n");
-  grpc::ClientContext ctx1, ctx2;
-  ctx1.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  auto s1 = stub_->Connect(&ctx1);
-  auto s2 = stub_->Connect(&ctx2);
-  for (auto [s, name] : {std::pair{s1.get(), "n1"}, std::pair{s2.get(), "n2"}}) {
-    v1::AgentMessage reg;
-    reg.mutable_register_()->set_node_name(name);
-    reg.mutable_register_()->set_cpu_capacity(4);
-    ASSERT_TRUE(s->Write(reg));
-  }
-  for (int i = 0; i < 400 && controller_->NodesJson().find("\"n2\"") == std::string::npos; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  Agent n1, n2;
+  n2.mark = 200;
+  ConnectAgent(n1, "n1");
+  ConnectAgent(n2, "n2");
   controller_->Tick();
-  auto next_assignment = [](auto* s) {
-    v1::ControllerMessage m;
-    std::vector<std::string> out;
-    while (s->Read(&m)) {
-      if (!m.has_assignment()) continue;
-      for (const auto& r : m.assignment().replicas()) out.push_back(r.replica_id());
-      return out;
-    }
-    ADD_FAILURE() << "no assignment came";
-    return out;
-  };
-  ASSERT_EQ(next_assignment(s1.get()), (std::vector<std::string>{"enc.0"}));
-  ASSERT_TRUE(next_assignment(s2.get()).empty());
-  ctx1.TryCancel();
-  v1::ControllerMessage drained;
-  while (s1->Read(&drained)) {
-  }
-  s1->Finish();
+  ASSERT_EQ(ReadAssignment(n1), (std::vector<std::string>{"enc.0"}));
+  ASSERT_TRUE(ReadAssignment(n2).empty());
+  Hangup(n1);
   absl::Status removed = absl::UnknownError("not tried");
   for (int i = 0; i < 400; ++i) {  // bounded poll until the controller saw the stream end
     removed = controller_->ForgetNode("n1");
@@ -889,11 +864,8 @@ TEST_F(ControllerLoopTest, ANodeRemovedByHandHasItsReplicasPlacedAgainAtOnce) {
   ASSERT_TRUE(removed.ok()) << removed;
   clock_.Advance(absl::Seconds(1));  // well inside the lease
   controller_->Tick();
-  EXPECT_EQ(next_assignment(s2.get()), (std::vector<std::string>{"enc.1"}));
-  ctx2.TryCancel();
-  while (s2->Read(&drained)) {
-  }
-  s2->Finish();
+  EXPECT_EQ(ReadAssignment(n2), (std::vector<std::string>{"enc.1"}));
+  Hangup(n2);
 }
 
 }  // namespace
