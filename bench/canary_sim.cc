@@ -22,7 +22,11 @@
 // of their lease (their last report sent plus --node-lost-seconds, which must match the
 // controller's) to the first Assignment that gives another node one of their replicas' new
 // places, and to the one that completes them. The lease is counted from the report's sending,
-// so a report the controller read late makes the figure larger, never smaller.
+// so a report the controller read late makes the figure larger, never smaller. The run counts
+// only when every node is Ready before the loss and only the silenced ones are Lost after it
+// (the controller's kiln_controller_nodes gauge); otherwise it says so and exits 1. Nodes report
+// from the moment they register, so a fleet that takes longer to register than the lease
+// stays valid.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -230,6 +234,7 @@ int main(int argc, char** argv) {
     absl::Mutex write_mu;  // the reader Acks while the main thread reports
     std::thread reader;
     std::atomic<bool> silent{false};       // a lost node: sends nothing
+    std::atomic<bool> assigned{false};     // given an Assignment
     Clock::time_point last_sent{};         // its last report (under write_mu)
   };
   // --lose-nodes: replicas newly given to the nodes that stay, from when the others fell
@@ -240,8 +245,46 @@ int main(int argc, char** argv) {
   Clock::time_point first_added{}, all_added{};
   absl::Mutex seen_mu;
   std::map<std::string, RouteSeen> seen;  // by model, the first node to see it wins
-  std::vector<std::unique_ptr<Agent>> agents;
+  // Registered agents, reported for from the moment they registered: with thousands of them
+  // registration outlasts a short lease, and the first would go Lost before the last was in.
+  absl::Mutex agents_mu;
+  std::vector<std::unique_ptr<Agent>> agents;  // written under agents_mu
+  std::atomic<int> assigned_nodes{0};  // agents given their first Assignment
   int exit_code = 0;
+
+  // Reports every period from here on, with the current failures.
+  absl::Mutex failing_mu;
+  std::map<std::string, bool> failing;
+  std::map<std::string, Clock::time_point> first_failing_report;
+  std::atomic<bool> stop{false};
+  std::thread reporter([&] {
+    for (auto next = Clock::now(); !stop; next += std::chrono::microseconds(
+                                               static_cast<int64_t>(period_s * 1e6))) {
+      std::map<std::string, bool> now_failing;
+      {
+        absl::MutexLock lock(&failing_mu);
+        now_failing = failing;
+        for (const auto& [model, on] : failing) {
+          if (on && !first_failing_report.count(model)) first_failing_report[model] = Clock::now();
+        }
+      }
+      std::vector<Agent*> registered;
+      {
+        absl::MutexLock lock(&agents_mu);
+        for (const auto& a : agents) registered.push_back(a.get());
+      }
+      for (Agent* a : registered) {
+        if (a->silent) continue;
+        v1::AgentMessage m = a->node->Report(per_period, now_failing);
+        absl::MutexLock lock(&a->write_mu);
+        if (a->silent) continue;  // fell silent meanwhile
+        a->stream->Write(m);
+        a->last_sent = Clock::now();
+      }
+      std::this_thread::sleep_until(next);
+    }
+  });
+
   for (int i = 0; i < nodes; ++i) {
     auto a = std::make_unique<Agent>();
     a->node = std::make_unique<Node>(i, replicas, samples);
@@ -260,6 +303,7 @@ int main(int argc, char** argv) {
       while (self->stream->Read(&m)) {
         if (self->silent) continue;
         if (m.has_assignment()) {
+          if (!self->assigned.exchange(true)) assigned_nodes++;
           int added = 0;
           v1::AgentMessage ack = self->node->Apply(m.assignment(), &added);
           if (added > 0 && counting_added) {
@@ -294,36 +338,9 @@ int main(int argc, char** argv) {
         }
       }
     });
+    absl::MutexLock lock(&agents_mu);
     agents.push_back(std::move(a));
   }
-
-  // Reports every period from here on, with the current failures.
-  absl::Mutex failing_mu;
-  std::map<std::string, bool> failing;
-  std::map<std::string, Clock::time_point> first_failing_report;
-  std::atomic<bool> stop{false};
-  std::thread reporter([&] {
-    for (auto next = Clock::now(); !stop; next += std::chrono::microseconds(
-                                               static_cast<int64_t>(period_s * 1e6))) {
-      std::map<std::string, bool> now_failing;
-      {
-        absl::MutexLock lock(&failing_mu);
-        now_failing = failing;
-        for (const auto& [model, on] : failing) {
-          if (on && !first_failing_report.count(model)) first_failing_report[model] = Clock::now();
-        }
-      }
-      for (auto& a : agents) {
-        if (a->silent) continue;
-        v1::AgentMessage m = a->node->Report(per_period, now_failing);
-        absl::MutexLock lock(&a->write_mu);
-        if (a->silent) continue;  // fell silent meanwhile
-        a->stream->Write(m);
-        a->last_sent = Clock::now();
-      }
-      std::this_thread::sleep_until(next);
-    }
-  });
 
   auto wait_for = [&](auto pred) {
     auto until = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6));
@@ -359,15 +376,36 @@ int main(int argc, char** argv) {
   for (int d = 0; d < samples && exit_code == 0; ++d) {
     if (!apply(d, "1", /*create=*/true)) exit_code = 1;
   }
+  if (exit_code == 0 && lose_nodes > 0 && !wait_for([&] { return assigned_nodes == nodes; })) {
+    std::cerr << "only " << assigned_nodes << " of " << nodes
+              << " nodes were given an assignment within --timeout-seconds\n";
+    exit_code = 1;
+  }
   if (exit_code == 0) {
     std::this_thread::sleep_for(
         std::chrono::milliseconds(static_cast<int64_t>(2 * period_s * 1e3)));
   }
+  // The controller's count of its nodes by health ("" when it could not be read).
+  auto nodes_by_health = [&](const char* health) {
+    const std::string text = kiln::bench::AdminText(admin, "/metrics");
+    const double n = kiln::bench::MetricValue(
+        text, std::string("kiln_controller_nodes{health=\"") + health + "\"}");
+    return text.empty() ? -1 : std::max(0, static_cast<int>(n));
+  };
   nlohmann::json loss;
   if (lose_nodes > 0 && exit_code == 0) {
+    const int ready = nodes_by_health("Ready");
     if (lose_nodes >= nodes) {
       std::cerr << "--lose-nodes: fewer than --nodes (" << nodes << ")\n";
       exit_code = 2;
+    } else if (ready != nodes) {
+      // Nodes that are not Ready before the loss (registered late, reports read late) would be
+      // lost with the others and their replicas counted as the loss's: not a valid run.
+      std::cerr << "not a valid run: " << ready << " of " << nodes
+                << " nodes Ready before the loss (" << nodes_by_health("NotReady")
+                << " NotReady, " << nodes_by_health("Lost")
+                << " Lost: a lease shorter than this machine needs?)\n";
+      exit_code = 1;
     } else {
       counting_added = true;
       for (int i = 0; i < lose_nodes; ++i) {
@@ -394,7 +432,15 @@ int main(int argc, char** argv) {
         auto ms = [&](Clock::time_point t) {
           return std::chrono::duration<double, std::milli>(t - lease_end).count();
         };
+        // Only the silenced nodes were lost (no other node's replicas were counted).
+        const int lost = nodes_by_health("Lost");
+        if (lost != lose_nodes) {
+          std::cerr << "not a valid run: the controller counts " << lost << " Lost nodes, not "
+                    << lose_nodes << "\n";
+          exit_code = 1;
+        }
         loss = {{"lost_nodes", lose_nodes},
+                {"lost_nodes_counted", lost},
                 {"replicas_placed_again", added_total},
                 {"first_new_place_after_lease_ms", ms(first_added)},
                 {"all_new_places_after_lease_ms", ms(all_added)}};

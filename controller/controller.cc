@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <functional>
 #include <sstream>
 #include <unordered_map>
@@ -114,6 +115,12 @@ std::string ZoneOf(const v1::Register& r) {
 
 }  // namespace
 
+absl::Duration NextPassIn(absl::Duration tick, absl::Duration to_lease, absl::Duration pass) {
+  // At the lease's end a millisecond late: it ends at that instant.
+  if (to_lease < tick + pass) return std::max(to_lease, absl::ZeroDuration()) + absl::Milliseconds(1);
+  return tick;
+}
+
 Controller::Controller(ControllerOptions options, Store* store, Clock* clock)
     : options_(options),
       store_(store),
@@ -128,20 +135,24 @@ Controller::~Controller() { Stop(); }
 void Controller::Start() {
   leading_ = true;
   loop_ = std::thread([this]() {
+    // The longest of the last passes (by the controller's clock): how long a pass started now
+    // may run.
+    std::deque<absl::Duration> passes;
     for (;;) {
       {
         absl::MutexLock lock(&mu_);
         auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
-        // The next pass comes a tick after this one ended, or when a node's lease ends if
-        // sooner (a millisecond after: the lease ends at that instant), so a lost node's
-        // replicas are placed again at once instead of up to a tick and a pass later.
-        absl::Duration wait = options_.tick;
         const absl::Time now = clock_->Now();
-        const absl::Duration to_lease = registry_.NextTransition(now) - now;
-        if (to_lease < wait) wait = to_lease + absl::Milliseconds(1);
+        const absl::Duration wait = NextPassIn(
+            options_.tick, registry_.NextTransition(now) - now,
+            passes.empty() ? absl::ZeroDuration()
+                           : *std::max_element(passes.begin(), passes.end()));
         if (mu_.AwaitWithTimeout(absl::Condition(&stop), wait)) return;
       }
+      const absl::Time start = clock_->Now();
       Tick();
+      passes.push_back(clock_->Now() - start);
+      if (passes.size() > 8) passes.pop_front();
     }
   });
 }

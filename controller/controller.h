@@ -73,6 +73,15 @@ struct ControllerOptions {
   bool require_node_identity = false;
 };
 
+// When the decision loop's next pass starts, from the end of the last one: a tick later, or
+// when a node's lease ends (`to_lease` from now) if that comes sooner, so a lost node's
+// replicas are placed again at once instead of up to a tick and a pass later. A pass that would
+// still run when a lease ends (`pass`: how long one may take) waits for it instead, at most a
+// pass longer than a tick: the lost node's replicas then wait for that one pass, not for the
+// rest of a running one and another. (A lease read from reports not yet taken ends no sooner
+// than it says: a wake for a node that did report costs one early pass.)
+absl::Duration NextPassIn(absl::Duration tick, absl::Duration to_lease, absl::Duration pass);
+
 class Controller
     : public v1::ControlPlane::WithRawCallbackMethod_Connect<v1::ControlPlane::Service> {
  public:

@@ -5,6 +5,7 @@
 #include <map>
 #include <random>
 
+#include "controller/controller.h"
 #include "controller/node_registry.h"
 #include "gtest/gtest.h"
 
@@ -52,6 +53,22 @@ TEST(NodeRegistryTest, TheNextTransitionIsTheNearestLeaseToEnd) {
   EXPECT_EQ(reg.NextTransition(kT0 + absl::Seconds(20)), kT0 + absl::Seconds(30));  // a again
   EXPECT_EQ(reg.NextTransition(kT0 + absl::Seconds(30)), kT0 + absl::Seconds(34));  // b Lost
   EXPECT_EQ(reg.NextTransition(kT0 + absl::Seconds(50)), absl::InfiniteFuture());
+}
+
+TEST(NodeRegistryTest, APassThatWouldRunOverALeaseEndWaitsForIt) {
+  const absl::Duration tick = absl::Milliseconds(200), pass = absl::Milliseconds(150);
+  // No lease ends soon: a tick after the last pass.
+  EXPECT_EQ(NextPassIn(tick, absl::InfiniteDuration(), pass), tick);
+  EXPECT_EQ(NextPassIn(tick, absl::Seconds(9), pass), tick);
+  // A lease ends before the tick: at its end (a millisecond after).
+  EXPECT_EQ(NextPassIn(tick, absl::Milliseconds(50), pass), absl::Milliseconds(51));
+  // It ends while a pass started at the tick would run: the pass waits for it.
+  EXPECT_EQ(NextPassIn(tick, absl::Milliseconds(300), pass), absl::Milliseconds(301));
+  // It ends once that pass would be over: the tick as usual.
+  EXPECT_EQ(NextPassIn(tick, absl::Milliseconds(350), pass), tick);
+  // Passes not measured yet (or a simulated clock that stands still): the tick or the lease.
+  EXPECT_EQ(NextPassIn(tick, absl::Milliseconds(300), absl::ZeroDuration()), tick);
+  EXPECT_EQ(NextPassIn(tick, absl::ZeroDuration(), pass), absl::Milliseconds(1));
 }
 
 TEST(NodeRegistryTest, RemovingANodeByHandNeedsItsStreamClosed) {
