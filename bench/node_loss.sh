@@ -7,6 +7,7 @@
 #   bench/node_loss.sh [NODES] [LOSE] [RUNS]      (defaults 1000 5 3)
 #   BUILD_DIR=...   a build with kiln-controller and kiln-canary-sim (default ./build)
 #   CONTROLLER_BUILD=...  another build's kiln-controller (a baseline), the simulator kept
+#   KEEP_LOGS=DIR   keep each run's controller log there (DIR/controller-RUN.log)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NODES="${1:-1000}"
@@ -41,5 +42,6 @@ for run in $(seq 1 "$RUNS"); do
   grep -E 'lost: its replicas' "$dir/log" | head -"$LOSE" || true
   kill "$pid"
   wait "$pid" 2>/dev/null || true
+  if [ -n "${KEEP_LOGS:-}" ]; then mkdir -p "$KEEP_LOGS" && cp "$dir/log" "$KEEP_LOGS/controller-$run.log"; fi
   rm -rf "$dir"
 done
