@@ -11,6 +11,10 @@ find_package(Boost 1.74 REQUIRED)  # Beast, header-only
 find_package(CLI11 CONFIG REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(SYSTEMD REQUIRED IMPORTED_TARGET libsystemd)
+# jemalloc: kiln-controller's allocator. Its loop builds and frees every node's assignment each
+# pass (hundreds of thousands of small strings at 10,000 nodes), where glibc's malloc spent
+# half of placement's time (bench/RESULTS.md, 2026-11-25).
+pkg_check_modules(JEMALLOC REQUIRED IMPORTED_TARGET jemalloc)
 
 # LibTorch is found here but linked by exactly one target: runtime/kiln_backend_torchscript.
 find_package(Torch REQUIRED)

@@ -135,18 +135,20 @@ Controller::~Controller() { Stop(); }
 void Controller::Start() {
   leading_ = true;
   loop_ = std::thread([this]() {
-    // The longest of the last passes (by the controller's clock): how long a pass started now
-    // may run.
+    // The last passes (by the controller's clock): their median is how long a pass started
+    // now may run (the median, not the longest: one long pass, the first after a start or a
+    // burst of registrations, would otherwise hold passes back until a lease ends).
     std::deque<absl::Duration> passes;
     for (;;) {
       {
         absl::MutexLock lock(&mu_);
         auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
         const absl::Time now = clock_->Now();
-        const absl::Duration wait = NextPassIn(
-            options_.tick, registry_.NextTransition(now) - now,
-            passes.empty() ? absl::ZeroDuration()
-                           : *std::max_element(passes.begin(), passes.end()));
+        std::vector<absl::Duration> sorted(passes.begin(), passes.end());
+        std::sort(sorted.begin(), sorted.end());
+        const absl::Duration wait =
+            NextPassIn(options_.tick, registry_.NextTransition(now) - now,
+                       sorted.empty() ? absl::ZeroDuration() : sorted[sorted.size() / 2]);
         if (mu_.AwaitWithTimeout(absl::Condition(&stop), wait)) return;
       }
       const absl::Time start = clock_->Now();
@@ -225,8 +227,7 @@ class Controller::Stream final : public grpc::ServerBidiReactor<grpc::ByteBuffer
       {
         absl::MutexLock lock(&mu_);
         status_.Swap(&parsing_);
-        has_status_ = true;
-        status_at_ = controller_->clock_->Now();
+        Reported();
         if (ending_) return;
       }
       StartRead(&in_bytes_);
@@ -245,8 +246,7 @@ class Controller::Stream final : public grpc::ServerBidiReactor<grpc::ByteBuffer
         case v1::AgentMessage::kStatus: {
           absl::MutexLock lock(&mu_);
           status_.Swap(in_.mutable_status());
-          has_status_ = true;
-          status_at_ = controller_->clock_->Now();
+          Reported();
           break;
         }
         case v1::AgentMessage::kRegister:
@@ -355,6 +355,16 @@ class Controller::Stream final : public grpc::ServerBidiReactor<grpc::ByteBuffer
     if (in.ReadTag() != 0 || !in.ConsumedEntireMessage()) return false;  // more than a status
     in_bytes_.Clear();
     return true;
+  }
+
+  // A report was just put in status_: the controller learns of the stream once until it takes
+  // the report (the controller's lock is never taken here: a pass holds it for long).
+  void Reported() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    status_at_ = controller_->clock_->Now();
+    if (has_status_) return;  // listed already
+    has_status_ = true;
+    absl::MutexLock lock(&controller_->reports_mu_);
+    controller_->reported_.push_back(self_);
   }
 
   void WriteNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -486,10 +496,21 @@ void Controller::Ended(const std::string& node, const Stream* stream) {
 void Controller::TakeStatuses() {
   // Reports change hands by swaps: a node's previous report goes back to a stream to be
   // parsed into again (freeing 50,000 replicas' reports a pass was a tenth of it).
+  std::vector<std::shared_ptr<Stream>> reported;
+  {
+    absl::MutexLock lock(&reports_mu_);
+    reported.swap(reported_);
+  }
   absl::Time at;
-  for (const auto& [node, stream] : sessions_) {
+  for (const auto& stream : reported) {
+    // Only a node's current stream speaks for it (a replaced one's last report is stale).
+    auto session = sessions_.find(stream->node());
+    if (session == sessions_.end() || session->second != stream) {
+      (void)stream->TakeStatus(&spare_status_, &at);  // and the stream may report again
+      continue;
+    }
     if (stream->TakeStatus(&spare_status_, &at)) {
-      (void)registry_.SwapStatus(node, &spare_status_, at);
+      (void)registry_.SwapStatus(session->first, &spare_status_, at);
     }
   }
 }
@@ -699,9 +720,15 @@ void Controller::Tick() {
     sent_to.reserve(registry_.nodes().size());
     std::vector<std::pair<std::string, absl::Time>> newly_lost;  // and when their lease ended
     std::set<std::string> lost;
+    // sent_ walked beside the registry (both in name order): a lookup per node cost more.
+    auto sent_at = sent_.begin();
     for (const auto& [name, rec] : registry_.nodes()) {
-      NodeHealth health = registry_.Health(name, now);
-      Sent& sent = sent_[name];
+      NodeHealth health = registry_.Health(rec, now);
+      while (sent_at != sent_.end() && sent_at->first < name) ++sent_at;
+      if (sent_at == sent_.end() || sent_at->first != name) {
+        sent_at = sent_.emplace_hint(sent_at, name, Sent());
+      }
+      Sent& sent = sent_at->second;
       if (health == NodeHealth::kLost) {  // its replicas are placed again elsewhere
         lost.insert(name);
         const absl::Time lease_end = rec.last_heard + options_.leases.lost_after;

@@ -71,7 +71,11 @@ void NodeRegistry::Disconnected(const std::string& node) {
 NodeHealth NodeRegistry::Health(const std::string& node, absl::Time now) const {
   auto it = nodes_.find(node);
   if (it == nodes_.end()) return NodeHealth::kLost;
-  absl::Duration silent = now - it->second.last_heard;
+  return Health(it->second, now);
+}
+
+NodeHealth NodeRegistry::Health(const NodeRecord& record, absl::Time now) const {
+  absl::Duration silent = now - record.last_heard;
   if (silent >= options_.lost_after) return NodeHealth::kLost;
   if (silent >= options_.not_ready_after) return NodeHealth::kNotReady;
   return NodeHealth::kReady;

@@ -47,6 +47,8 @@ class NodeRegistry {
   void Disconnected(const std::string& node);
 
   NodeHealth Health(const std::string& node, absl::Time now) const;
+  // The same for a record of nodes() (no lookup).
+  NodeHealth Health(const NodeRecord& record, absl::Time now) const;
   // When the next node goes NotReady or Lost if it stays silent (after `now`); the infinite
   // future when no node will. The loop wakes then, so a lease that ends is acted on at once
   // instead of at the next tick.

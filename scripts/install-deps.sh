@@ -9,6 +9,8 @@ PACKAGES=(
   libyaml-cpp-dev libspdlog-dev libfmt-dev libcpprest-dev libsystemd-dev libnuma-dev
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
   libsqlite3-dev libssl-dev
+  # kiln-controller's allocator.
+  libjemalloc-dev
   # Boost.Beast (header-only) serves HTTP.
   libboost-dev
   # systemd-analyze checks the installed units in the tests; openssl makes the TLS tests' CA.
