@@ -4,6 +4,8 @@
 //   BM_PlaceFromScratch   every replica new (a fresh cluster, or the first tick)
 //   BM_PlaceSteadyState   every replica already assigned (the common tick: nothing moves)
 //   BM_PlaceAfterNodeLoss steady state minus one node, whose replicas go elsewhere
+//   BM_LoopPlace...       the same two as the controller's loop calls Place: nodes whose
+//                         assignment stays as it was are named, not copied (omit_unchanged)
 //
 //   build/bench/kiln-placement-bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
@@ -76,15 +78,17 @@ void BM_PlaceFromScratch(benchmark::State& state) {
   Report(state, n);
 }
 
-void BM_PlaceSteadyState(benchmark::State& state) {
+// `omit_unchanged`: as the controller's loop calls Place.
+void SteadyState(benchmark::State& state, bool omit_unchanged) {
   int n = static_cast<int>(state.range(0));
   auto cluster = Assigned(n);
   auto demands = Demands(n);
-  for (auto _ : state) benchmark::DoNotOptimize(kiln::Place(demands, cluster->nodes));
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(kiln::Place(demands, cluster->nodes, {}, {}, {}, omit_unchanged));
+  }
   Report(state, n);
 }
-
-void BM_PlaceAfterNodeLoss(benchmark::State& state) {
+void AfterNodeLoss(benchmark::State& state, bool omit_unchanged) {
   int n = static_cast<int>(state.range(0));
   auto cluster = Assigned(n);
   auto& nodes = cluster->nodes;
@@ -92,13 +96,20 @@ void BM_PlaceAfterNodeLoss(benchmark::State& state) {
   for (const auto* spec : nodes[n / 2].assigned) retired.insert(spec->replica_id());
   nodes.erase(nodes.begin() + n / 2);
   auto demands = Demands(n);
-  for (auto _ : state) benchmark::DoNotOptimize(kiln::Place(demands, nodes, retired));
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(kiln::Place(demands, nodes, retired, {}, {}, omit_unchanged));
+  }
   Report(state, n);
 }
-
+void BM_PlaceSteadyState(benchmark::State& state) { SteadyState(state, false); }
+void BM_PlaceAfterNodeLoss(benchmark::State& state) { AfterNodeLoss(state, false); }
+void BM_LoopPlaceSteadyState(benchmark::State& state) { SteadyState(state, true); }
+void BM_LoopPlaceAfterNodeLoss(benchmark::State& state) { AfterNodeLoss(state, true); }
 BENCHMARK(BM_PlaceFromScratch)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_PlaceSteadyState)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_PlaceAfterNodeLoss)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LoopPlaceSteadyState)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LoopPlaceAfterNodeLoss)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

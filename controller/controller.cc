@@ -936,14 +936,16 @@ void Controller::Tick() {
       merged.insert(lost_ids.begin(), lost_ids.end());
       retired = &merged;
     }
-    PlacementResult placed = Place(all_demands, nodes, *retired, moves, evicted);
+    // Nodes whose assignment stays as sent come back by name only (most of them, each pass).
+    PlacementResult placed =
+        Place(all_demands, nodes, *retired, moves, evicted, /*omit_unchanged=*/true);
     // Replicas left WARM by a scale-down hold their room only while nobody needs it: when
     // something found no room, placement runs again without them (they drain).
     if (!placed.unplaced.empty() &&
         std::any_of(all_demands.begin(), all_demands.end(),
                     [](const PlacementDemand& d) { return d.linger > 0; })) {
       for (auto& d : all_demands) d.linger = 0;
-      placed = Place(all_demands, nodes, *retired, moves, evicted);
+      placed = Place(all_demands, nodes, *retired, moves, evicted, /*omit_unchanged=*/true);
       for (auto& [name, l] : linger_) l.Clear();  // they are gone for good
     }
     auto still_reported = [&](const std::string& id) {
@@ -968,6 +970,9 @@ void Controller::Tick() {
       std::set<std::string> assigned;
       for (const auto& [node, specs] : placed.nodes) {
         for (const auto& spec : specs) assigned.insert(spec.replica_id());
+      }
+      for (const auto& node : placed.unchanged) {
+        for (const auto& spec : sent_[node].replicas) assigned.insert(spec.replica_id());
       }
       for (auto it = rebalancing_.begin(); it != rebalancing_.end();) {
         // Done once no node runs it: unassigned, and no longer reported either (until its node
@@ -1023,6 +1028,12 @@ void Controller::Tick() {
       last_moves_ = placed.moves;
     }
 
+    // An unchanged assignment is sent only to a node not sent one since it registered.
+    for (const auto& node : placed.unchanged) {
+      Sent& s = sent_[node];
+      if (s.assignment_sent || !sessions_.count(node)) continue;
+      placed.nodes[node] = s.replicas;
+    }
     std::string ser;
     for (auto& [node, specs] : placed.nodes) {
       Sent& s = sent_[node];

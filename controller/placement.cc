@@ -1,6 +1,7 @@
 #include "controller/placement.h"
 
 #include <algorithm>
+#include <deque>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -48,7 +49,10 @@ struct NodeState {
   int zone_id = 0;  // nodes without a zone label are each their own zone
   int cpu_used = 0;
   std::vector<int64_t> gpu_used;  // by position in node->gpus
-  std::vector<v1::ReplicaSpec>* assignment = nullptr;  // the node's entry in the result
+  // The node's assignment as placement goes: the input's own specs where a replica stays as
+  // it was assigned, else specs placement made (copied into the result at the end; most of a
+  // pass's replicas stay as they were, and copying each one made most of a pass's cost).
+  std::vector<const v1::ReplicaSpec*> assignment;
 };
 
 // Replicas of one deployment per node and per zone, kept as placement goes: per node a short
@@ -161,8 +165,9 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
                       const std::vector<PlacementNode>& nodes,
                       const std::set<std::string>& retired_ids,
                       const std::map<std::string, std::string>& moves,
-                      const std::set<std::string>& evicted) {
+                      const std::set<std::string>& evicted, bool omit_unchanged) {
   PlacementResult out;
+  std::deque<v1::ReplicaSpec> made;  // specs placement made or changed (addresses stay put)
   std::vector<PlacementDemand> demands = demands_in;
   // By deployment; a deployment's demands (stable, then canary) keep their order.
   std::stable_sort(demands.begin(), demands.end(),
@@ -173,8 +178,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   for (const PlacementNode& n : nodes) {
     NodeState& ns = state[n.name];
     ns.node = &n;
-    ns.assignment = &out.nodes[n.name];  // every ready node gets an assignment, maybe empty
-    ns.assignment->reserve(ns.assignment->size() + n.assigned.size() + n.reported.size());
+    ns.assignment.reserve(ns.assignment.size() + n.assigned.size() + n.reported.size());
     // A node runs a handful of replicas: a vector searched by id beats a map.
     std::vector<Existing> seen;
     seen.reserve(n.assigned.size() + n.reported.size());
@@ -256,16 +260,16 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   };
   // `sp`: the deployment's spread, or null for a replica on its way out (it holds resources,
   // but new replicas should not avoid its node on its account).
-  auto add = [&](NodeState& ns, v1::ReplicaSpec spec, int64_t gpu_memory, Spread* sp) {
-    ns.cpu_used += spec.cpus();
-    for (size_t i = 0; spec.gpu() >= 0 && i < ns.node->gpus.size(); ++i) {
-      if (ns.node->gpus[i].index == spec.gpu()) ns.gpu_used[i] += gpu_memory;
+  auto add = [&](NodeState& ns, const v1::ReplicaSpec* spec, int64_t gpu_memory, Spread* sp) {
+    ns.cpu_used += spec->cpus();
+    for (size_t i = 0; spec->gpu() >= 0 && i < ns.node->gpus.size(); ++i) {
+      if (ns.node->gpus[i].index == spec->gpu()) ns.gpu_used[i] += gpu_memory;
     }
     if (sp) {
       sp->Add(ns.index);
       sp->per_zone[ns.zone_id]++;
     }
-    ns.assignment->push_back(std::move(spec));
+    ns.assignment.push_back(spec);
   };
 
   // Pass 1: every deployment keeps what it has, so pass 2 sees all the room already taken.
@@ -417,11 +421,17 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       }
     }
     for (Existing* e : keep) {
-      v1::ReplicaSpec spec = e->spec();
-      spec.set_state(e->keep_as);
-      spec.set_repository(d.repository);
-      spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
-      add(*e->ns, std::move(spec), std::max(e->gpu_memory, d.gpu_memory_bytes),
+      // As assigned when nothing about it changes (the input's spec itself), else a new one.
+      const v1::ReplicaSpec* spec = e->assigned;
+      if (spec == nullptr || spec->state() != e->keep_as || spec->repository() != d.repository ||
+          spec->gpu_memory_bytes() != d.gpu_memory_bytes) {
+        v1::ReplicaSpec& changed = made.emplace_back(e->spec());
+        changed.set_state(e->keep_as);
+        changed.set_repository(d.repository);
+        changed.set_gpu_memory_bytes(d.gpu_memory_bytes);
+        spec = &changed;
+      }
+      add(*e->ns, spec, std::max(e->gpu_memory, d.gpu_memory_bytes),
           leaving.count(e) ? nullptr : &spread_of(d.deployment));
     }
     Kept& counts = kept[group[di]];
@@ -534,8 +544,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       if (!n.schedulable || ns.cpu_used + d.cpus > n.cpu_capacity) continue;
       // (idle desc, id) order: least recently used first.
       std::vector<std::tuple<int64_t, std::string, size_t>> warm;
-      for (size_t pos = 0; pos < ns.assignment->size(); ++pos) {
-        const v1::ReplicaSpec& spec = (*ns.assignment)[pos];
+      for (size_t pos = 0; pos < ns.assignment.size(); ++pos) {
+        const v1::ReplicaSpec& spec = *ns.assignment[pos];
         if (spec.state() != v1::WARM || spec.gpu() < 0 ||
             DeploymentOfReplica(spec.replica_id()) == d.deployment) {
           continue;
@@ -554,7 +564,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         p.gpu = gpu;
         for (const auto& [neg_idle, id, pos] : warm) {
           if (memory_free >= d.gpu_memory_bytes) break;
-          const v1::ReplicaSpec& spec = (*ns.assignment)[pos];
+          const v1::ReplicaSpec& spec = *ns.assignment[pos];
           if (spec.gpu() != gpu) continue;
           const int64_t charged = charged_of(ns, spec);
           memory_free += charged;
@@ -574,7 +584,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     if (indexed) unindex(ns);
     std::sort(best->victims.rbegin(), best->victims.rend());  // erase from the back
     for (size_t pos : best->victims) {
-      const v1::ReplicaSpec& spec = (*ns.assignment)[pos];
+      const v1::ReplicaSpec& spec = *ns.assignment[pos];
       const std::string dep = DeploymentOfReplica(spec.replica_id());
       const int64_t charged = charged_of(ns, spec);
       ns.cpu_used -= spec.cpus();
@@ -607,7 +617,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
           std::to_string(idle_of(ns, spec.replica_id()) / 1000) + " s) on " + ns.node->name +
           " GPU " + std::to_string(spec.gpu()) +
           " makes room for a SERVING replica of " + d.deployment;
-      ns.assignment->erase(ns.assignment->begin() + static_cast<long>(pos));
+      ns.assignment.erase(ns.assignment.begin() + static_cast<long>(pos));
     }
     if (indexed) index(ns);
     return Key{0, 0, 0, ns.node->load, ns.index, best->gpu};
@@ -622,9 +632,9 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
   std::set<std::pair<int64_t, int64_t>> no_room_for;  // (GPU memory, CPUs) with no room left
   if (any_overloaded) {
     for (const NodeState* ns : order) {
-      for (const auto& spec : *ns->assignment) {
-        if (spec.gpu() >= 0 && moves.count(spec.replica_id())) {
-          overload_claimed.insert({ns->index, spec.gpu()});
+      for (const v1::ReplicaSpec* spec : ns->assignment) {
+        if (spec->gpu() >= 0 && moves.count(spec->replica_id())) {
+          overload_claimed.insert({ns->index, spec->gpu()});
         }
       }
     }
@@ -727,7 +737,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
         evict_exhausted = !best.has_value();
       }
       if (!best) continue;  // counted below, as the shortfall
-      v1::ReplicaSpec spec;
+      v1::ReplicaSpec& spec = made.emplace_back();
       spec.set_replica_id(fresh_id());
       spec.set_model(d.model);
       spec.set_version(d.version);
@@ -738,7 +748,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       spec.set_gpu_memory_bytes(d.gpu_memory_bytes);
       NodeState& chosen = *order[std::get<4>(*best)];
       unindex(chosen);
-      add(chosen, std::move(spec), d.gpu_memory_bytes, &sp);
+      add(chosen, &spec, d.gpu_memory_bytes, &sp);
       index(chosen);
       if (as_serving) {
         serving++;
@@ -757,7 +767,9 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       // Moving a GPU's only SERVING replica cannot ease it (the load goes along).
       auto serving_on = [](const NodeState& ns, int gpu) {
         int n = 0;
-        for (const auto& spec : *ns.assignment) n += spec.gpu() == gpu && spec.state() == v1::SERVING;
+        for (const v1::ReplicaSpec* spec : ns.assignment) {
+          n += spec->gpu() == gpu && spec->state() == v1::SERVING;
+        }
         return n;
       };
       for (const Existing* e : counts.ready_kept) {
@@ -890,10 +902,20 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
           std::to_string(d.cpus) + " free CPUs needed)");
     }
   }
-  for (auto& [name, specs] : out.nodes) {
-    std::sort(specs.begin(), specs.end(), [](const auto& a, const auto& b) {
-      return a.replica_id() < b.replica_id();
-    });
+  // Each node's assignment by replica id; one that is exactly what the node was assigned
+  // (the same specs, in that order) is only named when the caller asked for that.
+  for (NodeState* ns : order) {
+    std::sort(ns->assignment.begin(), ns->assignment.end(),
+              [](const v1::ReplicaSpec* a, const v1::ReplicaSpec* b) {
+                return a->replica_id() < b->replica_id();
+              });
+    if (omit_unchanged && ns->assignment == ns->node->assigned) {
+      out.unchanged.push_back(ns->node->name);
+      continue;
+    }
+    std::vector<v1::ReplicaSpec>& specs = out.nodes[ns->node->name];
+    specs.reserve(ns->assignment.size());
+    for (const v1::ReplicaSpec* spec : ns->assignment) specs.push_back(*spec);
   }
   return out;
 }

@@ -120,6 +120,10 @@ struct PlacementResult {
   // Replicas that could move to even out their deployment or off an overloaded GPU (at most
   // one per deployment), with why ("spread: sim-3 runs 3 of enc, sim-7 1").
   std::map<std::string, std::string> skewed;
+  // With `omit_unchanged`: the nodes whose whole assignment is exactly what they were
+  // assigned (`PlacementNode::assigned`, the same specs in the same order), left out of
+  // `nodes`.
+  std::vector<std::string> unchanged;
   // WARM replicas evicted by this call to make room for SERVING ones (id -> what happened).
   // The caller passes them back in `evicted` until no node runs them.
   std::map<std::string, std::string> evicted;
@@ -128,11 +132,14 @@ struct PlacementResult {
 // `retired_ids`: ids not to give to new replicas (those on Lost nodes, which may come back).
 // `moves`: replicas to move make-before-break (id -> why), as off an unhealthy GPU.
 // `evicted`: replicas evicted earlier that a node may still report: never kept again.
+// `omit_unchanged`: a node whose assignment stays exactly as assigned is named in `unchanged`
+// instead of copied into `nodes` (the controller's loop sends nothing to such a node; most
+// nodes in a pass).
 PlacementResult Place(const std::vector<PlacementDemand>& demands,
                       const std::vector<PlacementNode>& ready_nodes,
                       const std::set<std::string>& retired_ids = {},
                       const std::map<std::string, std::string>& moves = {},
-                      const std::set<std::string>& evicted = {});
+                      const std::set<std::string>& evicted = {}, bool omit_unchanged = false);
 
 // The deployment a replica id belongs to ("encoder.3" -> "encoder"); empty if not ours.
 std::string DeploymentOfReplica(const std::string& replica_id);

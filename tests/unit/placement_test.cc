@@ -192,6 +192,48 @@ TEST(PlacementTest, SpreadsNewReplicasAcrossNodesAndZones) {
   for (const auto& [n, specs] : p.nodes) EXPECT_EQ(Ids(specs), Ids(again.nodes[n]));
 }
 
+TEST(PlacementTest, NodesWhoseAssignmentStaysAreNamedNotCopiedWhenAsked) {
+  std::vector<PlacementNode> nodes = {CpuNode("a", 8), CpuNode("b", 8), CpuNode("c", 8)};
+  PlacementResult first = Place({Cpu("enc", 2, 0)}, nodes);
+  ASSERT_EQ(first.nodes.size(), 3u);
+  EXPECT_TRUE(first.unchanged.empty());  // not asked: every node's assignment is in `nodes`
+  for (auto& n : nodes) n.assigned = Keep(first.nodes.at(n.name));
+  const std::vector<std::string> on_a = Ids(first.nodes.at("a"));
+  ASSERT_EQ(on_a.size(), 1u);
+
+  // Nothing changes: every node named, none copied; without asking, the same as before.
+  PlacementResult same = Place({Cpu("enc", 2, 0)}, nodes, {}, {}, {}, /*omit_unchanged=*/true);
+  EXPECT_TRUE(same.nodes.empty());
+  EXPECT_EQ(same.unchanged, (std::vector<std::string>{"a", "b", "c"}));
+  PlacementResult full = Place({Cpu("enc", 2, 0)}, nodes);
+  EXPECT_EQ(Ids(full.nodes.at("a")), on_a);
+  EXPECT_TRUE(full.unchanged.empty());
+
+  // One more replica: only the node it goes to is copied (with what it had).
+  PlacementResult more = Place({Cpu("enc", 3, 0)}, nodes, {}, {}, {}, true);
+  ASSERT_EQ(more.nodes.size(), 1u);
+  EXPECT_EQ(more.nodes.begin()->second.size(), 1u);
+  EXPECT_EQ(more.unchanged.size(), 2u);
+  EXPECT_EQ(more.nodes.count(more.unchanged[0]) + more.nodes.count(more.unchanged[1]), 0u);
+
+  // A spec that changes (its repository) makes its node's assignment new, with the change.
+  PlacementDemand moved = Cpu("enc", 2, 0);
+  moved.repository = "/other";
+  PlacementResult changed = Place({moved}, nodes, {}, {}, {}, true);
+  EXPECT_EQ(changed.nodes.size(), 2u);  // the two nodes running one each
+  for (const auto& [node, specs] : changed.nodes) {
+    ASSERT_EQ(specs.size(), 1u) << node;
+    EXPECT_EQ(specs[0].repository(), "/other");
+  }
+  EXPECT_EQ(changed.unchanged.size(), 1u);
+
+  // Scaled down to one: the node that loses its replica gets an empty assignment.
+  PlacementResult fewer = Place({Cpu("enc", 1, 0)}, nodes, {}, {}, {}, true);
+  ASSERT_EQ(fewer.nodes.size(), 1u);
+  EXPECT_TRUE(fewer.nodes.begin()->second.empty());
+  EXPECT_EQ(fewer.unchanged.size(), 2u);
+}
+
 TEST(PlacementTest, HealthyReplicasStayAndWarmOnesArePromotedFirst) {
   PlacementNode a = CpuNode("a", 8);
   a.reported = Keep<v1::ReplicaStatus>({Reported("enc.0", v1::SERVING), Reported("enc.1", v1::WARM)});
