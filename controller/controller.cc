@@ -463,23 +463,41 @@ grpc::Status Controller::Registered(const std::shared_ptr<Stream>& stream, const
 }
 
 void Controller::Acked(const std::string& node, const v1::AgentMessage& m) {
-  absl::MutexLock lock(&mu_);
-  if (m.has_ack()) {
-    if (m.ack().kind() == v1::Ack::ASSIGNMENT &&
-        m.ack().generation() == sent_[node].assignment_generation) {
-      sent_[node].nack.clear();
+  if (m.has_nack()) {
+    GetLogger("controller")
+        ->warn("node {} refused generation {}: {}", node, m.nack().generation(), m.nack().reason());
+  }
+  // Kept for the next pass (or read of the nodes): the stream's thread never waits for the
+  // controller's lock, which a pass holds for long at 10,000 nodes (Acks waiting for it held
+  // every stream's reads, so reports came late and nodes went NotReady).
+  absl::MutexLock lock(&reports_mu_);
+  acks_.push_back({node, m});
+}
+
+void Controller::TakeAcks() {
+  std::vector<std::pair<std::string, v1::AgentMessage>> acks;
+  {
+    absl::MutexLock lock(&reports_mu_);
+    acks.swap(acks_);
+  }
+  for (const auto& [node, m] : acks) {  // in the order they came
+    auto sent = sent_.find(node);
+    if (sent == sent_.end()) continue;  // forgotten meanwhile
+    if (m.has_ack()) {
+      if (m.ack().kind() == v1::Ack::ASSIGNMENT &&
+          m.ack().generation() == sent->second.assignment_generation) {
+        sent->second.nack.clear();
+      }
+      continue;
     }
-    return;
+    // Only a Nack of the assignment in force counts: a late one for an older generation says
+    // nothing about the one the node has now.
+    if (m.nack().kind() == v1::Ack::ASSIGNMENT &&
+        m.nack().generation() == sent->second.assignment_generation) {
+      sent->second.nack = m.nack().reason();
+      new_nacks_[node] = m.nack().reason();
+    }
   }
-  // Only a Nack of the assignment in force counts: a late one for an older generation says
-  // nothing about the one the node has now.
-  if (m.nack().kind() == v1::Ack::ASSIGNMENT &&
-      m.nack().generation() == sent_[node].assignment_generation) {
-    sent_[node].nack = m.nack().reason();
-    new_nacks_[node] = m.nack().reason();
-  }
-  GetLogger("controller")
-      ->warn("node {} refused generation {}: {}", node, m.nack().generation(), m.nack().reason());
 }
 
 void Controller::Ended(const std::string& node, const Stream* stream) {
@@ -494,6 +512,7 @@ void Controller::Ended(const std::string& node, const Stream* stream) {
 }
 
 void Controller::TakeStatuses() {
+  TakeAcks();
   // Reports change hands by swaps: a node's previous report goes back to a stream to be
   // parsed into again (freeing 50,000 replicas' reports a pass was a tenth of it).
   std::vector<std::shared_ptr<Stream>> reported;

@@ -147,8 +147,10 @@ class Controller
                           bool first);
   void Acked(const std::string& node, const v1::AgentMessage& m);
   void Ended(const std::string& node, const Stream* stream);
-  // Moves each stream's newest NodeStatus into the registry.
+  // Moves each stream's newest NodeStatus into the registry, after the Acks and Nacks that came
+  // (TakeAcks).
   void TakeStatuses() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TakeAcks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps a forgotten node's replica ids retired and drops what was sent to it.
   // A stream the node still has open is handed to `to_end` (ended outside the lock).
   void Retire(const std::string& node, const NodeRecord& record, const std::string& why,
@@ -195,6 +197,8 @@ class Controller
   // every stream (at 10,000 nodes most have nothing new between two passes).
   absl::Mutex reports_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::vector<std::shared_ptr<Stream>> reported_ ABSL_GUARDED_BY(reports_mu_);
+  // Acks and Nacks as they came (node, message), taken in order by the next pass.
+  std::vector<std::pair<std::string, v1::AgentMessage>> acks_ ABSL_GUARDED_BY(reports_mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Routing (routing.h): per deployment, what its route was built from and each group's
   // route; per group, its table, a count of its changes, and its message serialized once for
