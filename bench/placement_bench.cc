@@ -4,6 +4,8 @@
 //   BM_PlaceFromScratch   every replica new (a fresh cluster, or the first tick)
 //   BM_PlaceSteadyState   every replica already assigned (the common tick: nothing moves)
 //   BM_PlaceAfterNodeLoss steady state minus one node, whose replicas go elsewhere
+//   BM_PlaceFromScratchFewDeployments  5 deployments of N replicas each (the same 5 replicas
+//                         per node), every replica new: big deployments
 //   BM_LoopPlace...       the same two as the controller's loop calls Place: nodes whose
 //                         assignment stays as it was are named, not copied (omit_unchanged)
 //
@@ -32,16 +34,19 @@ std::vector<PlacementNode> Nodes(int n) {
   return nodes;
 }
 
-std::vector<PlacementDemand> Demands(int nodes) {
+// `deployments` of 5 * nodes / deployments replicas each (the default: N/2 of 10).
+std::vector<PlacementDemand> Demands(int nodes, int deployments = 0) {
+  if (deployments <= 0) deployments = nodes / 2;
+  const int64_t each = 5LL * nodes / deployments;
   std::vector<PlacementDemand> out;
-  for (int i = 0; i < nodes / 2; ++i) {
+  for (int i = 0; i < deployments; ++i) {
     PlacementDemand d;
     d.deployment = "dep-" + std::to_string(i);
     d.model = "m" + std::to_string(i);
     d.version = "1";
     d.repository = "/models";
-    d.serving = 9;
-    d.warm = 1;
+    d.serving = each - each / 10;
+    d.warm = each / 10;
     d.gpus = 1;
     d.gpu_memory_bytes = 10LL << 30;
     d.cpus = 2;
@@ -70,6 +75,13 @@ void Report(benchmark::State& state, int nodes) {
   state.counters["replicas"] = nodes / 2 * 10;
 }
 
+void BM_PlaceFromScratchFewDeployments(benchmark::State& state) {
+  int n = static_cast<int>(state.range(0));
+  auto nodes = Nodes(n);
+  auto demands = Demands(n, 5);
+  for (auto _ : state) benchmark::DoNotOptimize(kiln::Place(demands, nodes));
+  Report(state, n);
+}
 void BM_PlaceFromScratch(benchmark::State& state) {
   int n = static_cast<int>(state.range(0));
   auto nodes = Nodes(n);
@@ -106,6 +118,7 @@ void BM_PlaceAfterNodeLoss(benchmark::State& state) { AfterNodeLoss(state, false
 void BM_LoopPlaceSteadyState(benchmark::State& state) { SteadyState(state, true); }
 void BM_LoopPlaceAfterNodeLoss(benchmark::State& state) { AfterNodeLoss(state, true); }
 BENCHMARK(BM_PlaceFromScratch)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PlaceFromScratchFewDeployments)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_PlaceSteadyState)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_PlaceAfterNodeLoss)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LoopPlaceSteadyState)->Arg(100)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);

@@ -468,13 +468,38 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
                                      ns.node->load, ns.index, ns.node->gpus[i].index, i});
     }
   };
+  // While one demand places many replicas, its own copy of the index without the nodes that
+  // run its deployment (the room index keeps them, and skipping them was quadratic: 3.3 s for
+  // 5 deployments of 10,000 replicas on 10,000 nodes). Made once a search skips many nodes;
+  // kept in step by index() and unindex() until the demand is done.
+  struct FreshIndex {
+    const Spread* of = nullptr;  // the deployment's spread while in use
+    bool gpu = false;            // GPU slots (else CPU slots)
+    std::vector<std::set<Slot>> zones;
+  } fresh;
+  auto mirror = [&](const NodeState& ns, bool insert) {
+    if (fresh.of == nullptr || (insert && fresh.of->on(ns.index) != 0)) return;
+    slots_of(ns, [&](std::set<Slot>& set, const Slot& slot) {
+      const bool gpu_set = &set >= gpu_slots.data() && &set < gpu_slots.data() + gpu_slots.size();
+      if (gpu_set != fresh.gpu) return;
+      std::set<Slot>& mine = fresh.zones[ns.zone_id];
+      if (insert) {
+        mine.insert(slot);
+      } else {
+        mine.erase(slot);
+      }
+    });
+  };
   auto index = [&](const NodeState& ns) {
     slots_of(ns, [](std::set<Slot>& set, const Slot& slot) { set.insert(slot); });
+    mirror(ns, true);
   };
   auto unindex = [&](const NodeState& ns) {
     slots_of(ns, [](std::set<Slot>& set, const Slot& slot) { set.erase(slot); });
+    mirror(ns, false);
   };
   bool indexed = false;  // built on first use: a steady tick places nothing
+  constexpr size_t kFreshAfter = 256;  // skips in one search before a demand gets its own index
   // What one replica of `d` needs of a slot: free memory on a GPU, or free CPUs.
   auto need_of = [](const PlacementDemand& d) { return d.gpus > 0 ? d.gpu_memory_bytes : d.cpus; };
   // Zone z's slots with room for one replica of `d`, in the index's order (tightest first).
@@ -687,25 +712,49 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     // deployment and has the CPUs; the zone with the fewest of the deployment wins. Nothing
     // when no zone has such a node (then every node is scanned: the key's first field, the
     // deployment's count on the node, decides).
+    fresh.of = nullptr;  // this demand's own index, once it needs one
+    fresh.zones.clear();
     auto best_fresh = [&]() -> std::optional<Key> {
-      std::optional<Key> best;
       const int64_t need = need_of(d);
-      for (size_t z = 0; z < zones.size(); ++z) {
-        const int zone_count = sp.per_zone[z];
-        if (best && std::get<1>(*best) < zone_count) continue;
-        for (auto [it, end] = room_in(d, z); it != end; ++it) {
-          const NodeState& ns = *order[std::get<2>(*it)];
-          if (sp.on(ns.index) != 0 || ns.cpu_used + d.cpus > ns.node->cpu_capacity ||
-              avoided(d.deployment, ns.index)) {
-            continue;
+      size_t skipped = 0;
+      for (;;) {  // again (once) with the demand's own index, after many skips
+        const bool own = fresh.of == &sp;
+        std::optional<Key> best;
+        for (size_t z = 0; z < zones.size() && skipped <= kFreshAfter; ++z) {
+          const int zone_count = sp.per_zone[z];
+          if (best && std::get<1>(*best) < zone_count) continue;
+          auto [it, end] = room_in(d, z);
+          if (own) {
+            it = fresh.zones[z].lower_bound(Slot{need, kLowest, -1, -1, -1});
+            end = fresh.zones[z].end();
           }
-          Key k{0, zone_count, std::get<0>(*it) - need, std::get<1>(*it), ns.index,
-                std::get<3>(*it)};
-          if (!best || k < *best) best = k;
-          break;
+          for (; it != end; ++it) {
+            const NodeState& ns = *order[std::get<2>(*it)];
+            const bool here = sp.on(ns.index) != 0;
+            if (here || ns.cpu_used + d.cpus > ns.node->cpu_capacity ||
+                avoided(d.deployment, ns.index)) {
+              // (Only skips for the deployment's own nodes count: its index leaves out those.)
+              if (here && !own && ++skipped > kFreshAfter) break;
+              continue;
+            }
+            Key k{0, zone_count, std::get<0>(*it) - need, std::get<1>(*it), ns.index,
+                  std::get<3>(*it)};
+            if (!best || k < *best) best = k;
+            break;
+          }
+        }
+        if (own || skipped <= kFreshAfter) return best;
+        // The nodes free of the deployment, in the room index's order.
+        skipped = 0;
+        fresh.of = &sp;
+        fresh.gpu = d.gpus > 0;
+        fresh.zones.assign(zones.size(), {});
+        for (size_t z = 0; z < zones.size(); ++z) {
+          for (const Slot& slot : fresh.gpu ? gpu_slots[z] : cpu_slots[z]) {
+            if (sp.on(std::get<2>(slot)) == 0) fresh.zones[z].insert(fresh.zones[z].end(), slot);
+          }
         }
       }
-      return best;
     };
     // Once no node free of the deployment has room, none will within this call (its count on a
     // node only grows): later replicas go straight to the full scan.

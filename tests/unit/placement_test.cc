@@ -69,6 +69,8 @@ TEST(NodeRegistryTest, APassThatWouldRunOverALeaseEndWaitsForIt) {
   // Passes not measured yet (or a simulated clock that stands still): the tick or the lease.
   EXPECT_EQ(NextPassIn(tick, absl::Milliseconds(300), absl::ZeroDuration()), tick);
   EXPECT_EQ(NextPassIn(tick, absl::ZeroDuration(), pass), absl::Milliseconds(1));
+  // One that ended while the last pass ran (the loop counts from that pass's start): at once.
+  EXPECT_EQ(NextPassIn(tick, absl::Milliseconds(-40), pass), absl::Milliseconds(1));
 }
 
 TEST(NodeRegistryTest, RemovingANodeByHandNeedsItsStreamClosed) {
@@ -371,6 +373,46 @@ PlacementDemand GpuOf(const std::string& dep, int64_t serving, int64_t warm, int
   d.gpus = 1;
   d.gpu_memory_bytes = gib << 30;
   return d;
+}
+
+// A deployment on many nodes: past a few hundred of its nodes skipped in one search, a demand
+// searches its own index of the nodes free of it (kept in step as replicas land). What lands
+// where is the same rule: one per node while a node is free of it, zones evened out, then a
+// second per node; a later deployment does the same around it.
+TEST(PlacementTest, ADeploymentOnManyNodesSpreadsLikeASmallOne) {
+  std::vector<PlacementNode> nodes;
+  for (int i = 0; i < 60; ++i) {
+    char name[16];
+    std::snprintf(name, sizeof(name), "n%02d", i);
+    PlacementNode n = GpuNode(name, std::vector<int64_t>(8, 80LL << 30), 64);
+    n.zone = i % 2 ? "b" : "a";
+    nodes.push_back(n);
+  }
+  // 8 GPU slots a node: 33 nodes run it after 33 replicas, 264 slots to skip.
+  const PlacementResult p = Place({GpuOf("big", 70, 0, 10), GpuOf("other", 60, 0, 10)}, nodes);
+  EXPECT_TRUE(p.unplaced.empty());
+  std::map<std::string, int> big, other;  // replicas per node
+  for (const auto& [node, specs] : p.nodes) {
+    for (const auto& spec : specs) (spec.replica_id().rfind("big.", 0) == 0 ? big : other)[node]++;
+  }
+  ASSERT_EQ(big.size(), 60u);  // every node, before any runs two
+  int twice = 0;
+  for (const auto& [node, n] : big) {
+    EXPECT_LE(n, 2) << node;
+    twice += n == 2;
+  }
+  EXPECT_EQ(twice, 10);
+  int in_a = 0, in_b = 0;  // the ten second replicas evened out across the zones
+  for (const auto& [node, n] : big) {
+    if (n == 2) ((node.back() - '0') % 2 ? in_b : in_a)++;  // odd nodes are in zone b
+  }
+  EXPECT_EQ(in_a, 5);
+  EXPECT_EQ(in_b, 5);
+  ASSERT_EQ(other.size(), 60u);
+  for (const auto& [node, n] : other) EXPECT_EQ(n, 1) << node;
+  // Deterministic: the same again.
+  const PlacementResult again = Place({GpuOf("big", 70, 0, 10), GpuOf("other", 60, 0, 10)}, nodes);
+  for (const auto& [node, specs] : p.nodes) EXPECT_EQ(Ids(again.nodes.at(node)), Ids(specs));
 }
 
 // Sets what each listed replica reports as its idle time.
