@@ -388,6 +388,9 @@ class Router::Impl {
           grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
           grpc::InsecureServerCredentials());
     } else {
+      // A port another process holds is an error, not shared (SO_REUSEPORT would split the
+      // node's traffic with it).
+      b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
       b.AddListeningPort(o.bind_address + ":" + std::to_string(o.grpc_port),
                          grpc::InsecureServerCredentials(), &grpc_port_);
     }

@@ -135,23 +135,27 @@ Controller::~Controller() { Stop(); }
 void Controller::Start() {
   leading_ = true;
   loop_ = std::thread([this]() {
-    // The last passes (by the controller's clock): their median is how long a pass started
-    // now may run (the median, not the longest: one long pass, the first after a start or a
-    // burst of registrations, would otherwise hold passes back until a lease ends).
+    // The last passes (by the controller's clock): the longest is how long a pass started now
+    // may run (the longest, not a typical one: a lease that ends inside a pass waits for two),
+    // taken as at most a second (one long pass, the first after a start or a burst of
+    // registrations, would otherwise hold passes back until a lease ends).
     std::deque<absl::Duration> passes;
+    absl::Time start = clock_->Now();  // the last pass's
     for (;;) {
       {
         absl::MutexLock lock(&mu_);
         auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
         const absl::Time now = clock_->Now();
-        std::vector<absl::Duration> sorted(passes.begin(), passes.end());
-        std::sort(sorted.begin(), sorted.end());
+        absl::Duration longest = absl::ZeroDuration();
+        for (absl::Duration p : passes) longest = std::max(longest, p);
+        // Leases that ended since the last pass began count (one that ended while it ran was
+        // not acted on: the next pass comes at once, not a tick later).
         const absl::Duration wait =
-            NextPassIn(options_.tick, registry_.NextTransition(now) - now,
-                       sorted.empty() ? absl::ZeroDuration() : sorted[sorted.size() / 2]);
+            NextPassIn(options_.tick, registry_.NextTransition(start) - now,
+                       std::min(longest, absl::Seconds(1)));
         if (mu_.AwaitWithTimeout(absl::Condition(&stop), wait)) return;
       }
-      const absl::Time start = clock_->Now();
+      start = clock_->Now();
       Tick();
       passes.push_back(clock_->Now() - start);
       if (passes.size() > 8) passes.pop_front();

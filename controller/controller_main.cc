@@ -262,6 +262,9 @@ int main(int argc, char** argv) {
   auto lead = [&]() -> bool {
     int control_port = 0;
     grpc::ServerBuilder builder;
+    // A port another process holds is an error, not shared (gRPC would share it with
+    // SO_REUSEPORT: a second controller on the port would split the agents between them).
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.AddListeningPort(listen, control_credentials, &control_port);
     builder.RegisterService(&controller);
     control = builder.BuildAndStart();

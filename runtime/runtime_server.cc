@@ -129,6 +129,9 @@ absl::Status RuntimeServer::StartListening() {
   grpc_service_ = std::make_unique<GrpcInferenceService>(&host_, options_.max_request_bytes,
                                                          options_.server_version);
   grpc::ServerBuilder b;
+  // A port another process holds is an error, not shared (SO_REUSEPORT would split requests
+  // with whatever holds it).
+  b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   b.AddListeningPort(options_.bind_address + ":" + std::to_string(options_.grpc_port),
                      grpc::InsecureServerCredentials(), &grpc_port_);
   b.RegisterService(grpc_service_.get());

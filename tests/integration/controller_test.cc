@@ -46,6 +46,9 @@ class ControllerTest : public ::testing::Test {
     std::vector<std::string> args = {KILN_CONTROLLER_BIN, "--state-dir", dir_ + "/state",
                                      "--admin-port", "0"};
     args.insert(args.end(), extra.begin(), extra.end());
+    if (std::find(extra.begin(), extra.end(), "--listen") == extra.end()) {
+      args.insert(args.end(), {"--listen", "127.0.0.1:0"});  // a free port, not 7071
+    }
     pid_ = kiln::testing::SpawnLogged(args, log);
     ASSERT_GE(pid_, 0);
     for (int i = 0; i < 200; ++i) {
@@ -272,6 +275,34 @@ TEST_F(ControllerTest, TheControlPlaneRefusesBadStreamsWithTheReason) {
   removed = Shell(Ctl("delete node n1"));
   EXPECT_EQ(removed.rc, 1);
   EXPECT_NE(removed.out.find("Error from server (NotFound)"), std::string::npos) << removed.out;
+}
+
+TEST_F(ControllerTest, ASecondControllerOnTheSamePortFailsToStart) {
+  Start();
+  ASSERT_GT(control_port_, 0);
+  // gRPC would share the port (SO_REUSEPORT) and split the agents between the two.
+  const std::string log = dir_ + "/second.log";
+  pid_t second = kiln::testing::SpawnLogged(
+      {KILN_CONTROLLER_BIN, "--state-dir", dir_ + "/state2", "--admin-port", "0", "--listen",
+       "127.0.0.1:" + std::to_string(control_port_)},
+      log);
+  ASSERT_GE(second, 0);
+  int status = 0;
+  pid_t done = 0;
+  for (int i = 0; i < 200 && done == 0; ++i) {  // bounded: it exits at once
+    done = waitpid(second, &status, WNOHANG);
+    if (done == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (done == 0) {
+    kill(second, SIGKILL);
+    waitpid(second, &status, 0);
+    FAIL() << "a second controller started on the first one's port: " << ReadFile(log);
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << ReadFile(log);
+  EXPECT_NE(ReadFile(log).find("--listen: cannot listen on 127.0.0.1:" +
+                               std::to_string(control_port_)),
+            std::string::npos)
+      << ReadFile(log);
 }
 
 TEST_F(ControllerTest, BearerTokenWhenConfigured) {
