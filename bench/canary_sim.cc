@@ -90,6 +90,10 @@ class Node {
     }
   }
   const std::string& name() const { return name_; }
+  int Running() {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(replicas_.size());
+  }
 
   v1::AgentMessage Register() {
     absl::MutexLock lock(&mu_);
@@ -316,7 +320,10 @@ int main(int argc, char** argv) {
   // --lose-nodes: replicas newly given to the nodes that stay, from when the others fell
   // silent; the first such Assignment's time and the one that completed the count.
   std::atomic<bool> counting_added{false};
+  // What the silenced nodes ran (the deployments' placement decides, not --replicas-per-node:
+  // the nodes drop what they registered with when their first, empty, assignment comes).
   absl::Mutex added_mu;
+  int lost_replicas = 0;  // under added_mu
   int added_total = 0;
   Clock::time_point first_added{}, all_added{};
   absl::Mutex seen_mu;
@@ -372,7 +379,7 @@ int main(int argc, char** argv) {
         absl::MutexLock lock(&added_mu);
         if (added_total == 0) first_added = now;
         added_total += added;
-        if (added_total >= lose_nodes * replicas && all_added == Clock::time_point{}) {
+        if (added_total >= lost_replicas && all_added == Clock::time_point{}) {
           all_added = now;
         }
       }
@@ -482,23 +489,36 @@ int main(int argc, char** argv) {
                 << " Lost: a lease shorter than this machine needs?)\n";
       exit_code = 1;
     } else {
-      counting_added = true;
       Clock::time_point last{};
+      int running = 0;
       for (int i = 0; i < lose_nodes; ++i) {
         absl::MutexLock lock(&agents[i]->sent_mu);  // no report of theirs is being queued
         agents[i]->silent = true;
         last = std::max(last, agents[i]->last_sent);
+        running += agents[i]->node->Running();
+      }
+      {
+        absl::MutexLock lock(&added_mu);
+        lost_replicas = running;
+      }
+      counting_added = true;  // (their lease ends --node-lost-seconds from now: nothing missed)
+      if (running == 0) {
+        std::cerr << "not a valid run: the silenced nodes ran no replicas\n";
+        exit_code = 1;
       }
       const auto lease_end =
           last + std::chrono::microseconds(static_cast<int64_t>(lost_after_s * 1e6));
-      const bool done = wait_for([&] {
+      const bool done = exit_code == 0 && wait_for([&] {
         absl::MutexLock lock(&added_mu);
         return all_added != Clock::time_point{};
       });
       absl::MutexLock lock(&added_mu);
       if (!done) {
-        std::cerr << "the lost nodes' replicas were not all placed again within --timeout-seconds ("
-                  << added_total << " of " << lose_nodes * replicas << ")\n";
+        if (running > 0) {
+          std::cerr << "the lost nodes' replicas were not all placed again within "
+                       "--timeout-seconds ("
+                    << added_total << " of " << lost_replicas << ")\n";
+        }
         exit_code = 1;
       } else {
         auto ms = [&](Clock::time_point t) {

@@ -24,6 +24,7 @@ for run in $(seq 1 "$RUNS"); do
     --listen "127.0.0.1:$port" --observe-seconds 0 --node-not-ready-seconds "$NOT_READY_S" \
     --node-lost-seconds "$LOST_S" > "$dir/log" 2>&1 &
   pid=$!
+  trap 'kill "$pid" 2>/dev/null || true' EXIT  # also when this script is cut short
   admin=""
   for _ in $(seq 1 200); do
     admin="$(grep -o 'admin=http://[0-9.:]*' "$dir/log" | head -1 | cut -d= -f2 || true)"
