@@ -17,8 +17,9 @@
 // Prints one JSON line.
 //
 // With --lose-nodes K it measures the decision after a node loss instead: once the deployments
-// are placed, nodes sim-0 .. sim-(K-1) fall silent (no report, no Ack; their streams stay open,
-// as a machine that died without closing its connections), and the time is taken from the end
+// are placed, the first K nodes that run a replica fall silent (no report, no Ack; their
+// streams stay open, as a machine that died without closing its connections), and the time is
+// taken from the end
 // of their lease (their last report sent plus --node-lost-seconds, which must match the
 // controller's) to the first Assignment that gives another node one of their replicas' new
 // places, and to the one that completes them. The lease is counted from the report's sending,
@@ -195,13 +196,14 @@ class Stream final : public grpc::ClientBidiReactor<v1::AgentMessage, v1::Contro
       : on_message_(std::move(on_message)) {
     stub->async()->Connect(&ctx_, this);
     StartRead(&in_);
+    AddHold();  // writes start from other threads (Send): the call lives until the read ends
     StartCall();
   }
   // Sends `m` after what is queued; a report replaces one still queued (only the newest
   // matters). When: the time it was queued (it leaves no sooner).
   void Send(v1::AgentMessage m) {
     absl::MutexLock lock(&mu_);
-    if (done_ || broken_) return;
+    if (closing_ || broken_) return;
     if (m.has_status()) {
       for (auto& queued : queue_) {
         if (queued.has_status()) {
@@ -214,10 +216,11 @@ class Stream final : public grpc::ClientBidiReactor<v1::AgentMessage, v1::Contro
     if (!writing_) WriteNextLocked();
   }
   void Cancel() { ctx_.TryCancel(); }
-  // The stream's end, once gRPC is done with it (nullopt while it runs).
+  // The stream's end, once gRPC is done with it (nullopt while it runs); then it may go.
   std::optional<grpc::Status> Ended() {
+    if (!done_) return std::nullopt;
     absl::MutexLock lock(&mu_);
-    return done_ ? std::optional<grpc::Status>(status_) : std::nullopt;
+    return status_;
   }
 
   void OnWriteDone(bool ok) override {
@@ -230,14 +233,23 @@ class Stream final : public grpc::ClientBidiReactor<v1::AgentMessage, v1::Contro
     WriteNextLocked();
   }
   void OnReadDone(bool ok) override {
-    if (!ok) return;
+    if (!ok) {  // the call is ending: no more writes, and the hold goes
+      {
+        absl::MutexLock lock(&mu_);
+        closing_ = true;
+      }
+      RemoveHold();
+      return;
+    }
     on_message_(this, in_);
     StartRead(&in_);
   }
   void OnDone(const grpc::Status& s) override {
-    absl::MutexLock lock(&mu_);
-    done_ = true;
-    status_ = s;
+    {
+      absl::MutexLock lock(&mu_);
+      status_ = s;
+    }
+    done_ = true;  // the last thing: the owner may destroy it from here on
   }
 
  private:
@@ -257,7 +269,8 @@ class Stream final : public grpc::ClientBidiReactor<v1::AgentMessage, v1::Contro
   v1::AgentMessage out_ ABSL_GUARDED_BY(mu_);  // being written
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;  // the read ended: the call is going
+  std::atomic<bool> done_{false};
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -491,11 +504,16 @@ int main(int argc, char** argv) {
     } else {
       Clock::time_point last{};
       int running = 0;
-      for (int i = 0; i < lose_nodes; ++i) {
+      // The first nodes (by number) that run something: placement may leave a node empty.
+      int silenced = 0;
+      for (size_t i = 0; i < agents.size() && silenced < lose_nodes; ++i) {
+        const int here = agents[i]->node->Running();
+        if (here == 0) continue;
         absl::MutexLock lock(&agents[i]->sent_mu);  // no report of theirs is being queued
         agents[i]->silent = true;
         last = std::max(last, agents[i]->last_sent);
-        running += agents[i]->node->Running();
+        running += here;
+        silenced++;
       }
       {
         absl::MutexLock lock(&added_mu);

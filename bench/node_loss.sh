@@ -8,6 +8,7 @@
 #   BUILD_DIR=...   a build with kiln-controller and kiln-canary-sim (default ./build)
 #   CONTROLLER_BUILD=...  another build's kiln-controller (a baseline), the simulator kept
 #   KEEP_LOGS=DIR   keep each run's controller log there (DIR/controller-RUN.log)
+#   LOST_S, NOT_READY_S  the controller's leases (defaults 15 and 5 s)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NODES="${1:-1000}"
@@ -15,8 +16,10 @@ LOSE="${2:-5}"
 RUNS="${3:-3}"
 BUILD_DIR="${BUILD_DIR:-build}"
 CONTROLLER_BUILD="${CONTROLLER_BUILD:-$BUILD_DIR}"
-LOST_S="${LOST_S:-3}"
-NOT_READY_S="${NOT_READY_S:-1}"
+# Leases well above the simulator's 1 s report period (a NotReady lease of 1 s kept every node
+# at its edge), short enough for a quick run.
+LOST_S="${LOST_S:-15}"
+NOT_READY_S="${NOT_READY_S:-5}"
 for run in $(seq 1 "$RUNS"); do
   dir="$(mktemp -d)"
   port=$((17100 + run))
@@ -36,13 +39,16 @@ for run in $(seq 1 "$RUNS"); do
     kill "$pid"
     exit 1
   fi
+  rc=0  # a run the simulator finds not valid still has its logs kept
   "$BUILD_DIR/bench/kiln-canary-sim" --controller "127.0.0.1:$port" --admin "$admin" \
     --nodes "$NODES" --replicas-per-node 5 --samples 5 --lose-nodes "$LOSE" \
-    --node-lost-seconds "$LOST_S" --timeout-seconds 60 | tee "$dir/sim.json"
+    --node-lost-seconds "$LOST_S" --timeout-seconds 60 | tee "$dir/sim.json" || rc=$?
   curl -s "$admin/metrics" | grep -E '^kiln_controller_node_loss_decision_seconds_(sum|count)|^kiln_controller_loop_duration_seconds_(sum|count)' || true
   grep -E 'lost: its replicas' "$dir/log" | head -"$LOSE" || true
   kill "$pid"
   wait "$pid" 2>/dev/null || true
+  trap - EXIT
   if [ -n "${KEEP_LOGS:-}" ]; then mkdir -p "$KEEP_LOGS" && cp "$dir/log" "$KEEP_LOGS/controller-$run.log"; fi
   rm -rf "$dir"
+  [ "$rc" -eq 0 ] || exit "$rc"
 done

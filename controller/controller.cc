@@ -262,7 +262,7 @@ class Controller::Stream final : public grpc::ServerBidiReactor<grpc::ByteBuffer
           break;
         case v1::AgentMessage::kAck:
         case v1::AgentMessage::kNack:
-          controller_->Acked(node_, in_);
+          controller_->Acked(self_, in_);
           break;
         default:
           break;
@@ -466,25 +466,31 @@ grpc::Status Controller::Registered(const std::shared_ptr<Stream>& stream, const
   return grpc::Status::OK;
 }
 
-void Controller::Acked(const std::string& node, const v1::AgentMessage& m) {
+void Controller::Acked(const std::shared_ptr<Stream>& stream, const v1::AgentMessage& m) {
   if (m.has_nack()) {
     GetLogger("controller")
-        ->warn("node {} refused generation {}: {}", node, m.nack().generation(), m.nack().reason());
+        ->warn("node {} refused generation {}: {}", stream->node(), m.nack().generation(),
+               m.nack().reason());
   }
   // Kept for the next pass (or read of the nodes): the stream's thread never waits for the
   // controller's lock, which a pass holds for long at 10,000 nodes (Acks waiting for it held
   // every stream's reads, so reports came late and nodes went NotReady).
   absl::MutexLock lock(&reports_mu_);
-  acks_.push_back({node, m});
+  acks_.push_back({stream, m});
 }
 
 void Controller::TakeAcks() {
-  std::vector<std::pair<std::string, v1::AgentMessage>> acks;
+  std::vector<std::pair<std::shared_ptr<Stream>, v1::AgentMessage>> acks;
   {
     absl::MutexLock lock(&reports_mu_);
     acks.swap(acks_);
   }
-  for (const auto& [node, m] : acks) {  // in the order they came
+  for (const auto& [stream, m] : acks) {  // in the order they came
+    // Only the node's current stream speaks for it: a node that registered again since (an
+    // agent restart) was sent its assignment afresh, and an old Nack says nothing of it.
+    const std::string& node = stream->node();
+    auto session = sessions_.find(node);
+    if (session == sessions_.end() || session->second != stream) continue;
     auto sent = sent_.find(node);
     if (sent == sent_.end()) continue;  // forgotten meanwhile
     if (m.has_ack()) {

@@ -145,7 +145,7 @@ class Controller
   // The stream's side: a Register (first or again), an Ack or Nack, its end.
   grpc::Status Registered(const std::shared_ptr<Stream>& stream, const v1::Register& r,
                           bool first);
-  void Acked(const std::string& node, const v1::AgentMessage& m);
+  void Acked(const std::shared_ptr<Stream>& stream, const v1::AgentMessage& m);
   void Ended(const std::string& node, const Stream* stream);
   // Moves each stream's newest NodeStatus into the registry, after the Acks and Nacks that came
   // (TakeAcks).
@@ -197,8 +197,9 @@ class Controller
   // every stream (at 10,000 nodes most have nothing new between two passes).
   absl::Mutex reports_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::vector<std::shared_ptr<Stream>> reported_ ABSL_GUARDED_BY(reports_mu_);
-  // Acks and Nacks as they came (node, message), taken in order by the next pass.
-  std::vector<std::pair<std::string, v1::AgentMessage>> acks_ ABSL_GUARDED_BY(reports_mu_);
+  // Acks and Nacks as they came (the node's stream, message), taken in order by the next pass.
+  std::vector<std::pair<std::shared_ptr<Stream>, v1::AgentMessage>> acks_
+      ABSL_GUARDED_BY(reports_mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Routing (routing.h): per deployment, what its route was built from and each group's
   // route; per group, its table, a count of its changes, and its message serialized once for

@@ -19,6 +19,11 @@ std::string_view DeploymentView(std::string_view replica_id) {
   return replica_id.substr(0, dot);
 }
 
+size_t& PlacementFreshIndexAfter() {
+  static size_t after = 256;
+  return after;
+}
+
 std::string DeploymentOfReplica(const std::string& replica_id) {
   return std::string(DeploymentView(replica_id));
 }
@@ -499,7 +504,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
     mirror(ns, false);
   };
   bool indexed = false;  // built on first use: a steady tick places nothing
-  constexpr size_t kFreshAfter = 256;  // skips in one search before a demand gets its own index
+  const size_t kFreshAfter = PlacementFreshIndexAfter();  // skips before a demand's own index
   // What one replica of `d` needs of a slot: free memory on a GPU, or free CPUs.
   auto need_of = [](const PlacementDemand& d) { return d.gpus > 0 ? d.gpu_memory_bytes : d.cpus; };
   // Zone z's slots with room for one replica of `d`, in the index's order (tightest first).

@@ -141,6 +141,11 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands,
                       const std::map<std::string, std::string>& moves = {},
                       const std::set<std::string>& evicted = {}, bool omit_unchanged = false);
 
+// Test seam: how many of its own deployment's nodes one search for a free node may skip before
+// the demand gets its own index of the nodes free of it (placement.cc; 256). Placement's result
+// is the same either way.
+size_t& PlacementFreshIndexAfter();
+
 // The deployment a replica id belongs to ("encoder.3" -> "encoder"); empty if not ours.
 std::string DeploymentOfReplica(const std::string& replica_id);
 // The same without a copy: a view into `replica_id`.

@@ -2,6 +2,7 @@
 #include "controller/placement.h"
 
 #include <deque>
+#include <limits>
 #include <map>
 #include <random>
 
@@ -413,6 +414,82 @@ TEST(PlacementTest, ADeploymentOnManyNodesSpreadsLikeASmallOne) {
   // Deterministic: the same again.
   const PlacementResult again = Place({GpuOf("big", 70, 0, 10), GpuOf("other", 60, 0, 10)}, nodes);
   for (const auto& [node, specs] : p.nodes) EXPECT_EQ(Ids(again.nodes.at(node)), Ids(specs));
+}
+
+// The index a demand makes of the nodes free of its deployment changes how fast a node is
+// found, never which: the same result with it made at once and never made, over random fleets
+// (zones, unlabelled and NotReady nodes, an overloaded GPU, CPU and GPU demands, a rollout's two
+// versions), from scratch and again after nodes are lost.
+TEST(PlacementTest, ADemandsOwnIndexPicksWhatTheFullSearchPicks) {
+  struct Restore {
+    size_t before = PlacementFreshIndexAfter();
+    ~Restore() { PlacementFreshIndexAfter() = before; }
+  } restore;
+  auto all = [](const PlacementResult& p) {
+    std::string out;
+    for (const auto& [node, specs] : p.nodes) {
+      out += node + ":";
+      for (const auto& spec : specs) {
+        out += " " + spec.replica_id() + "/" + v1::LifecycleState_Name(spec.state()) + "/" +
+               std::to_string(spec.gpu());
+      }
+      out += "\n";
+    }
+    for (const auto& line : p.unplaced) out += "unplaced " + line + "\n";
+    for (const auto& [id, why] : p.skewed) out += "skewed " + id + " " + why + "\n";
+    for (const auto& [id, why] : p.evicted) out += "evicted " + id + " " + why + "\n";
+    return out;
+  };
+  for (uint32_t seed = 1; seed <= 24; ++seed) {
+    std::mt19937 rng(seed);
+    auto pick = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    std::vector<PlacementNode> nodes;
+    const int count = pick(12, 48);
+    for (int i = 0; i < count; ++i) {
+      char name[16];
+      std::snprintf(name, sizeof(name), "n%02d", i);
+      PlacementNode n = pick(0, 3) == 0 ? CpuNode(name, 16)
+                                        : GpuNode(name, std::vector<int64_t>(4, 40LL << 30), 24);
+      const int zone = pick(0, 3);
+      n.zone = zone == 3 ? "" : std::string(1, static_cast<char>('a' + zone));
+      n.schedulable = pick(0, 9) != 0;
+      if (!n.gpus.empty() && pick(0, 7) == 0) n.gpus[0].overloaded = "busy";
+      n.load = pick(0, 4);
+      nodes.push_back(n);
+    }
+    std::vector<PlacementDemand> demands;
+    for (int d = 0; d < pick(2, 5); ++d) {
+      const std::string dep = "d" + std::to_string(d);
+      PlacementDemand demand = pick(0, 2) == 0 ? Cpu(dep, pick(1, 30), pick(0, 3), pick(1, 2))
+                                               : GpuOf(dep, pick(1, 40), pick(0, 3), pick(5, 20));
+      demands.push_back(demand);
+      if (d == 0) {  // a rollout: its canary beside it
+        PlacementDemand canary = demand;
+        canary.version = "2";
+        canary.serving = pick(1, 5);
+        canary.warm = 0;
+        demands.push_back(canary);
+      }
+    }
+    PlacementFreshIndexAfter() = 0;
+    const PlacementResult own = Place(demands, nodes);
+    PlacementFreshIndexAfter() = std::numeric_limits<size_t>::max();
+    const PlacementResult full = Place(demands, nodes);
+    ASSERT_EQ(all(own), all(full)) << "seed " << seed;
+    // Applied, then a few nodes lost: their replicas placed again elsewhere.
+    Apply(full, &nodes);
+    std::set<std::string> retired;
+    for (int lost = 0; lost < 3 && nodes.size() > 4; ++lost) {
+      const size_t at = static_cast<size_t>(pick(0, static_cast<int>(nodes.size()) - 1));
+      for (const auto* spec : nodes[at].assigned) retired.insert(spec->replica_id());
+      nodes.erase(nodes.begin() + static_cast<long>(at));
+    }
+    PlacementFreshIndexAfter() = 0;
+    const PlacementResult own_again = Place(demands, nodes, retired);
+    PlacementFreshIndexAfter() = std::numeric_limits<size_t>::max();
+    const PlacementResult full_again = Place(demands, nodes, retired);
+    ASSERT_EQ(all(own_again), all(full_again)) << "seed " << seed << ", after the loss";
+  }
 }
 
 // Sets what each listed replica reports as its idle time.
