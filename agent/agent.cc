@@ -687,19 +687,17 @@ void Agent::Reload() {
 
 void Agent::UpdatePower() {
   if (!power_) return;
-  std::map<int, GpuLoad> load;
-  for (const auto& g : topology_.gpus) load[g.identity.index] = GpuLoad::kIdle;
-  auto snapshot = supervisor_->Snapshot();
-  for (const auto& v : *snapshot) {
-    if (v.spec.gpu() < 0) continue;
-    GpuLoad& l = load[v.spec.gpu()];
-    if (v.spec.state() == v1::SERVING) {
-      l = GpuLoad::kServing;
-    } else if (l == GpuLoad::kIdle) {
-      l = GpuLoad::kWarmOnly;
-    }
+  std::vector<int> gpus;
+  for (const auto& g : topology_.gpus) gpus.push_back(g.identity.index);
+  std::vector<GpuHolder> holders;
+  for (const auto& v : *supervisor_->Snapshot()) {
+    holders.push_back({v.spec.gpu(), v.spec.state() == v1::SERVING});
   }
-  for (const auto& [gpu, l] : load) {
+  // A pre-started runtime holds its GPU's context while it waits: that GPU is not idle.
+  for (const auto& p : *supervisor_->PrestartedSnapshot()) {
+    if (!p.stopping) holders.push_back({p.gpu, false});
+  }
+  for (const auto& [gpu, l] : ClassifyGpuLoads(gpus, holders)) {
     auto it = gpu_load_.find(gpu);
     if (it != gpu_load_.end() && it->second == l) continue;
     gpu_load_[gpu] = l;

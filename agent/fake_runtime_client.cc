@@ -75,6 +75,11 @@ void FakeRuntimeClientFactory::Set(const std::string& socket, v1::LifecycleState
   if (grpc_port) r.state.set_grpc_port(grpc_port);
 }
 
+void FakeRuntimeClientFactory::SetReplicaId(const std::string& socket, const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  runtimes_[socket].state.set_replica_id(id);
+}
+
 void FakeRuntimeClientFactory::SetDeviceMemory(const std::string& socket, int64_t bytes) {
   absl::MutexLock lock(&mu_);
   runtimes_[socket].state.set_device_memory_bytes(bytes);

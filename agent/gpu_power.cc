@@ -18,6 +18,22 @@ const char* GpuLoadName(GpuLoad l) {
   return "?";
 }
 
+std::map<int, GpuLoad> ClassifyGpuLoads(const std::vector<int>& gpus,
+                                        const std::vector<GpuHolder>& holders) {
+  std::map<int, GpuLoad> load;
+  for (int g : gpus) load[g] = GpuLoad::kIdle;
+  for (const auto& h : holders) {
+    auto it = load.find(h.gpu);
+    if (it == load.end()) continue;
+    if (h.serving) {
+      it->second = GpuLoad::kServing;
+    } else if (it->second == GpuLoad::kIdle) {
+      it->second = GpuLoad::kWarmOnly;
+    }
+  }
+  return load;
+}
+
 const PowerKnobs& PowerPolicy::For(GpuLoad load) const {
   switch (load) {
     case GpuLoad::kWarmOnly:

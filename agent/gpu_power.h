@@ -18,6 +18,18 @@ namespace kiln {
 enum class GpuLoad { kIdle, kWarmOnly, kServing };
 const char* GpuLoadName(GpuLoad l);
 
+// Something holding a device context on a GPU: a replica (serving or not) or a pre-started
+// runtime waiting for a model.
+struct GpuHolder {
+  int gpu = -1;
+  bool serving = false;
+};
+// The load of each of `gpus` (pure): serving if a holder serves on it; warm-only if something
+// holds a context there but nothing serves (WARM or starting replicas, pre-started runtimes);
+// idle if nothing does. Holders of other GPUs (or none, -1) are ignored.
+std::map<int, GpuLoad> ClassifyGpuLoads(const std::vector<int>& gpus,
+                                        const std::vector<GpuHolder>& holders);
+
 // Card settings for one GpuLoad; an unset knob is left as found.
 struct PowerKnobs {
   std::optional<bool> persistence;

@@ -262,6 +262,7 @@ absl::Status Supervisor::Launch(Replica& r) {
               "--initial-state", "warm",
               "--device", real_gpu ? "cuda:0" : "cpu",
               "--threads", std::to_string(threads),
+              "--replica-id", s.replica_id(),
               "--log-level", options_.runtime_log_level};
   if (s.runtime().max_request_bytes() > 0) {
     req.argv.push_back("--max-request-bytes");
@@ -270,7 +271,6 @@ absl::Status Supervisor::Launch(Replica& r) {
   req.cpus = r.cpus.cpus;
   req.memory_node = r.cpus.memory_node;
   req.log_file = r.log_file;
-  req.env.push_back("KILN_REPLICA_ID=" + s.replica_id());
   if (real_gpu) {
     req.env.push_back("CUDA_VISIBLE_DEVICES=" + topology_.gpus[s.gpu()].identity.uuid);
     // Parked while WARM; not a file's warm pool member, which may be taken over in place by a
@@ -341,18 +341,13 @@ int Supervisor::PoolTarget(const std::map<PoolKey, PoolPlace>& pools, PoolKey ke
 
 bool Supervisor::HandOver(Replica& r, const LaunchRequest& cold) {
   const int gpu = r.spec.gpu() >= 0 ? r.spec.gpu() : -1;
-  // The environment the replica would start with, but for its id (which only names it).
-  std::vector<std::string> env;
-  for (const auto& e : cold.env) {
-    if (e.rfind("KILN_REPLICA_ID=", 0) != 0) env.push_back(e);
-  }
   // A Load blocks the loop: past a second of them in one tick, replicas start cold.
   if (load_time_this_tick_ >= absl::Seconds(1)) return false;
   for (auto it = prestarted_.begin(); it != prestarted_.end(); ++it) {
     Prestarted& p = it->second;
     if (p.gpu != gpu || !p.ready || p.stopping || p.pid <= 0) continue;
     if (gpu < 0 && p.numa_node != cold.memory_node) continue;
-    if (p.env != env) continue;  // a parked pool for an unparked replica, say
+    if (p.env != cold.env) continue;  // a parked pool for an unparked replica, say
     // The cold start's command line, plus where the process now pins itself: it was started
     // on all of its pool's CPUs.
     std::vector<std::string> args(cold.argv.begin() + 1, cold.argv.end());
@@ -880,10 +875,17 @@ absl::Status Supervisor::Recover() {
     auto client = clients_->Connect(socket);
     absl::StatusOr<v1::RuntimeState> st =
         ours ? client->GetState() : absl::StatusOr<v1::RuntimeState>(absl::NotFoundError("gone"));
-    if (!ours || !st.ok() || st->model_name() != spec.model() || st->model_version() != spec.version()) {
+    // A runtime that names its replica must name this one (an older one names none).
+    const bool other_replica =
+        st.ok() && !st->replica_id().empty() && st->replica_id() != spec.replica_id();
+    if (!ours || !st.ok() || st->model_name() != spec.model() ||
+        st->model_version() != spec.version() || other_replica) {
       if (ours) (void)launcher_->Signal(pid, SIGKILL);  // ours but not answering: replace it
       log_("replica " + spec.replica_id() + ": pid " + std::to_string(pid) + " not adoptable (" +
-           (ours ? (st.ok() ? "different model" : std::string(st.status().message())) : "gone") +
+           (ours ? (st.ok() ? (other_replica ? "it runs replica " + st->replica_id()
+                                             : std::string("different model"))
+                            : std::string(st.status().message()))
+                 : "gone") +
            ")");
       continue;
     }

@@ -84,6 +84,8 @@ void AddRuntimeFlags(CLI::App& app, Flags* f, bool model_required) {
                  "Unix socket serving ModelInfer to the node's router (mode 0600)");
   app.add_option("--initial-state", o.initial_state, "warm or serving")->capture_default_str();
   app.add_option("--device", o.device, "cpu or cuda:N (default: the config's instance.device)");
+  app.add_option("--replica-id", o.replica_id,
+                 "The replica this process runs, as its agent names it (logs, GetState)");
   app.add_option("--threads", o.threads, "Intra-op threads (0 = the config's or LibTorch's)");
   app.add_option("--max-request-bytes", f->max_request,
                  "Largest request payload (bytes, or 64Mi)")
@@ -291,7 +293,7 @@ int main(int argc, char** argv) {
     // The model and how it is served come with the Load; said here, they would be ignored.
     for (const char* flag : {"--model-repository", "--model", "--version", "--grpc-port",
                              "--http-port", "--initial-state", "--threads", "--cpu-set",
-                             "--memory-node"}) {
+                             "--memory-node", "--replica-id"}) {
       if (app.count(flag) > 0) {
         log->error("{}: not with --prestart (it comes with the Load)", flag);
         return 2;

@@ -78,6 +78,12 @@ absl::Status ValidateRuntimeOptions(const RuntimeOptions& o) {
   if (o.drain_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--drain-timeout-ms: must be >= 0");
   }
+  if (o.replica_id.size() > 253 ||
+      o.replica_id.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                     "0123456789._-") != std::string::npos) {
+    return absl::InvalidArgumentError("--replica-id: '" + o.replica_id +
+                                      "' must be at most 253 of A-Z a-z 0-9 . _ -");
+  }
   return absl::OkStatus();
 }
 
@@ -152,10 +158,10 @@ absl::Status RuntimeServer::StartListening() {
   KILN_ASSIGN_OR_RETURN(http_, HttpFrontend::Start(&host_, http));
   http_port_ = http_->port();
   log->info("listening grpc_port={} http_port={} control_socket={} data_socket={} model={} "
-            "version={}",
+            "version={} replica={}",
             grpc_port_, http_port_, options_.control_socket.empty() ? "-" : options_.control_socket,
             options_.data_socket.empty() ? "-" : options_.data_socket, model_.config.name,
-            model_.version);
+            model_.version, options_.replica_id.empty() ? "-" : options_.replica_id);
   return absl::OkStatus();
 }
 
@@ -211,6 +217,7 @@ v1::RuntimeState RuntimeServer::GetState() {
   s.set_state(ToProto(lifecycle_.state()));
   s.set_model_name(model_.config.name);
   s.set_model_version(model_.version);
+  s.set_replica_id(options_.replica_id);
   InferenceEngine* engine = host_.engine();
   s.set_device(engine ? engine->device()
                       : (options_.device.empty() ? model_.config.instance.device

@@ -34,6 +34,8 @@ struct RuntimeOptions {
   std::string data_socket;
   std::string initial_state = "serving";  // warm | serving
   std::string device;  // empty = the config's instance.device
+  // The replica this process runs, as its agent names it (logs and GetState); empty = none.
+  std::string replica_id;
   int64_t threads = 0;
   int64_t max_request_bytes = 64LL * 1024 * 1024;
   absl::Duration drain_timeout = absl::Seconds(30);

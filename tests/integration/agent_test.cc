@@ -456,6 +456,7 @@ TEST_F(AgentTest, APrestartedRuntimeBecomesTheStartingReplicaPinnedAndThePoolRef
   // Its output goes on in the replica's own log.
   std::string replica_log = ReadFile(dir_ + "/s/logs/s0.log");
   EXPECT_NE(replica_log.find("Load accepted"), std::string::npos) << replica_log;
+  EXPECT_NE(replica_log.find("replica=s0"), std::string::npos) << replica_log;  // named at the Load
   // The pool refills with new processes.
   j = WaitFor([&](const json& j) { return !Prestarted(j, -1).is_null() && !Prestarted(j, 0).is_null(); },
               "the pool refilled");

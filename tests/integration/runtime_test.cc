@@ -215,7 +215,7 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   EXPECT_NE(bad.error_message().find("--control-socket"), std::string::npos) << bad.error_message();
   for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
            {"--cpu-set", "3-1"}, {"--cpu-set", "x"}, {"--cpu-set", "99999"},
-           {"--memory-node", "-2"}, {"--memory-node", "1024"}}) {
+           {"--memory-node", "-2"}, {"--memory-node", "1024"}, {"--replica-id", "r 1"}}) {
     bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "encoder", "--control-socket",
                         rt->control_socket(), flag, value});
     EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << flag << " " << value;
@@ -236,12 +236,14 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   int cpu = 0;
   while (cpu < CPU_SETSIZE - 1 && !CPU_ISSET(cpu, &allowed)) ++cpu;
   grpc::Status loaded =
-      rt->Load(kRepo, "encoder", "serving", {"--version", "1", "--cpu-set", std::to_string(cpu)});
+      rt->Load(kRepo, "encoder", "serving",
+               {"--version", "1", "--cpu-set", std::to_string(cpu), "--replica-id", "enc-7.0"});
   ASSERT_TRUE(loaded.ok()) << loaded.error_message() << rt->Log();
   st = rt->GetState();
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->state(), v1::SERVING);
   EXPECT_EQ(st->model_name(), "encoder");
+  EXPECT_EQ(st->replica_id(), "enc-7.0");
   EXPECT_GT(st->load_time_micros(), 0);
   auto stub = Stub(*rt);
   const json refs = References("1");
@@ -1129,6 +1131,7 @@ TEST(RuntimeFlagsTest, BadFlagsNameTheFlag) {
       {{"--model-repository", "/nonexistent", "--model", "encoder"}, "--model-repository"},
       {{"--model-repository", kRepo, "--model", "encoder", "--max-request-bytes", "huge"}, "--max-request-bytes"},
       {{"--model-repository", kRepo, "--model", "encoder", "--log-level", "loud"}, "--log-level"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--replica-id", "a/b"}, "--replica-id"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args = {KILN_RUNTIME_BIN};

@@ -314,6 +314,20 @@ TEST(GpuPowerTest, PlanClampsAndSkipsWhatIsAlreadySet) {
             PowerChange::kUnlockClocks);
 }
 
+TEST(GpuPowerTest, WhatHoldsAGpuSetsItsLoad) {
+  // GPU 0: nothing; 1: a WARM replica; 2: a pre-started runtime only; 3: a WARM replica and a
+  // SERVING one. A holder of an unknown GPU (7) or of none (-1, a CPU replica) changes nothing.
+  const std::map<int, GpuLoad> load = ClassifyGpuLoads(
+      {0, 1, 2, 3}, {{1, false}, {2, false}, {3, false}, {3, true}, {7, true}, {-1, true}});
+  EXPECT_EQ(load, (std::map<int, GpuLoad>{{0, GpuLoad::kIdle},
+                                          {1, GpuLoad::kWarmOnly},
+                                          {2, GpuLoad::kWarmOnly},
+                                          {3, GpuLoad::kServing}}));
+  // Serving first, then a warm holder: still serving (order does not matter).
+  EXPECT_EQ(ClassifyGpuLoads({0}, {{0, true}, {0, false}}).at(0), GpuLoad::kServing);
+  EXPECT_EQ(ClassifyGpuLoads({}, {{0, true}}).size(), 0u);
+}
+
 PowerPolicy TestPolicy() {
   PowerPolicy p;
   p.warm_only.power_limit_mw = 250000;

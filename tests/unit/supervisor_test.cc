@@ -110,6 +110,7 @@ TEST_F(SupervisorTest, StartsReplicasPinnedAndPromotesToTheirState) {
   EXPECT_EQ(Arg(a, "--initial-state"), "warm");
   EXPECT_EQ(Arg(a, "--device"), "cuda:0");
   EXPECT_EQ(Arg(a, "--threads"), "2");
+  EXPECT_EQ(Arg(a, "--replica-id"), "a");
   EXPECT_EQ(Arg(a, "--control-socket"), Socket("a"));
   EXPECT_EQ(a.cpus, (std::vector<int>{8, 9}));  // local to GPU 1
   EXPECT_EQ(a.memory_node, 1);
@@ -281,6 +282,31 @@ TEST_F(SupervisorTest, ARestartedSupervisorAdoptsLiveReplicasAndDrainsOrphans) {
   EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{b, SIGTERM}}));
   EXPECT_EQ(launcher_.launches().size(), 3u);
   EXPECT_TRUE(fs::exists(dir_ / "replicas.json"));
+}
+
+// A process at a replica's socket that names another replica is not adopted as this one (a
+// runtime too old to name any is).
+TEST_F(SupervisorTest, AdoptionRefusesAProcessThatRunsAnotherReplica) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING),
+                                      Spec("c", -1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  pid_t a = View("a")->pid, b = View("b")->pid, c = View("c")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 7001);
+  runtimes_.SetReplicaId(Socket("a"), "a");
+  runtimes_.Set(Socket("b"), v1::SERVING, "enc", "1", 7002);
+  runtimes_.SetReplicaId(Socket("b"), "x");
+  runtimes_.Set(Socket("c"), v1::SERVING, "enc", "1", 7003);  // names none
+  sup_->Tick();
+  sup_.reset();
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  ASSERT_NE(View("a"), nullptr);
+  EXPECT_EQ(View("a")->pid, a);
+  EXPECT_TRUE(View("a")->adopted);
+  ASSERT_NE(View("c"), nullptr);
+  EXPECT_EQ(View("c")->pid, c);
+  EXPECT_EQ(View("b"), nullptr);
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{b, SIGKILL}}));
 }
 
 TEST_F(SupervisorTest, AnUnhealthyGpuIsDrainedAndTakesNoReplicasUntilHealthy) {
@@ -604,6 +630,7 @@ TEST_F(PrestartTest, AStartingReplicaIsHandedOnePinnedToItsCpusAndThePoolRefills
   EXPECT_EQ(Arg(as_cold, "--control-socket"), Socket("a"));
   EXPECT_EQ(Arg(as_cold, "--device"), "cuda:0");
   EXPECT_EQ(Arg(as_cold, "--threads"), "2");
+  EXPECT_EQ(Arg(as_cold, "--replica-id"), "a");  // named at the Load, as a cold start is
   EXPECT_EQ(Arg(as_cold, "--cpu-set"), "8-9");
   EXPECT_EQ(Arg(as_cold, "--memory-node"), "1");
   // The pool refilled in the same tick; the handed one left it.
