@@ -5,6 +5,11 @@
 # controller's own kiln_controller_node_loss_decision_seconds from /metrics.
 #
 #   bench/node_loss.sh [NODES] [LOSE] [RUNS]      (defaults 1000 5 3)
+#
+# LOSE=0 measures a bad canary's rollback instead (kiln-canary-sim without --lose-nodes): five
+# deployments rolled to version 2 one after the other, each failing half its requests after
+# CLEAN_S (default 10) seconds of clean serving; from the first failing report to the first
+# routing table without version 2.
 #   BUILD_DIR=...   a build with kiln-controller and kiln-canary-sim (default ./build)
 #   CONTROLLER_BUILD=...  another build's kiln-controller (a baseline), the simulator kept
 #   KEEP_LOGS=DIR   keep each run's controller log there (DIR/controller-RUN.log)
@@ -42,8 +47,9 @@ for run in $(seq 1 "$RUNS"); do
   rc=0  # a run the simulator finds not valid still has its logs kept
   "$BUILD_DIR/bench/kiln-canary-sim" --controller "127.0.0.1:$port" --admin "$admin" \
     --nodes "$NODES" --replicas-per-node 5 --samples 5 --lose-nodes "$LOSE" \
-    --node-lost-seconds "$LOST_S" --timeout-seconds 60 | tee "$dir/sim.json" || rc=$?
-  curl -s "$admin/metrics" | grep -E '^kiln_controller_node_loss_decision_seconds_(sum|count)|^kiln_controller_loop_duration_seconds_(sum|count)' || true
+    --node-lost-seconds "$LOST_S" --clean-seconds "${CLEAN_S:-10}" --timeout-seconds 60 \
+    | tee "$dir/sim.json" || rc=$?
+  curl -s "$admin/metrics" | grep -E '^kiln_controller_(node_loss_decision_seconds|loop_duration_seconds)_(sum|count)|^kiln_controller_rollbacks_total' || true
   grep -E 'lost: its replicas' "$dir/log" | head -"$LOSE" || true
   kill "$pid"
   wait "$pid" 2>/dev/null || true

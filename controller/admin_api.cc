@@ -35,6 +35,8 @@ const char* ReasonFor(absl::StatusCode code) {
       return "Unauthorized";
     case absl::StatusCode::kOutOfRange:
       return "Gone";
+    case absl::StatusCode::kUnavailable:
+      return "ServiceUnavailable";
     case absl::StatusCode::kUnimplemented:
       return "MethodNotAllowed";
     default:
@@ -207,6 +209,8 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
     }
     if (auto o = store_->Get(kModelDeploymentKind, name); !o.ok()) return ErrorResponse(o.status());
     absl::Status s = rollout_action_(name, j["action"].get<std::string>());
+    // No rollout in progress is a conflict with its state (409), as Kubernetes answers.
+    if (s.code() == absl::StatusCode::kFailedPrecondition) s = absl::AbortedError(s.message());
     if (!s.ok()) return ErrorResponse(s);
     return Json(202, {{"kind", "Status"}, {"status", "Success"},
                       {"message", j["action"].get<std::string>() + " requested"}});

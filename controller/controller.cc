@@ -445,6 +445,7 @@ grpc::Status Controller::Registered(const std::shared_ptr<Stream>& stream, const
     }
     if (first) {
       sessions_[node] = stream;
+      registrations_++;
       // A forgotten node is back: what it runs is reported again, its ids in use as such.
       // (One entry at most: a node is forgotten once between registrations.)
       auto retired = std::find_if(retired_.begin(), retired_.end(),
@@ -477,6 +478,11 @@ void Controller::Acked(const std::shared_ptr<Stream>& stream, const v1::AgentMes
   // every stream's reads, so reports came late and nodes went NotReady).
   absl::MutexLock lock(&reports_mu_);
   acks_.push_back({stream, m});
+}
+
+size_t Controller::QueuedAcksForTest() {
+  absl::MutexLock lock(&reports_mu_);
+  return acks_.size();
 }
 
 void Controller::TakeAcks() {
@@ -1312,7 +1318,11 @@ absl::Status Controller::RequestRolloutAction(const std::string& name, const std
   absl::MutexLock lock(&mu_);
   auto it = rollouts_.find(name);
   if (it == rollouts_.end()) {
-    return absl::NotFoundError("deployment '" + name + "' is not known to the controller yet");
+    // It is stored (the API checked): this controller has not read it yet (it observes after a
+    // start, or follows another), so the answer is "later", not "no such deployment".
+    return absl::UnavailableError("deployment '" + name +
+                                  "' is not in this controller's loop yet (it is observing "
+                                  "after a start, or is not the leader): try again");
   }
   if (it->second.canary_version.empty()) {
     return absl::FailedPreconditionError("deployment '" + name + "' has no rollout in progress (" +
@@ -1428,6 +1438,10 @@ std::string Controller::MetricsText() {
        "--forget-lost-node-seconds, or removed by hand.\n"
     << "# TYPE kiln_controller_nodes_forgotten_total counter\n"
     << "kiln_controller_nodes_forgotten_total " << nodes_forgotten_.load() << "\n";
+  m << "# HELP kiln_controller_registrations_total Agent streams that registered their node "
+       "(each reconnect counts again).\n"
+    << "# TYPE kiln_controller_registrations_total counter\n"
+    << "kiln_controller_registrations_total " << registrations_.load() << "\n";
   m << node_loss_seconds_.Take().Prometheus(
       "kiln_controller_node_loss_decision_seconds",
       "From a node's lease ending (Lost) to its replicas' new places sent to the nodes.");
@@ -1520,6 +1534,9 @@ std::string Controller::NodesJson() {
                      {"gpus", rec.registration.gpus_size()},
                      {"lastHeardSecondsAgo", absl::ToInt64Seconds(now - rec.last_heard)},
                      {"assignmentGeneration", rec.status.assignment_generation()},
+                     // The generation last sent (the node applies it, or refuses it).
+                     {"sentGeneration",
+                      sent_.count(name) ? sent_.at(name).assignment_generation : int64_t{0}},
                      {"refused", sent_.count(name) ? sent_.at(name).nack : ""},
                      {"replicas", replicas}});
   }

@@ -114,6 +114,11 @@ class Controller
   // an unknown node, FAILED_PRECONDITION while its agent is connected and reporting,
   // UNAVAILABLE on a controller that is not the leader (it holds no nodes).
   absl::Status ForgetNode(const std::string& name);
+  // Agent streams that registered a node (a reconnect counts again): the
+  // kiln_controller_registrations_total counter.
+  uint64_t Registrations() const { return registrations_.load(); }
+  // For tests: Acks and Nacks received and not yet taken by a pass (or a read of the nodes).
+  size_t QueuedAcksForTest();
   // A stored status's conditions: type -> (status, lastTransitionTime).
   using ConditionsBefore = std::map<std::string, std::pair<std::string, std::string>>;
 
@@ -168,6 +173,7 @@ class Controller
   Histogram node_loss_seconds_{Histogram::ExponentialBounds(0.001, 2, 13)};
   std::atomic<uint64_t> rollbacks_{0};
   std::atomic<uint64_t> nodes_forgotten_{0};
+  std::atomic<uint64_t> registrations_{0};
   std::atomic<int64_t> deployments_{0};
   std::atomic<bool> leading_{false};  // Start() was called: this one runs the loop
 

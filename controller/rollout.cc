@@ -261,9 +261,15 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
                             std::to_string(steps.size());
 
   if (s.step_started == absl::InfinitePast()) {
-    if (canary.ready < need) {  // pre-warm: the step's replicas serve before it takes traffic
-      s.message = where + ": waiting for " + std::to_string(need) + " canary replica(s) (" +
-                  std::to_string(canary.ready) + " ready)";
+    // Pre-warm: the step's replicas serve before it takes traffic. Paused by hand, they still
+    // come up, but the step does not begin (its weight waits for a resume).
+    if (canary.ready < need || s.paused) {
+      s.message = where + (canary.ready < need
+                               ? ": waiting for " + std::to_string(need) +
+                                     " canary replica(s) (" + std::to_string(canary.ready) +
+                                     " ready)"
+                               : ": " + std::to_string(canary.ready) + " canary replica(s) ready");
+      if (s.paused) s.message += "; paused by hand";
       p.canary_weight = s.weight;
       return p;
     }

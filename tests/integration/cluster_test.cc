@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <atomic>
@@ -239,6 +240,16 @@ class ClusterTest : public ::testing::Test {
     EXPECT_EQ(last_rc_, 0) << out;
     EXPECT_TRUE(WaitForStatus("enc", 2, 0));
     return n2;
+  }
+  // The versions of `name`'s replicas, as `kilnctl get replicas NAME -o json` lists them.
+  std::multiset<std::string> ReplicaVersions(const std::string& name) {
+    std::multiset<std::string> out;
+    const std::string text = Ctl("get replicas " + name + " -o json");
+    const json list = json::parse(text, nullptr, false);
+    EXPECT_TRUE(list.is_object()) << text;
+    if (!list.is_object()) return out;
+    for (const auto& r : list.value("items", json::array())) out.insert(r.value("version", ""));
+    return out;
   }
   // Bounded poll until n1 and `other_admin`'s node run `n` replicas together.
   void WaitForReplicasOnBothNodes(size_t n, int other_admin) {
@@ -741,6 +752,14 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   EXPECT_EQ(failed.load(), 0) << first_error;
   EXPECT_GT(ok.load(), 20);
   EXPECT_GT(served_by_2.load(), 0);
+  // The old stable set is gone: only version 2's two replicas are left.
+  std::multiset<std::string> versions;
+  for (int i = 0; i < 400; ++i) {  // bounded: the nodes report the drained ones gone
+    versions = ReplicaVersions("enc");
+    if (versions == std::multiset<std::string>{"2", "2"}) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_EQ(versions, (std::multiset<std::string>{"2", "2"}));
   out = Ctl("rollout status enc -w --timeout-seconds 30");
   EXPECT_EQ(last_rc_, 0) << out;
   EXPECT_NE(out.find("deployment \"enc\" serves version 2"), std::string::npos) << out;
@@ -766,7 +785,8 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
 TEST_F(ClusterTest, AnAbTestSplitsUsersByItsWeightAndKeepsThemThere) {
   Agent n2 = StartRolloutCluster(
       "  rollout:\n    strategy: ABTest\n    steps: [{weight: 30}]\n"
-      "    stickyKey: header:x-user-id\n");
+      "    stickyKey: header:x-user-id\n",
+      "v2", "2", KILN_MODEL_REPO, {"--status-counters-seconds", "0"});
   ASSERT_FALSE(HasFailure());
   ASSERT_EQ((Ctl("apply -f " + dir_ + "/v2.yaml"), last_rc_), 0);
   json d;
@@ -810,6 +830,35 @@ TEST_F(ClusterTest, AnAbTestSplitsUsersByItsWeightAndKeepsThemThere) {
   }
   // An A/B test is never ended by itself: still running, both versions served.
   EXPECT_EQ(Deployment("enc")["status"]["rollout"].value("phase", ""), "Progressing");
+  // Each version's numbers in the status: both took requests (bounded poll: the nodes report
+  // every second).
+  auto requests_of = [](const json& dep, const std::string& version) {
+    for (const auto& v : dep["status"].value("versions", json::array())) {
+      if (v.value("version", "") == version) return v.value("requests", int64_t{0});
+    }
+    return int64_t{0};
+  };
+  for (int i = 0; i < 400; ++i) {
+    d = Deployment("enc");
+    if (requests_of(d, "1") > 0 && requests_of(d, "2") > 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_GT(requests_of(d, "1"), 0) << d["status"].dump();
+  EXPECT_GT(requests_of(d, "2"), 0) << d["status"].dump();
+  // Ended by hand: promote makes version 2 the stable one, and version 1 drains away.
+  std::string out = Ctl("rollout promote enc");
+  EXPECT_EQ(last_rc_, 0) << out;
+  out = Ctl("rollout status enc -w --timeout-seconds 60");
+  EXPECT_EQ(last_rc_, 0) << out;
+  EXPECT_NE(out.find("serves version 2"), std::string::npos) << out;
+  std::multiset<std::string> versions;
+  for (int i = 0; i < 400; ++i) {  // bounded
+    versions = ReplicaVersions("enc");
+    if (versions == std::multiset<std::string>{"2", "2"}) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_EQ(versions, (std::multiset<std::string>{"2", "2"}));
+  EXPECT_EQ(version_for("user-1"), "2");
 }
 
 // Autoscaling from the in-flight requests the replicas report: three clients keeping slow
@@ -936,6 +985,13 @@ TEST_F(ClusterTest, ABadCanaryIsRolledBackByItself) {
   ASSERT_EQ(d["status"]["rollout"].value("phase", ""), "Degraded") << d.dump() << ReadFile(clog_);
   EXPECT_EQ(d["status"]["rollout"].value("failedVersion", ""), "3");
   EXPECT_EQ(d["status"]["rollout"].value("stableVersion", ""), "1");
+  json degraded;
+  for (const auto& c : d["status"].value("conditions", json::array())) {
+    if (c.value("type", "") == "Degraded") degraded = c;
+  }
+  ASSERT_TRUE(degraded.is_object()) << d["status"].dump();
+  EXPECT_EQ(degraded.value("status", ""), "True");
+  EXPECT_EQ(degraded.value("reason", ""), "RolledBack");
   // The canary replica drains; then nothing fails any more.
   WaitForReplicasOnBothNodes(2, n2.admin);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));

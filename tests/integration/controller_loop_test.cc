@@ -223,6 +223,21 @@ class ControllerLoopTest : public ::testing::Test {
     clock_.Advance(absl::Seconds(1));
     return TickAndRead();
   }
+  // Deployment "enc" of one replica; n1 connects, is assigned it and Nacks the assignment
+  // ("device cuda:7 is not on this node"). Returns the assignment.
+  v1::Assignment AssignOneAndRefuseIt() {
+    CreateEncoder("enc", "  replicas: 1\n");
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
+    Connect();
+    WaitRegistered();
+    const v1::Assignment assigned = TickAndRead();
+    v1::AgentMessage nack;
+    nack.mutable_nack()->set_kind(v1::Ack::ASSIGNMENT);
+    nack.mutable_nack()->set_generation(assigned.generation());
+    nack.mutable_nack()->set_reason("replica enc.0: device cuda:7 is not on this node");
+    EXPECT_TRUE(stream_->Write(nack));
+    return assigned;
+  }
   // The stored status's request count of version 1.
   int64_t StoredRequests() {
     auto o = store_->Get(kModelDeploymentKind, "enc");
@@ -467,17 +482,8 @@ TEST_F(ControllerLoopTest, ReplicasLeftWarmGiveWayToOnesThatNeedTheRoom) {
 // (condition AssignmentsApplied False, naming the node and why) and in one Warning event; an
 // Ack of a later assignment clears it.
 TEST_F(ControllerLoopTest, ARefusedAssignmentShowsInTheDeploymentsStatus) {
-  CreateEncoder("enc", "  replicas: 1\n");
-  ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
-  Connect();
-  WaitRegistered();
-  const v1::Assignment assigned = TickAndRead();
+  const v1::Assignment assigned = AssignOneAndRefuseIt();
   ASSERT_EQ(assigned.replicas_size(), 1);
-  v1::AgentMessage nack;
-  nack.mutable_nack()->set_kind(v1::Ack::ASSIGNMENT);
-  nack.mutable_nack()->set_generation(assigned.generation());
-  nack.mutable_nack()->set_reason("replica enc.0: device cuda:7 is not on this node");
-  ASSERT_TRUE(stream_->Write(nack));
   for (int i = 0; i < 400 && controller_->NodesJson().find("cuda:7") == std::string::npos; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));  // bounded: until it arrives
   }
@@ -510,6 +516,13 @@ TEST_F(ControllerLoopTest, ARefusedAssignmentShowsInTheDeploymentsStatus) {
     EXPECT_NE(e.message.find("node n1 refused its assignment"), std::string::npos) << e.message;
   }
   EXPECT_EQ(refused_events, 1);  // once, as it came: not every pass
+  // Not retried in a loop: passes that change nothing send no new generation.
+  for (int pass = 0; pass < 3; ++pass) {
+    clock_.Advance(absl::Seconds(1));
+    controller_->Tick();
+  }
+  const std::string sent = "\"sentGeneration\":" + std::to_string(assigned.generation());
+  EXPECT_NE(controller_->NodesJson().find(sent), std::string::npos) << controller_->NodesJson();
   // The node takes it after all (an Ack of that generation): the condition goes.
   v1::AgentMessage ack;
   ack.mutable_ack()->set_kind(v1::Ack::ASSIGNMENT);
@@ -521,6 +534,53 @@ TEST_F(ControllerLoopTest, ARefusedAssignmentShowsInTheDeploymentsStatus) {
   clock_.Advance(absl::Seconds(1));
   controller_->Tick();
   EXPECT_FALSE(condition().is_object());
+}
+
+// An agent Nacks its assignment and restarts before the next pass: the Nack came on the
+// stream it left, so it says nothing about the new session (which is sent its assignment
+// afresh). Nothing is marked refused.
+TEST_F(ControllerLoopTest, ANackFromAStreamTheNodeLeftIsIgnored) {
+  const v1::Assignment assigned = AssignOneAndRefuseIt();
+  ASSERT_EQ(assigned.replicas_size(), 1);
+  // Bounded poll until it waits for a pass (nothing here takes it: no pass, no read of nodes).
+  for (int i = 0; i < 400 && controller_->QueuedAcksForTest() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(controller_->QueuedAcksForTest(), 1u);
+  // The agent comes back on a new stream (the old one still open, as a restart can leave it).
+  const uint64_t registrations = controller_->Registrations();
+  Agent again;
+  again.ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  again.stream = stub_->Connect(&again.ctx);
+  v1::AgentMessage reg;
+  reg.mutable_register_()->set_node_name("n1");
+  reg.mutable_register_()->set_cpu_capacity(4);
+  ASSERT_TRUE(again.stream->Write(reg));
+  for (int i = 0; i < 400 && controller_->Registrations() == registrations; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // bounded
+  }
+  ASSERT_EQ(controller_->Registrations(), registrations + 1);
+  ASSERT_EQ(controller_->QueuedAcksForTest(), 1u);  // still not taken
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  EXPECT_EQ(controller_->QueuedAcksForTest(), 0u);
+  EXPECT_NE(controller_->MetricsText().find("kiln_controller_nodes_refusing_assignment 0\n"),
+            std::string::npos);
+  EXPECT_NE(controller_->MetricsText().find("kiln_controller_registrations_total 2\n"),
+            std::string::npos);
+  auto o = store_->Get(kModelDeploymentKind, "enc");
+  ASSERT_TRUE(o.ok());
+  auto st = nlohmann::json::parse(o->status, nullptr, false);
+  ASSERT_TRUE(st.is_object()) << o->status;
+  for (const auto& c : st.value("conditions", nlohmann::json::array())) {
+    EXPECT_NE(c.value("type", ""), "AssignmentsApplied") << c.dump();
+  }
+  auto events = store_->ListEvents(kModelDeploymentKind, "enc", 100);
+  ASSERT_TRUE(events.ok());
+  for (const auto& e : *events) EXPECT_NE(e.reason, "AssignmentRefused") << e.message;
+  // The new session is sent its assignment again, the same replica.
+  EXPECT_EQ(ReadAssignment(again), std::vector<std::string>{assigned.replicas(0).replica_id()});
+  Hangup(again);
 }
 
 TEST_F(ControllerLoopTest, ASecondDeploymentOfTheSameModelIsRefusedUntilTheFirstGoes) {

@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -10,12 +11,14 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include "gtest/gtest.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
+#include "tests/support/raw_http_client.h"
 #include "tests/support/shell.h"
 
 namespace {
@@ -81,6 +84,18 @@ class ControllerTest : public ::testing::Test {
     std::ofstream(path) << text;
     return path;
   }
+  // kilnctl `args` again and again until its output holds `text` (with `present` false: until
+  // it no longer does), for at most about ten seconds: the controller acts on its next pass,
+  // not at once. The last output.
+  std::string CtlUntil(const std::string& args, const std::string& text, bool present = true) {
+    kiln::testing::ShellResult r;
+    for (int i = 0; i < 200; ++i) {
+      r = Shell(Ctl(args));
+      if (r.rc == 0 && (r.out.find(text) != std::string::npos) == present) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return r.out;
+  }
 
   std::string dir_;
   pid_t pid_ = -1;
@@ -139,6 +154,41 @@ grpc::Status Connect(int port, const std::vector<std::string>& messages,
 
 std::string Bytes(const kiln::v1::AgentMessage& m) { return m.SerializeAsString(); }
 
+// `text`'s lines, without their ends.
+std::vector<std::string> Lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+// A table row's cells, split at blanks (the cells these tests look at hold none).
+std::vector<std::string> Words(const std::string& line) {
+  std::vector<std::string> out;
+  std::istringstream in(line);
+  for (std::string word; in >> word;) out.push_back(word);
+  return out;
+}
+
+// The admin API's ModelDeployments, for tests that speak HTTP to it without kilnctl.
+const std::string kDeployments = "/apis/serving.kiln.dev/v1alpha1/modeldeployments";
+
+// One request on a fresh loopback connection to `port`: the response (code 0 when none came).
+kiln::testing::RawHttpClient::Response Http(int port, const std::string& request) {
+  kiln::testing::RawHttpClient client(port);
+  if (!client.connected() || !client.Send(request)) return {};
+  return client.Read();
+}
+
+std::string PutRequest(const std::string& path, const std::string& body) {
+  return "PUT " + path + " HTTP/1.1\r\nHost: x\r\nContent-Length: " +
+         std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+std::string DeleteRequest(const std::string& path) {
+  return "DELETE " + path + " HTTP/1.1\r\nHost: x\r\n\r\n";
+}
+
 const char* kSpec = R"(apiVersion: serving.kiln.dev/v1alpha1
 kind: ModelDeployment
 metadata: {name: embedder}
@@ -146,6 +196,19 @@ spec:
   model: {name: encoder, version: "1", uri: "file:///models/encoder/1/model.pt"}
   replicas: 2
   warmPool: 1
+)";
+
+// kSpec at version 2, rolled out as a canary that takes half the traffic for a minute.
+const char* kSpecV2 = R"(apiVersion: serving.kiln.dev/v1alpha1
+kind: ModelDeployment
+metadata: {name: embedder}
+spec:
+  model: {name: encoder, version: "2", uri: "file:///models/encoder/2/model.pt"}
+  replicas: 2
+  warmPool: 1
+  rollout:
+    strategy: Canary
+    steps: [{weight: 50, pause: 1m}]
 )";
 
 TEST_F(ControllerTest, ApplyGetScaleDeleteThroughKilnctl) {
@@ -174,6 +237,72 @@ TEST_F(ControllerTest, ApplyGetScaleDeleteThroughKilnctl) {
   EXPECT_NE(r.out.find("No resources found."), std::string::npos) << r.out;
 }
 
+// The other output formats. -o yaml is block YAML that kilnctl reads back: an exported object
+// applies as unchanged (its spec came back whole). -o wide adds the warm pool, the GPUs, the
+// rollout strategy and the generation to the table.
+TEST_F(ControllerTest, GetDeploymentsAsYamlAndWide) {
+  Start();
+  std::string spec = std::string(kSpec) +
+                     "  resources: {gpus: 1, gpuMemory: 2Gi}\n"
+                     "  rollout: {strategy: BlueGreen}\n";
+  auto r = Shell(Ctl("apply -f " + Write("emb.yaml", spec)));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  r = Shell(Ctl("get deployments -o yaml"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out.rfind("apiVersion: serving.kiln.dev/v1alpha1\n", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find("\nkind: ModelDeploymentList\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nitems:\n"), std::string::npos) << r.out;
+  for (const char* line : {" kind: ModelDeployment\n", " name: embedder\n", " name: encoder\n",
+                           " file:///models/encoder/1/model.pt", " replicas: 2\n",
+                           " warmPool: 1\n", " gpus: 1\n", " gpuMemory: 2147483648\n",
+                           " strategy: BlueGreen\n"}) {
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << " in:\n" << r.out;
+  }
+  EXPECT_EQ(r.out.find("\"apiVersion\""), std::string::npos) << "JSON, not YAML:\n" << r.out;
+
+  // One object, exported and applied again: nothing changes.
+  r = Shell(Ctl("get deploy embedder -o yaml"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out.rfind("apiVersion: serving.kiln.dev/v1alpha1\n", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find("\nkind: ModelDeployment\n"), std::string::npos) << r.out;
+  const std::string exported = Write("exported.yaml", r.out);
+
+  r = Shell(Ctl("get deployments -o wide"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  std::vector<std::string> lines = Lines(r.out);
+  ASSERT_EQ(lines.size(), 2u) << r.out;
+  EXPECT_EQ(Words(lines[0]),
+            (std::vector<std::string>{"NAME", "MODEL", "VERSION", "REPLICAS", "READY", "AGE",
+                                      "WARM", "GPUS", "STRATEGY", "GENERATION"}))
+      << r.out;
+  std::vector<std::string> row = Words(lines[1]);
+  ASSERT_EQ(row.size(), 10u) << r.out;
+  EXPECT_EQ(row[0], "embedder");
+  EXPECT_EQ(row[1], "encoder");
+  EXPECT_EQ(row[2], "1");
+  EXPECT_EQ(row[3], "2");
+  EXPECT_EQ(row[4], "0/2");  // no agents: nothing serves
+  EXPECT_EQ(row[6], "1");    // WARM
+  EXPECT_EQ(row[7], "1");    // GPUS
+  EXPECT_EQ(row[8], "BlueGreen");
+  EXPECT_EQ(row[9], "1");    // GENERATION
+  // Without -o wide: the first six columns only.
+  r = Shell(Ctl("get deployments"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  lines = Lines(r.out);
+  ASSERT_EQ(lines.size(), 2u) << r.out;
+  EXPECT_EQ(Words(lines[0]), (std::vector<std::string>{"NAME", "MODEL", "VERSION", "REPLICAS",
+                                                       "READY", "AGE"}))
+      << r.out;
+  EXPECT_EQ(Words(lines[1]).size(), 6u) << r.out;
+
+  r = Shell(Ctl("apply -f " + exported));
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out, "modeldeployment.serving.kiln.dev/embedder unchanged\n") << ReadFile(exported);
+  r = Shell(Ctl("get deploy embedder -o json"));
+  EXPECT_NE(r.out.find("\"generation\": 1"), std::string::npos) << r.out;
+}
+
 TEST_F(ControllerTest, InvalidSpecsAndBadUsageAreClearErrors) {
   Start();
   std::string bad = Write("bad.yaml", std::string(kSpec).replace(std::string(kSpec).find("replicas: 2"), 11, "replicas: -2"));
@@ -197,6 +326,164 @@ TEST_F(ControllerTest, InvalidSpecsAndBadUsageAreClearErrors) {
   EXPECT_NE(r.out.find("--state-dir"), std::string::npos) << r.out;
 }
 
+// `apply -f DIR` applies the directory's .yaml, .yml and .json files in name order (others
+// are left alone). Every file is parsed and checked before anything is sent: one invalid file
+// stops them all, the valid ones beside it included, and the error names the file and the field.
+TEST_F(ControllerTest, ApplyADirectoryAppliesAllOfItOrNothing) {
+  Start();
+  fs::create_directories(dir_ + "/good");
+  Write("good/alpha.yaml", R"(apiVersion: serving.kiln.dev/v1alpha1
+kind: ModelDeployment
+metadata: {name: alpha}
+spec:
+  model: {name: encoder, version: "1", uri: "file:///models/encoder/1/model.pt"}
+  replicas: 1
+)");
+  Write("good/beta.json", R"({"apiVersion": "serving.kiln.dev/v1alpha1",
+ "kind": "ModelDeployment", "metadata": {"name": "beta"},
+ "spec": {"model": {"name": "reranker", "version": "3",
+                    "uri": "file:///models/reranker/3/model.pt"},
+          "replicas": 2}}
+)");
+  Write("good/README.txt", "not a deployment: {\n");
+  auto r = Shell(Ctl("apply -f " + dir_ + "/good"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out,
+            "modeldeployment.serving.kiln.dev/alpha created\n"
+            "modeldeployment.serving.kiln.dev/beta created\n");
+  r = Shell(Ctl("get deployments"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  std::vector<std::string> lines = Lines(r.out);
+  ASSERT_EQ(lines.size(), 3u) << r.out;
+  std::vector<std::string> alpha = Words(lines[1]), beta = Words(lines[2]);
+  ASSERT_EQ(alpha.size(), 6u) << r.out;
+  ASSERT_EQ(beta.size(), 6u) << r.out;
+  EXPECT_EQ(alpha[0], "alpha");
+  EXPECT_EQ(alpha[1], "encoder");
+  EXPECT_EQ(alpha[3], "1");
+  EXPECT_EQ(beta[0], "beta");
+  EXPECT_EQ(beta[1], "reranker");
+  EXPECT_EQ(beta[2], "3");
+  EXPECT_EQ(beta[3], "2");
+  r = Shell(Ctl("apply -f " + dir_ + "/good"));
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out,
+            "modeldeployment.serving.kiln.dev/alpha unchanged\n"
+            "modeldeployment.serving.kiln.dev/beta unchanged\n");
+
+  // A valid file, then one without spec.model.name.
+  fs::create_directories(dir_ + "/mixed");
+  Write("mixed/a-gamma.yml", R"(apiVersion: serving.kiln.dev/v1alpha1
+kind: ModelDeployment
+metadata: {name: gamma}
+spec:
+  model: {name: scorer, version: "1", uri: "file:///models/scorer/1/model.pt"}
+)");
+  const std::string broken = Write("mixed/b-broken.yaml", R"(apiVersion: serving.kiln.dev/v1alpha1
+kind: ModelDeployment
+metadata: {name: delta}
+spec:
+  model: {version: "1", uri: "file:///models/scorer/1/model.pt"}
+)");
+  r = Shell(Ctl("apply -f " + dir_ + "/mixed"));
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_EQ(r.out, "error: " + broken + ": spec.model.name: required field is missing\n");
+  r = Shell(Ctl("get deploy gamma"));
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_EQ(r.out, "Error from server (NotFound): ModelDeployment 'gamma' not found\n");
+  r = Shell(Ctl("get deployments"));
+  EXPECT_EQ(Lines(r.out).size(), 3u) << r.out;  // alpha and beta only
+
+  // A directory with nothing to apply.
+  fs::create_directories(dir_ + "/none");
+  Write("none/notes.txt", "nothing here\n");
+  r = Shell(Ctl("apply -f " + dir_ + "/none"));
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_EQ(r.out, "error: " + dir_ + "/none: no .yaml, .yml or .json files in it\n");
+}
+
+// Straight to the REST API: kilnctl checks a spec before it sends it, so a client that does
+// not is what the server's own checks are for. A bad body, JSON or YAML, is 400 Invalid naming
+// the field; a second create of a name is 409; an unknown name is 404 for GET and DELETE.
+TEST_F(ControllerTest, TheRestApiRefusesBadBodiesAndUnknownNames) {
+  Start();
+  using kiln::testing::Get;
+  using kiln::testing::Post;
+  const std::string good = R"({"apiVersion": "serving.kiln.dev/v1alpha1",
+ "kind": "ModelDeployment", "metadata": {"name": "ranker"},
+ "spec": {"model": {"name": "ranker", "version": "1",
+                    "uri": "file:///models/ranker/1/model.pt"}, "replicas": 1}})";
+  std::string negative = good;
+  negative.replace(negative.find("\"replicas\": 1"), 13, "\"replicas\": -1");
+  auto r = Http(port_, Post(kDeployments, negative, "Content-Type: application/json\r\n"));
+  EXPECT_EQ(r.code, 400) << r.head << r.body;
+  EXPECT_NE(r.body.find("\"message\":\"request body: spec.replicas: must be in 0..10000, got -1\""),
+            std::string::npos)
+      << r.body;
+  EXPECT_NE(r.body.find("\"reason\":\"Invalid\""), std::string::npos) << r.body;
+  EXPECT_NE(r.body.find("\"kind\":\"Status\""), std::string::npos) << r.body;
+
+  r = Http(port_, Post(kDeployments, R"(apiVersion: serving.kiln.dev/v1alpha1
+kind: ModelDeployment
+metadata: {name: ranker}
+spec:
+  model: {version: "1", uri: "file:///models/ranker/1/model.pt"}
+)"));
+  EXPECT_EQ(r.code, 400) << r.head << r.body;
+  EXPECT_NE(r.body.find("request body: spec.model.name: required field is missing"),
+            std::string::npos)
+      << r.body;
+
+  r = Http(port_, Post(kDeployments, R"(apiVersion: serving.kiln.dev/v1alpha1
+kind: ModelDeployment
+metadata: {name: ranker}
+spec:
+  model: {name: ranker, version: "1", uri: "file:///models/ranker/1/model.pt"}
+  replica: 2
+)"));
+  EXPECT_EQ(r.code, 400) << r.head << r.body;
+  EXPECT_NE(r.body.find("request body: spec.replica: unknown field"), std::string::npos)
+      << r.body;
+
+  r = Http(port_, Post(kDeployments, "{"));
+  EXPECT_EQ(r.code, 400) << r.head << r.body;
+  EXPECT_NE(r.body.find("request body: not valid YAML"), std::string::npos) << r.body;
+
+  // None of that was stored.
+  r = Http(port_, Get(kDeployments));
+  EXPECT_EQ(r.code, 200) << r.head << r.body;
+  EXPECT_NE(r.body.find("\"items\":[]"), std::string::npos) << r.body;
+
+  r = Http(port_, Post(kDeployments, good, "Content-Type: application/json\r\n"));
+  ASSERT_EQ(r.code, 201) << r.head << r.body;
+  EXPECT_NE(r.body.find("\"name\":\"ranker\""), std::string::npos) << r.body;
+  EXPECT_NE(r.body.find("\"generation\":1"), std::string::npos) << r.body;
+  r = Http(port_, Post(kDeployments, good, "Content-Type: application/json\r\n"));
+  EXPECT_EQ(r.code, 409) << r.head << r.body;
+  EXPECT_NE(r.body.find("\"reason\":\"AlreadyExists\""), std::string::npos) << r.body;
+  EXPECT_NE(r.body.find("ModelDeployment 'ranker' already exists"), std::string::npos) << r.body;
+  // A replace whose body names another deployment than its path.
+  r = Http(port_, PutRequest(kDeployments + "/other", good));
+  EXPECT_EQ(r.code, 400) << r.head << r.body;
+  EXPECT_NE(r.body.find("metadata.name: 'ranker' does not match the name in the path 'other'"),
+            std::string::npos)
+      << r.body;
+
+  r = Http(port_, Get(kDeployments + "/ghost"));
+  EXPECT_EQ(r.code, 404) << r.head << r.body;
+  EXPECT_NE(r.body.find("\"reason\":\"NotFound\""), std::string::npos) << r.body;
+  EXPECT_NE(r.body.find("ModelDeployment 'ghost' not found"), std::string::npos) << r.body;
+  r = Http(port_, DeleteRequest(kDeployments + "/ghost"));
+  EXPECT_EQ(r.code, 404) << r.head << r.body;
+  EXPECT_NE(r.body.find("ModelDeployment 'ghost' not found"), std::string::npos) << r.body;
+
+  r = Http(port_, DeleteRequest(kDeployments + "/ranker"));
+  EXPECT_EQ(r.code, 200) << r.head << r.body;
+  EXPECT_NE(r.body.find("\"status\":\"Success\""), std::string::npos) << r.body;
+  r = Http(port_, Get(kDeployments + "/ranker"));
+  EXPECT_EQ(r.code, 404) << r.head << r.body;
+}
+
 // Nothing applied is lost when the controller is killed: SIGKILL right after the apply
 // returned, restart on the same state dir, and it is all there.
 TEST_F(ControllerTest, AKilledControllerLosesNothing) {
@@ -218,6 +505,129 @@ TEST_F(ControllerTest, AKilledControllerLosesNothing) {
   // SIGTERM is a clean stop (exit 0).
   Stop(SIGTERM);
   EXPECT_TRUE(WIFEXITED(last_status_) && WEXITSTATUS(last_status_) == 0) << last_status_;
+}
+
+// kilnctl rollout pause, resume and abort against the real controller. With no agents the
+// canary never serves, so the rollout of version 2 stays at its first step waiting for its
+// canary replica: in progress, which is all the actions need. Each shows in the status, in
+// `describe` and in the events; an action with no rollout in progress, or on a deployment
+// that does not exist, is an error that says so.
+TEST_F(ControllerTest, ARolloutIsPausedResumedAndAbortedThroughKilnctl) {
+  Start({"--observe-seconds", "0"});  // no agents to wait for: the loop acts at once
+  auto r = Shell(Ctl("apply -f " + Write("v1.yaml", kSpec)));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const std::string get = "get deploy embedder -o json";
+  const std::string log = dir_ + "/controller.log";
+  std::string out = CtlUntil(get, "\"stableVersion\": \"1\"");
+  ASSERT_NE(out.find("\"stableVersion\": \"1\""), std::string::npos) << out << ReadFile(log);
+  EXPECT_NE(out.find("\"phase\": \"Stable\""), std::string::npos) << out;
+  // Version 1 is simply stable: there is nothing to pause.
+  r = Shell(Ctl("rollout pause embedder"));
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_EQ(r.out.rfind("Error from server (Conflict): ", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find("deployment 'embedder' has no rollout in progress (Stable: serving "
+                       "version 1)"),
+            std::string::npos)
+      << r.out;
+
+  r = Shell(Ctl("apply -f " + Write("v2.yaml", kSpecV2)));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out, "modeldeployment.serving.kiln.dev/embedder configured\n");
+  out = CtlUntil(get, "\"canaryVersion\": \"2\"");
+  ASSERT_NE(out.find("\"canaryVersion\": \"2\""), std::string::npos) << out << ReadFile(log);
+  EXPECT_NE(out.find("\"phase\": \"Progressing\""), std::string::npos) << out;
+  EXPECT_NE(out.find("\"message\": \"canary 2 step 1/1: waiting for 1 canary replica(s) (0 "
+                     "ready)\""),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("\"paused\""), std::string::npos) << out;
+
+  r = Shell(Ctl("rollout pause embedder"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out, "modeldeployment.serving.kiln.dev/embedder pause requested\n");
+  out = CtlUntil(get, "\"paused\": true");
+  ASSERT_NE(out.find("\"paused\": true"), std::string::npos) << out << ReadFile(log);
+  EXPECT_NE(out.find("\"canaryVersion\": \"2\""), std::string::npos) << out;
+  EXPECT_NE(out.find("waiting for 1 canary replica(s) (0 ready); paused by hand"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("\"phase\": \"Progressing\""), std::string::npos) << out;
+  r = Shell(Ctl("describe deployment embedder"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("\n  Phase:            Progressing\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\n  Stable version:   1\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\n  Canary version:   2 (weight 0%, step 1)\n"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("\n  Paused:           true\n"), std::string::npos) << r.out;
+
+  r = Shell(Ctl("rollout resume embedder"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out, "modeldeployment.serving.kiln.dev/embedder resume requested\n");
+  out = CtlUntil(get, "\"paused\": true", /*present=*/false);
+  ASSERT_EQ(out.find("\"paused\""), std::string::npos) << out << ReadFile(log);
+  EXPECT_NE(out.find("\"canaryVersion\": \"2\""), std::string::npos) << out;
+  EXPECT_NE(out.find("\"phase\": \"Progressing\""), std::string::npos) << out;
+  r = Shell(Ctl("describe deployment embedder"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out.find("Paused:"), std::string::npos) << r.out;
+
+  r = Shell(Ctl("rollout abort embedder"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out, "modeldeployment.serving.kiln.dev/embedder abort requested\n");
+  out = CtlUntil(get, "\"phase\": \"Degraded\"");
+  ASSERT_NE(out.find("\"phase\": \"Degraded\""), std::string::npos) << out << ReadFile(log);
+  EXPECT_NE(out.find("\"failedVersion\": \"2\""), std::string::npos) << out;
+  EXPECT_NE(out.find("\"stableVersion\": \"1\""), std::string::npos) << out;
+  EXPECT_NE(out.find("\"canaryVersion\": \"\""), std::string::npos) << out;
+  EXPECT_NE(out.find("\"message\": \"rollout of version 2 aborted by hand; back to 1\""),
+            std::string::npos)
+      << out;
+  r = Shell(Ctl("describe deployment embedder"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("\n  Phase:            Degraded\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\n  Canary version:   <none>\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\n  Failed version:   2 (not tried again until the spec names "
+                       "another)\n"),
+            std::string::npos)
+      << r.out;
+  r = Shell(Ctl("rollout status embedder"));
+  EXPECT_EQ(r.rc, 1) << r.out;
+  EXPECT_NE(r.out.find("Degraded: rollout of version 2 aborted by hand; back to 1\n"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("error: rollout of version 2 failed and was rolled back\n"),
+            std::string::npos)
+      << r.out;
+  // Each action left an event (the abort a warning, as a failed analysis would).
+  r = Shell(Ctl("get events embedder"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  for (const char* message : {"rollout 1 -> 2 started (Canary)", "paused by hand at step 1",
+                              "resumed by hand",
+                              "rollout of version 2 aborted by hand; back to 1"}) {
+    EXPECT_NE(r.out.find(message), std::string::npos) << message << " in:\n" << r.out;
+  }
+  EXPECT_NE(r.out.find("RolledBack"), std::string::npos) << r.out;
+
+  // Rolled back, nothing is in progress any more.
+  for (const char* action : {"pause", "resume", "abort"}) {
+    r = Shell(Ctl(std::string("rollout ") + action + " embedder"));
+    EXPECT_EQ(r.rc, 1) << action << ": " << r.out;
+    EXPECT_EQ(r.out.rfind("Error from server (Conflict): ", 0), 0u) << action << ": " << r.out;
+    EXPECT_NE(r.out.find("deployment 'embedder' has no rollout in progress (Degraded: rollout "
+                         "of version 2 aborted by hand; back to 1)"),
+              std::string::npos)
+        << action << ": " << r.out;
+  }
+  // A deployment that does not exist: kubectl's NotFound.
+  for (const char* action : {"pause", "resume", "abort"}) {
+    r = Shell(Ctl(std::string("rollout ") + action + " ghost"));
+    EXPECT_EQ(r.rc, 1) << action << ": " << r.out;
+    EXPECT_EQ(r.out, "Error from server (NotFound): ModelDeployment 'ghost' not found\n")
+        << action;
+  }
+  // Still rolled back: the actions refused changed nothing.
+  out = Shell(Ctl(get)).out;
+  EXPECT_NE(out.find("\"phase\": \"Degraded\""), std::string::npos) << out;
 }
 
 TEST_F(ControllerTest, TheControlPlaneRefusesBadStreamsWithTheReason) {
@@ -326,6 +736,41 @@ TEST_F(ControllerTest, BearerTokenWhenConfigured) {
   auto lint = PromtoolCheck(promtool, r.out, dir_ + "/metrics.txt");
   EXPECT_EQ(lint.rc, 0) << lint.out << "\n" << r.out;
   EXPECT_EQ(lint.out, "") << r.out;
+}
+
+// The bearer token guards the REST API itself, not only kilnctl's requests: no header, a wrong
+// token and another scheme are all 401, before a body is even looked at; /healthz stays open.
+TEST_F(ControllerTest, TheRestApiRefusesMissingAndWrongTokens) {
+  std::string token = Write("token", "t0ken\n");
+  Start({"--token-file", token});
+  using kiln::testing::Get;
+  using kiln::testing::Post;
+  auto r = Http(port_, Get(kDeployments));
+  EXPECT_EQ(r.code, 401) << r.head << r.body;
+  EXPECT_NE(r.body.find("\"reason\":\"Unauthorized\""), std::string::npos) << r.body;
+  EXPECT_NE(r.body.find("this server needs Authorization: Bearer <token>"), std::string::npos)
+      << r.body;
+  r = Http(port_, Get(kDeployments, "Authorization: Bearer wrong\r\n"));
+  EXPECT_EQ(r.code, 401) << r.head << r.body;
+  EXPECT_NE(r.body.find("the bearer token is not valid"), std::string::npos) << r.body;
+  r = Http(port_, Get(kDeployments, "Authorization: Basic dDBrZW4=\r\n"));
+  EXPECT_EQ(r.code, 401) << r.head << r.body;
+  EXPECT_NE(r.body.find("the bearer token is not valid"), std::string::npos) << r.body;
+  // A bad body without the token: 401, not 400 (nothing about it is answered).
+  r = Http(port_, Post(kDeployments, "{"));
+  EXPECT_EQ(r.code, 401) << r.head << r.body;
+  EXPECT_EQ(r.body.find("YAML"), std::string::npos) << r.body;
+  r = Http(port_, DeleteRequest(kDeployments + "/ghost"));
+  EXPECT_EQ(r.code, 401) << r.head << r.body;
+
+  r = Http(port_, Get(kDeployments, "Authorization: Bearer t0ken\r\n"));
+  EXPECT_EQ(r.code, 200) << r.head << r.body;
+  EXPECT_NE(r.body.find("\"kind\":\"ModelDeploymentList\""), std::string::npos) << r.body;
+  r = Http(port_, Post(kDeployments, "{", "Authorization: Bearer t0ken\r\n"));
+  EXPECT_EQ(r.code, 400) << r.head << r.body;
+  r = Http(port_, Get("/healthz"));
+  EXPECT_EQ(r.code, 200) << r.head << r.body;
+  EXPECT_EQ(r.body, "ok\n");
 }
 
 }  // namespace

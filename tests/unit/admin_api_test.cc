@@ -144,6 +144,7 @@ TEST_F(AdminApiTest, RolloutActionsGoToTheController) {
   api_->SetRolloutActions([&](const std::string& name, const std::string& action) {
     asked.emplace_back(name, action);
     if (action == "resume") return absl::FailedPreconditionError("no rollout in progress");
+    if (action == "pause") return absl::UnavailableError("not in this controller's loop yet");
     return absl::OkStatus();
   });
   ASSERT_EQ(Call("POST", kDeploymentsPath, kDoc).code, 201);
@@ -151,7 +152,14 @@ TEST_F(AdminApiTest, RolloutActionsGoToTheController) {
   EXPECT_EQ(r.code, 202) << r.body;
   ASSERT_EQ(asked.size(), 1u);
   EXPECT_EQ(asked[0], std::make_pair(std::string("emb"), std::string("promote")));
-  EXPECT_EQ(Call("POST", One("emb") + "/rollout", R"({"action": "resume"})").code, 400);
+  // No rollout in progress: a conflict with its state. A controller that has not read the
+  // deployment yet: try again later.
+  r = Call("POST", One("emb") + "/rollout", R"({"action": "resume"})");
+  EXPECT_EQ(r.code, 409) << r.body;
+  EXPECT_NE(r.body.find("\"reason\":\"Conflict\""), std::string::npos) << r.body;
+  r = Call("POST", One("emb") + "/rollout", R"({"action": "pause"})");
+  EXPECT_EQ(r.code, 503) << r.body;
+  EXPECT_NE(r.body.find("\"reason\":\"ServiceUnavailable\""), std::string::npos) << r.body;
   EXPECT_EQ(Call("POST", One("emb") + "/rollout", R"({"do": "promote"})").code, 400);
   EXPECT_EQ(Call("POST", One("nope") + "/rollout", R"({"action": "promote"})").code, 404);
   EXPECT_EQ(Call("GET", One("emb") + "/rollout").code, 405);

@@ -195,6 +195,27 @@ TEST(PlacementTest, SpreadsNewReplicasAcrossNodesAndZones) {
   for (const auto& [n, specs] : p.nodes) EXPECT_EQ(Ids(specs), Ids(again.nodes[n]));
 }
 
+// When nodes tie on spread and fit, the one with fewer requests in flight takes the replica.
+TEST(PlacementTest, TheLessLoadedOfEqualNodesWins) {
+  std::vector<PlacementNode> nodes = {CpuNode("a", 4), CpuNode("b", 4), CpuNode("c", 4)};
+  nodes[0].load = 9;
+  nodes[1].load = 2;
+  nodes[2].load = 5;
+  auto p = Place({Cpu("enc", 1, 0)}, nodes);
+  ASSERT_EQ(p.nodes["b"].size(), 1u) << "a:" << p.nodes["a"].size() << " c:" << p.nodes["c"].size();
+  // Two replicas: the two least loaded, spread.
+  p = Place({Cpu("enc", 2, 0)}, nodes);
+  EXPECT_EQ(p.nodes["b"].size(), 1u);
+  EXPECT_EQ(p.nodes["c"].size(), 1u);
+  EXPECT_EQ(p.nodes["a"].size(), 0u);
+  // Fit comes before load: a node the replica fills exactly wins over an idle larger one.
+  std::vector<PlacementNode> fit = {CpuNode("big", 8), CpuNode("small", 1)};
+  fit[0].load = 0;
+  fit[1].load = 50;
+  p = Place({Cpu("enc", 1, 0)}, fit);
+  EXPECT_EQ(p.nodes["small"].size(), 1u);
+}
+
 TEST(PlacementTest, NodesWhoseAssignmentStaysAreNamedNotCopiedWhenAsked) {
   std::vector<PlacementNode> nodes = {CpuNode("a", 8), CpuNode("b", 8), CpuNode("c", 8)};
   PlacementResult first = Place({Cpu("enc", 2, 0)}, nodes);

@@ -354,6 +354,30 @@ TEST(RolloutActionTest, PauseHoldsResumeContinues) {
   EXPECT_EQ(p.state.step, 1);
 }
 
+// Paused before a step takes traffic (its replicas still coming up): they come up, but the
+// weight stays where it was until a resume.
+TEST(RolloutActionTest, APauseBeforeAStepBeginsHoldsItsWeight) {
+  RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", kTwoSteps);
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(0, 0, 0), kT0);  // pre-warming
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(0, 0, 0), kT0 + absl::Seconds(1),
+                  RolloutAction::kPause);
+  EXPECT_TRUE(p.state.paused);
+  EXPECT_EQ(p.canary_replicas, 1);  // still placed
+  EXPECT_NE(p.state.message.find("waiting for 1 canary replica(s) (0 ready); paused by hand"),
+            std::string::npos)
+      << p.state.message;
+  // Its replica serves: no traffic while paused.
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(1, 0, 0), kT0 + absl::Seconds(2));
+  EXPECT_EQ(p.canary_weight, 0);
+  EXPECT_NE(p.state.message.find("1 canary replica(s) ready; paused by hand"), std::string::npos)
+      << p.state.message;
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(1, 0, 0), kT0 + absl::Seconds(3),
+                  RolloutAction::kResume);
+  EXPECT_FALSE(p.state.paused);
+  EXPECT_EQ(p.canary_weight, 25);
+}
+
 TEST(RolloutActionTest, AbortAndPromoteByHand) {
   RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
   auto spec2 = Spec("2", kTwoSteps);
