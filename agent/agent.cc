@@ -693,10 +693,9 @@ void Agent::UpdatePower() {
   for (const auto& v : *supervisor_->Snapshot()) {
     holders.push_back({v.spec.gpu(), v.spec.state() == v1::SERVING});
   }
-  // A pre-started runtime holds its GPU's context while it waits: that GPU is not idle.
-  for (const auto& p : *supervisor_->PrestartedSnapshot()) {
-    if (!p.stopping) holders.push_back({p.gpu, false});
-  }
+  // A pre-started runtime holds its GPU's context while it waits (and until it has exited):
+  // that GPU is not idle.
+  for (const auto& p : *supervisor_->PrestartedSnapshot()) holders.push_back({p.gpu, false});
   for (const auto& [gpu, l] : ClassifyGpuLoads(gpus, holders)) {
     auto it = gpu_load_.find(gpu);
     if (it != gpu_load_.end() && it->second == l) continue;

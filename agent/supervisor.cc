@@ -285,6 +285,7 @@ absl::Status Supervisor::Launch(Replica& r) {
     if (!pid.ok()) return pid.status();
     r.pid = *pid;
     r.launch_socket = r.socket;
+    r.launched_as = s.replica_id();
   }
   r.phase = Phase::kStarting;
   r.observed = v1::LOADING;
@@ -381,6 +382,7 @@ bool Supervisor::HandOver(Replica& r, const LaunchRequest& cold) {
     }
     r.pid = p.pid;
     r.launch_socket = p.socket;
+    r.launched_as = r.spec.replica_id();
     // Its output goes on in the replica's log.
     r.log_file = MoveLog(p.log_file, cold.log_file) ? cold.log_file : p.log_file;
     prestarted_.erase(it);
@@ -810,6 +812,7 @@ absl::Status Supervisor::WriteStateFile() {
                                {"pid", r.pid},
                                {"socket", r.socket},
                                {"launch_socket", r.launch_socket},
+                               {"launched_as", r.launched_as},
                                {"log", r.log_file},
                                {"cpus", FormatCpuList(r.cpus.cpus)},
                                {"memory_node", r.cpus.memory_node},
@@ -870,14 +873,21 @@ absl::Status Supervisor::Recover() {
       launch_socket = e["launch_socket"].get<std::string>();
     }
     NotePrestartName(launch_socket);
+    // The id the process itself was given (a renamed pool member's first one); an older state
+    // file has none: the spec's.
+    std::string launched_as = spec.replica_id();
+    if (e.contains("launched_as") && e["launched_as"].is_string() &&
+        !e["launched_as"].get<std::string>().empty()) {
+      launched_as = e["launched_as"].get<std::string>();
+    }
     std::string cmdline = launcher_->CommandLine(pid);
     bool ours = launcher_->Alive(pid) && cmdline.find(launch_socket) != std::string::npos;
     auto client = clients_->Connect(socket);
     absl::StatusOr<v1::RuntimeState> st =
         ours ? client->GetState() : absl::StatusOr<v1::RuntimeState>(absl::NotFoundError("gone"));
-    // A runtime that names its replica must name this one (an older one names none).
+    // A runtime that names its replica must name the one it was given (an older one names none).
     const bool other_replica =
-        st.ok() && !st->replica_id().empty() && st->replica_id() != spec.replica_id();
+        st.ok() && !st->replica_id().empty() && st->replica_id() != launched_as;
     if (!ours || !st.ok() || st->model_name() != spec.model() ||
         st->model_version() != spec.version() || other_replica) {
       if (ours) (void)launcher_->Signal(pid, SIGKILL);  // ours but not answering: replace it
@@ -898,6 +908,7 @@ absl::Status Supervisor::Recover() {
     r.pid = pid;
     r.socket = socket;
     r.launch_socket = launch_socket;
+    r.launched_as = launched_as;
     r.log_file = e.value("log", "");
     r.client = std::move(client);
     r.phase = Phase::kRunning;

@@ -151,6 +151,9 @@ class Supervisor {
     // The socket named on the process's command line: `socket`, or the pre-started
     // runtime's own when one was handed this replica (what re-adoption checks).
     std::string launch_socket;
+    // The id the process was started (or handed a model) as: what its GetState names. A file's
+    // pool member renamed to a scale-up's replica keeps its first one.
+    std::string launched_as;
     std::string log_file;
     std::unique_ptr<RuntimeClient> client;
     v1::LifecycleState observed = v1::LIFECYCLE_STATE_UNSPECIFIED;

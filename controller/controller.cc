@@ -1315,14 +1315,19 @@ void Controller::Tick() {
 absl::Status Controller::RequestRolloutAction(const std::string& name, const std::string& action) {
   auto a = ParseRolloutAction(action);
   if (!a.ok()) return a.status();
+  if (!leading_) {
+    return absl::UnavailableError(
+        "this controller is not the leader and runs no rollouts; ask the leader (the "
+        "kiln-controller-leader Service)");
+  }
   absl::MutexLock lock(&mu_);
   auto it = rollouts_.find(name);
   if (it == rollouts_.end()) {
     // It is stored (the API checked): this controller has not read it yet (it observes after a
     // start, or follows another), so the answer is "later", not "no such deployment".
     return absl::UnavailableError("deployment '" + name +
-                                  "' is not in this controller's loop yet (it is observing "
-                                  "after a start, or is not the leader): try again");
+                                  "' is not in this controller's loop yet (it observes for a "
+                                  "while after a start): try again");
   }
   if (it->second.canary_version.empty()) {
     return absl::FailedPreconditionError("deployment '" + name + "' has no rollout in progress (" +

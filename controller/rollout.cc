@@ -260,19 +260,27 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
   const std::string where = "canary " + want + " step " + std::to_string(s.step + 1) + "/" +
                             std::to_string(steps.size());
 
+  // The step has not begun: its replicas are still coming up, or it is paused by hand before
+  // it began (its replicas still come up; its weight waits for a resume). The weight of the
+  // step before, if any, still takes traffic and is still judged below.
+  std::string held;
+  bool began = false;  // this call began the step (a resume here is not also its gate's)
   if (s.step_started == absl::InfinitePast()) {
-    // Pre-warm: the step's replicas serve before it takes traffic. Paused by hand, they still
-    // come up, but the step does not begin (its weight waits for a resume).
     if (canary.ready < need || s.paused) {
-      s.message = where + (canary.ready < need
-                               ? ": waiting for " + std::to_string(need) +
-                                     " canary replica(s) (" + std::to_string(canary.ready) +
-                                     " ready)"
-                               : ": " + std::to_string(canary.ready) + " canary replica(s) ready");
-      if (s.paused) s.message += "; paused by hand";
+      held = where + (canary.ready < need
+                          ? ": waiting for " + std::to_string(need) + " canary replica(s) (" +
+                                std::to_string(canary.ready) + " ready)"
+                          : ": " + std::to_string(canary.ready) + " canary replica(s) ready");
+      if (s.paused) held += "; paused by hand";
       p.canary_weight = s.weight;
-      return p;
+      if (s.weight == 0) {  // no traffic yet: nothing to judge
+        s.message = held;
+        return p;
+      }
     }
+  }
+  if (s.step_started == absl::InfinitePast() && held.empty()) {
+    began = true;
     s.weight = step.weight;
     s.step_started = now;
     s.stable_requests0 = stable.requests;
@@ -321,12 +329,16 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     roll_back(where + " failed analysis: " + numbers + "; rolled back to " + s.stable_version);
     return p;
   }
+  if (!held.empty()) {
+    s.message = held + "; at " + std::to_string(s.weight) + "%: " + numbers;
+    return p;
+  }
   s.message = where + " at " + std::to_string(s.weight) + "%: " + numbers;
   if (s.paused) {
     s.message += "; paused by hand";
     return p;
   }
-  const bool resumed = action == RolloutAction::kResume;
+  const bool resumed = action == RolloutAction::kResume && !began;
   if (step.pause_until_resumed && !resumed) {
     s.message += strategy == "ABTest" ? "; A/B test running" : "; paused until resumed";
     return p;

@@ -50,6 +50,54 @@ int64_t WaitForNumber(const std::string& log, const std::string& key, size_t fro
   return -1;
 }
 
+// A network namespace joined to this one by a veth pair, 10.231.N.1 on this side and
+// 10.231.N.2 on the other: a second machine whose link a test can cut. Needs root and `ip`.
+class VethNamespace {
+ public:
+  static bool Possible() {
+    return geteuid() == 0 && kiln::testing::Shell("ip netns list").rc == 0;
+  }
+  VethNamespace()
+      : name_("kiln-t" + std::to_string(getpid())),
+        host_if_("kh" + std::to_string(getpid())),
+        ns_if_("kn" + std::to_string(getpid())),
+        net_("10.231." + std::to_string(20 + getpid() % 200) + ".") {
+    Remove();  // one a killed run of the same pid left
+    for (const std::string& cmd :
+         {"ip netns add " + name_,
+          "ip link add " + host_if_ + " type veth peer name " + ns_if_,
+          "ip link set " + ns_if_ + " netns " + name_,
+          "ip addr add " + here() + "/30 dev " + host_if_, "ip link set " + host_if_ + " up",
+          In("ip addr add " + there() + "/30 dev " + ns_if_), In("ip link set " + ns_if_ + " up"),
+          In("ip link set lo up")}) {
+      auto r = kiln::testing::Shell(cmd);
+      if (r.rc != 0) {
+        error_ = cmd + ": " + r.out;
+        return;
+      }
+    }
+  }
+  ~VethNamespace() { Remove(); }
+  const std::string& error() const { return error_; }  // empty when it was made
+  std::string here() const { return net_ + "1"; }
+  std::string there() const { return net_ + "2"; }
+  std::string path() const { return "/run/netns/" + name_; }
+  // The far side's link goes down (no FIN, no RST reach anyone: a dead switch port), or up.
+  bool SetLink(bool up) {
+    return kiln::testing::Shell(In("ip link set " + ns_if_ + (up ? " up" : " down"))).rc == 0;
+  }
+
+ private:
+  std::string In(const std::string& cmd) const { return "ip netns exec " + name_ + " " + cmd; }
+  void Remove() {
+    // Whatever still runs in it goes first (a failed test's agent or replicas).
+    kiln::testing::Shell("ip netns pids " + name_ + " 2>/dev/null | xargs -r kill -9");
+    kiln::testing::Shell("ip netns del " + name_ + " 2>/dev/null");
+    kiln::testing::Shell("ip link del " + host_if_ + " 2>/dev/null");
+  }
+  std::string name_, host_if_, ns_if_, net_, error_;
+};
+
 std::pair<int, std::string> Http(const std::string& method, int port, const std::string& path,
                                  const std::string& body = "") {
   web::http::client::http_client_config cfg;
@@ -98,8 +146,9 @@ class ClusterTest : public ::testing::Test {
     }
     args.insert(args.end(), extra.begin(), extra.end());
     controller_ = SpawnLogged(args, clog_);
+    control_host_ = listen.substr(0, listen.rfind(':'));
     admin_ = WaitForNumber(clog_, "admin=http://127.0.0.1:");
-    control_ = WaitForNumber(clog_, "control=127.0.0.1:");
+    control_ = WaitForNumber(clog_, "control=" + control_host_ + ":");
     ASSERT_GT(admin_, 0) << ReadFile(clog_);
   }
   struct Agent {
@@ -107,19 +156,21 @@ class ClusterTest : public ::testing::Test {
     std::string log;
     int admin = 0, router_grpc = 0;
   };
-  // A second node on the same machine (its own state, ports and replicas).
-  Agent StartAnotherAgent(const std::string& name, const std::vector<std::string>& extra = {}) {
+  // A second node on the same machine (its own state, ports and replicas), or in the network
+  // namespace `netns` (a path), where it binds `bind`.
+  Agent StartAnotherAgent(const std::string& name, const std::vector<std::string>& extra = {},
+                          const std::string& netns = "", const std::string& bind = "127.0.0.1") {
     Agent a;
     a.log = dir_ + "/agent-" + name + ".log";
     std::vector<std::string> args = {
-        KILN_AGENT_BIN, "--controller", "127.0.0.1:" + std::to_string(control_),
+        KILN_AGENT_BIN, "--controller", control_host_ + ":" + std::to_string(control_),
         "--node-name", name, "--state-dir", dir_ + "/agent-" + name,
-        "--runtime-binary", KILN_RUNTIME_BIN, "--admin-bind", "127.0.0.1",
+        "--runtime-binary", KILN_RUNTIME_BIN, "--admin-bind", bind,
         "--admin-port", "0", "--reserved-cpus", "0", "--tick-ms", "50",
-        "--ingress-bind", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
+        "--ingress-bind", bind, "--grpc-port", "0", "--http-port", "0",
         "--stop-timeout-ms", "5000", "--stop-replicas-on-exit"};
     args.insert(args.end(), extra.begin(), extra.end());
-    a.pid = SpawnLogged(args, a.log);
+    a.pid = SpawnLogged(args, a.log, netns);
     others_.push_back(a.pid);
     a.admin = WaitForNumber(a.log, "admin_port=");
     a.router_grpc = WaitForNumber(a.log, "router listening grpc_port=");
@@ -127,7 +178,8 @@ class ClusterTest : public ::testing::Test {
   }
   void StartAgent() {
     alog_ = dir_ + "/agent.log";
-    agent_ = SpawnLogged({KILN_AGENT_BIN, "--controller", "127.0.0.1:" + std::to_string(control_),
+    const std::string controller = control_host_ + ":" + std::to_string(control_);
+    agent_ = SpawnLogged({KILN_AGENT_BIN, "--controller", controller,
                     "--node-name", "n1", "--state-dir", dir_ + "/agent", "--runtime-binary",
                     KILN_RUNTIME_BIN, "--admin-bind", "127.0.0.1", "--admin-port", "0",
                     "--fake-gpus", "1:16Gi", "--reserved-cpus", "0", "--tick-ms", "50",
@@ -294,6 +346,7 @@ class ClusterTest : public ::testing::Test {
   pid_t controller_ = -1, agent_ = -1;
   std::vector<pid_t> others_;  // every StartAnotherAgent, stopped at the end if still running
   int controllers_ = 0;
+  std::string control_host_ = "127.0.0.1";  // where the controller's ControlPlane listens
   int admin_ = 0, control_ = 0, agent_admin_ = 0, router_grpc_ = 0;
   int last_rc_ = -1;
 };
@@ -450,6 +503,88 @@ TEST_F(ClusterTest, ALostNodesReplicasComeBackElsewhere) {
   EXPECT_TRUE(Infer().ok());
   out = Ctl("get nodes");
   EXPECT_NE(out.find("Lost"), std::string::npos) << out;
+}
+
+// Two machines: n2 runs in a network namespace of its own, joined to the controller's by a
+// veth pair. Its link is cut under steady traffic at n1: its stream stays open but silent, as
+// a dead switch port leaves it. n2 goes NotReady, then Lost, and its replica comes back on n1
+// under a new id while n1 serves every request. When the link is mended, n2 is Ready again
+// with the replica it kept, and the deployment is spread again: one replica serving on each
+// node (the one n1 no longer needs stays WARM for the scale-down window).
+TEST_F(ClusterTest, ANodeCutOffTheNetworkIsLostAndItsReplicaComesBackElsewhere) {
+  if (!VethNamespace::Possible()) GTEST_SKIP() << "needs root and ip netns";
+  VethNamespace ns;
+  ASSERT_EQ(ns.error(), "");
+  StartController(ns.here() + ":0", {"--node-not-ready-seconds", "2", "--node-lost-seconds", "3"});
+  ASSERT_GT(control_, 0) << ReadFile(clog_);
+  StartAgent();
+  Agent n2 = StartAnotherAgent("n2", {}, ns.path(), ns.there());
+  ASSERT_GT(n2.router_grpc, 0) << ReadFile(n2.log);
+  std::string out = ApplySpec("enc", "encoder", "  replicas: 2\n");
+  ASSERT_EQ(last_rc_, 0) << out;
+  ASSERT_TRUE(WaitForStatus("enc", 2, 0));
+  // Replica ids by node, SERVING ones only, as the controller lists them.
+  auto serving_on = [&](const std::string& node) {
+    std::set<std::string> ids;
+    const json list = json::parse(Ctl("get replicas enc -o json"), nullptr, false);
+    if (!list.is_object()) return ids;
+    for (const auto& r : list.value("items", json::array())) {
+      if (r.value("node", "") == node && r.value("state", "") == "SERVING") {
+        ids.insert(r.value("id", ""));
+      }
+    }
+    return ids;
+  };
+  const std::set<std::string> on_n2 = serving_on("n2");
+  ASSERT_EQ(on_n2.size(), 1u) << Ctl("get replicas enc -o wide");  // spread: one per node
+  ASSERT_EQ(serving_on("n1").size(), 1u);
+  auto node_health = [&](const std::string& node) {
+    const json list = json::parse(Ctl("get nodes -o json"), nullptr, false);
+    if (list.is_object()) {
+      for (const auto& n : list.value("items", json::array())) {
+        if (n.value("name", "") == node) return n.value("health", std::string());
+      }
+    }
+    return std::string();
+  };
+  ASSERT_EQ(node_health("n2"), "Ready");
+
+  Traffic traffic(this, router_grpc_);
+  ASSERT_TRUE(ns.SetLink(false));
+  std::string health;
+  for (int i = 0; i < 600 && (health = node_health("n2")) != "Lost"; ++i) {  // bounded
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_EQ(health, "Lost") << ReadFile(clog_);
+  std::set<std::string> on_n1;
+  for (int i = 0; i < 1200 && (on_n1 = serving_on("n1")).size() < 2; ++i) {  // bounded
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_EQ(on_n1.size(), 2u) << Ctl("get replicas enc -o wide") << ReadFile(clog_);
+  EXPECT_EQ(on_n1.count(*on_n2.begin()), 0u) << "a lost node's id was reused";
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // traffic on the two
+  traffic.Stop();
+  EXPECT_EQ(traffic.failed.load(), 0) << traffic.first_error;
+  EXPECT_GT(traffic.ok.load(), 20);
+  EXPECT_NE(ReadFile(clog_).find("node n2"), std::string::npos);
+
+  // The link comes back: n2 reports again, with the replica it kept.
+  ASSERT_TRUE(ns.SetLink(true));
+  for (int i = 0; i < 1200 && (health = node_health("n2")) != "Ready"; ++i) {  // bounded
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_EQ(health, "Ready") << ReadFile(clog_) << ReadFile(n2.log);
+  std::set<std::string> now_n1, now_n2;
+  for (int i = 0; i < 400; ++i) {  // bounded: until one serves on each node
+    now_n1 = serving_on("n1");
+    now_n2 = serving_on("n2");
+    if (now_n1.size() == 1 && now_n2.size() == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_EQ(now_n1.size(), 1u) << Ctl("get replicas enc -o wide");
+  EXPECT_EQ(now_n2, on_n2) << Ctl("get replicas enc -o wide");  // the one it kept
+  EXPECT_TRUE(now_n1.count(*on_n2.begin()) == 0);
+  EXPECT_TRUE(WaitForStatus("enc", 2, 0));
 }
 
 // Mutual TLS between the real binaries: the agent whose certificate names it registers; one
@@ -732,6 +867,11 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   });
   out = Ctl("apply -f " + dir_ + "/v2.yaml");
   EXPECT_EQ(last_rc_, 0) << out;
+  // An operator follows it live.
+  const std::string watch_log = dir_ + "/watch.log";
+  pid_t watch = SpawnLogged({KILNCTL_BIN, "--server", "http://127.0.0.1:" + std::to_string(admin_),
+                             "rollout", "status", "enc", "-w", "--timeout-seconds", "60"},
+                            watch_log);
   // Bounded poll until version 2 is stable.
   json d;
   for (int i = 0; i < 1600; ++i) {
@@ -764,6 +904,16 @@ TEST_F(ClusterTest, AGoodCanaryIsPromotedWithoutAFailedRequest) {
   EXPECT_EQ(last_rc_, 0) << out;
   EXPECT_NE(out.find("deployment \"enc\" serves version 2"), std::string::npos) << out;
   EXPECT_NE(out.find("  version 2: weight 100%, "), std::string::npos) << out;
+  // The live watch saw the step, its weight and the analysis' numbers, then the end (it exits
+  // by itself: bounded by its own --timeout-seconds).
+  int watch_status = 0;
+  ASSERT_EQ(waitpid(watch, &watch_status, 0), watch);
+  const std::string watched = ReadFile(watch_log);
+  EXPECT_TRUE(WIFEXITED(watch_status) && WEXITSTATUS(watch_status) == 0) << watched;
+  EXPECT_NE(watched.find("Progressing: canary 2 step 1/1 at 50%: "), std::string::npos) << watched;
+  EXPECT_NE(watched.find(" requests, error rate "), std::string::npos) << watched;
+  EXPECT_NE(watched.find("  version 2: weight 50%, "), std::string::npos) << watched;
+  EXPECT_NE(watched.find("deployment \"enc\" serves version 2"), std::string::npos) << watched;
   // Per-version numbers in status: version 2 took the traffic after the switch.
   json v2;
   const json now = Deployment("enc");

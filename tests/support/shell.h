@@ -3,6 +3,7 @@
 // Helpers for tests that drive real binaries: start one with its output to a log, run a
 // command line, read a file whole.
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -32,13 +33,20 @@ inline ShellResult Shell(const std::string& cmd) {
   return r;
 }
 
-// Starts args[0] with `args`, its stdout and stderr appended to `log`; returns the pid.
-inline pid_t SpawnLogged(const std::vector<std::string>& args, const std::string& log) {
+// Starts args[0] with `args`, its stdout and stderr appended to `log`; returns the pid. With
+// `netns` (a path such as /run/netns/NAME) it runs in that network namespace.
+inline pid_t SpawnLogged(const std::vector<std::string>& args, const std::string& log,
+                         const std::string& netns = "") {
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   pid_t pid = fork();
   if (pid == 0) {
+    if (!netns.empty()) {
+      int ns = open(netns.c_str(), O_RDONLY | O_CLOEXEC);
+      if (ns < 0 || setns(ns, CLONE_NEWNET) != 0) _exit(126);
+      close(ns);
+    }
     int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     if (fd >= 0) {
       dup2(fd, 1);

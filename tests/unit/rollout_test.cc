@@ -22,6 +22,13 @@ VersionStats Stats(int64_t ready, uint64_t requests, uint64_t errors, double p99
   return {ready, requests, errors, p99};
 }
 
+// An A/B test at `version`: 30% to the other version, held until promoted or aborted.
+ModelDeploymentSpec AbTestSpec(const std::string& version) {
+  auto spec = Spec(version, {{30, absl::ZeroDuration(), false}});
+  spec.rollout.strategy = "ABTest";
+  return spec;
+}
+
 const std::vector<RolloutStep> kTwoSteps = {{25, absl::Seconds(30), false},
                                             {50, absl::Seconds(30), false}};
 
@@ -291,11 +298,8 @@ TEST(RolloutTest, BlueGreenSwitchesOnceTheWholeNewSetServes) {
 }
 
 TEST(RolloutTest, AbTestHoldsItsSplit) {
-  auto spec1 = Spec("1", {{30, absl::ZeroDuration(), false}});
-  spec1.rollout.strategy = "ABTest";
-  RolloutState s = PlanRollout(spec1, {}, {}, {}, kT0).state;
-  auto spec2 = spec1;
-  spec2.model.version = "2";
+  RolloutState s = PlanRollout(AbTestSpec("1"), {}, {}, {}, kT0).state;
+  auto spec2 = AbTestSpec("2");
   auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(2, 0, 0), kT0);
   p = PlanRollout(spec2, p.state, Stats(4, 5000, 0), Stats(2, 2000, 0), kT0 + absl::Hours(5));
   EXPECT_EQ(p.canary_weight, 30);
@@ -376,6 +380,57 @@ TEST(RolloutActionTest, APauseBeforeAStepBeginsHoldsItsWeight) {
                   RolloutAction::kResume);
   EXPECT_FALSE(p.state.paused);
   EXPECT_EQ(p.canary_weight, 25);
+}
+
+// An A/B test paused while its replicas come up: the resume begins it (its split), and does
+// not also end it as a resume at a gated last step would.
+TEST(RolloutActionTest, AResumeThatBeginsAGatedStepDoesNotPassIt) {
+  RolloutState s = PlanRollout(AbTestSpec("1"), {}, {}, {}, kT0).state;
+  auto spec2 = AbTestSpec("2");
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(0, 0, 0), kT0, RolloutAction::kPause);
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(2, 0, 0), kT0 + absl::Seconds(1));
+  EXPECT_EQ(p.canary_weight, 0);  // ready, but paused
+  p = PlanRollout(spec2, p.state, Stats(4, 0, 0), Stats(2, 0, 0), kT0 + absl::Seconds(2),
+                  RolloutAction::kResume);
+  EXPECT_EQ(p.state.phase, "Progressing");
+  EXPECT_EQ(p.canary_weight, 30);
+  EXPECT_FALSE(p.state.promoting);
+  EXPECT_NE(p.state.message.find("A/B test running"), std::string::npos) << p.state.message;
+  // A second resume is the gate's: at the last step it promotes.
+  p = PlanRollout(spec2, p.state, Stats(4, 900, 0), Stats(2, 400, 0), kT0 + absl::Seconds(3),
+                  RolloutAction::kResume);
+  EXPECT_TRUE(p.state.promoting);
+}
+
+// Between steps (the next one's replicas coming up, or paused before it began) the canary
+// still takes the last step's weight, and a failure there still rolls it back.
+TEST(RolloutActionTest, ACanaryHeldBetweenStepsIsStillJudged) {
+  RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", kTwoSteps);
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(1, 0, 0), kT0);
+  ASSERT_EQ(p.canary_weight, 25);
+  p = PlanRollout(spec2, p.state, Stats(4, 900, 0), Stats(1, 300, 0), kT0 + absl::Seconds(31));
+  ASSERT_EQ(p.state.step, 1);  // passed; step 2 needs 2 replicas
+  p = PlanRollout(spec2, p.state, Stats(4, 900, 0), Stats(1, 300, 0), kT0 + absl::Seconds(32),
+                  RolloutAction::kPause);
+  EXPECT_EQ(p.canary_weight, 25);
+  EXPECT_NE(p.state.message.find("waiting for 2 canary replica(s) (1 ready); paused by hand; at "
+                                 "25%"),
+            std::string::npos)
+      << p.state.message;
+  // Its replicas serve, still paused: held at 25%, judged.
+  p = PlanRollout(spec2, p.state, Stats(4, 900, 0), Stats(2, 350, 0), kT0 + absl::Seconds(33));
+  EXPECT_EQ(p.canary_weight, 25);
+  EXPECT_EQ(p.state.phase, "Progressing");
+  auto failing = PlanRollout(spec2, p.state, Stats(4, 900, 0), Stats(2, 500, 120),
+                             kT0 + absl::Seconds(34));
+  EXPECT_EQ(failing.state.phase, "Degraded");
+  EXPECT_EQ(failing.canary_weight, 0);
+  // Resumed: step 2 begins at 50%.
+  p = PlanRollout(spec2, p.state, Stats(4, 900, 0), Stats(2, 360, 0), kT0 + absl::Seconds(35),
+                  RolloutAction::kResume);
+  EXPECT_EQ(p.canary_weight, 50);
+  EXPECT_FALSE(p.state.paused);
 }
 
 TEST(RolloutActionTest, AbortAndPromoteByHand) {

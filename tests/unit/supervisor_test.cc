@@ -416,6 +416,7 @@ TEST_F(SupervisorTest, ARenamedReplicaGoesOnUnderItsNewIdInTheSameProcess) {
   const pid_t member = View("pool-enc-0")->pid;
   const std::string cpus = View("pool-enc-0")->cpus;
   runtimes_.Set(Socket("pool-enc-0"), v1::WARM, "enc", "1", 5001);
+  runtimes_.SetReplicaId(Socket("pool-enc-0"), "pool-enc-0");  // as it was started
   runtimes_.Set(Socket("s0"), v1::SERVING, "enc", "1", 5002);
   sup_->Tick();
   ASSERT_TRUE(sup_->Converged());
@@ -442,12 +443,14 @@ TEST_F(SupervisorTest, ARenamedReplicaGoesOnUnderItsNewIdInTheSameProcess) {
   EXPECT_EQ(View("s1")->state, v1::SERVING);
   EXPECT_EQ(launcher_.launches().size(), 2u);
   EXPECT_TRUE(launcher_.signals().empty());
-  // The state file has the new id: a restarted supervisor adopts s1.
+  // The state file has the new id: a restarted supervisor adopts s1 (the process still names
+  // itself by the id it was started as).
   sup_ = MakeSupervisor();
   ASSERT_TRUE(sup_->Recover().ok());
   ASSERT_NE(View("s1"), nullptr);
   EXPECT_EQ(View("s1")->pid, member);
   EXPECT_TRUE(View("s1")->adopted);
+  EXPECT_TRUE(launcher_.signals().empty());
 }
 
 TEST_F(SupervisorTest, LastUsedSurvivesARestartedSupervisor) {
