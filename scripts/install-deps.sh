@@ -15,6 +15,8 @@ PACKAGES=(
   libboost-dev
   # systemd-analyze checks the installed units in the tests; openssl makes the TLS tests' CA.
   systemd openssl
+  # ip netns: a test runs a second node in a network namespace of its own.
+  iproute2
   libtorch-dev python3-torch python3-fastapi python3-uvicorn python3-yaml
   # Debian's LibTorch calls the system BLAS (libblas.so.3); this makes it OpenBLAS (built
   # with OpenMP, like LibTorch) instead of the reference BLAS: about 7x faster on CPU.
