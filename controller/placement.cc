@@ -173,6 +173,8 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
                       const std::set<std::string>& evicted, bool omit_unchanged) {
   PlacementResult out;
   std::deque<v1::ReplicaSpec> made;  // specs placement made or changed (addresses stay put)
+  // Replicas this call placed new: one evicted again within the call never ran anywhere.
+  std::set<std::string_view> placed_now;
   std::vector<PlacementDemand> demands = demands_in;
   // By deployment; a deployment's demands (stable, then canary) keep their order.
   std::stable_sort(demands.begin(), demands.end(),
@@ -642,11 +644,14 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
           break;
         }
       }
-      out.evicted[spec.replica_id()] =
-          spec.replica_id() + " (WARM, idle " +
-          std::to_string(idle_of(ns, spec.replica_id()) / 1000) + " s) on " + ns.node->name +
-          " GPU " + std::to_string(spec.gpu()) +
-          " makes room for a SERVING replica of " + d.deployment;
+      // (One placed by this call never ran: no eviction to report, the warm pool is short.)
+      if (!placed_now.count(spec.replica_id())) {
+        out.evicted[spec.replica_id()] =
+            spec.replica_id() + " (WARM, idle " +
+            std::to_string(idle_of(ns, spec.replica_id()) / 1000) + " s) on " + ns.node->name +
+            " GPU " + std::to_string(spec.gpu()) +
+            " makes room for a SERVING replica of " + d.deployment;
+      }
       ns.assignment.erase(ns.assignment.begin() + static_cast<long>(pos));
     }
     if (indexed) index(ns);
@@ -793,6 +798,7 @@ PlacementResult Place(const std::vector<PlacementDemand>& demands_in,
       if (!best) continue;  // counted below, as the shortfall
       v1::ReplicaSpec& spec = made.emplace_back();
       spec.set_replica_id(fresh_id());
+      placed_now.insert(spec.replica_id());  // a view into `made`, whose addresses stay put
       spec.set_model(d.model);
       spec.set_version(d.version);
       spec.set_repository(d.repository);

@@ -39,8 +39,10 @@ nlohmann::json RolloutState::ToJson() const {
     j["drainingVersion"] = draining_version;
     j["drainUntilMicros"] = absl::ToUnixMicros(drain_until);
   }
-  if (step_started != absl::InfinitePast()) {
-    j["stepStartedMicros"] = absl::ToUnixMicros(step_started);
+  if (step_started != absl::InfinitePast()) j["stepStartedMicros"] = absl::ToUnixMicros(step_started);
+  // The counters a step is judged from: also between steps, where the last step's weight
+  // still takes traffic and is still judged (a restart there must not judge lifetime totals).
+  if (!canary_version.empty()) {
     j["counters"] = {stable_requests0, stable_errors0, canary_requests0, canary_errors0};
   }
   return j;
@@ -64,8 +66,11 @@ RolloutState RolloutState::FromJson(const nlohmann::json& j) {
   }
   if (j.contains("stepStartedMicros") && j["stepStartedMicros"].is_number_integer()) {
     s.step_started = absl::FromUnixMicros(j["stepStartedMicros"].get<int64_t>());
-    const auto& c = j.value("counters", nlohmann::json::array());
-    if (c.is_array() && c.size() == 4) {
+  }
+  if (j.contains("counters")) {
+    const auto& c = j["counters"];
+    if (c.is_array() && c.size() == 4 &&
+        std::all_of(c.begin(), c.end(), [](const auto& v) { return v.is_number_unsigned(); })) {
       s.stable_requests0 = c[0].get<uint64_t>();
       s.stable_errors0 = c[1].get<uint64_t>();
       s.canary_requests0 = c[2].get<uint64_t>();
@@ -326,7 +331,12 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
       ((enough && creq > 0 &&
         (error_rate > a.max_error_rate || p99_ratio > a.max_latency_p99_ratio)) ||
        window_bad)) {
-    roll_back(where + " failed analysis: " + numbers + "; rolled back to " + s.stable_version);
+    // (Held before a step began, what failed is the step before, whose weight it still had.)
+    const std::string judged =
+        held.empty() ? where
+                     : "canary " + want + " step " + std::to_string(s.step) + "/" +
+                           std::to_string(steps.size());
+    roll_back(judged + " failed analysis: " + numbers + "; rolled back to " + s.stable_version);
     return p;
   }
   if (!held.empty()) {

@@ -22,8 +22,11 @@
 // waits for it (then rolls out from the promoted version). Before that, a spec that changes version
 // again mid-rollout supersedes the canary; a spec set back to the stable version aborts it.
 // By hand (`kilnctl rollout ...`): pause holds the current step (failures still roll back),
-// resume continues (and passes a `pause: {}` step), abort rolls back as a failure would,
-// promote makes the canary stable at once.
+// or, before a step has begun, keeps its weight from taking effect; resume continues (and
+// passes a `pause: {}` step that has begun: a resume that begins one does not also pass it);
+// abort rolls back as a failure would; promote makes the canary stable at once. Between steps
+// (the next step's replicas coming up, or paused before it began) the last step's weight still
+// takes traffic and is judged from that step's start.
 
 #include <cstdint>
 #include <deque>

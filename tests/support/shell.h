@@ -7,7 +7,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -42,16 +44,24 @@ inline pid_t SpawnLogged(const std::vector<std::string>& args, const std::string
   argv.push_back(nullptr);
   pid_t pid = fork();
   if (pid == 0) {
-    if (!netns.empty()) {
-      int ns = open(netns.c_str(), O_RDONLY | O_CLOEXEC);
-      if (ns < 0 || setns(ns, CLONE_NEWNET) != 0) _exit(126);
-      close(ns);
-    }
     int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     if (fd >= 0) {
       dup2(fd, 1);
       dup2(fd, 2);
       close(fd);
+    }
+    if (!netns.empty()) {
+      int ns = open(netns.c_str(), O_RDONLY | O_CLOEXEC);
+      if (ns < 0 || setns(ns, CLONE_NEWNET) != 0) {
+        // No allocation here (a forked child of a threaded process): plain writes.
+        const char* why = strerror(errno);
+        const char prefix[] = "cannot enter the network namespace: ";
+        (void)!write(2, prefix, sizeof(prefix) - 1);
+        (void)!write(2, why, strlen(why));
+        (void)!write(2, "\n", 1);
+        _exit(126);
+      }
+      close(ns);
     }
     execv(argv[0], argv.data());
     _exit(127);

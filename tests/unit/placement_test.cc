@@ -562,6 +562,18 @@ TEST(PlacementTest, AServingReplicaEvictsTheLeastRecentlyUsedWarmReplicasOfOther
   EXPECT_EQ(next.unplaced[0].rfind("cold: 1 of 2", 0), 0u);
 }
 
+// A WARM replica placed by the same call that then evicts it for a SERVING one never ran: it
+// is not reported as evicted (no event names a replica no node ever had).
+TEST(PlacementTest, AWarmReplicaPlacedAndEvictedInOneCallIsNotReported) {
+  std::vector<PlacementNode> nodes = {GpuNode("g", {16LL << 30})};
+  // "a" (its pool of one) is placed first, then "b" needs the whole GPU to serve.
+  auto p = Place({GpuOf("a", 0, 1, 10), GpuOf("b", 1, 0, 10)}, nodes);
+  EXPECT_EQ(All(p), (std::vector<std::string>{"g/0:b.0:SERVING"}));
+  EXPECT_TRUE(p.evicted.empty()) << p.evicted.begin()->second;
+  ASSERT_EQ(p.unplaced.size(), 1u);
+  EXPECT_EQ(p.unplaced[0].rfind("a: 1 of 1", 0), 0u) << p.unplaced[0];
+}
+
 // Scale-down to WARM first: replicas beyond the new count (and the pool) stay WARM up to
 // `linger`; none is started for it; and a lingering one evicted for room is not refilled.
 TEST(PlacementTest, ScaledDownReplicasLingerWarmAndAreEvictedWithoutRefill) {

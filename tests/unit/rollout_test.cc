@@ -433,6 +433,26 @@ TEST(RolloutActionTest, ACanaryHeldBetweenStepsIsStillJudged) {
   EXPECT_FALSE(p.state.paused);
 }
 
+// Held between steps, the canary is judged from the last step's start: a controller restart
+// there (its state back from the stored status) must not judge the replicas' lifetime totals.
+TEST(RolloutTest, AHeldCanarysCountersSurviveARestart) {
+  RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
+  auto spec2 = Spec("2", kTwoSteps);
+  // The canary replica failed a tenth of 1,000 requests before the step began.
+  auto p = PlanRollout(spec2, s, Stats(4, 0, 0), Stats(1, 1000, 100), kT0);
+  ASSERT_EQ(p.canary_weight, 25);
+  p = PlanRollout(spec2, p.state, Stats(4, 900, 0), Stats(1, 1300, 100), kT0 + absl::Seconds(31));
+  ASSERT_EQ(p.state.step, 1);  // 300 clean requests in the step: passed, step 2 coming up
+  const RolloutState restored = RolloutState::FromJson(p.state.ToJson());
+  p = PlanRollout(spec2, restored, Stats(4, 950, 0), Stats(1, 1350, 100), kT0 + absl::Seconds(32));
+  EXPECT_EQ(p.state.phase, "Progressing") << p.state.message;
+  EXPECT_EQ(p.canary_weight, 25);
+  // Failing now, it is rolled back, naming the step whose weight it had.
+  p = PlanRollout(spec2, restored, Stats(4, 950, 0), Stats(1, 1500, 200), kT0 + absl::Seconds(33));
+  EXPECT_EQ(p.state.phase, "Degraded");
+  EXPECT_EQ(p.state.message.rfind("canary 2 step 1/2 failed analysis", 0), 0u) << p.state.message;
+}
+
 TEST(RolloutActionTest, AbortAndPromoteByHand) {
   RolloutState s = PlanRollout(Spec("1", kTwoSteps), {}, {}, {}, kT0).state;
   auto spec2 = Spec("2", kTwoSteps);
