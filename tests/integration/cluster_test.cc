@@ -603,6 +603,40 @@ TEST_F(ClusterTest, ANodeCutOffTheNetworkIsLostAndItsReplicaComesBackElsewhere) 
   EXPECT_TRUE(WaitForStatus("enc", 2, 0));
 }
 
+// A router that forwards to another node whose agent hangs mid-call (stopped: its connections
+// stay open, nothing answers) fails the call UNAVAILABLE once its keepalive pings go
+// unanswered, instead of holding it until the caller's deadline (a minute here).
+TEST_F(ClusterTest, AForwardToAHungNodeFailsInsteadOfWaitingOutItsDeadline) {
+  Agent n2 = StartTwoNodes();
+  ASSERT_FALSE(HasFailure());
+  std::string out = ApplySpec("enc", "encoder", "  replicas: 1\n");
+  ASSERT_EQ(last_rc_, 0) << out;
+  ASSERT_TRUE(WaitForStatus("enc", 1, 0));
+  // The node without the replica forwards to the one with it.
+  const bool on_n1 = Pids().size() == 1;
+  const pid_t holder = on_n1 ? agent_ : n2.pid;
+  const int forwarder = on_n1 ? n2.router_grpc : router_grpc_;
+  grpc::Status st;
+  for (int i = 0; i < 400 && !(st = Infer(forwarder)).ok(); ++i) {  // bounded: its table comes
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(kill(holder, SIGSTOP), 0);
+  auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(forwarder), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  inference::ModelInferResponse resp;
+  st = stub->ModelInfer(&ctx, kiln::testing::EncoderRequest(1), &resp);
+  kill(holder, SIGCONT);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  // The hung node comes back: requests through the forwarder succeed again.
+  for (int i = 0; i < 800 && !(st = Infer(forwarder)).ok(); ++i) {  // bounded
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_TRUE(st.ok()) << st.error_message();
+}
+
 // Mutual TLS between the real binaries: the agent whose certificate names it registers; one
 // holding another node's certificate, or none, does not, and its log says why.
 TEST_F(ClusterTest, AgentsAndTheControllerSpeakMutualTls) {
