@@ -865,21 +865,19 @@ absl::Status Supervisor::Recover() {
     std::string socket = e["socket"].get<std::string>();
     v1::ReplicaSpec spec;
     if (!google::protobuf::util::JsonStringToMessage(e["spec"].dump(), &spec).ok()) continue;
+    // A non-empty string field of the entry, else `fallback` (an older state file lacks it).
+    auto text_or = [&e](const char* key, const std::string& fallback) {
+      auto it = e.find(key);
+      return it != e.end() && it->is_string() && !it->get<std::string>().empty()
+                 ? it->get<std::string>()
+                 : fallback;
+    };
     // The pid must still be our runtime: its command line names its control socket (a
     // pre-started runtime's own, when it was handed this replica).
-    std::string launch_socket = socket;
-    if (e.contains("launch_socket") && e["launch_socket"].is_string() &&
-        !e["launch_socket"].get<std::string>().empty()) {
-      launch_socket = e["launch_socket"].get<std::string>();
-    }
+    const std::string launch_socket = text_or("launch_socket", socket);
     NotePrestartName(launch_socket);
-    // The id the process itself was given (a renamed pool member's first one); an older state
-    // file has none: the spec's.
-    std::string launched_as = spec.replica_id();
-    if (e.contains("launched_as") && e["launched_as"].is_string() &&
-        !e["launched_as"].get<std::string>().empty()) {
-      launched_as = e["launched_as"].get<std::string>();
-    }
+    // The id the process itself was given (a renamed pool member's first one).
+    const std::string launched_as = text_or("launched_as", spec.replica_id());
     std::string cmdline = launcher_->CommandLine(pid);
     bool ours = launcher_->Alive(pid) && cmdline.find(launch_socket) != std::string::npos;
     auto client = clients_->Connect(socket);

@@ -44,6 +44,13 @@ const char* ReasonFor(absl::StatusCode code) {
   }
 }
 
+// A request refused for the state of what it names (a node still connected, no rollout in
+// progress) is a conflict with that state, 409, as Kubernetes answers.
+absl::Status AsConflict(absl::Status s) {
+  if (s.code() == absl::StatusCode::kFailedPrecondition) return absl::AbortedError(s.message());
+  return s;
+}
+
 }  // namespace
 
 int HttpCodeFor(absl::StatusCode code) {
@@ -122,9 +129,7 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
       return ErrorResponse(absl::NotFoundError("no such path: " + r.path));
     }
     const std::string name = PercentDecode(segment);  // kilnctl escapes what a path cannot hold
-    absl::Status s = forget_node_(name);
-    // A node still connected is a conflict with its state (409), as Kubernetes answers.
-    if (s.code() == absl::StatusCode::kFailedPrecondition) s = absl::AbortedError(s.message());
+    absl::Status s = AsConflict(forget_node_(name));  // a node still connected: 409
     if (!s.ok()) return ErrorResponse(s);
     return Json(200, {{"kind", "Status"},
                       {"apiVersion", "v1"},
@@ -208,9 +213,8 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
           "action: the body must be {\"action\": \"pause|resume|abort|promote\"}"));
     }
     if (auto o = store_->Get(kModelDeploymentKind, name); !o.ok()) return ErrorResponse(o.status());
-    absl::Status s = rollout_action_(name, j["action"].get<std::string>());
-    // No rollout in progress is a conflict with its state (409), as Kubernetes answers.
-    if (s.code() == absl::StatusCode::kFailedPrecondition) s = absl::AbortedError(s.message());
+    // No rollout in progress: 409.
+    absl::Status s = AsConflict(rollout_action_(name, j["action"].get<std::string>()));
     if (!s.ok()) return ErrorResponse(s);
     return Json(202, {{"kind", "Status"}, {"status", "Success"},
                       {"message", j["action"].get<std::string>() + " requested"}});

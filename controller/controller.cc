@@ -1530,6 +1530,8 @@ std::string Controller::NodesJson() {
     }
     nlohmann::json labels = nlohmann::json::object();
     for (const auto& [k, v] : rec.registration.labels()) labels[k] = v;
+    auto sent_at = sent_.find(name);
+    const Sent* sent = sent_at == sent_.end() ? nullptr : &sent_at->second;
     nodes.push_back({{"name", name},
                      {"health", NodeHealthName(registry_.Health(name, now))},
                      {"zone", ZoneOf(rec.registration)},
@@ -1540,9 +1542,8 @@ std::string Controller::NodesJson() {
                      {"lastHeardSecondsAgo", absl::ToInt64Seconds(now - rec.last_heard)},
                      {"assignmentGeneration", rec.status.assignment_generation()},
                      // The generation last sent (the node applies it, or refuses it).
-                     {"sentGeneration",
-                      sent_.count(name) ? sent_.at(name).assignment_generation : int64_t{0}},
-                     {"refused", sent_.count(name) ? sent_.at(name).nack : ""},
+                     {"sentGeneration", sent ? sent->assignment_generation : int64_t{0}},
+                     {"refused", sent ? sent->nack : ""},
                      {"replicas", replicas}});
   }
   return nlohmann::json{{"kind", "NodeList"}, {"items", nodes}}.dump();

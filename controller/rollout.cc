@@ -262,29 +262,30 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
   p.stable_replicas = replicas;
   p.canary_version = want;
   p.canary_replicas = need;
-  const std::string where = "canary " + want + " step " + std::to_string(s.step + 1) + "/" +
-                            std::to_string(steps.size());
+  // "canary 2 step 1/3": step `number` (from 1) of this rollout.
+  auto step_name = [&](int64_t number) {
+    return "canary " + want + " step " + std::to_string(number) + "/" +
+           std::to_string(steps.size());
+  };
+  const std::string where = step_name(s.step + 1);
 
   // The step has not begun: its replicas are still coming up, or it is paused by hand before
   // it began (its replicas still come up; its weight waits for a resume). The weight of the
   // step before, if any, still takes traffic and is still judged below.
   std::string held;
   bool began = false;  // this call began the step (a resume here is not also its gate's)
-  if (s.step_started == absl::InfinitePast()) {
-    if (canary.ready < need || s.paused) {
-      held = where + (canary.ready < need
-                          ? ": waiting for " + std::to_string(need) + " canary replica(s) (" +
-                                std::to_string(canary.ready) + " ready)"
-                          : ": " + std::to_string(canary.ready) + " canary replica(s) ready");
-      if (s.paused) held += "; paused by hand";
-      p.canary_weight = s.weight;
-      if (s.weight == 0) {  // no traffic yet: nothing to judge
-        s.message = held;
-        return p;
-      }
+  if (s.step_started == absl::InfinitePast() && (canary.ready < need || s.paused)) {
+    held = where + (canary.ready < need
+                        ? ": waiting for " + std::to_string(need) + " canary replica(s) (" +
+                              std::to_string(canary.ready) + " ready)"
+                        : ": " + std::to_string(canary.ready) + " canary replica(s) ready");
+    if (s.paused) held += "; paused by hand";
+    p.canary_weight = s.weight;
+    if (s.weight == 0) {  // no traffic yet: nothing to judge
+      s.message = held;
+      return p;
     }
-  }
-  if (s.step_started == absl::InfinitePast() && held.empty()) {
+  } else if (s.step_started == absl::InfinitePast()) {
     began = true;
     s.weight = step.weight;
     s.step_started = now;
@@ -332,11 +333,8 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
         (error_rate > a.max_error_rate || p99_ratio > a.max_latency_p99_ratio)) ||
        window_bad)) {
     // (Held before a step began, what failed is the step before, whose weight it still had.)
-    const std::string judged =
-        held.empty() ? where
-                     : "canary " + want + " step " + std::to_string(s.step) + "/" +
-                           std::to_string(steps.size());
-    roll_back(judged + " failed analysis: " + numbers + "; rolled back to " + s.stable_version);
+    roll_back((held.empty() ? where : step_name(s.step)) + " failed analysis: " + numbers +
+              "; rolled back to " + s.stable_version);
     return p;
   }
   if (!held.empty()) {
