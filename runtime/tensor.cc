@@ -49,6 +49,11 @@ size_t DataTypeSize(DataType type) {
 }
 
 absl::StatusOr<int64_t> ElementCount(const std::vector<int64_t>& shape, const std::string& field) {
+  if (shape.size() > kMaxTensorRank) {
+    return absl::InvalidArgumentError(field + ": shape has " + std::to_string(shape.size()) +
+                                      " dimensions, more than the " +
+                                      std::to_string(kMaxTensorRank) + " allowed");
+  }
   int64_t n = 1;
   for (int64_t d : shape) {
     if (d < 0) {

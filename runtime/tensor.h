@@ -30,6 +30,10 @@ absl::StatusOr<DataType> ParseDataType(const std::string& name, const std::strin
 const char* DataTypeName(DataType type);
 size_t DataTypeSize(DataType type);
 
+// The most dimensions a request's tensor may have (more than any model kiln serves uses).
+// Checked before anything else is read of the shape.
+inline constexpr size_t kMaxTensorRank = 32;
+
 // Element count of a shape; an error for negative dimensions or when the count or byte size
 // would overflow. `field` names the tensor in errors.
 absl::StatusOr<int64_t> ElementCount(const std::vector<int64_t>& shape, const std::string& field);

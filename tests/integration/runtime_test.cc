@@ -793,6 +793,17 @@ TEST(RuntimeTest, HostileRestBodiesAreRefusedAndTheServerLives) {
   std::string deep_param = R"({"parameters":{"p":)" + std::string(200000, '[') +
                            std::string(200000, ']') + R"(},"inputs":[]})";
   EXPECT_EQ(Http(port, "POST", "/v2/models/addsub/infer", deep_param).code, 400);
+  // A shape of 50,000 dimensions with data nested as deep: refused by its rank before the data
+  // is walked (the walk recursed once per level and overflowed the thread's stack).
+  std::string ones;
+  for (int i = 0; i < 50000; ++i) ones += i ? ",1" : "1";
+  std::string deep_shape = R"({"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[)" + ones +
+                           R"(],"data":)" + std::string(50000, '[') + "1" +
+                           std::string(50000, ']') + "}]}";
+  auto rank = Http(port, "POST", "/v2/models/addsub/infer", deep_shape);
+  EXPECT_EQ(rank.code, 400) << rank.raw;
+  EXPECT_NE(rank.raw.find("50000 dimensions, more than the 32 allowed"), std::string::npos)
+      << rank.raw;
   // A chunked body (no Content-Length) is served; one that grows past the limit is cut at it
   // (413) without the server holding more of it.
   const std::string ok_body =

@@ -200,6 +200,18 @@ TEST(JsonDecodeTest, SizesThatWouldOverflowAndDeepNestingAreRefused) {
       R"({"parameters":{"x":{"y":[1]}},"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1]}]})",
       "m", "", kLimit, nullptr);
   EXPECT_NE(nested_param.status().message().find("parameters.x"), std::string::npos);
+  // A rank of 33 is refused, and by its rank, before the data is walked.
+  std::string rank33 = R"({"inputs":[{"name":"x","datatype":"FP32","shape":[)";
+  for (int i = 0; i < 33; ++i) rank33 += i ? ",1" : "1";
+  rank33 += R"(],"data":)" + std::string(33, '[') + "1" + std::string(33, ']') + "}]}";
+  auto r = DecodeJsonInferRequest(rank33, "m", "", kLimit, nullptr);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("inputs[0].shape: has 33 dimensions, more than the 32"),
+            std::string::npos) << r.status();
+  std::string rank32 = R"({"inputs":[{"name":"x","datatype":"FP32","shape":[)";
+  for (int i = 0; i < 32; ++i) rank32 += i ? ",1" : "1";
+  rank32 += R"(],"data":)" + std::string(32, '[') + "1" + std::string(32, ']') + "}]}";
+  EXPECT_TRUE(DecodeJsonInferRequest(rank32, "m", "", kLimit, nullptr).ok());
 }
 
 TEST(GrpcDecodeTest, SizesThatWouldOverflowAreRefused) {
@@ -214,6 +226,17 @@ TEST(GrpcDecodeTest, SizesThatWouldOverflowAreRefused) {
   b->set_datatype("FP64");
   b->add_shape(1152921504606846975LL);
   EXPECT_EQ(DecodeInferRequest(req, kLimit).status().code(), absl::StatusCode::kResourceExhausted);
+
+  inference::ModelInferRequest deep;
+  auto* x = deep.add_inputs();
+  x->set_name("x");
+  x->set_datatype("FP32");
+  for (int i = 0; i < 33; ++i) x->add_shape(1);
+  x->mutable_contents()->add_fp32_contents(1);
+  auto d = DecodeInferRequest(deep, kLimit);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("33 dimensions, more than the 32 allowed"),
+            std::string::npos) << d.status();
 }
 
 TEST(JsonEncodeTest, EchoesIdAndParameters) {
