@@ -50,18 +50,19 @@ class BackendRegistry {
   void Register(const std::string& name, BackendFactory factory) {
     factories_[name] = std::move(factory);
   }
+  // OK when config.yaml's `backend` names a registered backend.
+  absl::Status Check(const std::string& backend) const {
+    if (factories_.count(backend)) return absl::OkStatus();
+    std::string known;
+    for (const auto& [n, f] : factories_) known += (known.empty() ? "" : ", ") + n;
+    return absl::InvalidArgumentError("backend: '" + backend +
+                                      "' is not a registered backend (registered: " + known + ")");
+  }
   absl::StatusOr<std::unique_ptr<Backend>> Create(const ModelConfig& config,
                                                   const std::string& model_file,
                                                   const BackendOptions& options) const {
-    auto it = factories_.find(config.backend);
-    if (it == factories_.end()) {
-      std::string known;
-      for (const auto& [n, f] : factories_) known += (known.empty() ? "" : ", ") + n;
-      return absl::InvalidArgumentError("backend: '" + config.backend +
-                                        "' is not a registered backend (registered: " + known +
-                                        ")");
-    }
-    return it->second(config, model_file, options);
+    if (absl::Status s = Check(config.backend); !s.ok()) return s;
+    return factories_.at(config.backend)(config, model_file, options);
   }
 
  private:

@@ -182,11 +182,13 @@ void DataServer::Serve(const std::shared_ptr<Connection>& c, uint64_t tag,
   };
   inference::ModelInferRequest req;
   if (!req.ParseFromString(body)) {
+    host_->CountRefused();
     fail(absl::InvalidArgumentError("the frame's body is not an inference.ModelInferRequest"));
     return;
   }
   auto decoded = DecodeInferRequest(req, max_request_bytes_);
   if (!decoded.ok()) {
+    host_->CountRefused();
     fail(decoded.status());
     return;
   }

@@ -329,6 +329,7 @@ grpc::ServerUnaryReactor* GrpcInferenceService::ModelInfer(grpc::CallbackServerC
   auto* reactor = ctx->DefaultReactor();
   auto decoded = DecodeInferRequest(*req, max_request_bytes_);
   if (!decoded.ok()) {
+    host_->CountRefused();
     reactor->Finish(ToGrpcStatus(decoded.status()));
     return reactor;
   }

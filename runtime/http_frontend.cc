@@ -212,6 +212,7 @@ class HttpFrontend::Impl {
                                           options_.max_request_bytes, params.get());
     http_request.body.clear();
     if (!decoded.ok()) {
+      host_->CountRefused();
       ReplyStatus(request, decoded.status(), /*decoding=*/true);
       return;
     }

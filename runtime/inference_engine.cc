@@ -176,6 +176,11 @@ void InferenceEngine::Leave() {
   in_flight_--;
 }
 
+void InferenceEngine::CountRefused() {
+  requests_++;
+  errors_++;
+}
+
 void InferenceEngine::Infer(InferRequest request, Done done) {
   absl::Time start = clock_->Now();
   requests_++;
@@ -314,8 +319,36 @@ absl::StatusOr<InferResponse> InferenceEngine::InferSync(InferRequest request) {
 }
 
 absl::Status InferenceEngine::Warmup(bool once) {
-  auto log = GetLogger("runtime.engine");
+  if (config_.warmup.empty()) {
+    // No samples configured: one zero-filled request of the smallest shape (batch 1, each
+    // variable dimension 1), so the first client does not pay for the first execution (a
+    // power-parked GPU's slow first kernel, lazy allocations). Best effort: a model that
+    // refuses such an input is served as it is.
+    WarmupSample w;
+    w.name = "default";
+    for (const auto& spec : config_.inputs) {
+      std::vector<int64_t> dims = spec.dims;
+      for (auto& d : dims) d = d < 0 ? 1 : d;
+      w.dims[spec.name] = std::move(dims);
+    }
+    absl::Status s = RunWarmupSample(w, once);
+    if (!s.ok()) {
+      GetLogger("runtime.engine")
+          ->warn("default warm-up (no warmup: in config.yaml) failed, serving without it: {}",
+                 std::string(s.message()));
+    }
+    return absl::OkStatus();
+  }
   for (const auto& w : config_.warmup) {
+    KILN_RETURN_IF_ERROR(RunWarmupSample(w, once));
+    if (once) break;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status InferenceEngine::RunWarmupSample(const WarmupSample& w, bool once) {
+  auto log = GetLogger("runtime.engine");
+  {
     std::vector<Tensor> inputs;
     for (const auto& spec : config_.inputs) {
       Tensor t;
@@ -378,7 +411,6 @@ absl::Status InferenceEngine::Warmup(bool once) {
       log->debug("warmup '{}' iteration {}: {:.3f} ms", w.name, i,
                  absl::ToDoubleMilliseconds(clock_->Now() - t0));
     }
-    if (once) break;
   }
   return absl::OkStatus();
 }

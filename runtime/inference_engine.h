@@ -72,7 +72,8 @@ class InferenceEngine {
   std::string backend_description() const { return backend_->Describe(); }
 
   // Runs the config's warm-up samples straight on the backend; with `once`, only one
-  // iteration of the first sample (to wake a parked device before routing).
+  // iteration of the first sample (to wake a parked device before routing). Without samples,
+  // one zero-filled request of the smallest shape, best effort (its failure is logged).
   absl::Status Warmup(bool once = false);
   // The backend's device-side preparation (CUDA graph capture), after Warmup(); see
   // Backend::Prepare.
@@ -83,6 +84,9 @@ class InferenceEngine {
 
   // Validates and queues `request`; `done` runs exactly once (maybe on this thread).
   void Infer(InferRequest request, Done done);
+  // A request a frontend refused before it could be decoded (bad body, wrong byte size, over
+  // the limit): counted as a request and an error, as the callers' error rate should see it.
+  void CountRefused();
   // Synchronous convenience over Infer().
   absl::StatusOr<InferResponse> InferSync(InferRequest request);
 
@@ -102,6 +106,7 @@ class InferenceEngine {
   void Stop();
 
  private:
+  absl::Status RunWarmupSample(const WarmupSample& w, bool once);
   InferenceEngine(ModelConfig config, std::string version, std::unique_ptr<Backend> backend,
                   Lifecycle* lifecycle, Clock* clock);
   // Counters and latency, before the reply goes out.

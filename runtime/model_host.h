@@ -32,6 +32,12 @@ class ModelHost {
   }
   bool Live() const { return state() != RuntimeState::kFailed; }
 
+  // A request refused before decoding (InferenceEngine::CountRefused); before the model is
+  // loaded there is nothing to count it in.
+  void CountRefused() {
+    if (InferenceEngine* e = engine()) e->CountRefused();
+  }
+
   void Infer(InferRequest request, InferenceEngine::Done done) {
     InferenceEngine* e = engine();
     if (e != nullptr) {

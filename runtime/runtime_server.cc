@@ -93,6 +93,12 @@ absl::StatusOr<std::unique_ptr<RuntimeServer>> RuntimeServer::Create(
   KILN_RETURN_IF_ERROR(ValidateRuntimeOptions(options));
   KILN_ASSIGN_OR_RETURN(ResolvedModel model,
                         ResolveModel(options.model_repository, options.model, options.version));
+  // Before any port is taken: an unknown backend is the config's error, not a failed load.
+  if (absl::Status s = backends->Check(model.config.backend); !s.ok()) {
+    return absl::InvalidArgumentError(
+        (std::filesystem::path(model.model_dir) / "config.yaml").string() + ": " +
+        std::string(s.message()));
+  }
   return std::unique_ptr<RuntimeServer>(
       new RuntimeServer(std::move(options), backends, clock, process_start, std::move(model)));
 }

@@ -525,6 +525,40 @@ v1::RuntimeStats Stats(RuntimeProcess* rt) {
   return s;
 }
 
+// A request refused before decoding still counts, as a request and as an error, in Stats (an
+// agent's error rate and a canary's analysis read them); request parameters come back with the
+// answer over both protocols; the control socket is the owner's alone.
+TEST(RuntimeTest, RefusedRequestsCountAndParametersComeBack) {
+  auto rt = StartRuntime("encoder");
+  ASSERT_NE(rt, nullptr);
+  struct stat st;
+  ASSERT_EQ(::stat(rt->control_socket().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  auto stub = Stub(*rt);
+  json c = References("2")[0];
+  const v1::RuntimeStats before = Stats(rt.get());
+  auto short_raw = GrpcEncoderRequest(c, true);
+  short_raw.mutable_raw_input_contents(0)->resize(3);  // not a whole INT64 tensor
+  EXPECT_EQ(Infer(stub.get(), short_raw).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Http(rt->http_port(), "POST", "/v2/models/encoder/infer", "{not json").code, 400);
+  const v1::RuntimeStats after = Stats(rt.get());
+  EXPECT_EQ(after.requests() - before.requests(), 2u);
+  EXPECT_EQ(after.errors() - before.errors(), 2u);
+
+  auto with_params = GrpcEncoderRequest(c, true);
+  (*with_params.mutable_parameters())["custom"].set_string_param("x");
+  inference::ModelInferResponse resp;
+  ASSERT_TRUE(Infer(stub.get(), with_params, &resp).ok());
+  ASSERT_TRUE(resp.parameters().count("custom"));
+  EXPECT_EQ(resp.parameters().at("custom").string_param(), "x");
+  json body = json::parse(RestEncoderBody(c));
+  body["parameters"] = {{"custom", "x"}, {"n", 3}};
+  auto rest = Http(rt->http_port(), "POST", "/v2/models/encoder/infer", body.dump());
+  ASSERT_EQ(rest.code, 200) << rest.raw;
+  EXPECT_EQ(rest.body["parameters"]["custom"], "x") << rest.raw;
+  EXPECT_EQ(rest.body["parameters"]["n"], 3) << rest.raw;
+}
+
 // Bounded poll until the runtime is executing exactly one request with nothing queued.
 bool WaitExecuting(RuntimeProcess* rt, int64_t in_flight, int64_t queued) {
   for (int i = 0; i < 1000; ++i) {
@@ -1123,6 +1157,20 @@ TEST_F(BrokenRepoTest, BadConfigFailsBeforeListening) {
       absl::Seconds(30));
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("max_batch_size: must be an integer"), std::string::npos) << r.output;
+  // A misspelt backend is the config's error too, before any port is taken.
+  std::ofstream(dir_ / "encoder/config.yaml")
+      << "name: encoder\nbackend: torchscrpit\nmax_batch_size: 0\n"
+         "input:\n  - {name: x, datatype: FP32, dims: [1]}\n"
+         "output:\n  - {name: y, datatype: FP32, dims: [1]}\n";
+  r = testing::RunToCompletion(
+      {KILN_RUNTIME_BIN, "--model-repository", dir_.string(), "--model", "encoder"},
+      absl::Seconds(30));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("encoder/config.yaml: backend: 'torchscrpit' is not a registered "
+                          "backend (registered: aotinductor, torchscript)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("listening"), std::string::npos) << r.output;
 }
 
 TEST(RuntimeFlagsTest, BadFlagsNameTheFlag) {

@@ -218,9 +218,15 @@ TEST(BatcherTest, FullQueueIsResourceExhausted) {
 TEST(BatcherTest, OneBadRequestDoesNotFailTheOthersInItsBatch) {
   RealClock clock;
   ModelConfig config = BatchingConfig(0);
-  // Fails any execution that contains the value 13.
-  auto exec = [](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+  absl::Mutex mu;
+  bool release = false;
+  std::vector<int64_t> executed;  // each execution's batch size
+  // Holds the execution of the value 0 until released; fails any execution holding 13.
+  auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
     const float* f = reinterpret_cast<const float*>(in[0].data.data());
+    absl::MutexLock lock(&mu);
+    executed.push_back(in[0].shape[0]);
+    if (f[0] == 0) mu.Await(absl::Condition(&release));
     for (int64_t i = 0; i < in[0].shape[0]; ++i) {
       if (f[i] == 13) return absl::InternalError("bad token");
     }
@@ -228,13 +234,10 @@ TEST(BatcherTest, OneBadRequestDoesNotFailTheOthersInItsBatch) {
     y.name = "y";
     return std::vector<Tensor>{y};
   };
-  absl::Mutex mu;
   std::vector<absl::StatusCode> codes;
   auto batcher = Batcher::Create(config, exec, &clock, nullptr);
   ASSERT_TRUE(batcher.ok());
-  // Hold the executor with nothing, then queue three requests so they batch together.
-  std::vector<Batcher::Item> items;
-  for (float v : {1.0f, 13.0f, 2.0f}) {
+  auto enqueue = [&](float v) {
     Batcher::Item it;
     it.inputs = {Make("x", {1, 1}, {v})};
     it.done = [&](absl::StatusOr<std::vector<Tensor>> r) {
@@ -242,19 +245,25 @@ TEST(BatcherTest, OneBadRequestDoesNotFailTheOthersInItsBatch) {
       codes.push_back(r.status().code());
     };
     ASSERT_TRUE((*batcher)->Enqueue(std::move(it)).ok());
-  }
-  for (int i = 0; i < 2000; ++i) {
-    {
-      absl::MutexLock lock(&mu);
-      if (codes.size() == 3) break;
-    }
-    absl::SleepFor(absl::Milliseconds(1));
+  };
+  // The executor takes the first request and is held in it; the next three wait together.
+  enqueue(0);
+  for (int i = 0; i < 2000 && (*batcher)->queue_depth() > 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ((*batcher)->queue_depth(), 0);
+  for (float v : {1.0f, 13.0f, 2.0f}) enqueue(v);
+  ASSERT_EQ((*batcher)->queue_depth(), 3);
+  {
+    absl::MutexLock lock(&mu);
+    release = true;
+    auto all = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return codes.size() == 4; };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all), absl::Seconds(10)));
   }
   (*batcher)->Stop();
   absl::MutexLock lock(&mu);
-  ASSERT_EQ(codes.size(), 3u);
-  EXPECT_EQ(std::count(codes.begin(), codes.end(), absl::StatusCode::kOk), 2);
+  EXPECT_EQ(std::count(codes.begin(), codes.end(), absl::StatusCode::kOk), 3);
   EXPECT_EQ(std::count(codes.begin(), codes.end(), absl::StatusCode::kInternal), 1);
+  // The held one, the three together (which failed), then each of them alone.
+  EXPECT_EQ(executed, (std::vector<int64_t>{1, 3, 1, 1, 1}));
 }
 
 TEST(BatcherTest, ALoneRequestOnAnIdleModelRunsOnTheCallersThread) {

@@ -408,6 +408,45 @@ class SlowBackend : public Backend {
   absl::Duration step_;
 };
 
+// Records the shapes it is run with; fails when told to.
+class ShapeRecordingBackend : public Backend {
+ public:
+  ShapeRecordingBackend(std::vector<std::vector<int64_t>>* shapes, bool fail)
+      : shapes_(shapes), fail_(fail) {}
+  absl::StatusOr<std::vector<Tensor>> Execute(std::vector<Tensor> in) override {
+    for (const auto& t : in) shapes_->push_back(t.shape);
+    if (fail_) return absl::InvalidArgumentError("index out of range");
+    return std::vector<Tensor>{};
+  }
+  std::string device() const override { return "cpu"; }
+
+ private:
+  std::vector<std::vector<int64_t>>* shapes_;
+  bool fail_;
+};
+
+// Without warmup samples in config.yaml, warm-up (at load, and once on a parked replica's
+// promotion) runs one zero-filled request of the smallest shape; a model that refuses it is
+// still served.
+TEST(EngineWarmupTest, WithoutSamplesOneSmallestRequestRunsAndMayFail) {
+  for (bool fail : {false, true}) {
+    ModelConfig c = EngineConfig();
+    c.inputs = {{"ids", DataType::kInt64, {-1}}, {"mask", DataType::kInt64, {-1, 3}}};
+    std::vector<std::vector<int64_t>> shapes;
+    RealClock clock;
+    Lifecycle lifecycle(&clock);
+    auto e = InferenceEngine::Create(c, "1", std::make_unique<ShapeRecordingBackend>(&shapes, fail),
+                                     &lifecycle, &clock);
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_TRUE((*e)->Warmup().ok()) << fail;
+    EXPECT_EQ(shapes, (std::vector<std::vector<int64_t>>{{1, 1}, {1, 1, 3}})) << fail;
+    shapes.clear();
+    EXPECT_TRUE((*e)->Warmup(/*once=*/true).ok()) << fail;
+    EXPECT_EQ(shapes.size(), 2u);
+    (*e)->Stop();
+  }
+}
+
 // The model's time per execution is kept apart from the request's latency.
 TEST(EngineComputeTest, ModelTimeIsRecordedPerExecution) {
   SimulatedClock clock;
