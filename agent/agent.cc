@@ -278,18 +278,19 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   policy.idle.persistence = true;
   policy.warm_only.persistence = true;
   policy.serving.persistence = true;
-  if (!t.gpus.empty()) {
-    const auto& id = t.gpus[0].identity;
-    if (id.power_limit_min_mw > 0) {
-      policy.idle.power_limit_mw = id.power_limit_min_mw;
-      policy.warm_only.power_limit_mw = id.power_limit_min_mw;
-    }
-    if (id.power_limit_default_mw > 0) policy.serving.power_limit_mw = id.power_limit_default_mw;
-  }
+  // Each card's own bounds: a node's GPUs need not be alike.
+  policy.idle.card_limit = PowerKnobs::CardLimit::kMinimum;
+  policy.warm_only.card_limit = PowerKnobs::CardLimit::kMinimum;
+  policy.serving.card_limit = PowerKnobs::CardLimit::kDefault;
   if (gpus_) {
     std::vector<int> indexes;
     for (const auto& g : t.gpus) indexes.push_back(g.identity.index);
-    monitor_ = std::make_unique<GpuMonitor>(gpus_.get(), indexes);
+    // What needs a GPU reset outlives an agent restart (until the node reboots).
+    std::string boot_id;
+    std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
+    monitor_ = std::make_unique<GpuMonitor>(
+        gpus_.get(), indexes,
+        GpuMonitor::Persistence{options_.state_dir + "/gpu_health.json", boot_id});
     power_ = std::make_unique<GpuPowerManager>(gpus_.get(), mode, policy,
                                                [](const std::string& s) { Log()->info("power: {}", s); });
   }
@@ -320,6 +321,7 @@ absl::Status Agent::Start() {
   Router::Options ro;
   ro.bind_address = options_.ingress_bind;
   ro.grpc_port = options_.grpc_port;
+  ro.node_name = options_.node_name;
   ro.http_port = options_.http_port;
   // Socket activation (kiln-agent-grpc.socket, kiln-agent-http.socket): the router serves the
   // sockets systemd holds, which queue connections while the agent restarts.
@@ -385,21 +387,7 @@ absl::Status Agent::Start() {
 }
 
 absl::Status Agent::RunOnLoop(std::function<absl::Status()> task) {
-  auto result = std::make_shared<std::pair<absl::Mutex, std::optional<absl::Status>>>();
-  {
-    absl::MutexLock lock(&tasks_mu_);
-    tasks_.push_back([task, result]() {
-      absl::Status s = task();
-      absl::MutexLock l(&result->first);
-      result->second = s;
-    });
-  }
-  absl::MutexLock l(&result->first);
-  auto has = [&]() { return result->second.has_value(); };
-  if (!result->first.AwaitWithTimeout(absl::Condition(&has), absl::Seconds(10))) {
-    return absl::DeadlineExceededError("the agent's loop did not take the change within 10 s");
-  }
-  return *result->second;
+  return tasks_.Run(std::move(task), absl::Seconds(10));
 }
 
 absl::Status Agent::Persist(const std::string& name, const google::protobuf::Message& m) {
@@ -421,7 +409,6 @@ absl::Status Agent::ApplyFromController(const v1::Assignment& a) {
     if (a.generation() == generation_ && generation_ != 0) return absl::OkStatus();  // no-op
     KILN_RETURN_IF_ERROR(supervisor_->Apply(a));
     generation_ = a.generation();
-    ready_ = false;
     absl::Status p = Persist("assignment.pb", a);
     if (!p.ok()) Log()->error("{}", std::string(p.message()));
     Log()->info("controller assignment generation {} applied: {} replica(s)", a.generation(),
@@ -665,7 +652,15 @@ absl::Status Agent::ApplyFile(const AssignmentFile& file, int64_t generation) {
   return absl::OkStatus();
 }
 
-void Agent::RequestReload() { reload_ = true; }
+void Agent::RequestReload() {
+  reload_ = true;
+  Wake();
+}
+
+void Agent::Wake() {
+  absl::MutexLock lock(&mu_);
+  wake_ = true;
+}
 
 void Agent::Reload() {
   if (options_.assignment_file.empty()) return;
@@ -680,7 +675,6 @@ void Agent::Reload() {
   }
   generation_++;
   routing_ = file->routing;
-  ready_ = false;
   Log()->info("assignment file reloaded: generation {}, {} replica(s), {} warm pool(s)",
               generation_, file->assignment.replicas_size(), file->pools.size());
 }
@@ -699,9 +693,13 @@ void Agent::UpdatePower() {
   for (const auto& [gpu, l] : ClassifyGpuLoads(gpus, holders)) {
     auto it = gpu_load_.find(gpu);
     if (it != gpu_load_.end() && it->second == l) continue;
-    gpu_load_[gpu] = l;
     auto r = power_->Apply(gpu, l);
-    if (!r.ok()) Log()->error("power: gpu {}: {}", gpu, std::string(r.status().message()));
+    if (!r.ok()) {
+      // Not recorded: the next pass tries again.
+      Log()->error("power: gpu {}: {}", gpu, std::string(r.status().message()));
+      continue;
+    }
+    gpu_load_[gpu] = l;
   }
 }
 
@@ -710,18 +708,16 @@ void Agent::Loop() {
   bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0;
   absl::Time last_watchdog = absl::InfinitePast();
   bool notified_ready = false;
+  std::string last_status;
+  int64_t logged_converged = -1;  // the generation last logged as served in full
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) break;
+      wake_ = false;  // this pass takes whatever was posted before it
     }
     if (reload_.exchange(false)) Reload();
-    std::vector<std::function<void()>> tasks;
-    {
-      absl::MutexLock lock(&tasks_mu_);
-      tasks.swap(tasks_);
-    }
-    for (auto& t : tasks) t();
+    tasks_.RunPending();
     if (monitor_ && absl::Now() - last_gpu_poll_ >= absl::Seconds(1)) {
       last_gpu_poll_ = absl::Now();
       monitor_->Poll();
@@ -740,22 +736,50 @@ void Agent::Loop() {
           BuildRouterTable(routing_, *supervisor_->Snapshot(), options_.node_name)));
     }
     UpdatePower();
-    bool r = supervisor_->Converged();
-    ready_ = r;
-    if (r && !notified_ready) {
-      notified_ready = true;
+    // Ready (/readyz, systemd's READY=1): an assignment is applied and the router serves its
+    // table. Replicas still coming up or going away are out of routing and do not take the
+    // node out of its Service; a scale step or a crash loop is a replica's state, not the
+    // node's.
+    const bool converged = supervisor_->Converged();
+    const bool serving = generation_ > 0;
+    ready_ = serving;
+    converged_ = converged;
+    std::string status;
+    if (serving) {
+      status = "serving generation " + std::to_string(generation_) +
+               (converged ? ", every replica in its assigned state"
+                          : ", replicas on their way to their assigned state");
+    } else {
+      status = "waiting for an assignment";
+    }
+    if (status != last_status) {
+      last_status = status;
+      if (serving && !notified_ready) {
+        notified_ready = true;
+        sd_notifyf(0, "READY=1\nSTATUS=%s", status.c_str());
+      } else {
+        sd_notifyf(0, "STATUS=%s", status.c_str());
+      }
+    }
+    if (converged && serving && generation_ != logged_converged) {
+      logged_converged = generation_;
       Log()->info("serving the assignment (generation {})", generation_);
-      sd_notifyf(0, "READY=1\nSTATUS=serving generation %lld", static_cast<long long>(generation_));
     }
     absl::Time now = absl::Now();
-    if (watchdog && now - last_watchdog >= absl::Microseconds(watchdog_usec / 2)) {
-      sd_notify(0, "WATCHDOG=1");
-      last_watchdog = now;
+    absl::Duration wait = options_.tick;
+    if (watchdog) {
+      const absl::Duration half = absl::Microseconds(watchdog_usec / 2);
+      if (now - last_watchdog >= half) {
+        sd_notify(0, "WATCHDOG=1");
+        last_watchdog = now;
+      }
+      wait = std::min(wait, last_watchdog + half - now);
     }
     last_tick_unix_ms_ = absl::ToUnixMillis(now);
     ticks_++;
     absl::MutexLock lock(&mu_);
-    mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.tick);
+    auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || wake_; };
+    mu_.AwaitWithTimeout(absl::Condition(&woken), wait);
   }
   sd_notify(0, "STOPPING=1");
   if (options_.stop_replicas_on_exit) {
@@ -788,7 +812,7 @@ void Agent::Stop() {
 }
 
 std::string Agent::ReplicasJson() const {
-  nlohmann::json out = {{"node", options_.node_name}, {"ready", ready()}, {"replicas", nlohmann::json::array()}};
+  nlohmann::json out = {{"node", options_.node_name}, {"ready", ready()}, {"converged", converged()}, {"replicas", nlohmann::json::array()}};
   auto snapshot = supervisor_->Snapshot();
   for (const auto& v : *snapshot) {
     out["replicas"].push_back({{"id", v.spec.replica_id()},
@@ -829,13 +853,25 @@ std::string Agent::ReplicasJson() const {
 std::string Agent::MetricsText() {
   std::ostringstream m;
   std::string node = "node=\"" + Escape(options_.node_name) + "\"";
-  m << "# HELP kiln_agent_ready 1 when every assigned replica is in its assigned state.\n"
+  m << "# HELP kiln_agent_ready 1 when an assignment is applied and the router serves it.\n"
     << "# TYPE kiln_agent_ready gauge\n"
     << "kiln_agent_ready{" << node << "} " << (ready() ? 1 : 0) << "\n"
+    << "# HELP kiln_agent_converged 1 when every assigned replica is in its assigned state.\n"
+    << "# TYPE kiln_agent_converged gauge\n"
+    << "kiln_agent_converged{" << node << "} " << (converged() ? 1 : 0) << "\n"
     << "# HELP kiln_agent_assignment_reloads_rejected_total Assignment files rejected.\n"
     << "# TYPE kiln_agent_assignment_reloads_rejected_total counter\n"
     << "kiln_agent_assignment_reloads_rejected_total{" << node << "} " << rejected_reloads_.load()
     << "\n";
+  if (power_) {
+    m << "# HELP kiln_agent_gpu_power_changes_total GPU settings the power policy changed: "
+         "planned (logged; all that dry-run does) and applied (set and read back).\n"
+      << "# TYPE kiln_agent_gpu_power_changes_total counter\n"
+      << "kiln_agent_gpu_power_changes_total{" << node << ",outcome=\"planned\"} "
+      << power_->changes_planned() << "\n"
+      << "kiln_agent_gpu_power_changes_total{" << node << ",outcome=\"applied\"} "
+      << power_->changes_applied() << "\n";
+  }
   if (router_) {
     m << "# HELP kiln_router_forwarded_total gRPC inference calls the node's router forwarded "
          "(retries included), by transport: data_socket to a replica on this node, grpc "

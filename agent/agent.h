@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "agent/gpu_monitor.h"
 #include "agent/gpu_power.h"
+#include "agent/loop_tasks.h"
 #include "agent/supervisor.h"
 #include "agent/topology.h"
 #include "common/clock.h"
@@ -96,7 +97,10 @@ class Agent {
   int admin_port() const;
   int ingress_grpc_port() const;
   int ingress_http_port() const;
+  // An assignment is applied and the router serves its table (/readyz, systemd's READY=1).
   bool ready() const { return ready_.load(); }
+  // Every replica is in its assigned state.
+  bool converged() const { return converged_.load(); }
   bool live() const;
   std::string MetricsText();
   std::string ReplicasJson() const;
@@ -137,8 +141,7 @@ class Agent {
   std::unique_ptr<class ControllerClient> controller_;
   std::atomic<int64_t> routing_generation_{0};
   // Tasks posted to the loop thread.
-  absl::Mutex tasks_mu_;
-  std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(tasks_mu_);
+  LoopTasks tasks_{[this] { Wake(); }};
   // For load figures between two Status messages (the controller client's thread).
   absl::Mutex load_mu_;
   // Per replica socket: the last Stats and when they were taken, and when the replica was
@@ -154,6 +157,7 @@ class Agent {
   std::map<int, GpuLoad> gpu_load_;  // loop thread only
   int64_t generation_ = 0;           // loop thread only
   std::atomic<bool> ready_{false};
+  std::atomic<bool> converged_{false};
   std::atomic<bool> reload_{false};
   std::atomic<int64_t> last_tick_unix_ms_{0};
   std::atomic<uint64_t> rejected_reloads_{0};
@@ -161,6 +165,9 @@ class Agent {
 
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Work was posted (a reload, a task): the loop runs now instead of at its next tick.
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  void Wake();
   std::thread loop_;
 };
 

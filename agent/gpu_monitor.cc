@@ -1,18 +1,139 @@
 #include "agent/gpu_monitor.h"
 
+#include <filesystem>
+#include <fstream>
+
+#include "common/logging.h"
+#include "nlohmann/json.hpp"
+
 namespace kiln {
 
+namespace {
+bool DrainClass(uint64_t xid) { return ClassifyXid(xid).action == XidAction::kDrainGpu; }
+}  // namespace
+
+GpuMonitor::GpuMonitor(GpuDriver* driver, std::vector<int> gpus, Persistence persistence)
+    : driver_(driver), gpus_(std::move(gpus)), persistence_(std::move(persistence)) {
+  Restore();
+}
+
+std::string GpuMonitor::Uuid(int gpu) {
+  auto it = uuids_.find(gpu);
+  if (it != uuids_.end()) return it->second;
+  auto id = driver_->Identify(gpu);
+  if (!id.ok() || id->uuid.empty()) return "";
+  uuids_[gpu] = id->uuid;
+  return id->uuid;
+}
+
+void GpuMonitor::Restore() {
+  if (persistence_.state_file.empty()) return;
+  std::ifstream in(persistence_.state_file);
+  if (!in) return;
+  nlohmann::json doc = nlohmann::json::parse(in, nullptr, false);
+  auto log = GetLogger("agent.gpu");
+  if (!doc.is_object() || !doc.contains("gpus") || !doc["gpus"].is_object()) {
+    log->warn("{}: not a GPU health file; starting afresh", persistence_.state_file);
+    return;
+  }
+  if (doc.value("boot_id", "") != persistence_.boot_id) {
+    log->info("{}: from an earlier boot; the GPUs were reset since, starting afresh",
+              persistence_.state_file);
+    return;
+  }
+  for (const auto& [uuid, g] : doc["gpus"].items()) {
+    if (!g.is_object()) continue;
+    std::vector<uint64_t> xids;
+    if (g.contains("xids") && g["xids"].is_array()) {
+      for (const auto& x : g["xids"]) {
+        if (x.is_number_unsigned() && DrainClass(x.get<uint64_t>())) xids.push_back(x.get<uint64_t>());
+      }
+    }
+    std::optional<uint64_t> baseline;
+    if (g.contains("ecc_uncorrected_baseline") && g["ecc_uncorrected_baseline"].is_number_unsigned()) {
+      baseline = g["ecc_uncorrected_baseline"].get<uint64_t>();
+    }
+    restored_[uuid] = {std::move(xids), baseline};
+  }
+}
+
+void GpuMonitor::Save() {
+  if (persistence_.state_file.empty()) return;
+  nlohmann::json gpus = nlohmann::json::object();
+  for (int gpu : gpus_) {
+    std::string uuid = Uuid(gpu);
+    if (uuid.empty()) continue;
+    nlohmann::json g;
+    nlohmann::json xids = nlohmann::json::array();
+    for (uint64_t x : xids_[gpu]) {
+      if (DrainClass(x)) xids.push_back(x);
+    }
+    g["xids"] = std::move(xids);
+    if (auto b = ecc_baseline_.find(gpu); b != ecc_baseline_.end()) {
+      g["ecc_uncorrected_baseline"] = b->second;
+    }
+    gpus[uuid] = std::move(g);
+  }
+  nlohmann::json doc = {{"boot_id", persistence_.boot_id}, {"gpus", std::move(gpus)}};
+  const std::string tmp = persistence_.state_file + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << doc.dump(2) << "\n";
+    if (!out) {
+      GetLogger("agent.gpu")->error("cannot write {}", tmp);
+      return;
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, persistence_.state_file, ec);
+  if (ec) GetLogger("agent.gpu")->error("cannot write {}: {}", persistence_.state_file, ec.message());
+}
+
 void GpuMonitor::Poll() {
+  bool changed = false;
   auto events = driver_->WaitEvents(absl::ZeroDuration());
   if (events.ok()) {
-    for (const auto& e : *events) xids_[e.index].push_back(e.xid);
+    for (const auto& e : *events) {
+      auto& list = xids_[e.index];
+      list.push_back(e.xid);
+      if (DrainClass(e.xid)) {
+        changed = true;
+        continue;
+      }
+      // Bounded: the most recent application-class Xids only.
+      size_t apps = 0;
+      for (uint64_t x : list) apps += DrainClass(x) ? 0 : 1;
+      if (apps > kRecentApplicationXids) {
+        for (auto it = list.begin(); it != list.end(); ++it) {
+          if (!DrainClass(*it)) {
+            list.erase(it);
+            break;
+          }
+        }
+      }
+    }
   }
   for (int gpu : gpus_) {
+    if (!restored_.empty()) {
+      auto r = restored_.find(Uuid(gpu));
+      if (r != restored_.end()) {
+        auto& list = xids_[gpu];
+        list.insert(list.begin(), r->second.first.begin(), r->second.first.end());
+        if (r->second.second) ecc_baseline_.try_emplace(gpu, *r->second.second);
+        if (!r->second.first.empty()) {
+          GetLogger("agent.gpu")
+              ->warn("gpu {} ({}): unhealthy before the agent restarted ({} Xid(s) that need a "
+                     "reset); kept so until the node reboots or {} is removed",
+                     gpu, r->first, r->second.first.size(), persistence_.state_file);
+        }
+        restored_.erase(r);
+      }
+    }
     auto t = driver_->Read(gpu);
     GpuHealthInput in;
     if (t.ok()) {
       telemetry_[gpu] = *t;
-      ecc_baseline_.try_emplace(gpu, t->ecc_uncorrected);
+      changed |= ecc_baseline_.try_emplace(gpu, t->ecc_uncorrected).second;
       in.ecc_uncorrected = t->ecc_uncorrected;
       in.ecc_uncorrected_baseline = ecc_baseline_[gpu];
       in.clock_event_reasons = t->clock_event_reasons;
@@ -27,6 +148,7 @@ void GpuMonitor::Poll() {
     }
     health_[gpu] = std::move(h);
   }
+  if (changed) Save();
 }
 
 bool GpuMonitor::Healthy(int gpu) const {

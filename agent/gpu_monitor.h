@@ -2,6 +2,8 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "agent/gpu_driver.h"
@@ -11,9 +13,22 @@ namespace kiln {
 
 // Watches each GPU: Xid events, uncorrectable ECC errors against the count first seen, and
 // throttling. Not thread-safe: the agent's loop calls Poll() and reads the results.
+//
+// With a state file, what makes a GPU unhealthy until it is reset outlives the agent: its
+// drain-class Xids and its ECC baseline are kept per GPU UUID with the host's boot id, and a
+// restarted agent on the same boot takes them back (a GPU that needed a reset does not take
+// replicas again because the agent restarted). A reboot (a new boot id) starts afresh; so does
+// deleting the file, once an operator has reset the GPU.
 class GpuMonitor {
  public:
-  GpuMonitor(GpuDriver* driver, std::vector<int> gpus) : driver_(driver), gpus_(std::move(gpus)) {}
+  struct Persistence {
+    std::string state_file;  // empty: nothing kept
+    std::string boot_id;     // /proc/sys/kernel/random/boot_id
+  };
+  GpuMonitor(GpuDriver* driver, std::vector<int> gpus, Persistence persistence = {});
+
+  // Application-class Xids kept per GPU (the most recent), so reasons stay bounded.
+  static constexpr size_t kRecentApplicationXids = 8;
 
   // Drains pending Xid events (without blocking) and reads every GPU's telemetry.
   void Poll();
@@ -23,11 +38,20 @@ class GpuMonitor {
   bool Healthy(int gpu) const;
 
  private:
+  void Restore();
+  void Save();
+  std::string Uuid(int gpu);
+
   GpuDriver* driver_;
   std::vector<int> gpus_;
+  const Persistence persistence_;
+  std::map<int, std::string> uuids_;
   std::map<int, uint64_t> ecc_baseline_;
-  std::map<int, std::vector<uint64_t>> xids_;  // since the agent started: a GPU that needed a
-                                               // reset stays unhealthy until it is reset
+  // Drain-class Xids (kept: a GPU that needed a reset stays unhealthy until it is reset), then
+  // the most recent application-class ones.
+  std::map<int, std::vector<uint64_t>> xids_;
+  // Restored from the state file for GPUs not read yet: uuid -> (xids, ecc baseline).
+  std::map<std::string, std::pair<std::vector<uint64_t>, std::optional<uint64_t>>> restored_;
   std::map<int, GpuTelemetry> telemetry_;
   std::map<int, GpuHealth> health_;
 };

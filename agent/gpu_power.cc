@@ -65,8 +65,15 @@ std::vector<PowerChange> PlanPowerChanges(const GpuIdentity& card, const GpuTele
   if (want.persistence && *want.persistence != now.persistence_mode) {
     out.push_back({PowerChange::kPersistence, *want.persistence ? 1u : 0u});
   }
-  if (want.power_limit_mw) {
-    uint32_t limit = *want.power_limit_mw;
+  std::optional<uint32_t> wanted_limit = want.power_limit_mw;
+  if (want.card_limit == PowerKnobs::CardLimit::kMinimum && card.power_limit_min_mw > 0) {
+    wanted_limit = card.power_limit_min_mw;
+  } else if (want.card_limit == PowerKnobs::CardLimit::kDefault &&
+             card.power_limit_default_mw > 0) {
+    wanted_limit = card.power_limit_default_mw;
+  }
+  if (wanted_limit) {
+    uint32_t limit = *wanted_limit;
     if (card.power_limit_max_mw > 0) {
       limit = std::clamp(limit, card.power_limit_min_mw, card.power_limit_max_mw);
     }

@@ -37,6 +37,10 @@ struct PowerKnobs {
   // Locked SM clocks (min, max) MHz; `unlock_clocks` resets a lock instead.
   std::optional<std::pair<uint32_t, uint32_t>> locked_sm_clocks;
   bool unlock_clocks = false;
+  // Instead of a number: each card's own minimum, or its default, limit (cards of a node
+  // need not share them). Ignored where the card does not report it.
+  enum class CardLimit { kNone, kMinimum, kDefault };
+  CardLimit card_limit = CardLimit::kNone;
 };
 
 struct PowerPolicy {

@@ -94,7 +94,8 @@ void Router::SetTable(std::shared_ptr<const RouterTable> table) {
 
 absl::StatusOr<Router::Choice> Router::Choose(const std::string& model, const std::string& version,
                                               const std::string& sticky_value, bool sticky_given,
-                                              const std::set<std::string>& exclude) const {
+                                              const std::set<std::string>& exclude,
+                                              bool local_only) const {
   absl::MutexLock lock(&mu_);
   if (!table_) return absl::UnavailableError("the router has no routing table yet");
   auto it = table_->routes.find(model);
@@ -112,7 +113,8 @@ absl::StatusOr<Router::Choice> Router::Choose(const std::string& model, const st
   std::vector<RouteEndpoint> eps;
   for (const auto& e : route.endpoints) {
     auto o = outstanding_.find(e.id);
-    eps.push_back({e.id, e.version, e.local, true, o == outstanding_.end() ? 0 : o->second});
+    eps.push_back({e.id, e.version, e.local, e.local || !local_only,
+                   o == outstanding_.end() ? 0 : o->second});
   }
   auto idx = PickEndpoint(eps, chosen, exclude);
   if (!idx.ok() && version.empty()) {
@@ -223,6 +225,9 @@ struct ForwardCall {
   grpc::ServerUnaryReactor* reactor;
   std::string sticky;
   bool sticky_given = false;
+  bool forwarded = false;  // from another node's router: served here or not at all
+  // The request with the chosen version, for another node's router.
+  std::unique_ptr<inference::ModelInferRequest> pinned;
   std::set<std::string> exclude;
   std::unique_ptr<grpc::ClientContext> client_ctx;
   int attempts = 0;
@@ -230,7 +235,7 @@ struct ForwardCall {
 
 void Attempt(std::shared_ptr<ForwardCall> c) {
   auto choice = c->router->Choose(c->request->model_name(), c->request->model_version(), c->sticky,
-                                  c->sticky_given, c->exclude);
+                                  c->sticky_given, c->exclude, c->forwarded);
   if (!choice.ok()) {
     c->reactor->Finish(ToGrpcStatus(choice.status()));
     return;
@@ -285,8 +290,18 @@ void Attempt(std::shared_ptr<ForwardCall> c) {
     return;
   }
   c->router->CountForward(/*data_socket=*/false);
+  const inference::ModelInferRequest* request = c->request;
+  if (!choice->endpoint.local) {
+    // Another node's router: it serves the version chosen here, from its own replicas.
+    c->client_ctx->AddMetadata(kForwardedHeader, c->router->node_name());
+    if (request->model_version() != version) {
+      c->pinned = std::make_unique<inference::ModelInferRequest>(*request);
+      c->pinned->set_model_version(version);
+      request = c->pinned.get();
+    }
+  }
   auto* stub = c->router->StubFor(choice->endpoint.grpc_address);
-  stub->async()->ModelInfer(c->client_ctx.get(), c->request, c->response,
+  stub->async()->ModelInfer(c->client_ctx.get(), request, c->response,
                             [finished](grpc::Status s) { finished(s); });
 }
 
@@ -338,6 +353,7 @@ class RouterGrpcService final : public inference::GRPCInferenceService::Callback
     c->request = req;
     c->response = resp;
     c->reactor = ctx->DefaultReactor();
+    c->forwarded = ctx->client_metadata().count(kForwardedHeader) > 0;
     auto [header, param] = router_->StickyKey(req->model_name());
     if (!header.empty()) {
       auto it = ctx->client_metadata().find(header);
@@ -541,11 +557,13 @@ class Router::Impl {
           return;
         }
         Sticky sticky = StickyOf(request, model);
-        Forward(reply, model, version, path, std::move(request.body), sticky, {}, 0);
+        Forward(reply, model, version, path, std::move(request.body), sticky, {}, 0,
+                Forwarded(request));
         return;
       }
       if (parts.size() == next && request.method == "GET") {
-        Forward(reply, model, version, path, "", StickyOf(request, model), {}, 0);
+        Forward(reply, model, version, path, "", StickyOf(request, model), {}, 0,
+                Forwarded(request));
         return;
       }
     }
@@ -575,18 +593,32 @@ class Router::Impl {
     return out;
   }
 
+  static bool Forwarded(const HttpRequest& request) {
+    return request.Header(kForwardedHeader).has_value();
+  }
+
   // Forwards to the chosen replica; on 503 or a connection failure, once more elsewhere.
+  // `forwarded`: the call came from another node's router (Router::Choose's local_only).
   void Forward(HttpReply reply, const std::string& model, const std::string& version,
                const std::string& path, std::string body, const Sticky& sticky,
-               std::set<std::string> exclude, int attempt) {
-    auto choice = router_->Choose(model, version, sticky.key, sticky.given, exclude);
+               std::set<std::string> exclude, int attempt, bool forwarded) {
+    auto choice = router_->Choose(model, version, sticky.key, sticky.given, exclude, forwarded);
     if (!choice.ok()) {
       Reply(reply, HttpStatusFromCode(choice.status().code()),
             JsonError(std::string(choice.status().message())));
       return;
     }
     http::http_request out(body.empty() ? http::methods::GET : http::methods::POST);
-    out.set_request_uri(path);
+    if (choice->endpoint.local || !version.empty()) {
+      out.set_request_uri(path);
+    } else {
+      // Another node's router: it serves the version chosen here, from its own replicas.
+      std::string pinned = "/v2/models/" + web::uri::encode_data_string(model) + "/versions/" +
+                           web::uri::encode_data_string(choice->version);
+      if (!body.empty()) pinned += "/infer";
+      out.set_request_uri(pinned);
+    }
+    if (!choice->endpoint.local) out.headers().add(kForwardedHeader, router_->node_name());
     if (!body.empty()) out.set_body(body, "application/json");
     std::string id = choice->endpoint.id;
     std::string chosen = choice->version;
@@ -598,7 +630,7 @@ class Router::Impl {
     ClientFor(choice->endpoint.http_address)
         ->request(out, cancel_.get_token())
         .then([this, reply, model, version, path, body = std::move(body), sticky, exclude, attempt,
-               id, chosen](pplx::task<http::http_response> t) mutable {
+               id, chosen, forwarded](pplx::task<http::http_response> t) mutable {
           // Counted out last, after any retry has counted itself in.
           struct Done {
             Impl* impl;
@@ -621,7 +653,7 @@ class Router::Impl {
           if (code == 503 && attempt == 0) {
             exclude.insert(id);
             router_->CountRetry();
-            Forward(reply, model, version, path, std::move(body), sticky, exclude, 1);
+            Forward(reply, model, version, path, std::move(body), sticky, exclude, 1, forwarded);
             return;
           }
           if (code == 200 && !body.empty()) {

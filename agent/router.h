@@ -54,6 +54,12 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
 // (UNAVAILABLE, or CANCELLED by its server's shutdown); tells which
 // version served (gRPC: parameter and metadata `kiln-version`; REST: header `kiln-version`
 // and parameter). Channels to replicas are pooled and kept alive.
+// The header (gRPC metadata and HTTP) a router puts on a call it sends on to another node's
+// router, naming itself. That router serves the call from its own replicas only, with the
+// version the first one chose (set in the request), so a version picked by weight or sticky
+// key is the version that serves.
+inline constexpr char kForwardedHeader[] = "kiln-forwarded-by";
+
 class Router {
  public:
   struct Options {
@@ -66,6 +72,8 @@ class Router {
     // see no refused connection. -1 = bind the port.
     int grpc_listen_fd = -1;
     int http_listen_fd = -1;
+    // This node's name, sent in kForwardedHeader on calls passed to another node.
+    std::string node_name = "kiln-agent";
   };
   // Serves `table` (when given) from the first request on.
   static absl::StatusOr<std::unique_ptr<Router>> Start(
@@ -82,9 +90,12 @@ class Router {
     RouterTable::Endpoint endpoint;
     std::string version;
   };
+  // `local_only`: the call came from another node's router, which chose its version; it is
+  // served here or not at all (never sent on, so it cannot go round between nodes).
   absl::StatusOr<Choice> Choose(const std::string& model, const std::string& version,
                                 const std::string& sticky_value, bool sticky_given,
-                                const std::set<std::string>& exclude) const;
+                                const std::set<std::string>& exclude,
+                                bool local_only = false) const;
   // The sticky key configured for `model` ("" when none): {header, parameter}.
   std::pair<std::string, std::string> StickyKey(const std::string& model) const;
   bool Ready(const std::string& model, const std::string& version) const;
@@ -96,6 +107,7 @@ class Router {
   // The channel to a local replica's data socket (kept while calls are in flight on it);
   // null once the router is stopping.
   std::shared_ptr<DataChannel> ChannelFor(const std::string& path);
+  const std::string& node_name() const { return options_.node_name; }
   uint64_t retries() const { return retries_.load(); }
   void CountRetry() { retries_++; }
   // gRPC ModelInfer calls forwarded (tries, retries included): to local replicas' data

@@ -5,6 +5,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -76,7 +78,11 @@ Supervisor::Supervisor(SupervisorOptions options, Topology topology, ProcessLaun
   std::error_code ec;
   fs::create_directories(options_.state_dir + "/sockets", ec);
   fs::create_directories(options_.state_dir + "/logs", ec);
-  chmod((options_.state_dir + "/sockets").c_str(), 0700);
+  // The replicas' control and data sockets: the agent's user's alone.
+  if (chmod((options_.state_dir + "/sockets").c_str(), 0700) != 0) {
+    log_("cannot make " + options_.state_dir + "/sockets private (0700): " +
+         std::strerror(errno) + "; replicas' sockets may be reachable by other users");
+  }
   Publish();
 }
 

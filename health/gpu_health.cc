@@ -13,6 +13,10 @@ constexpr uint64_t kHwPowerBrake = 0x80;
 
 XidClass ClassifyXid(uint64_t xid) {
   switch (xid) {
+    // The classes follow NVIDIA's Xid catalogue's immediate action: RESTART_APP is the
+    // application's (its replica restarts), a reset, reboot or drain is the GPU's.
+    case 8:
+      return {XidAction::kApplication, "GPU stopped processing (a channel timed out)"};
     case 13:
       return {XidAction::kApplication, "graphics engine exception"};
     case 31:
@@ -25,8 +29,6 @@ XidClass ClassifyXid(uint64_t xid) {
       return {XidAction::kApplication, "video processor exception"};
     case 69:
       return {XidAction::kApplication, "graphics engine class error"};
-    case 8:
-      return {XidAction::kDrainGpu, "GPU stopped responding (timeout)"};
     case 38:
       return {XidAction::kDrainGpu, "driver firmware error"};
     case 48:
@@ -51,6 +53,9 @@ XidClass ClassifyXid(uint64_t xid) {
     case 119:
     case 120:
       return {XidAction::kDrainGpu, "GSP firmware error"};
+    case 154:
+      return {XidAction::kDrainGpu,
+              "GPU recovery action changed (the GPU needs a reset or the node a reboot)"};
     default:
       return {XidAction::kInformational, "unclassified Xid"};
   }

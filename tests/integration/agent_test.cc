@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -13,6 +14,7 @@
 
 #include <cpprest/http_client.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -88,7 +90,7 @@ class AgentTest : public ::testing::Test {
                                      "--admin-port",       "0",
                                      "--fake-gpus",        "1:16Gi",
                                      "--reserved-cpus",    "0",
-                                     "--tick-ms",          "50",
+                                     "--tick-ms",          tick_ms_,
                                      "--ingress-bind",     "127.0.0.1",
                                      "--grpc-port",        "0",
                                      "--http-port",        "0",
@@ -110,6 +112,7 @@ class AgentTest : public ::testing::Test {
         setenv("LISTEN_PID", std::to_string(getpid()).c_str(), 1);
         setenv("LISTEN_FDNAMES", "grpc:http", 1);
       }
+      for (const auto& [name, value] : extra_env_) setenv(name.c_str(), value.c_str(), 1);
       if (journal) {  // as systemd does: stderr "is" the journal stream
         struct stat st;
         fstat(2, &st);
@@ -230,6 +233,8 @@ class AgentTest : public ::testing::Test {
   int agents_ = 0;
   std::set<int> seen_pids_;
   std::vector<std::string> extra_args_;
+  std::string tick_ms_ = "50";
+  std::vector<std::pair<std::string, std::string>> extra_env_;  // set in the agent's process
   std::vector<int> listen_fds_;  // handed to the agent as LISTEN_FDS (grpc, http)
 };
 
@@ -326,6 +331,9 @@ TEST_F(AgentTest, KilledReplicaIsRestartedAndABadFileKeepsTheOldAssignment) {
   WriteAssignment("replicas:\n" + Replica("s0", "SERVING"));
   StartAgent();
   json j = WaitFor([&](const json& j) { return Find(j, "s0")["state"] == "SERVING"; }, "SERVING");
+  struct stat sockets;
+  ASSERT_EQ(stat((dir_ + "/s/sockets").c_str(), &sockets), 0);
+  EXPECT_EQ(sockets.st_mode & 0777, 0700u);
   int first = Find(j, "s0")["pid"];
   kill(first, SIGKILL);
   j = WaitFor(
@@ -349,8 +357,84 @@ TEST_F(AgentTest, KilledReplicaIsRestartedAndABadFileKeepsTheOldAssignment) {
   j = Replicas();
   EXPECT_EQ(Find(j, "s0")["pid"], second);
   EXPECT_EQ(Find(j, "s0")["state"], "SERVING");
-  EXPECT_NE(Get("/metrics").second.find("kiln_agent_assignment_reloads_rejected_total{node="),
-            std::string::npos);
+  const std::string metrics = Get("/metrics").second;
+  EXPECT_NE(metrics.find("kiln_agent_assignment_reloads_rejected_total{node="), std::string::npos);
+  // The power policy (dry-run) planned the fake GPU's persistence and limit: counted.
+  const std::string planned = "kiln_agent_gpu_power_changes_total{node=\"" ;
+  size_t at = metrics.find(",outcome=\"planned\"} ");
+  ASSERT_NE(at, std::string::npos) << metrics;
+  EXPECT_GE(std::atoi(metrics.c_str() + at + std::strlen(",outcome=\"planned\"} ")), 1) << metrics;
+  EXPECT_NE(metrics.find(",outcome=\"applied\"} 0\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find(planned), std::string::npos);
+  EXPECT_NE(metrics.find("kiln_agent_converged{node="), std::string::npos);
+}
+
+// A reload is taken when SIGHUP comes, not at the loop's next tick (the longest allowed, 10 s,
+// here; each reload below is given 3 s): a scale-up waits for no timer.
+TEST_F(AgentTest, ASighupIsTakenAtOnceWhateverTheTick) {
+  tick_ms_ = "10000";
+  WriteAssignment("replicas: []\n");
+  StartAgent();
+  auto wait_log = [&](const std::string& line, int seconds = 3) {
+    for (int i = 0; i < seconds * 100 && ReadFile(log_).find(line) == std::string::npos; ++i) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return ReadFile(log_).find(line) != std::string::npos;
+  };
+  ASSERT_TRUE(wait_log("serving the assignment (generation 1)", 30)) << ReadFile(log_);
+  WriteAssignment("replicas:\n  - {id: s0, model: encoder, version: two, repository: /x}\n");
+  Hup();
+  EXPECT_TRUE(wait_log("assignment file rejected, keeping generation 1")) << ReadFile(log_);
+  WriteAssignment("replicas:\n" + Replica("s0", "WARM"));
+  Hup();
+  EXPECT_TRUE(wait_log("assignment file reloaded: generation 2")) << ReadFile(log_);
+  EXPECT_FALSE(Find(Replicas(), "s0").is_null());
+}
+
+// Under systemd (Type=notify, WatchdogSec=): READY=1 with a STATUS once the assignment is
+// applied, the STATUS again when its replica is SERVING, WATCHDOG=1 at half of WATCHDOG_USEC,
+// and STOPPING=1 on the way out, all on the notify socket.
+TEST_F(AgentTest, UnderSystemdItNotifiesReadyStatusWatchdogAndStopping) {
+  const std::string path = dir_ + "/notify.sock";
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << strerror(errno);
+  std::vector<std::string> got;
+  // Bounded: reads what arrives for up to `seconds`, until `until` holds.
+  auto read_until = [&](auto until, int seconds) {
+    for (int i = 0; i < seconds * 20 && !until(); ++i) {
+      pollfd p{fd, POLLIN, 0};
+      if (poll(&p, 1, 50) <= 0) continue;
+      char buf[4096];
+      ssize_t n = recv(fd, buf, sizeof(buf), 0);
+      if (n > 0) got.emplace_back(buf, static_cast<size_t>(n));
+    }
+  };
+  auto count = [&](const std::string& what) {
+    return std::count_if(got.begin(), got.end(),
+                         [&](const std::string& m) { return m.find(what) != std::string::npos; });
+  };
+  extra_env_ = {{"NOTIFY_SOCKET", path}, {"WATCHDOG_USEC", "400000"}};
+  WriteAssignment("replicas:\n" + Replica("s0", "SERVING"));
+  StartAgent();
+  read_until([&] { return count("every replica in its assigned state") > 0 && count("WATCHDOG=1") >= 3; }, 60);
+  ASSERT_EQ(count("READY=1"), 1) << absl::StrJoin(got, " | ");
+  for (const auto& m : got) {
+    if (m.find("READY=1") != std::string::npos) {
+      EXPECT_NE(m.find("STATUS=serving generation 1"), std::string::npos) << m;
+    }
+  }
+  EXPECT_GE(count("STATUS=serving generation 1, every replica in its assigned state"), 1)
+      << absl::StrJoin(got, " | ");
+  EXPECT_GE(count("WATCHDOG=1"), 3) << absl::StrJoin(got, " | ");
+  EXPECT_EQ(Find(Replicas(), "s0")["state"], "SERVING");
+  StopAgent(SIGTERM);
+  read_until([&] { return count("STOPPING=1") > 0; }, 5);
+  EXPECT_EQ(count("STOPPING=1"), 1) << absl::StrJoin(got, " | ");
+  close(fd);
 }
 
 TEST_F(AgentTest, ARestartedAgentAdoptsItsReplicasWithoutRestartingThem) {

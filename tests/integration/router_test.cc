@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <set>
 
 #include <thread>
 
@@ -580,6 +581,136 @@ TEST(RouterRestTest, AChunkedBodyIsForwardedWhole) {
   EXPECT_EQ(calls.load(), 1);
   router->Stop();
   (*replica)->Stop(absl::Seconds(1));
+}
+
+// A fake REST replica answering every call with an output named `output`; records the paths
+// and forwarded-by headers it was sent.
+struct FakeRestReplica {
+  explicit FakeRestReplica(std::string output) {
+    HttpServer::Options ho;
+    ho.bind_address = "127.0.0.1";
+    auto s = HttpServer::Start(ho, [this, output](HttpRequest request, HttpReply reply) {
+      {
+        absl::MutexLock lock(&mu);
+        paths.push_back(request.path);
+        auto by = request.Header(kForwardedHeader);
+        forwarded_by.push_back(by ? std::string(*by) : "");
+      }
+      reply.Send(200,
+                 nlohmann::json{{"model_name", "encoder"}, {"outputs", {{{"name", output}}}}}.dump(),
+                 "application/json");
+    });
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (s.ok()) server = std::move(*s);
+  }
+  ~FakeRestReplica() {
+    if (server) server->Stop(absl::Seconds(1));
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(server->port()); }
+  std::unique_ptr<HttpServer> server;
+  absl::Mutex mu;
+  std::vector<std::string> paths ABSL_GUARDED_BY(mu);
+  std::vector<std::string> forwarded_by ABSL_GUARDED_BY(mu);
+};
+
+// Node `name`'s table: "encoder" split 50/50 between versions 1 and 2 by the x-user header,
+// `local_version` served by a local replica and the other version by `other`'s router.
+std::shared_ptr<RouterTable> TwoNodeTable(const std::string& name,
+                                          const std::string& local_version,
+                                          const std::string& data_socket,
+                                          const std::string& rest_address, const Router& other) {
+  auto table = std::make_shared<RouterTable>();
+  RouterTable::Route& route = table->routes["encoder"];
+  route.model = "encoder";
+  route.versions = {{"1", 50}, {"2", 50}};
+  route.sticky_header = "x-user";
+  route.endpoints.push_back(
+      {name + ".r0", local_version, "127.0.0.1:1", rest_address, true, data_socket});
+  route.endpoints.push_back({"other-node", local_version == "1" ? "2" : "1",
+                             "127.0.0.1:" + std::to_string(other.grpc_port()),
+                             "127.0.0.1:" + std::to_string(other.http_port()), false, ""});
+  return table;
+}
+
+// Two nodes' routers, each serving one version of "encoder" itself and the other through the
+// other node, split by a sticky header. A call sent on to the other node is served there with
+// the version the first router chose (the version it reports is the one that served), the same
+// version for the same key every time; a call the other node was sent is never sent back.
+TEST(RouterForwardTest, TheVersionChosenHereIsTheOneServedOnTheOtherNode) {
+  FakeDataSocket data1(TempSocket("fwd1"), [](const inference::ModelInferRequest&) {
+    return std::make_pair(0, OutputNamed("served-by-1"));
+  });
+  FakeDataSocket data2(TempSocket("fwd2"), [](const inference::ModelInferRequest& req) {
+    EXPECT_TRUE(req.model_version().empty() || req.model_version() == "2") << req.model_version();
+    return std::make_pair(0, OutputNamed("served-by-2"));
+  });
+  FakeRestReplica rest1("served-by-1"), rest2("served-by-2");
+  ASSERT_TRUE(rest1.server && rest2.server);
+  auto a = StartRouter({});
+  auto b = StartRouter({});
+  ASSERT_TRUE(a && b);
+  a->SetTable(TwoNodeTable("a", "1", TempSocket("fwd1"), rest1.address(), *b));
+  b->SetTable(TwoNodeTable("b", "2", TempSocket("fwd2"), rest2.address(), *a));
+  auto stub = RouterStub(*a);
+  std::set<std::string> seen;
+  for (int k = 0; k < 24; ++k) {
+    const std::string user = "user-" + std::to_string(k);
+    std::string first;
+    for (int rep = 0; rep < 2; ++rep) {
+      grpc::ClientContext ctx;
+      ctx.AddMetadata("x-user", user);
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      inference::ModelInferResponse resp;
+      grpc::Status s = stub->ModelInfer(&ctx, EncoderRequest(), &resp);
+      ASSERT_TRUE(s.ok()) << user << ": " << s.error_message();
+      const std::string version = resp.parameters().at("kiln-version").string_param();
+      ASSERT_EQ(resp.outputs_size(), 1);
+      EXPECT_EQ(resp.outputs(0).name(), "served-by-" + version) << user;
+      if (rep == 0) first = version;
+      EXPECT_EQ(version, first) << user << " saw two versions";
+      seen.insert(version);
+    }
+    // The same over REST, through the same router.
+    testing::RawHttpClient c(a->http_port());
+    ASSERT_TRUE(c.Send(testing::Post("/v2/models/encoder/infer",
+                                     R"({"inputs":[{"name":"x","datatype":"INT64","shape":[1],"data":[1]}]})",
+                                     "x-user: " + user + "\r\n")));
+    auto r = c.Read();
+    ASSERT_EQ(r.code, 200) << r.head << r.body;
+    auto doc = nlohmann::json::parse(r.body);
+    EXPECT_EQ(doc["parameters"]["kiln-version"], first) << user;
+    EXPECT_EQ(doc["outputs"][0]["name"], "served-by-" + first) << user;
+  }
+  EXPECT_EQ(seen, (std::set<std::string>{"1", "2"}));  // 24 keys split 50/50
+  EXPECT_EQ(a->retries() + b->retries(), 0u);
+  {
+    // Node b's replica was sent node a's REST calls (the only ones it had) at the path of the
+    // version node a chose, and without the routers' header.
+    absl::MutexLock lock(&rest2.mu);
+    ASSERT_FALSE(rest2.paths.empty());
+    for (size_t i = 0; i < rest2.paths.size(); ++i) {
+      EXPECT_EQ(rest2.paths[i], "/v2/models/encoder/versions/2/infer");
+      EXPECT_EQ(rest2.forwarded_by[i], "") << "a router's header reached a replica";
+    }
+  }
+  // A call node b is sent by another router for a version it serves only through another node
+  // is not sent on: UNAVAILABLE, for the sender to try elsewhere. Node a's replica sees nothing.
+  const int served_by_1 = data1.requests();
+  auto stub_b = RouterStub(*b);
+  grpc::ClientContext ctx;
+  ctx.AddMetadata(kForwardedHeader, "a");
+  inference::ModelInferRequest pinned = EncoderRequest();
+  pinned.set_model_version("1");
+  inference::ModelInferResponse resp;
+  grpc::Status s = stub_b->ModelInfer(&ctx, pinned, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  testing::RawHttpClient c(b->http_port());
+  ASSERT_TRUE(c.Send(testing::Post("/v2/models/encoder/versions/1/infer",
+                                   R"({"inputs":[]})", std::string(kForwardedHeader) + ": a\r\n")));
+  EXPECT_EQ(c.Read().code, 503);
+  EXPECT_EQ(data1.requests(), served_by_1);
+  a->Stop();
+  b->Stop();
 }
 
 }  // namespace

@@ -1,5 +1,9 @@
 // The agent's pure policies: restart backoff and crash loops, GPU health, the warm pool plan,
 // the router's choices and the GPU power plan.
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
 #include <map>
 
 #include "agent/agent.h"
@@ -64,6 +68,8 @@ TEST(GpuHealthTest, XidClassesAndThrottling) {
   EXPECT_EQ(ClassifyXid(79).action, XidAction::kDrainGpu);
   EXPECT_EQ(ClassifyXid(95).action, XidAction::kDrainGpu);
   EXPECT_EQ(ClassifyXid(63).action, XidAction::kInformational);
+  EXPECT_EQ(ClassifyXid(8).action, XidAction::kApplication);   // RESTART_APP in the catalogue
+  EXPECT_EQ(ClassifyXid(154).action, XidAction::kDrainGpu);    // a reset or reboot is pending
   EXPECT_EQ(ClassifyXid(99999).action, XidAction::kInformational);
 
   GpuHealthInput ok;
@@ -114,6 +120,53 @@ TEST(GpuMonitorTest, XidsAndNewEccErrorsMakeAGpuUnhealthy) {
   m.Poll();
   EXPECT_FALSE(m.Healthy(2));
   EXPECT_NE(m.health().at(2).reasons[0].find("1 new uncorrectable"), std::string::npos);
+}
+
+// What needs a GPU reset outlives the agent on the same boot (a restarted agent keeps such a
+// GPU out of placement), not a reboot; application Xids stay bounded.
+TEST(GpuMonitorTest, AGpuThatNeedsAResetStaysUnhealthyAcrossARestartUntilAReboot) {
+  const std::string file = ::testing::TempDir() + "/gpu_health_" + std::to_string(getpid()) + ".json";
+  std::remove(file.c_str());
+  FakeGpuDriver driver(FakeGpuDriver::MakeGpus(3, 16LL << 30));
+  GpuTelemetry t = *driver.Read(2);
+  t.ecc_uncorrected = 4;
+  driver.SetTelemetry(2, t);
+  {
+    GpuMonitor m(&driver, {0, 1, 2}, {file, "boot-a"});
+    m.Poll();
+    driver.InjectXid(0, 79);
+    for (int i = 0; i < 50; ++i) driver.InjectXid(1, 13);
+    t.ecc_uncorrected = 6;  // two new since the baseline of 4
+    driver.SetTelemetry(2, t);
+    m.Poll();
+    EXPECT_FALSE(m.Healthy(0));
+    EXPECT_TRUE(m.Healthy(1));
+    EXPECT_LE(m.health().at(1).reasons.size(), GpuMonitor::kRecentApplicationXids);
+    EXPECT_FALSE(m.Healthy(2));
+  }
+  {
+    // The agent restarts on the same boot: GPU 0 and GPU 2 are still unhealthy (GPU 2 against
+    // the baseline it had, not the count it reads now); GPU 1's application faults are gone.
+    GpuMonitor m(&driver, {0, 1, 2}, {file, "boot-a"});
+    m.Poll();
+    EXPECT_FALSE(m.Healthy(0));
+    EXPECT_NE(m.health().at(0).reasons.at(0).find("fallen off the bus"), std::string::npos);
+    EXPECT_TRUE(m.Healthy(1));
+    EXPECT_FALSE(m.health().at(1).degraded);
+    EXPECT_FALSE(m.Healthy(2));
+  }
+  {
+    // After a reboot every GPU starts afresh.
+    GpuMonitor m(&driver, {0, 1, 2}, {file, "boot-b"});
+    m.Poll();
+    EXPECT_TRUE(m.Healthy(0) && m.Healthy(1) && m.Healthy(2));
+  }
+  // A file that is not the monitor's is ignored, not fatal.
+  std::ofstream(file) << "{not json";
+  GpuMonitor m(&driver, {0, 1, 2}, {file, "boot-b"});
+  m.Poll();
+  EXPECT_TRUE(m.Healthy(0));
+  std::remove(file.c_str());
 }
 
 PoolRunning Running(const std::string& id, const std::string& shape, bool member, bool loaded,
@@ -312,6 +365,31 @@ TEST(GpuPowerTest, PlanClampsAndSkipsWhatIsAlreadySet) {
   unlock.unlock_clocks = true;
   EXPECT_EQ(PlanPowerChanges(card, now, std::make_pair(1u, 2u), unlock)[0].kind,
             PowerChange::kUnlockClocks);
+}
+
+// The agent's policy names each card's own minimum and default limits, not one card's.
+TEST(GpuPowerTest, ACardLimitIsEachCardsOwn) {
+  GpuIdentity small, big;
+  small.power_limit_min_mw = 100000;
+  small.power_limit_default_mw = 300000;
+  small.power_limit_max_mw = 350000;
+  big.power_limit_min_mw = 200000;
+  big.power_limit_default_mw = 700000;
+  big.power_limit_max_mw = 700000;
+  GpuTelemetry now;
+  now.power_limit_mw = 500000;
+  PowerKnobs idle;
+  idle.card_limit = PowerKnobs::CardLimit::kMinimum;
+  PowerKnobs serving;
+  serving.card_limit = PowerKnobs::CardLimit::kDefault;
+  EXPECT_EQ(PlanPowerChanges(small, now, std::nullopt, idle).at(0).Describe(), "power limit 100 W");
+  EXPECT_EQ(PlanPowerChanges(big, now, std::nullopt, idle).at(0).Describe(), "power limit 200 W");
+  EXPECT_EQ(PlanPowerChanges(small, now, std::nullopt, serving).at(0).Describe(),
+            "power limit 300 W");
+  EXPECT_EQ(PlanPowerChanges(big, now, std::nullopt, serving).at(0).Describe(),
+            "power limit 700 W");
+  // A card that reports no bounds is left as it is.
+  EXPECT_TRUE(PlanPowerChanges(GpuIdentity{}, now, std::nullopt, idle).empty());
 }
 
 TEST(GpuPowerTest, WhatHoldsAGpuSetsItsLoad) {
