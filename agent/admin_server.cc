@@ -54,7 +54,7 @@ void Handle(const AdminHandlers& handlers, const HttpRequest& request, const Htt
       r.Send(ok ? 200 : 503, ok ? "ok\n" : "event loop stalled\n", "text/plain");
     } else if (path == "/readyz") {
       bool ok = handlers.ready();
-      r.Send(ok ? 200 : 503, ok ? "ready\n" : "no assignment applied yet\n", "text/plain");
+      r.Send(ok ? 200 : 503, ok ? "ready\n" : "not serving an assignment yet\n", "text/plain");
     } else if (path == "/metrics") {
       r.Send(200, handlers.metrics(), "text/plain; version=0.0.4; charset=utf-8");
     } else if (path == "/v1/replicas") {

@@ -693,12 +693,23 @@ void Agent::UpdatePower() {
   for (const auto& [gpu, l] : ClassifyGpuLoads(gpus, holders)) {
     auto it = gpu_load_.find(gpu);
     if (it != gpu_load_.end() && it->second == l) continue;
+    // A change that failed is tried again with backoff (30 s doubling to 10 minutes), logged
+    // when its error changes: a card that refuses a setting for good is not asked every pass.
+    PowerRetry& retry = power_retry_[gpu];
+    const absl::Time now = absl::Now();
+    if (retry.load == l && now < retry.next) continue;
     auto r = power_->Apply(gpu, l);
     if (!r.ok()) {
-      // Not recorded: the next pass tries again.
-      Log()->error("power: gpu {}: {}", gpu, std::string(r.status().message()));
+      const std::string why(r.status().message());
+      if (retry.load != l || retry.error != why) Log()->error("power: gpu {}: {}", gpu, why);
+      retry.backoff = retry.load == l ? std::min(retry.backoff * 2, absl::Minutes(10))
+                                      : absl::Seconds(30);
+      retry.load = l;
+      retry.error = why;
+      retry.next = now + retry.backoff;
       continue;
     }
+    power_retry_.erase(gpu);
     gpu_load_[gpu] = l;
   }
 }
@@ -708,6 +719,7 @@ void Agent::Loop() {
   bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0;
   absl::Time last_watchdog = absl::InfinitePast();
   bool notified_ready = false;
+  bool settled_once = false;
   std::string last_status;
   int64_t logged_converged = -1;  // the generation last logged as served in full
   for (;;) {
@@ -736,12 +748,14 @@ void Agent::Loop() {
           BuildRouterTable(routing_, *supervisor_->Snapshot(), options_.node_name)));
     }
     UpdatePower();
-    // Ready (/readyz, systemd's READY=1): an assignment is applied and the router serves its
-    // table. Replicas still coming up or going away are out of routing and do not take the
-    // node out of its Service; a scale step or a crash loop is a replica's state, not the
-    // node's.
+    // Ready (/readyz, systemd's READY=1): an assignment is applied and, once since the agent
+    // started, every replica settled (in its assigned state, crash-looping or held off a bad
+    // GPU), so a rolling update waits for a restarted node's replicas. From then on it stays
+    // ready: replicas coming up or going away in a scale step or rollout are out of routing
+    // and do not take the node out of its Service.
     const bool converged = supervisor_->Converged();
-    const bool serving = generation_ > 0;
+    if (generation_ > 0 && !settled_once && supervisor_->Settled()) settled_once = true;
+    const bool serving = generation_ > 0 && settled_once;
     ready_ = serving;
     converged_ = converged;
     std::string status;
@@ -750,7 +764,9 @@ void Agent::Loop() {
                (converged ? ", every replica in its assigned state"
                           : ", replicas on their way to their assigned state");
     } else {
-      status = "waiting for an assignment";
+      status = generation_ > 0 ? "starting generation " + std::to_string(generation_) +
+                                     "'s replicas"
+                               : "waiting for an assignment";
     }
     if (status != last_status) {
       last_status = status;

@@ -1,5 +1,6 @@
 #include "agent/gpu_monitor.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -14,6 +15,16 @@ bool DrainClass(uint64_t xid) { return ClassifyXid(xid).action == XidAction::kDr
 
 GpuMonitor::GpuMonitor(GpuDriver* driver, std::vector<int> gpus, Persistence persistence)
     : driver_(driver), gpus_(std::move(gpus)), persistence_(std::move(persistence)) {
+  if (persistence_.state_file.empty()) return;
+  if (persistence_.boot_id.empty()) {
+    // Without it a reboot could not be told apart: nothing is kept rather than kept forever.
+    GetLogger("agent.gpu")->warn("the host's boot id is unknown: GPU health is not kept across "
+                                 "agent restarts");
+    persistence_.state_file.clear();
+    return;
+  }
+  // Each GPU's UUID while it can still be read (a GPU that fell off the bus cannot say it).
+  for (int gpu : gpus_) (void)Uuid(gpu);
   Restore();
 }
 
@@ -74,6 +85,13 @@ void GpuMonitor::Save() {
     }
     gpus[uuid] = std::move(g);
   }
+  // Entries of GPUs not seen yet are kept as they were.
+  for (const auto& [uuid, r] : restored_) {
+    if (gpus.contains(uuid)) continue;
+    nlohmann::json g = {{"xids", r.first}};
+    if (r.second) g["ecc_uncorrected_baseline"] = *r.second;
+    gpus[uuid] = std::move(g);
+  }
   nlohmann::json doc = {{"boot_id", persistence_.boot_id}, {"gpus", std::move(gpus)}};
   const std::string tmp = persistence_.state_file + ".tmp";
   {
@@ -95,11 +113,15 @@ void GpuMonitor::Poll() {
   if (events.ok()) {
     for (const auto& e : *events) {
       auto& list = xids_[e.index];
-      list.push_back(e.xid);
       if (DrainClass(e.xid)) {
-        changed = true;
+        // Once per code: a storm of them says no more than the first.
+        if (std::find(list.begin(), list.end(), e.xid) == list.end()) {
+          list.push_back(e.xid);
+          changed = true;
+        }
         continue;
       }
+      list.push_back(e.xid);
       // Bounded: the most recent application-class Xids only.
       size_t apps = 0;
       for (uint64_t x : list) apps += DrainClass(x) ? 0 : 1;
@@ -118,12 +140,14 @@ void GpuMonitor::Poll() {
       auto r = restored_.find(Uuid(gpu));
       if (r != restored_.end()) {
         auto& list = xids_[gpu];
-        list.insert(list.begin(), r->second.first.begin(), r->second.first.end());
+        for (uint64_t x : r->second.first) {
+          if (std::find(list.begin(), list.end(), x) == list.end()) list.insert(list.begin(), x);
+        }
         if (r->second.second) ecc_baseline_.try_emplace(gpu, *r->second.second);
         if (!r->second.first.empty()) {
           GetLogger("agent.gpu")
               ->warn("gpu {} ({}): unhealthy before the agent restarted ({} Xid(s) that need a "
-                     "reset); kept so until the node reboots or {} is removed",
+                     "reset); kept so until the node reboots, or {} is removed and the agent restarted",
                      gpu, r->first, r->second.first.size(), persistence_.state_file);
         }
         restored_.erase(r);

@@ -18,7 +18,8 @@ namespace kiln {
 // drain-class Xids and its ECC baseline are kept per GPU UUID with the host's boot id, and a
 // restarted agent on the same boot takes them back (a GPU that needed a reset does not take
 // replicas again because the agent restarted). A reboot (a new boot id) starts afresh; so does
-// deleting the file, once an operator has reset the GPU.
+// deleting the file and restarting the agent, once an operator has reset the GPU. Without a
+// boot id nothing is kept.
 class GpuMonitor {
  public:
   struct Persistence {
@@ -44,7 +45,7 @@ class GpuMonitor {
 
   GpuDriver* driver_;
   std::vector<int> gpus_;
-  const Persistence persistence_;
+  Persistence persistence_;  // state_file cleared when nothing can be kept
   std::map<int, std::string> uuids_;
   std::map<int, uint64_t> ecc_baseline_;
   // Drain-class Xids (kept: a GPU that needed a reset stays unhealthy until it is reset), then

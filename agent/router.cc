@@ -338,11 +338,19 @@ class RouterGrpcService final : public inference::GRPCInferenceService::Callback
   grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* ctx,
                                           const inference::ModelMetadataRequest* req,
                                           inference::ModelMetadataResponse* resp) override {
-    auto choice = router_->Choose(req->name(), req->version(), "", false, {});
+    const bool forwarded = ctx->client_metadata().count(kForwardedHeader) > 0;
+    auto choice = router_->Choose(req->name(), req->version(), "", false, {}, forwarded);
     if (!choice.ok()) return Done(ctx, ToGrpcStatus(choice.status()));
     grpc::ClientContext cc;
     cc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    return Done(ctx, router_->StubFor(choice->endpoint.grpc_address)->ModelMetadata(&cc, *req, resp));
+    inference::ModelMetadataRequest pinned = *req;
+    if (!choice->endpoint.local) {
+      // Another node's router: the version chosen here, from its own replicas.
+      cc.AddMetadata(kForwardedHeader, router_->node_name());
+      pinned.set_version(choice->version);
+    }
+    return Done(ctx,
+                router_->StubFor(choice->endpoint.grpc_address)->ModelMetadata(&cc, pinned, resp));
   }
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx,
                                        const inference::ModelInferRequest* req,

@@ -808,6 +808,15 @@ bool Supervisor::Converged() const {
   return true;
 }
 
+bool Supervisor::Settled() const {
+  for (const auto& [id, r] : replicas_) {
+    if (r.removing) return false;
+    const bool there = r.phase == Phase::kRunning && r.observed == r.spec.state();
+    if (!there && !r.crash_loop && !r.held && r.phase != Phase::kFailed) return false;
+  }
+  return true;
+}
+
 absl::Status Supervisor::WriteStateFile() {
   json doc = {{"replicas", json::array()}};
   for (const auto& [id, r] : replicas_) {

@@ -138,6 +138,9 @@ class Supervisor {
   int64_t applied_generation() const { return applied_generation_; }
   // True once every assigned replica has reached its assigned state.
   bool Converged() const;
+  // Nothing is on its way: every replica is in its assigned state, or crash-looping, or held
+  // off an unhealthy GPU, or failed (what the node serves now is what it will serve).
+  bool Settled() const;
 
  private:
   enum class Phase { kPending, kStarting, kRunning, kBackoff, kStopping, kFailed };

@@ -155,6 +155,7 @@ void DataServer::ReadLoop(std::shared_ptr<Connection> c) {
         break;
       }
       if (!Discard(c->fd, h.length)) break;
+      host_->CountRefused();
       c->Send(h.tag, static_cast<uint8_t>(absl::StatusCode::kResourceExhausted),
               "the request's frame of " + std::to_string(h.length) +
                   " bytes exceeds the payload limit of " + std::to_string(max_request_bytes_) +

@@ -201,6 +201,7 @@ class HttpFrontend::Impl {
   void Infer(HttpRequest& http_request, const HttpReply& request, const std::string& model,
              const std::string& version, const Ticket& ticket) {
     if (http_request.Header("Inference-Header-Content-Length")) {
+      host_->CountRefused();
       Reply(request, 400, JsonError("the binary data extension is not supported; send JSON data "
                                     "or use gRPC raw_input_contents"));
       return;

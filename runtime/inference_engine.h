@@ -84,8 +84,10 @@ class InferenceEngine {
 
   // Validates and queues `request`; `done` runs exactly once (maybe on this thread).
   void Infer(InferRequest request, Done done);
-  // A request a frontend refused before it could be decoded (bad body, wrong byte size, over
-  // the limit): counted as a request and an error, as the callers' error rate should see it.
+  // A request a frontend refused before it could be decoded (bad body, wrong byte size, a
+  // decoded size over the limit): counted as a request and an error, as the callers' error
+  // rate should see it. (A REST body whose declared length is over the limit is refused by the
+  // HTTP server before any handler and is not counted.)
   void CountRefused();
   // Synchronous convenience over Infer().
   absl::StatusOr<InferResponse> InferSync(InferRequest request);

@@ -704,6 +704,17 @@ TEST(RouterForwardTest, TheVersionChosenHereIsTheOneServedOnTheOtherNode) {
   inference::ModelInferResponse resp;
   grpc::Status s = stub_b->ModelInfer(&ctx, pinned, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  {
+    grpc::ClientContext mctx;
+    mctx.AddMetadata(kForwardedHeader, "a");
+    mctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    inference::ModelMetadataRequest mreq;
+    mreq.set_name("encoder");
+    mreq.set_version("1");
+    inference::ModelMetadataResponse mresp;
+    grpc::Status m = stub_b->ModelMetadata(&mctx, mreq, &mresp);
+    EXPECT_EQ(m.error_code(), grpc::StatusCode::UNAVAILABLE) << m.error_message();
+  }
   testing::RawHttpClient c(b->http_port());
   ASSERT_TRUE(c.Send(testing::Post("/v2/models/encoder/versions/1/infer",
                                    R"({"inputs":[]})", std::string(kForwardedHeader) + ": a\r\n")));

@@ -134,12 +134,13 @@ TEST(GpuMonitorTest, AGpuThatNeedsAResetStaysUnhealthyAcrossARestartUntilAReboot
   {
     GpuMonitor m(&driver, {0, 1, 2}, {file, "boot-a"});
     m.Poll();
-    driver.InjectXid(0, 79);
+    for (int i = 0; i < 20; ++i) driver.InjectXid(0, 79);  // a storm says no more than one
     for (int i = 0; i < 50; ++i) driver.InjectXid(1, 13);
     t.ecc_uncorrected = 6;  // two new since the baseline of 4
     driver.SetTelemetry(2, t);
     m.Poll();
     EXPECT_FALSE(m.Healthy(0));
+    EXPECT_EQ(m.health().at(0).reasons.size(), 1u);
     EXPECT_TRUE(m.Healthy(1));
     EXPECT_LE(m.health().at(1).reasons.size(), GpuMonitor::kRecentApplicationXids);
     EXPECT_FALSE(m.Healthy(2));
@@ -156,10 +157,32 @@ TEST(GpuMonitorTest, AGpuThatNeedsAResetStaysUnhealthyAcrossARestartUntilAReboot
     EXPECT_FALSE(m.Healthy(2));
   }
   {
+    // A monitor of GPU 1 alone keeps the others' records when it writes the file.
+    GpuMonitor m(&driver, {1}, {file, "boot-a"});
+    driver.InjectXid(1, 48);
+    m.Poll();
+    EXPECT_FALSE(m.Healthy(1));
+  }
+  {
+    GpuMonitor m(&driver, {0, 1, 2}, {file, "boot-a"});
+    m.Poll();
+    EXPECT_FALSE(m.Healthy(0));
+    EXPECT_FALSE(m.Healthy(1));
+  }
+  {
     // After a reboot every GPU starts afresh.
     GpuMonitor m(&driver, {0, 1, 2}, {file, "boot-b"});
     m.Poll();
     EXPECT_TRUE(m.Healthy(0) && m.Healthy(1) && m.Healthy(2));
+  }
+  {
+    // Without a boot id nothing is kept (a reboot could not be told apart).
+    std::remove(file.c_str());
+    GpuMonitor m(&driver, {0, 1, 2}, {file, ""});
+    driver.InjectXid(0, 79);
+    m.Poll();
+    EXPECT_FALSE(m.Healthy(0));
+    EXPECT_FALSE(std::ifstream(file).good());
   }
   // A file that is not the monitor's is ignored, not fatal.
   std::ofstream(file) << "{not json";
