@@ -2,9 +2,11 @@
 
 #include <fcntl.h>
 #include <numaif.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -101,8 +103,38 @@ absl::StatusOr<pid_t> RealProcessLauncher::Launch(const LaunchRequest& r) {
   return pid;
 }
 
+namespace {
+int PidfdOpen(pid_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
+int PidfdSendSignal(int fd, int sig) {
+  return static_cast<int>(syscall(SYS_pidfd_send_signal, fd, sig, nullptr, 0));
+}
+// The process behind `fd` has exited (its pidfd polls readable).
+bool PidfdExited(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  return poll(&p, 1, 0) > 0;
+}
+}  // namespace
+
+RealProcessLauncher::~RealProcessLauncher() {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [pid, fd] : adopted_) {
+    if (fd >= 0) close(fd);
+  }
+}
+
 absl::Status RealProcessLauncher::Signal(pid_t pid, int sig) {
   if (pid <= 0) return absl::InvalidArgumentError("bad pid");
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = adopted_.find(pid);
+    if (it != adopted_.end() && it->second >= 0) {
+      if (PidfdSendSignal(it->second, sig) != 0 && errno != ESRCH) {
+        return absl::InternalError("pidfd_send_signal(" + std::to_string(pid) +
+                                   "): " + strerror(errno));
+      }
+      return absl::OkStatus();
+    }
+  }
   if (kill(pid, sig) != 0 && errno != ESRCH) {
     return absl::InternalError("kill(" + std::to_string(pid) + "): " + strerror(errno));
   }
@@ -128,8 +160,10 @@ std::string RealProcessLauncher::CommandLine(pid_t pid) {
 
 absl::Status RealProcessLauncher::Adopt(pid_t pid) {
   if (!Alive(pid)) return absl::NotFoundError("process " + std::to_string(pid) + " is not running");
+  const int fd = PidfdOpen(pid);  // -1 on a kernel without pidfds: kill(pid, 0) then
   absl::MutexLock lock(&mu_);
-  adopted_.push_back(pid);
+  auto [it, fresh] = adopted_.try_emplace(pid, fd);
+  if (!fresh && fd >= 0) close(fd);
   return absl::OkStatus();
 }
 
@@ -147,8 +181,10 @@ std::vector<ProcessExit> RealProcessLauncher::CollectExits() {
     }
   }
   for (auto it = adopted_.begin(); it != adopted_.end();) {
-    if (!Alive(*it)) {
-      out.push_back({*it, 0});  // not our child: the exit status is unknown
+    const auto [pid, fd] = *it;
+    if (fd >= 0 ? PidfdExited(fd) : !Alive(pid)) {
+      out.push_back({pid, 0});  // not our child: the exit status is unknown
+      if (fd >= 0) close(fd);
       it = adopted_.erase(it);
     } else {
       ++it;

@@ -53,7 +53,13 @@ class RealProcessLauncher : public ProcessLauncher {
  private:
   absl::Mutex mu_;
   std::vector<pid_t> children_ ABSL_GUARDED_BY(mu_);
-  std::vector<pid_t> adopted_ ABSL_GUARDED_BY(mu_);
+  // Adopted processes (not our children) by pid, each with a pidfd taken at adoption (-1 where
+  // the kernel has none): its exit is seen, and it is signalled, through the pidfd, so a pid
+  // the kernel reuses for another process is never mistaken for it.
+  std::map<pid_t, int> adopted_ ABSL_GUARDED_BY(mu_);
+
+ public:
+  ~RealProcessLauncher() override;
 };
 
 // A launcher for tests: nothing runs; the test decides when processes exit.

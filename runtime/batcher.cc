@@ -170,6 +170,53 @@ Batcher::Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, 
       clock_(clock),
       observer_(std::move(observer)) {
   thread_ = std::thread([this] { Loop(); });
+  reaper_ = std::thread([this] { Reap(); });
+}
+
+Batcher::Item Batcher::TakeAt(size_t i) {
+  Item item = std::move(queue_[i]);
+  if (views_[i].deadline != absl::InfiniteFuture()) deadlined_--;
+  queue_.erase(queue_.begin() + static_cast<long>(i));
+  views_.erase(views_.begin() + static_cast<long>(i));
+  return item;
+}
+
+void Batcher::Reap() {
+  for (;;) {
+    std::vector<Item> expired;
+    {
+      absl::MutexLock lock(&mu_);
+      // Asleep unless a request with a deadline waits behind a running execution: the
+      // common path (nothing queued, or no timeouts) never wakes this thread.
+      auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || (executing_ && deadlined_ > 0);
+      };
+      mu_.Await(absl::Condition(&work));
+      if (stopping_) return;
+      const absl::Time now = clock_->Now();
+      absl::Time next = absl::InfiniteFuture();
+      for (size_t i = 0; i < views_.size();) {
+        if (views_[i].deadline <= now) {
+          expired.push_back(TakeAt(i));
+        } else {
+          next = std::min(next, views_[i].deadline);
+          ++i;
+        }
+      }
+      if (expired.empty()) {
+        // Until the next deadline, or until the queue or the execution changes.
+        const size_t seen = views_.size();
+        auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !executing_ || views_.size() != seen;
+        };
+        mu_.AwaitWithTimeout(absl::Condition(&changed), next - now);
+        continue;
+      }
+    }
+    for (auto& item : expired) {
+      item.done(absl::DeadlineExceededError("the request timed out in the queue"));
+    }
+  }
 }
 
 Batcher::~Batcher() { Stop(); }
@@ -219,6 +266,7 @@ queue_it:
     }
     v.shape_key += ";";
   }
+  if (v.deadline != absl::InfiniteFuture()) deadlined_++;
   views_.push_back(std::move(v));
   queue_.push_back(std::move(item));
   changed_ = true;
@@ -239,6 +287,7 @@ void Batcher::Stop() {
     changed_ = true;
   }
   if (thread_.joinable()) thread_.join();
+  if (reaper_.joinable()) reaper_.join();
   {
     absl::MutexLock lock(&mu_);
     // An inline execution on a caller's thread finishes before the model can go away.
@@ -246,6 +295,7 @@ void Batcher::Stop() {
     mu_.Await(absl::Condition(&idle));
     left.swap(queue_);
     views_.clear();
+    deadlined_ = 0;
   }
   for (auto& item : left) item.done(absl::UnavailableError("the model is shutting down"));
 }
@@ -282,10 +332,7 @@ void Batcher::Loop() {
         take.push_back(i);
       }
       std::sort(take.rbegin(), take.rend());
-      for (size_t i : take) {
-        queue_.erase(queue_.begin() + static_cast<long>(i));
-        views_.erase(views_.begin() + static_cast<long>(i));
-      }
+      for (size_t i : take) (void)TakeAt(i);  // already moved out, in the order decided
       if (!batch.empty()) executing_ = true;
     }
     for (auto& item : expired) {

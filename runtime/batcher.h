@@ -94,6 +94,11 @@ class Batcher {
   Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, Clock* clock,
           BatchObserver observer);
   void Loop();
+  // Fails queued requests at their deadline while an execution holds the executor thread
+  // (Loop expires them otherwise): a 1 ms timeout is not answered after a 1 s batch.
+  void Reap();
+  // Removes queue position `i` (both queues and the deadline count); returns its item.
+  Item TakeAt(size_t i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Run(std::vector<Item> items);
 
   const BatchPolicy policy_;
@@ -108,7 +113,9 @@ class Batcher {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool changed_ ABSL_GUARDED_BY(mu_) = false;
   bool executing_ ABSL_GUARDED_BY(mu_) = false;  // one execution at a time, either path
+  int64_t deadlined_ ABSL_GUARDED_BY(mu_) = 0;   // queued requests with a deadline
   std::thread thread_;
+  std::thread reaper_;
 };
 
 }  // namespace kiln

@@ -724,5 +724,87 @@ TEST(RouterForwardTest, TheVersionChosenHereIsTheOneServedOnTheOtherNode) {
   b->Stop();
 }
 
+// A model split by a `parameters` entry: the same key sees the same version over gRPC (a string
+// or integer parameter) and REST (the JSON `parameters` object), and both versions are used.
+TEST(RouterStickyTest, AParameterKeyHoldsItsVersionOverBothProtocols) {
+  FakeDataSocket v1(TempSocket("sp1"), [](const inference::ModelInferRequest&) {
+    return std::make_pair(0, OutputNamed("served-by-1"));
+  });
+  FakeDataSocket v2(TempSocket("sp2"), [](const inference::ModelInferRequest&) {
+    return std::make_pair(0, OutputNamed("served-by-2"));
+  });
+  FakeRestReplica rest1("served-by-1"), rest2("served-by-2");
+  ASSERT_TRUE(rest1.server && rest2.server);
+  auto router = StartRouter({});
+  ASSERT_NE(router, nullptr);
+  auto table = std::make_shared<RouterTable>();
+  RouterTable::Route& route = table->routes["encoder"];
+  route.model = "encoder";
+  route.versions = {{"1", 50}, {"2", 50}};
+  route.sticky_parameter = "user";
+  route.endpoints = {{"r1", "1", "127.0.0.1:1", rest1.address(), true, TempSocket("sp1")},
+                     {"r2", "2", "127.0.0.1:1", rest2.address(), true, TempSocket("sp2")}};
+  router->SetTable(table);
+  auto stub = RouterStub(*router);
+  std::set<std::string> seen;
+  for (int k = 0; k < 24; ++k) {
+    std::string first;
+    for (int rep = 0; rep < 3; ++rep) {
+      inference::ModelInferRequest req = EncoderRequest();
+      if (rep == 2) {
+        (*req.mutable_parameters())["user"].set_int64_param(k);  // the same key as text "k"
+      } else {
+        (*req.mutable_parameters())["user"].set_string_param(std::to_string(k));
+      }
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      inference::ModelInferResponse resp;
+      grpc::Status st = stub->ModelInfer(&ctx, req, &resp);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      const std::string v = resp.parameters().at("kiln-version").string_param();
+      EXPECT_EQ(resp.outputs(0).name(), "served-by-" + v);
+      if (first.empty()) first = v;
+      EXPECT_EQ(v, first) << "key " << k << " try " << rep;
+      seen.insert(v);
+    }
+    testing::RawHttpClient c(router->http_port());
+    ASSERT_TRUE(c.Send(testing::Post(
+        "/v2/models/encoder/infer",
+        R"({"parameters":{"user":")" + std::to_string(k) +
+            R"("},"inputs":[{"name":"x","datatype":"INT64","shape":[1],"data":[1]}]})")));
+    auto r = c.Read();
+    ASSERT_EQ(r.code, 200) << r.body;
+    EXPECT_EQ(nlohmann::json::parse(r.body)["parameters"]["kiln-version"], first) << "key " << k;
+  }
+  EXPECT_EQ(seen, (std::set<std::string>{"1", "2"}));
+  router->Stop();
+}
+
+// A REST call whose replica cannot be reached is tried once more on another replica.
+TEST(RouterRestTest, AnUnreachableReplicaIsRetriedOnAnother) {
+  FakeRestReplica alive("served");
+  ASSERT_TRUE(alive.server);
+  int dead_port = 0;
+  {
+    // A port nothing listens on any more.
+    FakeRestReplica gone("gone");
+    ASSERT_TRUE(gone.server);
+    dead_port = gone.server->port();
+  }
+  // "a.0" sorts first among equally loaded local endpoints, so it is tried first.
+  auto router = StartRouter(
+      {{"a.0", "1", "127.0.0.1:1", "127.0.0.1:" + std::to_string(dead_port), true, ""},
+       {"b.0", "1", "127.0.0.1:1", alive.address(), true, ""}});
+  ASSERT_NE(router, nullptr);
+  testing::RawHttpClient c(router->http_port());
+  ASSERT_TRUE(c.Send(testing::Post("/v2/models/encoder/infer",
+                                   R"({"inputs":[{"name":"x","datatype":"INT64","shape":[1],"data":[1]}]})")));
+  auto r = c.Read();
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(nlohmann::json::parse(r.body)["outputs"][0]["name"], "served");
+  EXPECT_EQ(router->retries(), 1u);
+  router->Stop();
+}
+
 }  // namespace
 }  // namespace kiln

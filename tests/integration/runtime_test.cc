@@ -682,12 +682,16 @@ TEST(RuntimeTest, FullQueueIsResourceExhaustedAndTimeoutsExpire) {
   auto long_call = std::async(std::launch::async,
                               [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
   ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
-  // One queued request with a 1 ms timeout: it expires behind the long one.
+  // One queued request with a 1 ms timeout: it expires behind the long one, and is answered
+  // at its deadline, while the long one still runs (not when it ends).
   auto timed = std::async(std::launch::async,
                           [&]() { return Infer(stub.get(), SlowRequest(1, 1000)); });
-  ASSERT_TRUE(WaitExecuting(rt.get(), 2, 1));
+  grpc::Status t = timed.get();
+  EXPECT_EQ(t.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << t.error_message();
+  EXPECT_EQ(long_call.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the timed-out request was answered only after the execution ahead of it";
   std::vector<std::future<grpc::Status>> queued;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 4; ++i) {
     queued.push_back(std::async(std::launch::async, [&]() { return Infer(stub.get(), SlowRequest(1)); }));
   }
   ASSERT_TRUE(WaitExecuting(rt.get(), 5, 4));
@@ -699,8 +703,6 @@ TEST(RuntimeTest, FullQueueIsResourceExhaustedAndTimeoutsExpire) {
   EXPECT_EQ(Http(rt->http_port(), "POST", "/v2/models/slow/infer", body.dump()).code, 429);
 
   EXPECT_TRUE(long_call.get().ok());
-  grpc::Status t = timed.get();
-  EXPECT_EQ(t.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << t.error_message();
   for (auto& q : queued) EXPECT_TRUE(q.get().ok());
   auto stats = Stats(rt.get());
   EXPECT_EQ(stats.rejected_queue_full(), 2u);

@@ -215,6 +215,52 @@ TEST(BatcherTest, FullQueueIsResourceExhausted) {
   EXPECT_EQ(done.load(), 2);
 }
 
+// A queued request's timeout fires at its deadline even while an execution holds the executor:
+// it is not answered only when the batch ahead of it ends.
+TEST(BatcherTest, AQueuedRequestTimesOutWhileAnExecutionRuns) {
+  RealClock clock;
+  absl::Mutex mu;
+  bool release = false;
+  auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&release));
+    Tensor y = in[0];
+    y.name = "y";
+    return std::vector<Tensor>{y};
+  };
+  auto batcher = Batcher::Create(BatchingConfig(0), exec, &clock, nullptr);
+  ASSERT_TRUE(batcher.ok());
+  std::vector<absl::StatusCode> codes;  // guarded by mu
+  auto item = [&](absl::Time deadline) {
+    Batcher::Item it;
+    it.inputs = {Make("x", {1, 1}, {1})};
+    it.deadline = deadline;
+    it.done = [&](absl::StatusOr<std::vector<Tensor>> r) {
+      absl::MutexLock lock(&mu);
+      codes.push_back(r.status().code());
+    };
+    return it;
+  };
+  ASSERT_TRUE((*batcher)->Enqueue(item(absl::InfiniteFuture())).ok());
+  for (int i = 0; i < 2000 && (*batcher)->queue_depth() > 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ((*batcher)->queue_depth(), 0);  // the executor holds the first one
+  ASSERT_TRUE((*batcher)->Enqueue(item(clock.Now() + absl::Milliseconds(20))).ok());
+  {
+    // Answered while the first one is still held (it is released only after this).
+    absl::MutexLock lock(&mu);
+    auto answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return codes.size() == 1; };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&answered), absl::Seconds(10)));
+    ASSERT_EQ(codes.size(), 1u);
+    EXPECT_EQ(codes[0], absl::StatusCode::kDeadlineExceeded);
+    release = true;
+  }
+  (*batcher)->Stop();
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(codes.size(), 2u);
+  EXPECT_EQ(codes[1], absl::StatusCode::kOk);
+  EXPECT_EQ((*batcher)->queue_depth(), 0);
+}
+
 TEST(BatcherTest, OneBadRequestDoesNotFailTheOthersInItsBatch) {
   RealClock clock;
   ModelConfig config = BatchingConfig(0);

@@ -109,5 +109,26 @@ TEST_F(RealLauncherTest, AdoptsAProcessItDidNotStart) {
   EXPECT_EQ(other.Adopt(pid).code(), absl::StatusCode::kNotFound);
 }
 
+// An adopted process is signalled and its exit seen through the pidfd taken at adoption (so a
+// reused pid is never taken for it): the signal reaches it, and its exit shows while it is
+// still a zombie its real parent has not reaped, whose pid kill(pid, 0) still finds.
+TEST_F(RealLauncherTest, AnAdoptedProcessIsFollowedByItsPidfd) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    execl("/bin/sleep", "sleep", "30", nullptr);
+    _exit(1);
+  }
+  RealProcessLauncher other;
+  ASSERT_TRUE(other.Adopt(pid).ok());
+  ASSERT_TRUE(other.Signal(pid, SIGKILL).ok());
+  auto exit = WaitForExit(other, pid);  // not reaped yet: a zombie
+  EXPECT_TRUE(exit.has_value());
+  EXPECT_EQ(kill(pid, 0), 0) << "the zombie should still hold its pid";
+  int status;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFSIGNALED(status));
+  EXPECT_EQ(WTERMSIG(status), SIGKILL);
+}
+
 }  // namespace
 }  // namespace kiln
