@@ -33,6 +33,16 @@ std::optional<ProcessExit> WaitForExit(ProcessLauncher& l, pid_t pid) {
   return std::nullopt;
 }
 
+// A `sleep 30` this test process starts itself (so not the launcher's child).
+pid_t SpawnSleep() {
+  pid_t pid = fork();
+  if (pid == 0) {
+    execl("/bin/sleep", "sleep", "30", nullptr);
+    _exit(1);
+  }
+  return pid;
+}
+
 class RealLauncherTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -93,11 +103,7 @@ TEST_F(RealLauncherTest, ReportsSignalsAndMissingBinaries) {
 }
 
 TEST_F(RealLauncherTest, AdoptsAProcessItDidNotStart) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    execl("/bin/sleep", "sleep", "30", nullptr);
-    _exit(1);
-  }
+  const pid_t pid = SpawnSleep();
   RealProcessLauncher other;
   ASSERT_TRUE(other.Adopt(pid).ok());
   EXPECT_TRUE(other.CollectExits().empty());
@@ -113,11 +119,7 @@ TEST_F(RealLauncherTest, AdoptsAProcessItDidNotStart) {
 // reused pid is never taken for it): the signal reaches it, and its exit shows while it is
 // still a zombie its real parent has not reaped, whose pid kill(pid, 0) still finds.
 TEST_F(RealLauncherTest, AnAdoptedProcessIsFollowedByItsPidfd) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    execl("/bin/sleep", "sleep", "30", nullptr);
-    _exit(1);
-  }
+  const pid_t pid = SpawnSleep();
   RealProcessLauncher other;
   ASSERT_TRUE(other.Adopt(pid).ok());
   ASSERT_TRUE(other.Signal(pid, SIGKILL).ok());
