@@ -20,6 +20,7 @@
 #include "agent/fake_gpu_driver.h"
 #include "agent/nvml_driver.h"
 #include "agent/router.h"
+#include "common/filesystem.h"
 #include "common/http_server.h"
 #include "common/logging.h"
 #include "common/status.h"
@@ -391,16 +392,10 @@ absl::Status Agent::RunOnLoop(std::function<absl::Status()> task) {
 }
 
 absl::Status Agent::Persist(const std::string& name, const google::protobuf::Message& m) {
-  std::string path = options_.state_dir + "/" + name;
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out || !m.SerializeToOstream(&out)) return absl::DataLossError(tmp + ": cannot write");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return absl::DataLossError(path + ": " + ec.message());
-  return absl::OkStatus();
+  const std::string path = options_.state_dir + "/" + name;
+  std::string bytes;
+  if (!m.SerializeToString(&bytes)) return absl::DataLossError(path + ": cannot serialize");
+  return ReplaceFile(path, bytes);
 }
 
 absl::Status Agent::ApplyFromController(const v1::Assignment& a) {
@@ -869,7 +864,8 @@ std::string Agent::ReplicasJson() const {
 std::string Agent::MetricsText() {
   std::ostringstream m;
   std::string node = "node=\"" + Escape(options_.node_name) + "\"";
-  m << "# HELP kiln_agent_ready 1 when an assignment is applied and the router serves it.\n"
+  m << "# HELP kiln_agent_ready 1 when an assignment is applied and, once since the agent "
+       "started, every replica settled.\n"
     << "# TYPE kiln_agent_ready gauge\n"
     << "kiln_agent_ready{" << node << "} " << (ready() ? 1 : 0) << "\n"
     << "# HELP kiln_agent_converged 1 when every assigned replica is in its assigned state.\n"

@@ -97,7 +97,8 @@ class Agent {
   int admin_port() const;
   int ingress_grpc_port() const;
   int ingress_http_port() const;
-  // An assignment is applied and the router serves its table (/readyz, systemd's READY=1).
+  // An assignment is applied and, once since the agent started, every replica settled
+  // (/readyz, systemd's READY=1).
   bool ready() const { return ready_.load(); }
   // Every replica is in its assigned state.
   bool converged() const { return converged_.load(); }

@@ -1,9 +1,9 @@
 #include "agent/gpu_monitor.h"
 
 #include <algorithm>
-#include <filesystem>
 #include <fstream>
 
+#include "common/filesystem.h"
 #include "common/logging.h"
 #include "nlohmann/json.hpp"
 
@@ -26,6 +26,13 @@ GpuMonitor::GpuMonitor(GpuDriver* driver, std::vector<int> gpus, Persistence per
   // Each GPU's UUID while it can still be read (a GPU that fell off the bus cannot say it).
   for (int gpu : gpus_) (void)Uuid(gpu);
   Restore();
+}
+
+bool GpuMonitor::AddDrainXid(int gpu, uint64_t xid) {
+  auto& list = drain_xids_[gpu];
+  if (std::find(list.begin(), list.end(), xid) != list.end()) return false;
+  list.push_back(xid);
+  return true;
 }
 
 std::string GpuMonitor::Uuid(int gpu) {
@@ -74,12 +81,7 @@ void GpuMonitor::Save() {
   for (int gpu : gpus_) {
     std::string uuid = Uuid(gpu);
     if (uuid.empty()) continue;
-    nlohmann::json g;
-    nlohmann::json xids = nlohmann::json::array();
-    for (uint64_t x : xids_[gpu]) {
-      if (DrainClass(x)) xids.push_back(x);
-    }
-    g["xids"] = std::move(xids);
+    nlohmann::json g = {{"xids", drain_xids_[gpu]}};
     if (auto b = ecc_baseline_.find(gpu); b != ecc_baseline_.end()) {
       g["ecc_uncorrected_baseline"] = b->second;
     }
@@ -93,18 +95,8 @@ void GpuMonitor::Save() {
     gpus[uuid] = std::move(g);
   }
   nlohmann::json doc = {{"boot_id", persistence_.boot_id}, {"gpus", std::move(gpus)}};
-  const std::string tmp = persistence_.state_file + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << doc.dump(2) << "\n";
-    if (!out) {
-      GetLogger("agent.gpu")->error("cannot write {}", tmp);
-      return;
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, persistence_.state_file, ec);
-  if (ec) GetLogger("agent.gpu")->error("cannot write {}: {}", persistence_.state_file, ec.message());
+  absl::Status s = ReplaceFile(persistence_.state_file, doc.dump(2) + "\n");
+  if (!s.ok()) GetLogger("agent.gpu")->error("{}", std::string(s.message()));
 }
 
 void GpuMonitor::Poll() {
@@ -112,37 +104,21 @@ void GpuMonitor::Poll() {
   auto events = driver_->WaitEvents(absl::ZeroDuration());
   if (events.ok()) {
     for (const auto& e : *events) {
-      auto& list = xids_[e.index];
       if (DrainClass(e.xid)) {
         // Once per code: a storm of them says no more than the first.
-        if (std::find(list.begin(), list.end(), e.xid) == list.end()) {
-          list.push_back(e.xid);
-          changed = true;
-        }
+        changed |= AddDrainXid(e.index, e.xid);
         continue;
       }
-      list.push_back(e.xid);
-      // Bounded: the most recent application-class Xids only.
-      size_t apps = 0;
-      for (uint64_t x : list) apps += DrainClass(x) ? 0 : 1;
-      if (apps > kRecentApplicationXids) {
-        for (auto it = list.begin(); it != list.end(); ++it) {
-          if (!DrainClass(*it)) {
-            list.erase(it);
-            break;
-          }
-        }
-      }
+      auto& recent = recent_xids_[e.index];
+      recent.push_back(e.xid);
+      if (recent.size() > kRecentApplicationXids) recent.pop_front();
     }
   }
   for (int gpu : gpus_) {
     if (!restored_.empty()) {
       auto r = restored_.find(Uuid(gpu));
       if (r != restored_.end()) {
-        auto& list = xids_[gpu];
-        for (uint64_t x : r->second.first) {
-          if (std::find(list.begin(), list.end(), x) == list.end()) list.insert(list.begin(), x);
-        }
+        for (uint64_t x : r->second.first) AddDrainXid(gpu, x);
         if (r->second.second) ecc_baseline_.try_emplace(gpu, *r->second.second);
         if (!r->second.first.empty()) {
           GetLogger("agent.gpu")
@@ -163,7 +139,8 @@ void GpuMonitor::Poll() {
       in.clock_event_reasons = t->clock_event_reasons;
       in.temperature_c = t->temperature_c;
     }
-    in.xids = xids_[gpu];
+    in.xids = drain_xids_[gpu];
+    in.xids.insert(in.xids.end(), recent_xids_[gpu].begin(), recent_xids_[gpu].end());
     GpuHealth h = EvaluateGpuHealth(in);
     if (!t.ok()) {
       h.healthy = false;

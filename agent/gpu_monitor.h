@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <optional>
 #include <string>
@@ -40,6 +41,8 @@ class GpuMonitor {
 
  private:
   void Restore();
+  // Records a drain-class Xid once per code; true when it is new.
+  bool AddDrainXid(int gpu, uint64_t xid);
   void Save();
   std::string Uuid(int gpu);
 
@@ -48,9 +51,10 @@ class GpuMonitor {
   Persistence persistence_;  // state_file cleared when nothing can be kept
   std::map<int, std::string> uuids_;
   std::map<int, uint64_t> ecc_baseline_;
-  // Drain-class Xids (kept: a GPU that needed a reset stays unhealthy until it is reset), then
-  // the most recent application-class ones.
-  std::map<int, std::vector<uint64_t>> xids_;
+  // Drain-class Xids, once per code (kept: a GPU that needed a reset stays unhealthy until it
+  // is reset), and the most recent others (at most kRecentApplicationXids).
+  std::map<int, std::vector<uint64_t>> drain_xids_;
+  std::map<int, std::deque<uint64_t>> recent_xids_;
   // Restored from the state file for GPUs not read yet: uuid -> (xids, ecc baseline).
   std::map<std::string, std::pair<std::vector<uint64_t>, std::optional<uint64_t>>> restored_;
   std::map<int, GpuTelemetry> telemetry_;

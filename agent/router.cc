@@ -305,6 +305,11 @@ void Attempt(std::shared_ptr<ForwardCall> c) {
                             [finished](grpc::Status s) { finished(s); });
 }
 
+// The call came from another node's router (kForwardedHeader).
+bool Forwarded(const grpc::CallbackServerContext* ctx) {
+  return ctx->client_metadata().count(kForwardedHeader) > 0;
+}
+
 class RouterGrpcService final : public inference::GRPCInferenceService::CallbackService {
  public:
   explicit RouterGrpcService(Router* router) : router_(router) {}
@@ -338,8 +343,7 @@ class RouterGrpcService final : public inference::GRPCInferenceService::Callback
   grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* ctx,
                                           const inference::ModelMetadataRequest* req,
                                           inference::ModelMetadataResponse* resp) override {
-    const bool forwarded = ctx->client_metadata().count(kForwardedHeader) > 0;
-    auto choice = router_->Choose(req->name(), req->version(), "", false, {}, forwarded);
+    auto choice = router_->Choose(req->name(), req->version(), "", false, {}, Forwarded(ctx));
     if (!choice.ok()) return Done(ctx, ToGrpcStatus(choice.status()));
     grpc::ClientContext cc;
     cc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -361,7 +365,7 @@ class RouterGrpcService final : public inference::GRPCInferenceService::Callback
     c->request = req;
     c->response = resp;
     c->reactor = ctx->DefaultReactor();
-    c->forwarded = ctx->client_metadata().count(kForwardedHeader) > 0;
+    c->forwarded = Forwarded(ctx);
     auto [header, param] = router_->StickyKey(req->model_name());
     if (!header.empty()) {
       auto it = ctx->client_metadata().find(header);

@@ -48,18 +48,18 @@ struct RouterTable {
 RouterTable BuildRouterTable(const v1::RoutingTable& routing,
                              const std::vector<ReplicaView>& replicas, const std::string& node);
 
-// Node ingress: the Open Inference Protocol over gRPC and REST in front of the node's
-// replicas. Picks the version (weight or sticky key), then the endpoint with the fewest
-// outstanding requests, local first; retries once elsewhere when the replica went away
-// (UNAVAILABLE, or CANCELLED by its server's shutdown); tells which
-// version served (gRPC: parameter and metadata `kiln-version`; REST: header `kiln-version`
-// and parameter). Channels to replicas are pooled and kept alive.
 // The header (gRPC metadata and HTTP) a router puts on a call it sends on to another node's
 // router, naming itself. That router serves the call from its own replicas only, with the
 // version the first one chose (set in the request), so a version picked by weight or sticky
 // key is the version that serves.
 inline constexpr char kForwardedHeader[] = "kiln-forwarded-by";
 
+// Node ingress: the Open Inference Protocol over gRPC and REST in front of the node's
+// replicas. Picks the version (weight or sticky key), then the endpoint with the fewest
+// outstanding requests, local first; retries once elsewhere when the replica went away
+// (UNAVAILABLE, or CANCELLED by its server's shutdown); tells which
+// version served (gRPC: parameter and metadata `kiln-version`; REST: header `kiln-version`
+// and parameter). Channels to replicas are pooled and kept alive.
 class Router {
  public:
   struct Options {

@@ -15,6 +15,7 @@
 
 #include "absl/strings/numbers.h"
 #include "agent/assignment_file.h"
+#include "common/filesystem.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 
@@ -800,10 +801,13 @@ void Supervisor::Tick() {
   Publish();
 }
 
+bool Supervisor::InAssignedState(const Replica& r) {
+  return !r.removing && r.phase == Phase::kRunning && r.observed == r.spec.state();
+}
+
 bool Supervisor::Converged() const {
   for (const auto& [id, r] : replicas_) {
-    if (r.removing) return false;
-    if (r.phase != Phase::kRunning || r.observed != r.spec.state()) return false;
+    if (!InAssignedState(r)) return false;
   }
   return true;
 }
@@ -811,8 +815,7 @@ bool Supervisor::Converged() const {
 bool Supervisor::Settled() const {
   for (const auto& [id, r] : replicas_) {
     if (r.removing) return false;
-    const bool there = r.phase == Phase::kRunning && r.observed == r.spec.state();
-    if (!there && !r.crash_loop && !r.held && r.phase != Phase::kFailed) return false;
+    if (!InAssignedState(r) && !r.crash_loop && !r.held && r.phase != Phase::kFailed) return false;
   }
   return true;
 }
@@ -848,19 +851,7 @@ absl::Status Supervisor::WriteStateFile() {
                                  {"socket", p.socket},
                                  {"log", p.log_file}});
   }
-  std::string path = options_.state_dir + "/replicas.json";
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    if (!out) return absl::PermissionDeniedError(tmp + ": cannot be written");
-    out << doc.dump(2) << "\n";
-    out.flush();
-    if (!out) return absl::DataLossError(tmp + ": write failed");
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return absl::DataLossError(path + ": rename failed: " + ec.message());
-  return absl::OkStatus();
+  return ReplaceFile(options_.state_dir + "/replicas.json", doc.dump(2) + "\n");
 }
 
 absl::Status Supervisor::Recover() {

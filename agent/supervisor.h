@@ -181,6 +181,8 @@ class Supervisor {
     absl::Status probe = absl::OkStatus();
     std::string last_error;
   };
+  // Running in the state its spec asks for, and not being removed.
+  static bool InAssignedState(const Replica& r);
 
   // A pool: the pre-started runtimes for one GPU, or for CPU replicas (one per NUMA node on
   // a multi-node machine, so that each is bound to its node from exec on).

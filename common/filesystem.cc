@@ -7,6 +7,21 @@
 
 namespace kiln {
 
+absl::Status ReplaceFile(const std::string& path, const std::string& contents) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return absl::PermissionDeniedError(tmp + ": cannot be written");
+    out << contents;
+    out.flush();
+    if (!out) return absl::DataLossError(tmp + ": write failed");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return absl::DataLossError(path + ": rename failed: " + ec.message());
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> RootedFilesystem::ReadFile(const std::string& path) const {
   std::ifstream in(Map(path), std::ios::binary);
   if (!in) return absl::NotFoundError(path + ": cannot be read");

@@ -20,6 +20,10 @@ class Filesystem {
   virtual bool Exists(const std::string& path) const = 0;
 };
 
+// Replaces `path` with `contents` through `path`.tmp renamed over it: a reader, or a crash,
+// finds the old file or the new one, never part of one.
+absl::Status ReplaceFile(const std::string& path, const std::string& contents);
+
 // Reads the real filesystem, with every path prefixed by `root` ("" = the real root).
 class RootedFilesystem : public Filesystem {
  public:

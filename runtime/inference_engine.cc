@@ -348,69 +348,67 @@ absl::Status InferenceEngine::Warmup(bool once) {
 
 absl::Status InferenceEngine::RunWarmupSample(const WarmupSample& w, bool once) {
   auto log = GetLogger("runtime.engine");
-  {
-    std::vector<Tensor> inputs;
-    for (const auto& spec : config_.inputs) {
-      Tensor t;
-      t.name = spec.name;
-      t.dtype = spec.dtype;
-      auto it = w.dims.find(spec.name);
-      t.shape = it != w.dims.end() ? it->second : spec.dims;
-      if (config_.max_batch_size > 0) t.shape.insert(t.shape.begin(), w.batch_size);
-      KILN_ASSIGN_OR_RETURN(int64_t n, ElementCount(t.shape, "warmup input " + spec.name));
-      try {
-        t.data.assign(static_cast<size_t>(n) * DataTypeSize(t.dtype), '\0');
-      } catch (const std::exception&) {
-        return absl::ResourceExhaustedError("warmup '" + w.name + "': cannot allocate input " +
-                                            spec.name + " " + ShapeString(t.shape));
-      }
-      if (w.ones) {
-        for (int64_t e = 0; e < n; ++e) {
-          char* p = t.data.data() + e * DataTypeSize(t.dtype);
-          switch (t.dtype) {
-            case DataType::kFp32: {
-              float one = 1.0f;
-              std::memcpy(p, &one, 4);
-              break;
-            }
-            case DataType::kFp64: {
-              double one = 1.0;
-              std::memcpy(p, &one, 8);
-              break;
-            }
-            case DataType::kFp16: {
-              uint16_t one = FloatToHalf(1.0f);
-              std::memcpy(p, &one, 2);
-              break;
-            }
-            case DataType::kBf16: {
-              uint16_t one = FloatToBf16(1.0f);
-              std::memcpy(p, &one, 2);
-              break;
-            }
-            default:
-              p[0] = 1;  // little-endian integer or bool one
+  std::vector<Tensor> inputs;
+  for (const auto& spec : config_.inputs) {
+    Tensor t;
+    t.name = spec.name;
+    t.dtype = spec.dtype;
+    auto it = w.dims.find(spec.name);
+    t.shape = it != w.dims.end() ? it->second : spec.dims;
+    if (config_.max_batch_size > 0) t.shape.insert(t.shape.begin(), w.batch_size);
+    KILN_ASSIGN_OR_RETURN(int64_t n, ElementCount(t.shape, "warmup input " + spec.name));
+    try {
+      t.data.assign(static_cast<size_t>(n) * DataTypeSize(t.dtype), '\0');
+    } catch (const std::exception&) {
+      return absl::ResourceExhaustedError("warmup '" + w.name + "': cannot allocate input " +
+                                          spec.name + " " + ShapeString(t.shape));
+    }
+    if (w.ones) {
+      for (int64_t e = 0; e < n; ++e) {
+        char* p = t.data.data() + e * DataTypeSize(t.dtype);
+        switch (t.dtype) {
+          case DataType::kFp32: {
+            float one = 1.0f;
+            std::memcpy(p, &one, 4);
+            break;
           }
+          case DataType::kFp64: {
+            double one = 1.0;
+            std::memcpy(p, &one, 8);
+            break;
+          }
+          case DataType::kFp16: {
+            uint16_t one = FloatToHalf(1.0f);
+            std::memcpy(p, &one, 2);
+            break;
+          }
+          case DataType::kBf16: {
+            uint16_t one = FloatToBf16(1.0f);
+            std::memcpy(p, &one, 2);
+            break;
+          }
+          default:
+            p[0] = 1;  // little-endian integer or bool one
         }
       }
-      inputs.push_back(std::move(t));
     }
-    if (config_.sequence_buckets) {
-      // Warm the shapes serving will run: the sample padded to its bucket.
-      KILN_ASSIGN_OR_RETURN(int64_t len, RequestSequenceLength(config_, inputs));
-      if (len >= 0) {
-        KILN_ASSIGN_OR_RETURN(int64_t b, BucketLength(*config_.sequence_buckets, len,
-                                                      "warmup '" + w.name + "'"));
-        KILN_RETURN_IF_ERROR(PadToBucket(config_, b, &inputs));
-      }
+    inputs.push_back(std::move(t));
+  }
+  if (config_.sequence_buckets) {
+    // Warm the shapes serving will run: the sample padded to its bucket.
+    KILN_ASSIGN_OR_RETURN(int64_t len, RequestSequenceLength(config_, inputs));
+    if (len >= 0) {
+      KILN_ASSIGN_OR_RETURN(int64_t b, BucketLength(*config_.sequence_buckets, len,
+                                                    "warmup '" + w.name + "'"));
+      KILN_RETURN_IF_ERROR(PadToBucket(config_, b, &inputs));
     }
-    for (int64_t i = 0; i < (once ? 1 : w.iterations); ++i) {
-      absl::Time t0 = clock_->Now();
-      auto out = backend_->Execute(inputs);
-      if (!out.ok()) return Annotate(out.status(), "warmup '" + w.name + "'");
-      log->debug("warmup '{}' iteration {}: {:.3f} ms", w.name, i,
-                 absl::ToDoubleMilliseconds(clock_->Now() - t0));
-    }
+  }
+  for (int64_t i = 0; i < (once ? 1 : w.iterations); ++i) {
+    absl::Time t0 = clock_->Now();
+    auto out = backend_->Execute(inputs);
+    if (!out.ok()) return Annotate(out.status(), "warmup '" + w.name + "'");
+    log->debug("warmup '{}' iteration {}: {:.3f} ms", w.name, i,
+               absl::ToDoubleMilliseconds(clock_->Now() - t0));
   }
   return absl::OkStatus();
 }

@@ -189,13 +189,8 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
     if (!in.contains("shape") || !in["shape"].is_array()) {
       return absl::InvalidArgumentError(field + ".shape: must be an array of integers");
     }
-    if (in["shape"].size() > kMaxTensorRank) {
-      // Before the data is walked: its nesting may go as deep as the shape's rank.
-      return absl::InvalidArgumentError(field + ".shape: has " +
-                                        std::to_string(in["shape"].size()) +
-                                        " dimensions, more than the " +
-                                        std::to_string(kMaxTensorRank) + " allowed");
-    }
+    // Before the data is walked: its nesting may go as deep as the shape's rank.
+    KILN_RETURN_IF_ERROR(CheckTensorRank(in["shape"].size(), field + ".shape:"));
     for (const json& d : in["shape"]) {
       KILN_ASSIGN_OR_RETURN(int64_t v, JsonInt(d, field + ".shape"));
       t.shape.push_back(v);

@@ -3,6 +3,8 @@
 #include <cstring>
 #include <limits>
 
+#include "common/status.h"
+
 namespace kiln {
 
 namespace {
@@ -48,12 +50,15 @@ size_t DataTypeSize(DataType type) {
   return 0;
 }
 
+absl::Status CheckTensorRank(size_t rank, const std::string& what) {
+  if (rank <= kMaxTensorRank) return absl::OkStatus();
+  return absl::InvalidArgumentError(what + " has " + std::to_string(rank) +
+                                    " dimensions, more than the " +
+                                    std::to_string(kMaxTensorRank) + " allowed");
+}
+
 absl::StatusOr<int64_t> ElementCount(const std::vector<int64_t>& shape, const std::string& field) {
-  if (shape.size() > kMaxTensorRank) {
-    return absl::InvalidArgumentError(field + ": shape has " + std::to_string(shape.size()) +
-                                      " dimensions, more than the " +
-                                      std::to_string(kMaxTensorRank) + " allowed");
-  }
+  KILN_RETURN_IF_ERROR(CheckTensorRank(shape.size(), field + ": shape"));
   int64_t n = 1;
   for (int64_t d : shape) {
     if (d < 0) {

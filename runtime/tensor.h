@@ -33,6 +33,9 @@ size_t DataTypeSize(DataType type);
 // The most dimensions a request's tensor may have (more than any model kiln serves uses).
 // Checked before anything else is read of the shape.
 inline constexpr size_t kMaxTensorRank = 32;
+// OK when `rank` is at most kMaxTensorRank; else "<what> has N dimensions, more than the 32
+// allowed".
+absl::Status CheckTensorRank(size_t rank, const std::string& what);
 
 // Element count of a shape; an error for negative dimensions or when the count or byte size
 // would overflow. `field` names the tensor in errors.
