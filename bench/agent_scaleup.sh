@@ -16,7 +16,7 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-REPO=$BUILD/models
+REPO=${MODELS_DIR:-$BUILD/models}
 
 replica() { echo "  - {id: $1, model: encoder, version: \"2\", repository: $REPO, cpus: 1, state: $2}"; }
 
