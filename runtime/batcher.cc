@@ -153,18 +153,21 @@ absl::StatusOr<std::vector<std::vector<Tensor>>> SplitBatch(const std::vector<Te
 
 absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const ModelConfig& config,
                                                          Executor executor, Clock* clock,
-                                                         BatchObserver observer) {
+                                                         BatchObserver observer,
+                                                         bool one_thread) {
   if (!executor || clock == nullptr) {
     return absl::InvalidArgumentError("batcher needs an executor and a clock");
   }
   int64_t max_queue = config.dynamic_batching ? config.dynamic_batching->max_queue_size : 0;
   return std::unique_ptr<Batcher>(new Batcher(MakeBatchPolicy(config), max_queue,
-                                              std::move(executor), clock, std::move(observer)));
+                                              std::move(executor), clock, std::move(observer),
+                                              one_thread));
 }
 
 Batcher::Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, Clock* clock,
-                 BatchObserver observer)
+                 BatchObserver observer, bool one_thread)
     : policy_(std::move(policy)),
+      one_thread_(one_thread),
       max_queue_size_(max_queue_size),
       executor_(std::move(executor)),
       clock_(clock),
@@ -222,8 +225,9 @@ void Batcher::Reap() {
 Batcher::~Batcher() { Stop(); }
 
 absl::Status Batcher::Enqueue(Item item) {
-  const bool alone = !policy_.dynamic || (policy_.max_queue_delay == absl::ZeroDuration() &&
-                                          policy_.preferred_batch_sizes.empty());
+  const bool alone = !one_thread_ &&
+                     (!policy_.dynamic || (policy_.max_queue_delay == absl::ZeroDuration() &&
+                                           policy_.preferred_batch_sizes.empty()));
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError("the model is shutting down");

@@ -77,14 +77,18 @@ class Batcher {
     Done done;
   };
 
+  // `one_thread`: every execution runs on the executor thread, none inline (see
+  // Backend::WantsOneExecutionThread).
   static absl::StatusOr<std::unique_ptr<Batcher>> Create(const ModelConfig& config,
                                                          Executor executor, Clock* clock,
-                                                         BatchObserver observer);
+                                                         BatchObserver observer,
+                                                         bool one_thread = false);
   ~Batcher();
 
   // RESOURCE_EXHAUSTED when the queue is full; UNAVAILABLE after Stop(). On OK, `done` is
   // called exactly once: from the executor thread, or inline when the request would run
-  // alone anyway (no batching or no delay) and the model is idle, which saves a thread hop.
+  // alone anyway (no batching or no delay), the model is idle and the batcher was not made
+  // with `one_thread`, which saves a thread hop.
   absl::Status Enqueue(Item item);
   int64_t queue_depth() const;
   // Fails every queued request with UNAVAILABLE and joins the thread.
@@ -92,7 +96,7 @@ class Batcher {
 
  private:
   Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, Clock* clock,
-          BatchObserver observer);
+          BatchObserver observer, bool one_thread);
   void Loop();
   // Fails queued requests at their deadline while an execution holds the executor thread
   // (Loop expires them otherwise): a 1 ms timeout is not answered after a 1 s batch.
@@ -102,6 +106,7 @@ class Batcher {
   void Run(std::vector<Item> items);
 
   const BatchPolicy policy_;
+  const bool one_thread_;
   const int64_t max_queue_size_;
   Executor executor_;
   Clock* clock_;

@@ -35,7 +35,8 @@ absl::StatusOr<std::unique_ptr<InferenceEngine>> InferenceEngine::Create(
           [self](int64_t requests, int64_t rows) {
             self->batches_++;
             self->batch_size_.Record(static_cast<double>(rows));
-          }));
+          },
+          engine->backend_->WantsOneExecutionThread()));
   return engine;
 }
 

@@ -174,6 +174,7 @@ absl::StatusOr<TorchDevice> SetUpTorchDevice(const ModelConfig& config,
   }
   int64_t threads = options.threads > 0 ? options.threads : config.instance.threads;
   if (threads > 0) at::set_num_threads(static_cast<int>(threads));
+  out.intra_op_threads = at::get_num_threads();
   if (out.device.is_cuda()) {
     // Creates the CUDA context before the load, so the log tells the two apart.
     auto t0 = std::chrono::steady_clock::now();

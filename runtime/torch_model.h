@@ -37,6 +37,7 @@ struct TorchDevice {
   torch::Device device{torch::kCPU};
   at::ScalarType compute_type = at::kFloat;  // instance.precision
   double context_ms = 0;
+  int intra_op_threads = 1;  // LibTorch's, once set up
 };
 // Runs `fn` and turns a LibTorch exception into INVALID_ARGUMENT: "`prefix`: first line".
 template <typename T, typename F>
@@ -97,6 +98,9 @@ class TorchModelBackend : public Backend {
   std::string Describe() const override;
   absl::StatusOr<std::string> Prepare(const std::function<bool()>& cancelled) override;
   int64_t DeviceMemoryBytes() const override { return runner_->DeviceMemoryBytes(); }
+  bool WantsOneExecutionThread() const override {
+    return device_.device.is_cpu() && device_.intra_op_threads > 1;
+  }
   absl::StatusOr<std::vector<Tensor>> Execute(std::vector<Tensor> inputs) override;
 
  protected:

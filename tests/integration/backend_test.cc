@@ -83,6 +83,20 @@ TEST(TorchScriptBackendTest, EncoderMatchesReferenceOutputs) {
   }
 }
 
+// A CPU model with several intra-op threads asks for one execution thread (OpenMP keeps a
+// team of workers per calling thread); with one it may run on its callers' threads.
+TEST(TorchScriptBackendTest, SeveralIntraOpThreadsOnCpuWantOneExecutionThread) {
+  auto m = ResolveModel(kRepo, "encoder", "2");
+  ASSERT_TRUE(m.ok()) << m.status();
+  for (int64_t threads : {1, 2}) {
+    BackendOptions options;
+    options.threads = threads;
+    auto b = CreateTorchScriptBackend(m->config, m->model_file, options);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ((*b)->WantsOneExecutionThread(), threads > 1) << threads << " threads";
+  }
+}
+
 TEST(TorchScriptBackendTest, BatchedExecutionSplitsBackExactly) {
   auto backend = Load("encoder", "1");
   ASSERT_NE(backend, nullptr);

@@ -335,5 +335,43 @@ TEST(BatcherTest, ALoneRequestOnAnIdleModelRunsOnTheCallersThread) {
   (*batcher)->Stop();
 }
 
+// A batcher made with one_thread runs even a lone request on an idle model on its executor
+// thread, and every execution on that same thread.
+TEST(BatcherTest, WithOneThreadEveryExecutionRunsOnTheExecutorThread) {
+  RealClock clock;
+  ModelConfig config = BatchingConfig(0);
+  config.dynamic_batching.reset();
+  absl::Mutex mu;
+  std::vector<std::thread::id> ran_on;  // guarded by mu
+  auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+    absl::MutexLock lock(&mu);
+    ran_on.push_back(std::this_thread::get_id());
+    Tensor y = in[0];
+    y.name = "y";
+    return std::vector<Tensor>{y};
+  };
+  auto batcher = Batcher::Create(config, exec, &clock, nullptr, /*one_thread=*/true);
+  ASSERT_TRUE(batcher.ok());
+  int done = 0;  // guarded by mu
+  for (int i = 0; i < 3; ++i) {
+    Batcher::Item it;
+    it.inputs = {Make("x", {1, 1}, {static_cast<float>(i)})};
+    it.done = [&](absl::StatusOr<std::vector<Tensor>> r) {
+      absl::MutexLock lock(&mu);
+      if (r.ok()) done++;
+    };
+    ASSERT_TRUE((*batcher)->Enqueue(std::move(it)).ok());
+    absl::MutexLock lock(&mu);
+    auto answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return done == i + 1; };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&answered), absl::Seconds(10)));
+  }
+  (*batcher)->Stop();
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(ran_on.size(), 3u);
+  EXPECT_NE(ran_on[0], std::this_thread::get_id());
+  EXPECT_EQ(ran_on[1], ran_on[0]);
+  EXPECT_EQ(ran_on[2], ran_on[0]);
+}
+
 }  // namespace
 }  // namespace kiln
