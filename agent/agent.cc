@@ -652,6 +652,8 @@ void Agent::RequestReload() {
   Wake();
 }
 
+void Agent::ChildExited() { Wake(); }
+
 void Agent::Wake() {
   absl::MutexLock lock(&mu_);
   wake_ = true;

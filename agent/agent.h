@@ -92,6 +92,10 @@ class Agent {
   absl::Status Start();
   // Re-reads the assignment file on the loop (SIGHUP). A bad file keeps the old assignment.
   void RequestReload();
+  // A child process changed state (SIGCHLD): the loop runs a pass at once, so a replica's
+  // exit is seen and acted on without waiting out the tick. Replicas adopted from an earlier
+  // agent are not its children; their exits are seen on the tick (through their pidfds).
+  void ChildExited();
   void Stop();
 
   int admin_port() const;

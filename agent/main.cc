@@ -103,6 +103,10 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGHUP, &sa, nullptr);
+  // A replica's exit wakes the loop (stops and continues do not).
+  struct sigaction child = sa;
+  child.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+  sigaction(SIGCHLD, &child, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
   kiln::RealClock clock;
@@ -123,6 +127,10 @@ int main(int argc, char** argv) {
     if (sig == SIGHUP) {
       log->info("SIGHUP: reloading {}", o.assignment_file);
       (*agent)->RequestReload();
+      continue;
+    }
+    if (sig == SIGCHLD) {
+      (*agent)->ChildExited();
       continue;
     }
     log->info("signal {}: stopping{}", static_cast<int>(sig),

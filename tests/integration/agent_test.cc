@@ -391,6 +391,30 @@ TEST_F(AgentTest, ASighupIsTakenAtOnceWhateverTheTick) {
   EXPECT_FALSE(Find(Replicas(), "s0").is_null());
 }
 
+// A replica's exit is seen when it happens (SIGCHLD wakes the loop), not at the loop's next
+// tick (the longest allowed, 10 s, here; the exit is given 3 s).
+TEST_F(AgentTest, AReplicasExitIsSeenAtOnceWhateverTheTick) {
+  tick_ms_ = "10000";
+  WriteAssignment("replicas:\n" + Replica("s0", "WARM"));
+  StartAgent();
+  const std::string started = "replica s0: started pid ";
+  std::string log;
+  for (int i = 0; i < 3000 && (log = ReadFile(log_)).find(started) == std::string::npos; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  size_t at = log.find(started);
+  ASSERT_NE(at, std::string::npos) << log;
+  const pid_t pid = std::atoi(log.c_str() + at + started.size());
+  ASSERT_GT(pid, 0) << log;
+  seen_pids_.insert(pid);
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  const std::string seen = "replica s0: killed by signal 9";
+  for (int i = 0; i < 300 && (log = ReadFile(log_)).find(seen) == std::string::npos; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_NE(log.find(seen), std::string::npos) << log;
+}
+
 // Under systemd (Type=notify, WatchdogSec=): READY=1 with a STATUS once the assignment is
 // applied, the STATUS again when its replica is SERVING, WATCHDOG=1 at half of WATCHDOG_USEC,
 // and STOPPING=1 on the way out, all on the notify socket.
