@@ -148,7 +148,11 @@ for i in $(seq 1 "$RUNS"); do
     if ! wait_state w WARM "$ADMIN"; then
       log "$name: the replica never reached WARM"; tail -20 "$OUT/agent-$name.log" >&2; stop_agent; continue
     fi
-    [ "$i" = 1 ] && curl -s "127.0.0.1:$ADMIN/metrics" >"$OUT/metrics-$mode.txt"
+    if [ "$i" = 1 ]; then
+      # The agent's own NVML telemetry, beside nvidia-smi's figures.
+      curl -s "127.0.0.1:$ADMIN/metrics" >"$OUT/metrics-$mode.txt"
+      log "$name: agent's GPU metrics: $(grep -E '^kiln_gpu_' "$OUT/metrics-$mode.txt" | sed 's/{[^}]*}//' | tr '\n' ' ')"
+    fi
     sleep "$SETTLE_S"
     watts=$(sample_watts "$name" "$SAMPLE_S")
     rest=$(replica_field w http_port "$ADMIN" WARM)
