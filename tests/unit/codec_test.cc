@@ -1,6 +1,7 @@
 // Request decoding (gRPC and REST JSON), response encoding, and the engine's request
 // validation, with a fake in-process backend.
 #include <cstring>
+#include <limits>
 
 #include "gtest/gtest.h"
 #include "runtime/grpc_frontend.h"
@@ -142,6 +143,90 @@ TEST(JsonDecodeTest, NestedAndFlatData) {
   std::memcpy(&h, r->inputs[2].data.data(), 2);
   EXPECT_EQ(HalfToFloat(h), 0.5f);
   EXPECT_EQ(r->outputs, (std::vector<std::string>{"y"}));
+}
+
+// Data after their input's datatype and shape are decoded while the body is read; data
+// before them afterwards, from the document. Both give the same tensors and the same errors.
+TEST(JsonDecodeTest, DataBeforeOrAfterTheirDatatypeAndShapeDecodeTheSame) {
+  struct Input {
+    std::string name, datatype, shape, data;
+  };
+  const std::vector<Input> inputs = {
+      {"x", "FP32", "[2,2]", "[[1,2],[3,4.5]]"},
+      {"i", "INT64", "[3]", "[-9007199254740993,0,9223372036854775807]"},
+      {"u", "UINT8", "[2]", "[0,255]"},
+      {"b", "BOOL", "[2]", "[true,false]"},
+      {"h", "FP16", "[1]", "0.5"},
+      {"d", "FP64", "[1,2]", "[1e300,-2.5]"},
+  };
+  auto body = [&](bool data_first) {
+    std::string b = R"({"inputs":[)";
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const Input& in = inputs[i];
+      const std::string meta = R"("name":")" + in.name + R"(","datatype":")" + in.datatype +
+                               R"(","shape":)" + in.shape;
+      b += (i ? "," : "") + std::string("{") +
+           (data_first ? R"("data":)" + in.data + "," + meta : meta + R"(,"data":)" + in.data) +
+           "}";
+    }
+    return b + "]}";
+  };
+  auto after = DecodeJsonInferRequest(body(false), "m", "1", kLimit, nullptr);
+  auto before = DecodeJsonInferRequest(body(true), "m", "1", kLimit, nullptr);
+  ASSERT_TRUE(after.ok()) << after.status();
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_EQ(after->inputs.size(), inputs.size());
+  ASSERT_EQ(before->inputs.size(), inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    EXPECT_EQ(after->inputs[i].name, inputs[i].name);
+    EXPECT_EQ(after->inputs[i].dtype, before->inputs[i].dtype) << inputs[i].name;
+    EXPECT_EQ(after->inputs[i].shape, before->inputs[i].shape) << inputs[i].name;
+    EXPECT_EQ(after->inputs[i].data, before->inputs[i].data) << inputs[i].name;
+  }
+  int64_t i64[3];
+  std::memcpy(i64, after->inputs[1].data.data(), sizeof(i64));
+  EXPECT_EQ(i64[0], -9007199254740993);
+  EXPECT_EQ(i64[2], std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(after->inputs[2].data, std::string("\x00\xff", 2));
+
+  // The same bad data, read either way, gets the same error.
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"("shape":[3],"datatype":"FP32")", "[1,2]"},
+      {R"("shape":[1],"datatype":"FP32")", "[1,2]"},
+      {R"("shape":[2],"datatype":"FP32")", "[[1],[2]]"},
+      {R"("shape":[1],"datatype":"INT32")", "[1.5]"},
+      {R"("shape":[1],"datatype":"UINT8")", "[256]"},
+      {R"("shape":[1],"datatype":"INT64")", R"(["7"])"},
+      {R"("shape":[1],"datatype":"BOOL")", "[1]"},
+      {R"("shape":[1],"datatype":"FP32")", "[null]"},
+      {R"("shape":[1],"datatype":"FP32")", R"([{"v":1}])"},
+  };
+  for (const auto& [meta, data] : bad) {
+    auto a = DecodeJsonInferRequest(R"({"inputs":[{"name":"x",)" + meta + R"(,"data":)" + data +
+                                        "}]}",
+                                    "m", "", kLimit, nullptr);
+    auto b = DecodeJsonInferRequest(R"({"inputs":[{"data":)" + data + R"(,"name":"x",)" + meta +
+                                        "}]}",
+                                    "m", "", kLimit, nullptr);
+    ASSERT_FALSE(a.ok()) << meta << " " << data;
+    EXPECT_EQ(a.status(), b.status()) << meta << " " << data;
+  }
+}
+
+TEST(JsonDecodeTest, DataOrItsDatatypeGivenTwiceIsRefused) {
+  auto twice = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1],"data":[2]}]})", "m", "",
+      kLimit, nullptr);
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.status().message().find("inputs[0].data: given twice"), std::string::npos)
+      << twice.status();
+  auto retyped = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1],"datatype":"INT32"}]})",
+      "m", "", kLimit, nullptr);
+  EXPECT_EQ(retyped.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(retyped.status().message().find("inputs[0]: datatype and shape must each be given once"),
+            std::string::npos)
+      << retyped.status();
 }
 
 TEST(JsonDecodeTest, RejectsBadBodies) {
