@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <set>
 #include <vector>
 
 #include "common/status.h"
@@ -141,22 +142,24 @@ struct DirectData {
   DataType dtype = DataType::kFp32;
   std::vector<int64_t> shape;
   std::string bytes;
-  size_t count = 0;  // elements written
+  size_t count = 0;     // elements written
+  absl::Status error;   // the first bad element or nesting; the rest of the data is skipped
 };
 
 // Reads an infer request body event by event. Everything but the inputs' `data` becomes a
 // JSON document as json::parse would make it. An input whose datatype and shape came before
 // its data (the order clients send) has its data written straight into the tensor's bytes:
 // a body of millions of numbers is never held as millions of JSON values (about 9x its
-// decoded size). Other inputs' data stay in the document, decoded afterwards as before. The
-// first error in decoded data stops the read.
+// decoded size). Other inputs' data stay in the document, decoded afterwards as before.
+// Errors in decoded data are kept with their input and reported when the request is checked
+// in order, as if they had been found there.
 class InferBodyReader : public nlohmann::json_sax<json> {
  public:
   explicit InferBodyReader(int64_t max_bytes) : max_bytes_(max_bytes) {}
 
   json doc;
-  std::map<size_t, DirectData> direct;  // by input position
-  absl::Status error;
+  std::map<size_t, DirectData> direct;       // by input position
+  std::map<size_t, absl::Status> data_twice;  // inputs whose data were given more than once
 
   bool null() override { return Value(json(nullptr)); }
   bool boolean(bool v) override { return Value(json(v)); }
@@ -167,32 +170,40 @@ class InferBodyReader : public nlohmann::json_sax<json> {
   bool binary(binary_t& v) override { return Value(json::binary(std::move(v))); }
 
   bool start_object(std::size_t) override {
-    if (capturing_) return Element(json::object());
+    if (capturing_) {
+      if (current_->error.ok()) Element(json::object());  // an object is no element
+      ++depth_;
+      return true;
+    }
     json* o = Add(json::object());
     stack_.push_back(o);
     return true;
   }
   bool key(string_t& k) override {
+    if (capturing_) return true;  // inside an object in data: already an error, skipped
     key_ = std::move(k);
     // A key of one of the inputs' objects: inputs is the root's, its objects are depth 3.
     data_next_ = key_ == "data" && stack_.size() == 3 && stack_[1] == inputs_ &&
                  stack_[2]->is_object();
-    if (data_next_ && direct.count(inputs_->size() - 1)) {
-      return Fail(absl::InvalidArgumentError("inputs[" + std::to_string(inputs_->size() - 1) +
-                                             "].data: given twice"));
+    if (data_next_ && !data_seen_.insert(inputs_->size() - 1).second) {
+      const size_t index = inputs_->size() - 1;
+      data_twice[index] =
+          absl::InvalidArgumentError("inputs[" + std::to_string(index) + "].data: given twice");
+      data_next_ = false;  // the document takes it (and the request is refused)
     }
     return true;
   }
   bool end_object() override {
+    if (capturing_) return Close();
     stack_.pop_back();
     return true;
   }
   bool start_array(std::size_t) override {
     if (capturing_) {
-      if (depth_ >= max_depth_) {
-        return Fail(absl::InvalidArgumentError(
+      if (current_->error.ok() && depth_ >= max_depth_) {
+        current_->error = absl::InvalidArgumentError(
             "input '" + name_ + "': data is nested deeper than its " +
-            std::to_string(max_depth_) + "-dimensional shape"));
+            std::to_string(max_depth_) + "-dimensional shape");
       }
       ++depth_;
       return true;
@@ -203,15 +214,19 @@ class InferBodyReader : public nlohmann::json_sax<json> {
     }
     const bool inputs = stack_.size() == 1 && key_ == "inputs";
     json* a = Add(json::array());
-    if (inputs) inputs_ = a;
+    if (inputs) {
+      // A second "inputs" replaces the first, as json::parse keeps the last.
+      inputs_ = a;
+      direct.clear();
+      data_twice.clear();
+      data_seen_.clear();
+      total_ = 0;
+    }
     stack_.push_back(a);
     return true;
   }
   bool end_array() override {
-    if (capturing_) {
-      if (--depth_ == 0) return End();
-      return true;
-    }
+    if (capturing_) return Close();
     stack_.pop_back();
     return true;
   }
@@ -222,9 +237,15 @@ class InferBodyReader : public nlohmann::json_sax<json> {
  private:
   // A scalar: an element of the data being decoded, or a value of the document.
   bool Value(json v) {
-    if (capturing_) return Element(v);
+    if (capturing_) {
+      if (current_->error.ok()) Element(v);
+      return true;
+    }
     if (data_next_ && Begin()) {  // data given as one bare element
-      return Element(v) && End();
+      Element(v);
+      capturing_ = false;
+      current_ = nullptr;
+      return true;
     }
     Add(std::move(v));
     return true;
@@ -254,13 +275,13 @@ class InferBodyReader : public nlohmann::json_sax<json> {
     data_next_ = false;
     const json& in = *stack_[2];
     const size_t index = inputs_->size() - 1;
-    if (!in.contains("name") || !in["name"].is_string() ||
-        !in.contains("datatype") || !in["datatype"].is_string() || !in.contains("shape") ||
-        !in["shape"].is_array() || in["shape"].size() > kMaxTensorRank) {
+    if (!in.contains("name") || !in["name"].is_string() || !in.contains("datatype") ||
+        !in["datatype"].is_string() || !in.contains("shape") || !in["shape"].is_array() ||
+        in["shape"].size() > kMaxTensorRank) {
       return false;
     }
     DirectData d;
-    auto dtype = ParseDataType(in["datatype"].get<std::string>(), "datatype");
+    auto dtype = ParseDataType(in["datatype"].get_ref<const std::string&>(), "datatype");
     if (!dtype.ok()) return false;
     d.dtype = *dtype;
     for (const json& dim : in["shape"]) {
@@ -284,39 +305,39 @@ class InferBodyReader : public nlohmann::json_sax<json> {
     return true;
   }
 
-  bool Element(const json& v) {
+  // One element of the data being decoded; the first bad one is kept as the input's error.
+  void Element(const json& v) {
     if (current_->count >= limit_) {
-      return Fail(absl::InvalidArgumentError("input '" + name_ + "': data has more than the " +
-                                             std::to_string(limit_) +
-                                             " elements its shape holds"));
+      current_->error = absl::InvalidArgumentError("input '" + name_ +
+                                                   "': data has more than the " +
+                                                   std::to_string(limit_) +
+                                                   " elements its shape holds");
+      return;
     }
-    absl::Status s = PutElement(v, current_->dtype, name_, current_->count, &current_->bytes);
-    if (!s.ok()) return Fail(std::move(s));
-    ++current_->count;
-    return true;
+    current_->error = PutElement(v, current_->dtype, name_, current_->count, &current_->bytes);
+    if (current_->error.ok()) ++current_->count;
   }
 
-  bool End() {
-    capturing_ = false;
-    current_ = nullptr;
+  // An array or object inside the data being decoded ends; the data end with the outermost.
+  bool Close() {
+    if (--depth_ == 0) {
+      capturing_ = false;
+      current_ = nullptr;
+    }
     return true;
-  }
-
-  bool Fail(absl::Status s) {
-    error = std::move(s);
-    return false;
   }
 
   const int64_t max_bytes_;
   std::vector<json*> stack_;  // the open containers of the document, outermost first
   std::string key_;           // the last key read
   json* inputs_ = nullptr;    // the root's "inputs" array, once begun
+  std::set<size_t> data_seen_;  // inputs whose "data" key was read
   bool data_next_ = false;    // the next value is an input's "data"
   bool capturing_ = false;    // inside data being decoded directly
   DirectData* current_ = nullptr;
   std::string name_;
   size_t limit_ = 0;      // elements the shape holds
-  size_t depth_ = 0;      // arrays open inside the data
+  size_t depth_ = 0;      // arrays and objects open inside the data
   size_t max_depth_ = 1;  // the shape's rank (at least 1)
   int64_t total_ = 0;     // bytes taken by direct data so far
 };
@@ -329,7 +350,6 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
                                                     int64_t max_bytes, json* parameters) {
   InferBodyReader reader(max_bytes);
   if (!json::sax_parse(body, &reader)) {
-    if (!reader.error.ok()) return reader.error;
     return absl::InvalidArgumentError("the request body is not valid JSON");
   }
   json& doc = reader.doc;
@@ -400,12 +420,16 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
                                         "JSON data or use gRPC raw_input_contents");
     }
     if (!in.contains("data")) return absl::InvalidArgumentError(field + ".data: is missing");
+    if (auto twice = reader.data_twice.find(idx - 1); twice != reader.data_twice.end()) {
+      return twice->second;
+    }
     size_t count = 0;
     if (auto d = reader.direct.find(idx - 1); d != reader.direct.end()) {
       // Decoded while read; a datatype or shape given again after the data changed them.
       if (d->second.dtype != t.dtype || d->second.shape != t.shape) {
         return absl::InvalidArgumentError(field + ": datatype and shape must each be given once");
       }
+      KILN_RETURN_IF_ERROR(d->second.error);
       t.data = std::move(d->second.bytes);
       count = d->second.count;
     } else {

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <limits>
+#include <string_view>
 
 #include "common/status.h"
 
@@ -25,13 +26,16 @@ constexpr TypeInfo kTypes[] = {
 }  // namespace
 
 absl::StatusOr<DataType> ParseDataType(const std::string& name, const std::string& field) {
+  // Triton's config spells them TYPE_FP32; accept that too (one prefix).
+  std::string_view bare = name;
+  if (bare.substr(0, 5) == "TYPE_") bare.remove_prefix(5);
   for (const auto& t : kTypes) {
-    if (name == t.name) return t.type;
+    if (bare == t.name) return t.type;
   }
-  // Triton's config spells them TYPE_FP32; accept that too.
-  if (name.rfind("TYPE_", 0) == 0) return ParseDataType(name.substr(5), field);
+  // A request's datatype is the client's: not echoed whole.
+  const std::string shown = name.size() > 40 ? name.substr(0, 40) + "..." : name;
   return absl::InvalidArgumentError(
-      field + ": unknown datatype '" + name +
+      field + ": unknown datatype '" + shown +
       "' (expected BOOL, UINT8, UINT16, UINT32, UINT64, INT8, INT16, INT32, INT64, FP16, BF16, "
       "FP32 or FP64)");
 }

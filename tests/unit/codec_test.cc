@@ -220,6 +220,23 @@ TEST(JsonDecodeTest, DataOrItsDatatypeGivenTwiceIsRefused) {
   EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(twice.status().message().find("inputs[0].data: given twice"), std::string::npos)
       << twice.status();
+  auto twice_in_document = DecodeJsonInferRequest(
+      R"({"inputs":[{"data":[1],"name":"x","shape":[1],"datatype":"FP32","data":[2]}]})", "m", "",
+      kLimit, nullptr);
+  EXPECT_NE(twice_in_document.status().message().find("inputs[0].data: given twice"),
+            std::string::npos)
+      << twice_in_document.status();
+  // Two "inputs" at the root: the last is the request's, as a JSON document keeps it.
+  auto last = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}],
+          "inputs":[{"name":"y","shape":[1],"datatype":"FP32","data":[2]}]})",
+      "m", "", kLimit, nullptr);
+  ASSERT_TRUE(last.ok()) << last.status();
+  ASSERT_EQ(last->inputs.size(), 1u);
+  EXPECT_EQ(last->inputs[0].name, "y");
+  float y;
+  std::memcpy(&y, last->inputs[0].data.data(), sizeof(y));
+  EXPECT_EQ(y, 2.0f);
   auto retyped = DecodeJsonInferRequest(
       R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1],"datatype":"INT32"}]})",
       "m", "", kLimit, nullptr);
@@ -227,6 +244,49 @@ TEST(JsonDecodeTest, DataOrItsDatatypeGivenTwiceIsRefused) {
   EXPECT_NE(retyped.status().message().find("inputs[0]: datatype and shape must each be given once"),
             std::string::npos)
       << retyped.status();
+}
+
+// Bad data decoded while read are reported where the request's checks reach them, after the
+// fields and inputs before them, as when the data are decoded from the document.
+TEST(JsonDecodeTest, ErrorsInDataReadDirectlyKeepTheirPlaceInTheChecks) {
+  auto id_first = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"x","shape":[1],"datatype":"INT32","data":[1.5]}],"id":5})", "m", "",
+      kLimit, nullptr);
+  EXPECT_NE(id_first.status().message().find("id: must be a string"), std::string::npos)
+      << id_first.status();
+  auto limit_first = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"a","shape":[100000000],"datatype":"FP32","data":[1]},
+                    {"name":"b","shape":[1],"datatype":"INT32","data":[1.5]}]})",
+      "m", "", kLimit, nullptr);
+  EXPECT_EQ(limit_first.status().code(), absl::StatusCode::kResourceExhausted)
+      << limit_first.status();
+  auto earlier_input_first = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"a","shape":[1],"datatype":"FP32","data":[1],"parameters":{"binary_data_size":4}},
+                    {"name":"b","shape":[1],"datatype":"INT32","data":[1.5]}]})",
+      "m", "", kLimit, nullptr);
+  EXPECT_NE(earlier_input_first.status().message().find("binary data extension"),
+            std::string::npos)
+      << earlier_input_first.status();
+  auto invalid_json = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"b","shape":[1],"datatype":"INT32","data":[1.5]}], oops)", "m", "",
+      kLimit, nullptr);
+  EXPECT_NE(invalid_json.status().message().find("not valid JSON"), std::string::npos)
+      << invalid_json.status();
+}
+
+TEST(JsonDecodeTest, DatatypesTakeOneTritonPrefixAndLongOnesAreNotEchoed) {
+  EXPECT_EQ(*ParseDataType("TYPE_FP32", "d"), DataType::kFp32);
+  EXPECT_FALSE(ParseDataType("TYPE_TYPE_FP32", "d").ok());
+  std::string prefixes;
+  for (int i = 0; i < 100000; ++i) prefixes += "TYPE_";
+  auto deep = ParseDataType(prefixes + "FP32", "inputs[0].datatype");
+  ASSERT_FALSE(deep.ok());
+  EXPECT_LT(deep.status().message().size(), 300u) << deep.status().message().substr(0, 300);
+  auto r = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"x","shape":[1],"datatype":")" + prefixes + R"(FP32","data":[1]}]})",
+      "m", "", kLimit, nullptr);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LT(r.status().message().size(), 300u);
 }
 
 TEST(JsonDecodeTest, RejectsBadBodies) {
