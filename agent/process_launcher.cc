@@ -54,7 +54,14 @@ absl::StatusOr<pid_t> RealProcessLauncher::Launch(const LaunchRequest& r) {
     if (log_fd >= 0) close(log_fd);
     return absl::InternalError("pipe2 failed");
   }
+  // Signals are held across fork: the child must not run the agent's handlers (a SIGTERM
+  // landing between fork and exec would write to the agent's signal pipe and stop it). The
+  // child puts every disposition back to the default, then takes signals again.
+  sigset_t all, before;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &before);
   pid_t pid = fork();
+  if (pid != 0) pthread_sigmask(SIG_SETMASK, &before, nullptr);
   if (pid < 0) {
     if (log_fd >= 0) close(log_fd);
     close(err_pipe[0]);
@@ -64,10 +71,13 @@ absl::StatusOr<pid_t> RealProcessLauncher::Launch(const LaunchRequest& r) {
   if (pid == 0) {
     // Child: own session and process group, so the runtime outlives the agent.
     setsid();
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    for (int s = 1; s < NSIG; ++s) sigaction(s, &dfl, nullptr);  // KILL, STOP: refused, fine
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
-    signal(SIGPIPE, SIG_DFL);
     int step = 0;
     if (log_fd >= 0) {
       dup2(log_fd, 1);

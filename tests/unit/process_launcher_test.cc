@@ -80,6 +80,41 @@ TEST_F(RealLauncherTest, AppliesAffinityMemoryPolicyEnvironmentAndSession) {
       << out;
 }
 
+// The child starts with no signal blocked or ignored, whatever the agent blocks or ignores
+// (the agent ignores SIGPIPE; an ignored disposition would outlive exec).
+TEST_F(RealLauncherTest, TheChildStartsWithDefaultSignals) {
+  struct sigaction ignore {}, pipe_before {}, usr2_before {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ASSERT_EQ(sigaction(SIGPIPE, &ignore, &pipe_before), 0);
+  ASSERT_EQ(sigaction(SIGUSR2, &ignore, &usr2_before), 0);
+  sigset_t usr1, old;
+  sigemptyset(&usr1);
+  sigaddset(&usr1, SIGUSR1);
+  pthread_sigmask(SIG_BLOCK, &usr1, &old);
+  LaunchRequest r;
+  r.argv = {"/bin/sh", "-c", "grep -E '^Sig(Blk|Ign)' /proc/self/status"};
+  r.log_file = log_;
+  auto pid = launcher_.Launch(r);
+  // The launcher gave this thread its own mask back (SIGUSR1 still blocked, nothing else).
+  sigset_t now;
+  pthread_sigmask(SIG_SETMASK, &old, &now);
+  EXPECT_EQ(sigismember(&now, SIGUSR1), 1);
+  EXPECT_EQ(sigismember(&now, SIGTERM), 0);
+  sigaction(SIGPIPE, &pipe_before, nullptr);
+  sigaction(SIGUSR2, &usr2_before, nullptr);
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  auto exit = WaitForExit(launcher_, *pid);
+  ASSERT_TRUE(exit.has_value());
+  std::string out = ReadAll(log_);
+  EXPECT_NE(out.find("SigBlk:\t0000000000000000\n"), std::string::npos) << out;
+  size_t at = out.find("SigIgn:\t");
+  ASSERT_NE(at, std::string::npos) << out;
+  const uint64_t ignored = std::stoull(out.substr(at + 8, 16), nullptr, 16);
+  EXPECT_EQ(ignored & (1ULL << (SIGPIPE - 1)), 0u) << out;
+  EXPECT_EQ(ignored & (1ULL << (SIGUSR2 - 1)), 0u) << out;
+}
+
 TEST_F(RealLauncherTest, ReportsSignalsAndMissingBinaries) {
   LaunchRequest r;
   r.argv = {"/bin/sleep", "30"};
