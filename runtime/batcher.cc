@@ -277,6 +277,17 @@ queue_it:
   return absl::OkStatus();
 }
 
+absl::Status Batcher::RunOnExecutor(std::function<void()> fn) {
+  Task task;
+  task.fn = std::move(fn);
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the model is shutting down");
+  tasks_.push_back(&task);
+  changed_ = true;
+  mu_.Await(absl::Condition(&task.done));
+  return task.ran ? absl::OkStatus() : absl::UnavailableError("the model is shutting down");
+}
+
 int64_t Batcher::queue_depth() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(queue_.size());
@@ -300,6 +311,8 @@ void Batcher::Stop() {
     left.swap(queue_);
     views_.clear();
     deadlined_ = 0;
+    for (Task* t : tasks_) t->done = true;  // not run
+    tasks_.clear();
   }
   for (auto& item : left) item.done(absl::UnavailableError("the model is shutting down"));
 }
@@ -314,6 +327,18 @@ void Batcher::Loop() {
       if (executing_) {  // an inline execution is running: wait for it
         changed_ = false;
         mu_.AwaitWithTimeout(absl::Condition(&changed_), absl::Seconds(1));
+        continue;
+      }
+      if (!tasks_.empty()) {
+        Task* task = tasks_.front();
+        tasks_.pop_front();
+        executing_ = true;
+        mu_.Unlock();
+        task->fn();
+        mu_.Lock();
+        executing_ = false;
+        task->ran = true;
+        task->done = true;
         continue;
       }
       std::vector<PendingView> views(views_.begin(), views_.end());

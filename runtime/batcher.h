@@ -91,6 +91,10 @@ class Batcher {
   // with `one_thread`, which saves a thread hop.
   absl::Status Enqueue(Item item);
   int64_t queue_depth() const;
+  // Runs `fn` on the executor thread, between executions, and waits for it; UNAVAILABLE
+  // (`fn` not run) after Stop(). For work that should share the executions' thread, such as
+  // warm-up with a one_thread batcher.
+  absl::Status RunOnExecutor(std::function<void()> fn);
   // Fails every queued request with UNAVAILABLE and joins the thread.
   void Stop();
 
@@ -113,6 +117,12 @@ class Batcher {
   BatchObserver observer_;
 
   mutable absl::Mutex mu_;
+  struct Task {
+    std::function<void()> fn;
+    bool done = false;
+    bool ran = false;
+  };
+  std::deque<Task*> tasks_ ABSL_GUARDED_BY(mu_);  // RunOnExecutor's, owned by their callers
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
   std::deque<PendingView> views_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

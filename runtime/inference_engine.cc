@@ -320,6 +320,14 @@ absl::StatusOr<InferResponse> InferenceEngine::InferSync(InferRequest request) {
 }
 
 absl::Status InferenceEngine::Warmup(bool once) {
+  if (!backend_->WantsOneExecutionThread()) return WarmupHere(once);
+  // On the executions' thread: its OpenMP team is made and warm before the first request.
+  absl::Status s;
+  KILN_RETURN_IF_ERROR(batcher_->RunOnExecutor([&] { s = WarmupHere(once); }));
+  return s;
+}
+
+absl::Status InferenceEngine::WarmupHere(bool once) {
   if (config_.warmup.empty()) {
     // No samples configured: one zero-filled request of the smallest shape (batch 1, each
     // variable dimension 1), so the first client does not pay for the first execution (a

@@ -71,7 +71,8 @@ class InferenceEngine {
   std::string device() const { return backend_->device(); }
   std::string backend_description() const { return backend_->Describe(); }
 
-  // Runs the config's warm-up samples straight on the backend; with `once`, only one
+  // Runs the config's warm-up samples straight on the backend (on the batcher's thread when
+  // the backend wants one execution thread, else here); with `once`, only one
   // iteration of the first sample (to wake a parked device before routing). Without samples,
   // one zero-filled request of the smallest shape, best effort (its failure is logged).
   absl::Status Warmup(bool once = false);
@@ -108,6 +109,7 @@ class InferenceEngine {
   void Stop();
 
  private:
+  absl::Status WarmupHere(bool once);  // Warmup() on the calling thread
   absl::Status RunWarmupSample(const WarmupSample& w, bool once);
   InferenceEngine(ModelConfig config, std::string version, std::unique_ptr<Backend> backend,
                   Lifecycle* lifecycle, Clock* clock);

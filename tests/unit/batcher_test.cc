@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 
 namespace kiln {
@@ -371,6 +372,36 @@ TEST(BatcherTest, WithOneThreadEveryExecutionRunsOnTheExecutorThread) {
   EXPECT_NE(ran_on[0], std::this_thread::get_id());
   EXPECT_EQ(ran_on[1], ran_on[0]);
   EXPECT_EQ(ran_on[2], ran_on[0]);
+}
+
+// RunOnExecutor runs its function on the executor thread and waits for it; after Stop it
+// runs nothing and says so.
+TEST(BatcherTest, RunOnExecutorRunsThereAndNotAfterStop) {
+  RealClock clock;
+  ModelConfig config = BatchingConfig(0);
+  std::thread::id exec_thread;
+  auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+    exec_thread = std::this_thread::get_id();
+    return in;
+  };
+  auto batcher = Batcher::Create(config, exec, &clock, nullptr, /*one_thread=*/true);
+  ASSERT_TRUE(batcher.ok());
+  std::thread::id ran_on;
+  ASSERT_TRUE((*batcher)->RunOnExecutor([&] { ran_on = std::this_thread::get_id(); }).ok());
+  EXPECT_NE(ran_on, std::thread::id());
+  EXPECT_NE(ran_on, std::this_thread::get_id());
+  absl::Notification done;
+  Batcher::Item it;
+  it.inputs = {Make("x", {1, 1}, {1})};
+  it.done = [&](absl::StatusOr<std::vector<Tensor>> r) { done.Notify(); };
+  ASSERT_TRUE((*batcher)->Enqueue(std::move(it)).ok());
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(exec_thread, ran_on);
+  (*batcher)->Stop();
+  bool ran = false;
+  absl::Status after = (*batcher)->RunOnExecutor([&] { ran = true; });
+  EXPECT_EQ(after.code(), absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(ran);
 }
 
 }  // namespace

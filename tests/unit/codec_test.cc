@@ -592,6 +592,46 @@ TEST(EngineWarmupTest, WithoutSamplesOneSmallestRequestRunsAndMayFail) {
   }
 }
 
+// Records the thread of each execution, and asks for one execution thread.
+class ThreadRecordingBackend : public Backend {
+ public:
+  explicit ThreadRecordingBackend(std::vector<std::thread::id>* threads) : threads_(threads) {}
+  absl::StatusOr<std::vector<Tensor>> Execute(std::vector<Tensor> in) override {
+    threads_->push_back(std::this_thread::get_id());
+    Tensor y = in[0];
+    y.name = "y";
+    return std::vector<Tensor>{y};
+  }
+  std::string device() const override { return "cpu"; }
+  bool WantsOneExecutionThread() const override { return true; }
+
+ private:
+  std::vector<std::thread::id>* threads_;
+};
+
+// A backend that wants one execution thread is warmed up on it, at load and on promotion,
+// and serves on it: no request is the first to run there.
+TEST(EngineWarmupTest, OneExecutionThreadIsWarmedUpAndServes) {
+  std::vector<std::thread::id> threads;
+  RealClock clock;
+  Lifecycle lifecycle(&clock);
+  auto e = InferenceEngine::Create(EngineConfig(), "1",
+                                   std::make_unique<ThreadRecordingBackend>(&threads), &lifecycle,
+                                   &clock);
+  ASSERT_TRUE(e.ok()) << e.status();
+  ASSERT_TRUE((*e)->Warmup().ok());
+  ASSERT_TRUE((*e)->Warmup(/*once=*/true).ok());
+  ASSERT_TRUE(lifecycle.Transition(RuntimeState::kWarm, "loaded").ok());
+  ASSERT_TRUE(lifecycle.Transition(RuntimeState::kServing, "promoted").ok());
+  auto r = (*e)->InferSync(FloatRequest({1, 2}, {1, 2}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  (*e)->Stop();
+  ASSERT_EQ(threads.size(), 3u);
+  EXPECT_NE(threads[0], std::this_thread::get_id());
+  EXPECT_EQ(threads[1], threads[0]);
+  EXPECT_EQ(threads[2], threads[0]);
+}
+
 // The model's time per execution is kept apart from the request's latency.
 TEST(EngineComputeTest, ModelTimeIsRecordedPerExecution) {
   SimulatedClock clock;
