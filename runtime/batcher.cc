@@ -247,7 +247,7 @@ absl::Status Batcher::Enqueue(Item item) {
     executing_ = false;
     // Requests queued meanwhile are the executor thread's; with none, it sleeps on (waking it
     // for nothing costs a context switch per request).
-    if (!queue_.empty()) changed_ = true;
+    if (!queue_.empty() || !tasks_.empty()) changed_ = true;
   }
   return absl::OkStatus();
 queue_it:
@@ -278,6 +278,10 @@ queue_it:
 }
 
 absl::Status Batcher::RunOnExecutor(std::function<void()> fn) {
+  if (std::this_thread::get_id() == thread_.get_id()) {  // already there (it would wait on itself)
+    fn();
+    return absl::OkStatus();
+  }
   Task task;
   task.fn = std::move(fn);
   absl::MutexLock lock(&mu_);
@@ -285,6 +289,7 @@ absl::Status Batcher::RunOnExecutor(std::function<void()> fn) {
   tasks_.push_back(&task);
   changed_ = true;
   mu_.Await(absl::Condition(&task.done));
+  if (!task.error.empty()) return absl::InternalError(task.error);
   return task.ran ? absl::OkStatus() : absl::UnavailableError("the model is shutting down");
 }
 
@@ -334,8 +339,16 @@ void Batcher::Loop() {
         tasks_.pop_front();
         executing_ = true;
         mu_.Unlock();
-        task->fn();
+        std::string error;
+        try {
+          task->fn();
+        } catch (const std::exception& e) {
+          error = e.what();
+        } catch (...) {
+          error = "an exception";
+        }
         mu_.Lock();
+        task->error = error;
         executing_ = false;
         task->ran = true;
         task->done = true;

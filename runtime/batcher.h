@@ -121,6 +121,7 @@ class Batcher {
     std::function<void()> fn;
     bool done = false;
     bool ran = false;
+    std::string error;  // what `fn` threw
   };
   std::deque<Task*> tasks_ ABSL_GUARDED_BY(mu_);  // RunOnExecutor's, owned by their callers
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);

@@ -293,12 +293,14 @@ class InferBodyReader : public nlohmann::json_sax<json> {
     if (!n.ok()) return false;
     const int64_t bytes = *n * static_cast<int64_t>(DataTypeSize(d.dtype));
     if (bytes > max_bytes_ - total_) return false;  // refused after the read, as before
-    total_ += bytes;
     d.bytes.assign(static_cast<size_t>(bytes), '\0');
     name_ = in["name"].get<std::string>();
     limit_ = static_cast<size_t>(*n);
     max_depth_ = std::max<size_t>(d.shape.size(), 1);
-    current_ = &direct.emplace(index, std::move(d)).first->second;
+    auto [slot, fresh] = direct.emplace(index, std::move(d));
+    if (!fresh) return false;  // cannot happen: data_seen_ lets each input's data begin once
+    total_ += static_cast<int64_t>(slot->second.bytes.size());
+    current_ = &slot->second;
     // The document keeps a placeholder where the data were.
     Add(json(nullptr));
     capturing_ = true;

@@ -1,6 +1,7 @@
 #include "runtime/batcher.h"
 
 #include <cstring>
+#include <stdexcept>
 
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
@@ -397,6 +398,19 @@ TEST(BatcherTest, RunOnExecutorRunsThereAndNotAfterStop) {
   ASSERT_TRUE((*batcher)->Enqueue(std::move(it)).ok());
   ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_EQ(exec_thread, ran_on);
+  // From the executor thread itself it runs at once; a throw becomes the call's error.
+  std::thread::id nested_on;
+  ASSERT_TRUE((*batcher)
+                  ->RunOnExecutor([&] {
+                    EXPECT_TRUE((*batcher)
+                                    ->RunOnExecutor([&] { nested_on = std::this_thread::get_id(); })
+                                    .ok());
+                  })
+                  .ok());
+  EXPECT_EQ(nested_on, ran_on);
+  absl::Status threw = (*batcher)->RunOnExecutor([] { throw std::runtime_error("boom"); });
+  EXPECT_EQ(threw.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(threw.message().find("boom"), std::string::npos);
   (*batcher)->Stop();
   bool ran = false;
   absl::Status after = (*batcher)->RunOnExecutor([&] { ran = true; });
