@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <filesystem>
 
 #include "agent/agent.h"
@@ -15,8 +16,10 @@ namespace {
 int signal_pipe[2] = {-1, -1};
 
 void OnSignal(int sig) {
+  const int saved = errno;  // the interrupted code's (a full pipe would change it)
   char c = static_cast<char>(sig);
   [[maybe_unused]] ssize_t n = write(signal_pipe[1], &c, 1);
+  errno = saved;
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <filesystem>
 #include <memory>
@@ -32,8 +33,10 @@ namespace {
 int signal_pipe[2] = {-1, -1};
 
 void OnSignal(int sig) {
+  const int saved = errno;  // the interrupted code's (a full pipe would change it)
   char c = static_cast<char>(sig);
   [[maybe_unused]] ssize_t n = write(signal_pipe[1], &c, 1);
+  errno = saved;
 }
 
 bool InstallSignalHandlers() {
