@@ -690,20 +690,15 @@ void Agent::UpdatePower() {
   for (const auto& [gpu, l] : ClassifyGpuLoads(gpus, holders)) {
     auto it = gpu_load_.find(gpu);
     if (it != gpu_load_.end() && it->second == l) continue;
-    // A change that failed is tried again with backoff (30 s doubling to 10 minutes), logged
-    // when its error changes: a card that refuses a setting for good is not asked every pass.
+    // A change that failed is tried again with backoff (PowerRetry): a card that refuses a
+    // setting for good is not asked every pass.
     PowerRetry& retry = power_retry_[gpu];
-    const absl::Time now = absl::Now();
-    if (retry.load == l && now < retry.next) continue;
+    const absl::Time now = clock_->Now();
+    if (!retry.Due(l, now)) continue;
     auto r = power_->Apply(gpu, l);
     if (!r.ok()) {
       const std::string why(r.status().message());
-      if (retry.load != l || retry.error != why) Log()->error("power: gpu {}: {}", gpu, why);
-      retry.backoff = retry.load == l ? std::min(retry.backoff * 2, absl::Minutes(10))
-                                      : absl::Seconds(30);
-      retry.load = l;
-      retry.error = why;
-      retry.next = now + retry.backoff;
+      if (retry.Failed(l, why, now)) Log()->error("power: gpu {}: {}", gpu, why);
       continue;
     }
     power_retry_.erase(gpu);

@@ -160,13 +160,7 @@ class Agent {
   std::map<std::string, std::unique_ptr<RuntimeClient>> stat_clients_ ABSL_GUARDED_BY(load_mu_);
   v1::RoutingTable routing_;  // loop thread only (set before the loop starts)
   std::map<int, GpuLoad> gpu_load_;  // loop thread only
-  struct PowerRetry {
-    std::optional<GpuLoad> load;  // the load whose change failed
-    std::string error;
-    absl::Duration backoff = absl::Seconds(30);
-    absl::Time next = absl::InfinitePast();
-  };
-  std::map<int, PowerRetry> power_retry_;  // loop thread only
+  std::map<int, PowerRetry> power_retry_;  // loop thread only: GPUs whose change failed
   int64_t generation_ = 0;           // loop thread only
   std::atomic<bool> ready_{false};
   std::atomic<bool> converged_{false};

@@ -90,6 +90,16 @@ std::vector<PowerChange> PlanPowerChanges(const GpuIdentity& card, const GpuTele
   return out;
 }
 
+bool PowerRetry::Failed(GpuLoad load, const std::string& error, absl::Time now) {
+  const bool same = load_ == load;
+  const bool log = !same || error_ != error;
+  backoff_ = same ? std::min(backoff_ * 2, absl::Minutes(10)) : absl::Seconds(30);
+  load_ = load;
+  error_ = error;
+  next_ = now + backoff_;
+  return log;
+}
+
 absl::StatusOr<PowerMode> ParsePowerMode(const std::string& text) {
   if (text == "off") return PowerMode::kOff;
   if (text == "dry-run") return PowerMode::kDryRun;

@@ -10,6 +10,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "agent/gpu_driver.h"
 
 namespace kiln {
@@ -67,6 +68,25 @@ struct PowerChange {
 using ClockLock = std::optional<std::pair<uint32_t, uint32_t>>;
 std::vector<PowerChange> PlanPowerChanges(const GpuIdentity& card, const GpuTelemetry& now,
                                           const ClockLock& current_lock, const PowerKnobs& want);
+
+// When a GPU's failed power change is tried again (pure; time is the caller's): after 30 s,
+// doubling to 10 minutes while the same load keeps failing, from 30 s again for another load.
+class PowerRetry {
+ public:
+  // Whether a change to `load` may be tried at `now`.
+  bool Due(GpuLoad load, absl::Time now) const { return load_ != load || now >= next_; }
+  // The change to `load` failed with `error` at `now`. Returns whether to log it (the first
+  // failure of a load, or a new error): a card that refuses a setting for good is not logged
+  // every pass.
+  bool Failed(GpuLoad load, const std::string& error, absl::Time now);
+  absl::Time next() const { return next_; }
+
+ private:
+  std::optional<GpuLoad> load_;  // the load whose change failed
+  std::string error_;
+  absl::Duration backoff_ = absl::Seconds(30);
+  absl::Time next_ = absl::InfinitePast();
+};
 
 enum class PowerMode { kOff, kDryRun, kEnforce };
 absl::StatusOr<PowerMode> ParsePowerMode(const std::string& text);

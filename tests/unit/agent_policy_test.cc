@@ -437,6 +437,29 @@ PowerPolicy TestPolicy() {
   return p;
 }
 
+// A failed power change waits 30 s, then twice as long each time the same load fails again,
+// up to 10 minutes; another load starts from 30 s. Only a new load or a new error is logged.
+TEST(GpuPowerTest, AFailedChangeIsRetriedWithBackoff) {
+  PowerRetry r;
+  const absl::Time t0 = absl::FromUnixSeconds(1000000);
+  EXPECT_TRUE(r.Due(GpuLoad::kIdle, t0));
+  EXPECT_TRUE(r.Failed(GpuLoad::kIdle, "not permitted", t0));
+  EXPECT_FALSE(r.Due(GpuLoad::kIdle, t0 + absl::Seconds(29)));
+  EXPECT_TRUE(r.Due(GpuLoad::kServing, t0 + absl::Seconds(1)));  // another load: at once
+  EXPECT_TRUE(r.Due(GpuLoad::kIdle, t0 + absl::Seconds(30)));
+  std::vector<int64_t> waits;
+  absl::Time now = t0;
+  for (int i = 0; i < 7; ++i) {
+    now = r.next();
+    EXPECT_FALSE(r.Failed(GpuLoad::kIdle, "not permitted", now)) << i;  // same error: quiet
+    waits.push_back(absl::ToInt64Seconds(r.next() - now));
+  }
+  EXPECT_EQ(waits, (std::vector<int64_t>{60, 120, 240, 480, 600, 600, 600}));
+  EXPECT_TRUE(r.Failed(GpuLoad::kIdle, "unknown error", now));  // a new error is logged
+  EXPECT_TRUE(r.Failed(GpuLoad::kWarmOnly, "unknown error", now));
+  EXPECT_EQ(r.next() - now, absl::Seconds(30));
+}
+
 TEST(GpuPowerTest, DryRunLogsAndChangesNothing) {
   FakeGpuDriver driver(FakeGpuDriver::MakeGpus(1, 80LL << 30));
   std::vector<std::string> log;
