@@ -105,27 +105,35 @@ absl::Status PutElement(const json& v, DataType t, const std::string& name, size
   return absl::InvalidArgumentError("unsupported datatype");
 }
 
+absl::Status NestedTooDeep(const std::string& name, size_t max_depth) {
+  return absl::InvalidArgumentError("input '" + name + "': data is nested deeper than its " +
+                                    std::to_string(max_depth) + "-dimensional shape");
+}
+
+// Writes `v` as element *count of `out` and counts it; an error past `limit` elements.
+absl::Status PutNext(const json& v, DataType t, const std::string& name, size_t limit,
+                     size_t* count, std::string* out) {
+  if (*count >= limit) {
+    return absl::InvalidArgumentError("input '" + name + "': data has more than the " +
+                                      std::to_string(limit) + " elements its shape holds");
+  }
+  KILN_RETURN_IF_ERROR(PutElement(v, t, name, *count, out));
+  ++*count;
+  return absl::OkStatus();
+}
+
 // Walks nested arrays in row-major order, writing each leaf. Nesting deeper than the
 // shape's rank is an error (and bounds the recursion).
 absl::Status Flatten(const json& node, DataType t, const std::string& name, size_t limit,
                      size_t depth, size_t max_depth, size_t* count, std::string* out) {
   if (node.is_array()) {
-    if (depth >= max_depth) {
-      return absl::InvalidArgumentError("input '" + name + "': data is nested deeper than its " +
-                                        std::to_string(max_depth) + "-dimensional shape");
-    }
+    if (depth >= max_depth) return NestedTooDeep(name, max_depth);
     for (const auto& child : node) {
       KILN_RETURN_IF_ERROR(Flatten(child, t, name, limit, depth + 1, max_depth, count, out));
     }
     return absl::OkStatus();
   }
-  if (*count >= limit) {
-    return absl::InvalidArgumentError("input '" + name + "': data has more than the " +
-                                      std::to_string(limit) + " elements its shape holds");
-  }
-  KILN_RETURN_IF_ERROR(PutElement(node, t, name, *count, out));
-  ++*count;
-  return absl::OkStatus();
+  return PutNext(node, t, name, limit, count, out);
 }
 
 absl::StatusOr<int64_t> JsonInt(const json& v, const std::string& field) {
@@ -135,6 +143,41 @@ absl::StatusOr<int64_t> JsonInt(const json& v, const std::string& field) {
     return absl::InvalidArgumentError(field + ": too large");
   }
   return v.get<int64_t>();
+}
+
+// An input's name, datatype and shape: the fields before its data, read and checked.
+struct InputHeader {
+  std::string name;
+  DataType dtype = DataType::kFp32;
+  std::vector<int64_t> shape;
+  int64_t elements = 0;
+  int64_t bytes = 0;
+};
+
+// `in` is an object; `field` names it in errors ("inputs[0]").
+absl::StatusOr<InputHeader> ReadInputHeader(const json& in, const std::string& field) {
+  InputHeader h;
+  if (!in.contains("name") || !in["name"].is_string()) {
+    return absl::InvalidArgumentError(field + ".name: must be a string");
+  }
+  h.name = in["name"].get<std::string>();
+  if (!in.contains("datatype") || !in["datatype"].is_string()) {
+    return absl::InvalidArgumentError(field + ".datatype: must be a string");
+  }
+  KILN_ASSIGN_OR_RETURN(h.dtype, ParseDataType(in["datatype"].get_ref<const std::string&>(),
+                                               "input '" + h.name + "'"));
+  if (!in.contains("shape") || !in["shape"].is_array()) {
+    return absl::InvalidArgumentError(field + ".shape: must be an array of integers");
+  }
+  // Before the data is walked: its nesting may go as deep as the shape's rank.
+  KILN_RETURN_IF_ERROR(CheckTensorRank(in["shape"].size(), field + ".shape:"));
+  for (const json& d : in["shape"]) {
+    KILN_ASSIGN_OR_RETURN(int64_t v, JsonInt(d, field + ".shape"));
+    h.shape.push_back(v);
+  }
+  KILN_ASSIGN_OR_RETURN(h.elements, ElementCount(h.shape, "input '" + h.name + "'"));
+  h.bytes = h.elements * static_cast<int64_t>(DataTypeSize(h.dtype));
+  return h;
 }
 
 // One input's `data`, decoded into the tensor's bytes while the body is read.
@@ -158,8 +201,8 @@ class InferBodyReader : public nlohmann::json_sax<json> {
   explicit InferBodyReader(int64_t max_bytes) : max_bytes_(max_bytes) {}
 
   json doc;
-  std::map<size_t, DirectData> direct;       // by input position
-  std::map<size_t, absl::Status> data_twice;  // inputs whose data were given more than once
+  std::map<size_t, DirectData> direct;  // by input position
+  std::set<size_t> data_twice;          // inputs whose data were given more than once
 
   bool null() override { return Value(json(nullptr)); }
   bool boolean(bool v) override { return Value(json(v)); }
@@ -186,9 +229,7 @@ class InferBodyReader : public nlohmann::json_sax<json> {
     data_next_ = key_ == "data" && stack_.size() == 3 && stack_[1] == inputs_ &&
                  stack_[2]->is_object();
     if (data_next_ && !data_seen_.insert(inputs_->size() - 1).second) {
-      const size_t index = inputs_->size() - 1;
-      data_twice[index] =
-          absl::InvalidArgumentError("inputs[" + std::to_string(index) + "].data: given twice");
+      data_twice.insert(inputs_->size() - 1);
       data_next_ = false;  // the document takes it (and the request is refused)
     }
     return true;
@@ -201,9 +242,7 @@ class InferBodyReader : public nlohmann::json_sax<json> {
   bool start_array(std::size_t) override {
     if (capturing_) {
       if (current_->error.ok() && depth_ >= max_depth_) {
-        current_->error = absl::InvalidArgumentError(
-            "input '" + name_ + "': data is nested deeper than its " +
-            std::to_string(max_depth_) + "-dimensional shape");
+        current_->error = NestedTooDeep(name_, max_depth_);
       }
       ++depth_;
       return true;
@@ -273,29 +312,16 @@ class InferBodyReader : public nlohmann::json_sax<json> {
   // into the document (checked there, as any other).
   bool Begin() {
     data_next_ = false;
-    const json& in = *stack_[2];
     const size_t index = inputs_->size() - 1;
-    if (!in.contains("name") || !in["name"].is_string() || !in.contains("datatype") ||
-        !in["datatype"].is_string() || !in.contains("shape") || !in["shape"].is_array() ||
-        in["shape"].size() > kMaxTensorRank) {
-      return false;
-    }
+    // A bad header, or tensors over the limit, are refused after the read, as before.
+    auto h = ReadInputHeader(*stack_[2], "inputs[" + std::to_string(index) + "]");
+    if (!h.ok() || h->bytes > max_bytes_ - total_) return false;
     DirectData d;
-    auto dtype = ParseDataType(in["datatype"].get_ref<const std::string&>(), "datatype");
-    if (!dtype.ok()) return false;
-    d.dtype = *dtype;
-    for (const json& dim : in["shape"]) {
-      auto v = JsonInt(dim, "shape");
-      if (!v.ok()) return false;
-      d.shape.push_back(*v);
-    }
-    auto n = ElementCount(d.shape, "shape");
-    if (!n.ok()) return false;
-    const int64_t bytes = *n * static_cast<int64_t>(DataTypeSize(d.dtype));
-    if (bytes > max_bytes_ - total_) return false;  // refused after the read, as before
-    d.bytes.assign(static_cast<size_t>(bytes), '\0');
-    name_ = in["name"].get<std::string>();
-    limit_ = static_cast<size_t>(*n);
+    d.dtype = h->dtype;
+    d.shape = std::move(h->shape);
+    d.bytes.assign(static_cast<size_t>(h->bytes), '\0');
+    name_ = std::move(h->name);
+    limit_ = static_cast<size_t>(h->elements);
     max_depth_ = std::max<size_t>(d.shape.size(), 1);
     auto [slot, fresh] = direct.emplace(index, std::move(d));
     if (!fresh) return false;  // cannot happen: data_seen_ lets each input's data begin once
@@ -309,15 +335,8 @@ class InferBodyReader : public nlohmann::json_sax<json> {
 
   // One element of the data being decoded; the first bad one is kept as the input's error.
   void Element(const json& v) {
-    if (current_->count >= limit_) {
-      current_->error = absl::InvalidArgumentError("input '" + name_ +
-                                                   "': data has more than the " +
-                                                   std::to_string(limit_) +
-                                                   " elements its shape holds");
-      return;
-    }
-    current_->error = PutElement(v, current_->dtype, name_, current_->count, &current_->bytes);
-    if (current_->error.ok()) ++current_->count;
+    current_->error =
+        PutNext(v, current_->dtype, name_, limit_, &current_->count, &current_->bytes);
   }
 
   // An array or object inside the data being decoded ends; the data end with the outermost.
@@ -389,27 +408,13 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
   for (const json& in : doc["inputs"]) {
     std::string field = "inputs[" + std::to_string(idx++) + "]";
     if (!in.is_object()) return absl::InvalidArgumentError(field + ": must be an object");
+    KILN_ASSIGN_OR_RETURN(InputHeader h, ReadInputHeader(in, field));
     Tensor t;
-    if (!in.contains("name") || !in["name"].is_string()) {
-      return absl::InvalidArgumentError(field + ".name: must be a string");
-    }
-    t.name = in["name"].get<std::string>();
-    if (!in.contains("datatype") || !in["datatype"].is_string()) {
-      return absl::InvalidArgumentError(field + ".datatype: must be a string");
-    }
-    KILN_ASSIGN_OR_RETURN(t.dtype, ParseDataType(in["datatype"].get<std::string>(),
-                                                 "input '" + t.name + "'"));
-    if (!in.contains("shape") || !in["shape"].is_array()) {
-      return absl::InvalidArgumentError(field + ".shape: must be an array of integers");
-    }
-    // Before the data is walked: its nesting may go as deep as the shape's rank.
-    KILN_RETURN_IF_ERROR(CheckTensorRank(in["shape"].size(), field + ".shape:"));
-    for (const json& d : in["shape"]) {
-      KILN_ASSIGN_OR_RETURN(int64_t v, JsonInt(d, field + ".shape"));
-      t.shape.push_back(v);
-    }
-    KILN_ASSIGN_OR_RETURN(int64_t n, ElementCount(t.shape, "input '" + t.name + "'"));
-    int64_t bytes = n * static_cast<int64_t>(DataTypeSize(t.dtype));
+    t.name = std::move(h.name);
+    t.dtype = h.dtype;
+    t.shape = std::move(h.shape);
+    const int64_t n = h.elements;
+    const int64_t bytes = h.bytes;
     if (bytes > max_bytes - total) {  // written so it cannot overflow
       return absl::ResourceExhaustedError("the request's tensors exceed the payload limit of " +
                                           std::to_string(max_bytes) + " bytes");
@@ -422,8 +427,8 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
                                         "JSON data or use gRPC raw_input_contents");
     }
     if (!in.contains("data")) return absl::InvalidArgumentError(field + ".data: is missing");
-    if (auto twice = reader.data_twice.find(idx - 1); twice != reader.data_twice.end()) {
-      return twice->second;
+    if (reader.data_twice.count(idx - 1)) {
+      return absl::InvalidArgumentError(field + ".data: given twice");
     }
     size_t count = 0;
     if (auto d = reader.direct.find(idx - 1); d != reader.direct.end()) {
