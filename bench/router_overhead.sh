@@ -21,19 +21,8 @@ trap cleanup EXIT
 # The encoder without dynamic batching: each request runs as it comes.
 mkdir -p "$WORK/repo/encoder/1"
 ln -s "$MODELS/encoder/1/model.pt" "$WORK/repo/encoder/1/model.pt"
-python3 - "$MODELS/encoder/config.yaml" "$WORK/repo/encoder/config.yaml" <<'EOF'
-import sys
-lines, out, skip = open(sys.argv[1]).read().splitlines(), [], False
-for l in lines:
-    if l.startswith("dynamic_batching:"):
-        skip = True
-        continue
-    if skip and l.startswith("  "):
-        continue
-    skip = False
-    out.append(l)
-open(sys.argv[2], "w").write("\n".join(out) + "\n")
-EOF
+python3 "$ROOT/bench/config_variant.py" "$MODELS/encoder/config.yaml" \
+  "$WORK/repo/encoder/config.yaml" --no-batching
 cat > "$WORK/a.yaml" <<EOF
 replicas:
   - {id: r0, model: encoder, version: "1", repository: $WORK/repo, cpus: 1, state: SERVING}

@@ -179,10 +179,8 @@ log "generating models in $WORK/models"
 timeout 300 "$PYTHON" "$ROOT/scripts/make_models.py" --out "$WORK/models" >"$WORK/make_models.log"
 rm -rf "$WORK/models/encoder/2"
 cp -r "$WORK/models" "$WORK/models-nobatch"
-# Drop the top-level dynamic_batching block (the key and its indented lines).
-awk '/^dynamic_batching:/ {skip = 1; next} skip && /^[ \t]/ {next} {skip = 0; print}' \
-  "$WORK/models/encoder/config.yaml" >"$WORK/models-nobatch/encoder/config.yaml"
-grep -q dynamic_batching "$WORK/models-nobatch/encoder/config.yaml" &&
+"$PYTHON" "$ROOT/bench/config_variant.py" "$WORK/models/encoder/config.yaml" \
+  "$WORK/models-nobatch/encoder/config.yaml" --no-batching ||
   die "could not remove dynamic_batching from the no-batching config"
 
 # --- servers -------------------------------------------------------------------------------

@@ -53,23 +53,10 @@ make_repo() {
     mkdir -p "$1/encoder/$v"
     ln -sf "$MODELS/encoder/$v/model.pt" "$1/encoder/$v/model.pt"
   done
-  python3 - "$MODELS/encoder/config.yaml" "$1/encoder/config.yaml" "$2" "$3" "$4" "$5" <<'PY'
-import re, sys
-src, dst, device, precision, threads, batching = sys.argv[1:]
-out, skip = [], False
-for line in open(src).read().splitlines():
-    if line.startswith("dynamic_batching:") and batching == "off":
-        skip = True
-        continue
-    if skip and line.startswith("  "):
-        continue
-    skip = False
-    line = re.sub(r"^  device: .*", f"  device: {device}", line)
-    line = re.sub(r"^  precision: .*", f"  precision: {precision}", line)
-    line = re.sub(r"^  threads: .*", f"  threads: {threads}", line)
-    out.append(line)
-open(dst, "w").write("\n".join(out) + "\n")
-PY
+  local batching=()
+  [ "$5" = off ] && batching=(--no-batching)
+  python3 "$ROOT/bench/config_variant.py" "$MODELS/encoder/config.yaml" "$1/encoder/config.yaml" \
+    --device "$2" --precision "$3" --threads "$4" "${batching[@]}"
 }
 
 # $1 repository, $2 initial state, $3 log name
