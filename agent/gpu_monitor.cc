@@ -77,22 +77,23 @@ void GpuMonitor::Restore() {
 
 void GpuMonitor::Save() {
   if (persistence_.state_file.empty()) return;
+  auto entry = [](const std::vector<uint64_t>& xids, std::optional<uint64_t> baseline) {
+    nlohmann::json g = {{"xids", xids}};
+    if (baseline) g["ecc_uncorrected_baseline"] = *baseline;
+    return g;
+  };
   nlohmann::json gpus = nlohmann::json::object();
   for (int gpu : gpus_) {
     std::string uuid = Uuid(gpu);
     if (uuid.empty()) continue;
-    nlohmann::json g = {{"xids", drain_xids_[gpu]}};
-    if (auto b = ecc_baseline_.find(gpu); b != ecc_baseline_.end()) {
-      g["ecc_uncorrected_baseline"] = b->second;
-    }
-    gpus[uuid] = std::move(g);
+    auto b = ecc_baseline_.find(gpu);
+    gpus[uuid] = entry(drain_xids_[gpu], b != ecc_baseline_.end()
+                                             ? std::optional<uint64_t>(b->second)
+                                             : std::nullopt);
   }
   // Entries of GPUs not seen yet are kept as they were.
   for (const auto& [uuid, r] : restored_) {
-    if (gpus.contains(uuid)) continue;
-    nlohmann::json g = {{"xids", r.first}};
-    if (r.second) g["ecc_uncorrected_baseline"] = *r.second;
-    gpus[uuid] = std::move(g);
+    if (!gpus.contains(uuid)) gpus[uuid] = entry(r.first, r.second);
   }
   nlohmann::json doc = {{"boot_id", persistence_.boot_id}, {"gpus", std::move(gpus)}};
   absl::Status s = ReplaceFile(persistence_.state_file, doc.dump(2) + "\n");
