@@ -1,28 +1,12 @@
 // kiln-agent: one per node; owns the node's kiln-runtime processes.
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
-#include <unistd.h>
 
-#include <cerrno>
 #include <filesystem>
 
 #include "agent/agent.h"
 #include "common/cli.h"
 #include "common/logging.h"
-
-namespace {
-
-int signal_pipe[2] = {-1, -1};
-
-void OnSignal(int sig) {
-  const int saved = errno;  // the interrupted code's (a full pipe would change it)
-  char c = static_cast<char>(sig);
-  [[maybe_unused]] ssize_t n = write(signal_pipe[1], &c, 1);
-  errno = saved;
-}
-
-}  // namespace
+#include "common/signal_pipe.h"
 
 int main(int argc, char** argv) {
   kiln::AgentOptions o;
@@ -98,19 +82,11 @@ int main(int argc, char** argv) {
   o.tick = absl::Milliseconds(tick_ms);
   o.stop_timeout = absl::Milliseconds(stop_timeout_ms);
 
-  if (pipe2(signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) return 1;
-  struct sigaction sa {};
-  sa.sa_handler = OnSignal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGHUP, &sa, nullptr);
-  // A replica's exit wakes the loop (stops and continues do not).
-  struct sigaction child = sa;
-  child.sa_flags = SA_RESTART | SA_NOCLDSTOP;
-  sigaction(SIGCHLD, &child, nullptr);
-  signal(SIGPIPE, SIG_IGN);
+  // SIGCHLD: a replica's exit wakes the loop.
+  if (!kiln::InstallSignalPipe({SIGTERM, SIGINT, SIGHUP, SIGCHLD})) {
+    log->error("cannot install signal handlers");
+    return 1;
+  }
 
   kiln::RealClock clock;
   auto agent = kiln::Agent::Create(o, &clock);
@@ -123,10 +99,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   for (;;) {
-    pollfd pfd{signal_pipe[0], POLLIN, 0};
-    if (poll(&pfd, 1, 1000) <= 0) continue;
-    char sig = 0;
-    if (read(signal_pipe[0], &sig, 1) != 1) continue;
+    const int sig = kiln::NextSignal(1000);
+    if (sig == 0) continue;
     if (sig == SIGHUP) {
       log->info("SIGHUP: reloading {}", o.assignment_file);
       (*agent)->RequestReload();
@@ -136,7 +110,7 @@ int main(int argc, char** argv) {
       (*agent)->ChildExited();
       continue;
     }
-    log->info("signal {}: stopping{}", static_cast<int>(sig),
+    log->info("signal {}: stopping{}", sig,
               o.stop_replicas_on_exit ? " and draining replicas" : " (replicas keep running)");
     break;
   }

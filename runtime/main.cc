@@ -1,11 +1,8 @@
 // kiln-runtime: serves one model version as one replica.
-#include <fcntl.h>
-#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
 #include <filesystem>
 #include <memory>
@@ -21,36 +18,13 @@
 #include "common/logging.h"
 #include "common/pinning.h"
 #include "common/process_start.h"
+#include "common/signal_pipe.h"
 #include "runtime/aoti_backend.h"
 #include "runtime/control_service.h"
 #include "runtime/runtime_server.h"
 #include "runtime/torchscript_backend.h"
 
 namespace {
-
-// SIGTERM/SIGINT may land on any thread (LibTorch and gRPC start threads of their own), so
-// the handler only writes the signal number to a pipe that the main loop polls.
-int signal_pipe[2] = {-1, -1};
-
-void OnSignal(int sig) {
-  const int saved = errno;  // the interrupted code's (a full pipe would change it)
-  char c = static_cast<char>(sig);
-  [[maybe_unused]] ssize_t n = write(signal_pipe[1], &c, 1);
-  errno = saved;
-}
-
-bool InstallSignalHandlers() {
-  if (pipe2(signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) return false;
-  struct sigaction sa {};
-  sa.sa_handler = OnSignal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;
-  if (sigaction(SIGTERM, &sa, nullptr) != 0 || sigaction(SIGINT, &sa, nullptr) != 0) {
-    return false;
-  }
-  signal(SIGPIPE, SIG_IGN);
-  return true;
-}
 
 // The flags of a cold start, also what a pre-started runtime's Load carries.
 struct Flags {
@@ -240,17 +214,12 @@ class Prestarted : public kiln::ControlTarget {
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// Polls the signal pipe for `timeout`; true when SIGTERM/SIGINT arrived.
+// Waits up to `timeout_ms` for a signal; true when SIGTERM/SIGINT arrived.
 bool Signalled(int timeout_ms) {
-  pollfd pfd{signal_pipe[0], POLLIN, 0};
-  if (poll(&pfd, 1, timeout_ms) > 0) {
-    char sig = 0;
-    if (read(signal_pipe[0], &sig, 1) == 1) {
-      kiln::GetLogger("runtime.main")->info("signal {}: draining", static_cast<int>(sig));
-      return true;
-    }
-  }
-  return false;
+  const int sig = kiln::NextSignal(timeout_ms);
+  if (sig == 0) return false;
+  kiln::GetLogger("runtime.main")->info("signal {}: draining", sig);
+  return true;
 }
 
 }  // namespace
@@ -277,7 +246,7 @@ int main(int argc, char** argv) {
     log->error("{}", std::string(s.message()));
     return 2;
   }
-  if (!InstallSignalHandlers()) {
+  if (!kiln::InstallSignalPipe({SIGTERM, SIGINT})) {
     log->error("cannot install signal handlers");
     return 1;
   }
