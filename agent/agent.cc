@@ -144,6 +144,12 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
   if (o.reserved_cpus < 0 || o.reserved_cpus > 64) {
     return absl::InvalidArgumentError("--reserved-cpus: must be in 0..64");
   }
+  if (o.router_busy_poll_us < 0 || o.router_busy_poll_us > 100000) {
+    return absl::InvalidArgumentError("--router-busy-poll-us: must be in 0..100000");
+  }
+  if (o.router_busy_poll_threads < 0 || o.router_busy_poll_threads > 64) {
+    return absl::InvalidArgumentError("--router-busy-poll-threads: must be in 0..64");
+  }
   if (!o.assignment_file.empty() && !o.controller.empty()) {
     return absl::InvalidArgumentError(
         "--controller: give either --assignment-file or --controller, not both");
@@ -324,6 +330,7 @@ absl::Status Agent::Start() {
   ro.grpc_port = options_.grpc_port;
   ro.node_name = options_.node_name;
   ro.http_port = options_.http_port;
+  ro.busy_poll = {options_.router_busy_poll_us, options_.router_busy_poll_threads};
   // Socket activation (kiln-agent-grpc.socket, kiln-agent-http.socket): the router serves the
   // sockets systemd holds, which queue connections while the agent restarts.
   char** names = nullptr;

@@ -42,6 +42,11 @@ struct AgentOptions {
   std::string ingress_bind = "0.0.0.0";
   int grpc_port = 8001;
   int http_port = 8000;
+  // The router busy-polls local replicas' data sockets for answers (agent/busy_poll.h):
+  // windows of this many microseconds around each expected answer (0 = off), at most
+  // `router_busy_poll_threads` readers at once, each holding a CPU while it spins.
+  int64_t router_busy_poll_us = 1000;
+  int router_busy_poll_threads = 1;
   absl::Duration tick = absl::Milliseconds(100);
   absl::Duration stop_timeout = absl::Seconds(30);
   bool stop_replicas_on_exit = false;

@@ -2,10 +2,13 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <ctime>
 #include <limits>
 
 #include "absl/time/clock.h"
@@ -19,6 +22,13 @@ namespace {
 constexpr uint32_t kMaxAnswerBytes = (1u << 31) - 1;
 
 int64_t NowMicros() { return absl::ToUnixMicros(absl::Now()); }
+
+// poll() for at most `micros` (-1 = no limit), to the microsecond.
+int PollFor(pollfd* fds, int64_t micros) {
+  if (micros < 0) return ::ppoll(fds, 2, nullptr, nullptr);
+  timespec ts{static_cast<time_t>(micros / 1'000'000), static_cast<long>(micros % 1'000'000) * 1000};
+  return ::ppoll(fds, 2, &ts, nullptr);
+}
 
 // A replica that reads no request for this long while requests wait is stuck: its connection
 // is closed (the calls on it fail UNAVAILABLE and are retried elsewhere).
@@ -130,11 +140,14 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
         refused = grpc::Status();  // another caller's connection serves this one too
         c = conn_;
         tag = next_tag_++;
-        c->pending.emplace(tag, Pending{response, std::move(done), deadline_unix_micros});
-        if (deadline_unix_micros > 0 &&
-            (c->waiting_until == 0 || deadline_unix_micros < c->waiting_until)) {
+        c->pending.emplace(tag, Pending{response, std::move(done), deadline_unix_micros, NowMicros()});
+        // The reader is woken to wait for an earlier deadline, and, when it busy-polls, to
+        // plan its spin for a first call (it sleeps with no call waiting).
+        if ((deadline_unix_micros > 0 &&
+             (c->waiting_until == 0 || deadline_unix_micros < c->waiting_until)) ||
+            (spin_window_micros_ > 0 && c->pending.size() == 1)) {
           char one = 1;
-          (void)!::write(c->wake_write, &one, 1);  // the reader waits for an earlier deadline
+          (void)!::write(c->wake_write, &one, 1);
         }
       } else if (refused.ok()) {
         // It broke between our look and now, and this caller made none: it goes elsewhere
@@ -179,18 +192,45 @@ int64_t DataChannel::Expire(const std::shared_ptr<Connection>& c) {
 }
 
 void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
+  if (spin_window_micros_ > 0) ::prctl(PR_SET_TIMERSLACK, 1UL);  // timed wake-ups on time
   char head[kFrameHeaderBytes];
   std::string body;
   std::string why = "the replica closed the connection";
   for (;;) {
     const int64_t next = Expire(c);
-    int timeout_ms = -1;
-    if (next > 0) {
-      timeout_ms = static_cast<int>(std::min<int64_t>((next - NowMicros() + 999) / 1000, 60000));
-      if (timeout_ms < 0) timeout_ms = 0;
-    }
+    // Microseconds to wait at most: to the nearest deadline, -1 = none.
+    auto wait_limit = [next]() -> int64_t {
+      if (next <= 0) return -1;
+      return std::clamp<int64_t>(next - NowMicros(), 0, int64_t{60'000'000});
+    };
     pollfd fds[2] = {{c->fd, POLLIN, 0}, {c->wake_read, POLLIN, 0}};
-    int n = ::poll(fds, 2, timeout_ms);
+    int n = 0;
+    SpinWindow spin;
+    if (spin_window_micros_ > 0 && slots_) {
+      int64_t oldest_sent = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        if (!c->pending.empty()) oldest_sent = c->pending.begin()->second.sent_micros;
+      }
+      spin = PlanSpin(NowMicros(), oldest_sent, c->typical_micros, spin_window_micros_);
+    }
+    if (spin.until > 0 && NowMicros() < spin.from) {
+      // Asleep until the window opens (paid while the replica computes), then planned again.
+      int64_t until_window = spin.from - NowMicros();
+      const int64_t limit = wait_limit();
+      if (limit >= 0) until_window = std::min(until_window, limit);
+      n = PollFor(fds, std::max<int64_t>(until_window, 0));
+      if (n == 0) continue;
+    } else if (spin.until > 0 && slots_->TryAcquire()) {
+      const int64_t stop = next > 0 ? std::min(spin.until, next) : spin.until;
+      while ((n = ::poll(fds, 2, 0)) == 0 && NowMicros() < stop) {
+      }
+      slots_->Release();
+      spins_++;
+      if (n == 0) continue;  // not in the window: planned again (no window now), then asleep
+    } else {
+      n = PollFor(fds, wait_limit());
+    }
     if (n < 0) {
       if (errno == EINTR) continue;
       why = "poll failed";
@@ -218,6 +258,7 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
       p = std::move(it->second);
       c->pending.erase(it);
     }
+    c->typical_micros = NextTypical(c->typical_micros, NowMicros() - p.sent_micros);
     grpc::Status s;
     if (h.code == 0) {
       if (!p.response->ParseFromString(body)) {

@@ -11,6 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "agent/busy_poll.h"
 #include "common/frame_sender.h"
 #include "grpcpp/support/status.h"
 #include "inference/grpc_service.pb.h"
@@ -24,6 +25,10 @@ namespace kiln {
 class DataChannel {
  public:
   explicit DataChannel(std::string path) : path_(std::move(path)) {}
+  // Busy-polls for answers (agent/busy_poll.h): windows of `spin_window_micros` around each
+  // expected answer, while one of `slots` is free.
+  DataChannel(std::string path, int64_t spin_window_micros, std::shared_ptr<SpinSlots> slots)
+      : path_(std::move(path)), spin_window_micros_(spin_window_micros), slots_(std::move(slots)) {}
   ~DataChannel();  // closes the connection; calls in flight fail UNAVAILABLE
 
   using Done = std::function<void(const grpc::Status&)>;
@@ -43,12 +48,15 @@ class DataChannel {
   int connections_made() const { return connections_made_.load(); }
   // No call waits on it.
   bool Idle();
+  // Spin windows its readers have begun (busy-polling on).
+  uint64_t spins() const { return spins_.load(); }
 
  private:
   struct Pending {
     inference::ModelInferResponse* response;
     Done done;
     int64_t deadline_unix_micros;
+    int64_t sent_micros;  // when it was registered (unix micros)
   };
   struct Connection {
     Connection(int fd, int wake_read, int wake_write);
@@ -62,6 +70,7 @@ class DataChannel {
     int64_t waiting_until = 0;            // the deadline the reader waits for (mu_), 0 = none
     bool broken = false;                  // guarded by the channel's mu_
     std::atomic<bool> finished{false};    // its reader has failed or answered every call
+    int64_t typical_micros = 0;  // answer time, moving average (its reader's alone)
   };
   void ReadLoop(std::shared_ptr<Connection> c);
   // Fails and forgets the connection's calls (its reader saw it end).
@@ -70,6 +79,9 @@ class DataChannel {
   int64_t Expire(const std::shared_ptr<Connection>& c);
 
   const std::string path_;
+  const int64_t spin_window_micros_ = 0;
+  const std::shared_ptr<SpinSlots> slots_;
+  std::atomic<uint64_t> spins_{0};
   absl::Mutex mu_;
   std::shared_ptr<Connection> conn_ ABSL_GUARDED_BY(mu_);
   uint64_t next_tag_ ABSL_GUARDED_BY(mu_) = 1;

@@ -74,6 +74,8 @@ class Router {
     int http_listen_fd = -1;
     // This node's name, sent in kForwardedHeader on calls passed to another node.
     std::string node_name = "kiln-agent";
+    // Busy-polling local replicas' data sockets for answers (agent/busy_poll.h).
+    BusyPollPolicy busy_poll;
   };
   // Serves `table` (when given) from the first request on.
   static absl::StatusOr<std::unique_ptr<Router>> Start(
@@ -131,6 +133,7 @@ class Router {
   std::atomic<uint64_t> retries_{0};
   std::atomic<uint64_t> forwarded_data_socket_{0};
   std::atomic<uint64_t> forwarded_grpc_{0};
+  const std::shared_ptr<SpinSlots> spin_slots_;  // shared by every data channel's readers
   std::unique_ptr<Impl> impl_;
   // Data sockets of local replicas; one that left the table goes once no call is on it.
   // Last: destroyed first (their readers finish calls into the members above).

@@ -4,6 +4,8 @@
 # flight, raw tensors) run alternately against the replica's own gRPC port (the baseline) and
 # the router's, ROUNDS times each. Prints one line per run. Not a test.
 #   bench/router_overhead.sh [ROUNDS]          (BUILD_DIR: the build to run, default build/)
+# AGENT_ARGS: more kiln-agent flags (say --router-busy-poll-us 0). Each router line also gives
+# the agent's CPU time over that run (user+system, ms).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build}
@@ -30,7 +32,7 @@ EOF
 "$BUILD/agent/kiln-agent" --assignment-file "$WORK/a.yaml" --state-dir "$WORK/s" \
   --runtime-binary "$BUILD/runtime/kiln-runtime" --admin-bind 127.0.0.1 --admin-port 0 \
   --ingress-bind 127.0.0.1 --grpc-port 0 --http-port 0 --reserved-cpus 0 \
-  --stop-replicas-on-exit > "$WORK/agent.log" 2>&1 &
+  --stop-replicas-on-exit ${AGENT_ARGS:-} > "$WORK/agent.log" 2>&1 &
 AGENT_PID=$!
 for _ in $(seq 1 600); do grep -q "serving the assignment" "$WORK/agent.log" && break; sleep 0.05; done
 ROUTER=$(grep -o "router listening grpc_port=[0-9]*" "$WORK/agent.log" | grep -o "[0-9]*$")
@@ -51,7 +53,13 @@ load() {
     --duration-s "$DURATION_S" --warmup-s 1 --address "127.0.0.1:$1" 2>&1 |
     grep -E "requests:|throughput:|latency ms:" | tr -s ' ' | tr '\n' ' '
 }
+# The agent's CPU time so far, ms (utime + stime, clock ticks).
+agent_cpu_ms() {
+  awk -v hz="$(getconf CLK_TCK)" '{print int(($14 + $15) * 1000 / hz)}' "/proc/$AGENT_PID/stat"
+}
 for i in $(seq 1 "$ROUNDS"); do
   echo "direct $i: $(load "$REPLICA")"
-  echo "router $i: $(load "$ROUTER")"
+  before=$(agent_cpu_ms)
+  line=$(load "$ROUTER")
+  echo "router $i: $line agent cpu ms: $(( $(agent_cpu_ms) - before ))"
 done

@@ -11,13 +11,14 @@
 #     bash .devdebs/fetch-debs.sh
 #
 # builds kiln-runtime, kiln-agent, kiln-loadgen, kiln-control-probe and kiln-overhead-bench
-# against the host's CUDA LibTorch (build-gpu/), then runs STEPS in order, each bounded, all
-# results and logs in OUT:
+# against the host's CUDA LibTorch (build-gpu/), then runs STEPS, in the order router, power,
+# cuda, scaleup, each bounded, all results and logs in OUT:
+#   router  bench/router_overhead.sh: the agent's router against the replica's own port, with
+#           the router's busy-polling off and on (ROUTER_WINDOWS: --router-busy-poll-us values);
 #   power   bench/gpu/agent_power.sh: NVML discovery, idle watts with a WARM replica parked
 #           and not parked, promote -> first response in each case, cold start beside them;
 #   cuda    bench/gpu/encoder_cuda.sh: the encoder on cuda:0 in fp32 and fp16, and the served
 #           path's overhead on this host (cpu and cuda:0);
-#   router  bench/router_overhead.sh: the agent's router against the replica's own port;
 #   scaleup bench/agent_scaleup.sh: warm vs pre-started vs cold scale-up on this host's CPUs.
 # MODELS_DIR: a model repository made by scripts/make_models.py (default: make one here with
 # the host's python3 and torch). Environment: OUT (/tmp/kiln-gpu-out), STEPS ("build power
@@ -84,8 +85,13 @@ step() {  # $1 name, $2 seconds it needs at least, then the command
 }
 [ -x "$BUILD/agent/kiln-agent" ] || { log "no kiln-agent: power, router and scaleup skipped"; STEPS=${STEPS//power/}; STEPS=${STEPS//router/}; STEPS=${STEPS//scaleup/}; }
 [ -x "$BUILD/runtime/kiln-runtime" ] || { log "no kiln-runtime: nothing to run"; exit 1; }
+# The router with its busy-polling off (0) and at other windows, alternately (ROUTER_WINDOWS).
+step router 20 env ROUTER_WINDOWS="${ROUTER_WINDOWS:-0 1000 300 0 1000 300}" bash -c '
+  for w in $ROUTER_WINDOWS; do
+    echo "--router-busy-poll-us $w:"
+    AGENT_ARGS="--router-busy-poll-us $w" DURATION_S=3 bench/router_overhead.sh 1 | grep -E "^(direct|router)"
+  done'
 step power 90 env RUNS="${RUNS:-2}" SETTLE_S="${SETTLE_S:-4}" SAMPLE_S="${SAMPLE_S:-6}" bench/gpu/agent_power.sh
 step cuda 60 env DURATION_S="${DURATION_S:-3}" BENCH_MIN_TIME="${BENCH_MIN_TIME:-0.3}" bench/gpu/encoder_cuda.sh
-step router 20 env DURATION_S=3 bench/router_overhead.sh 2
 step scaleup 40 bench/agent_scaleup.sh 3
 log "done"

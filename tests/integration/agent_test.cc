@@ -1032,6 +1032,9 @@ TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
       {{"--assignment-file", dir + "/bad.yaml", "--controller", "127.0.0.1:1"}, "--controller"},
       {{"--prestart-per-gpu", "17"}, "--prestart-per-gpu: must be in 0..16"},
       {{"--prestart-cpu", "-1"}, "--prestart-cpu: must be in 0..16"},
+      {{"--router-busy-poll-us", "-5"}, "--router-busy-poll-us: must be in 0..100000"},
+      {{"--router-busy-poll-us", "200000"}, "--router-busy-poll-us: must be in 0..100000"},
+      {{"--router-busy-poll-threads", "65"}, "--router-busy-poll-threads: must be in 0..64"},
   };
   for (const auto& c : cases) {
     std::string cmd = std::string(KILN_AGENT_BIN) + " --runtime-binary " + KILN_RUNTIME_BIN +

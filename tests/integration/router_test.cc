@@ -430,6 +430,63 @@ TEST(RouterDataSocketTest, ABurstOfFirstCallsSharesOneConnection) {
   EXPECT_EQ(channel.connections_made(), 1);
 }
 
+// A channel that busy-polls for answers: each call gets its own answer whether it comes inside
+// the spin window or long after it, a call past its deadline still fails at the deadline, and
+// the spinning itself happened (and only while a slot was free).
+TEST(RouterDataSocketTest, ABusyPollingChannelAnswersEveryCallAndKeepsDeadlines) {
+  std::string path = TempSocket("p");
+  std::atomic<int> served{0};
+  FakeDataSocket replica(path, [&](const inference::ModelInferRequest& req) {
+    if (req.id() == "silent") return std::make_pair(-2, std::string());
+    // Every third answer comes well after the window (the channel sleeps for it).
+    if (served++ % 3 == 2) absl::SleepFor(absl::Milliseconds(5));
+    inference::ModelInferResponse r;
+    r.set_id(req.id());
+    return std::make_pair(0, r.SerializeAsString());
+  });
+  auto slots = std::make_shared<SpinSlots>(1);
+  DataChannel channel(path, /*spin_window_micros=*/200, slots);
+  for (int i = 0; i < 30; ++i) {
+    CallOutcome call;
+    inference::ModelInferRequest req = EncoderRequest();
+    req.set_id("q" + std::to_string(i));
+    channel.Call(req, 0, &call.response, call.Callback());
+    ASSERT_TRUE(call.done.WaitForNotificationWithTimeout(absl::Seconds(30))) << i;
+    ASSERT_TRUE(call.status.ok()) << i << ": " << call.status.error_message();
+    EXPECT_EQ(call.response.id(), "q" + std::to_string(i));
+  }
+  EXPECT_GT(channel.spins(), 0u);
+  EXPECT_EQ(slots->free(), 1);  // every spinner gave its slot back
+  CallOutcome late;
+  inference::ModelInferRequest silent = EncoderRequest();
+  silent.set_id("silent");
+  channel.Call(silent, absl::ToUnixMicros(absl::Now() + absl::Milliseconds(50)), &late.response,
+               late.Callback());
+  ASSERT_TRUE(late.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(slots->free(), 1);
+}
+
+// With no spin slot free (another reader holds it), a channel sleeps for its answers as it
+// would without busy-polling.
+TEST(RouterDataSocketTest, ABusyPollingChannelWithoutASlotSleeps) {
+  std::string path = TempSocket("q");
+  FakeDataSocket replica(path, [](const inference::ModelInferRequest&) {
+    return std::make_pair(0, OutputNamed("embedding"));
+  });
+  auto slots = std::make_shared<SpinSlots>(1);
+  ASSERT_TRUE(slots->TryAcquire());  // held elsewhere
+  DataChannel channel(path, 200, slots);
+  for (int i = 0; i < 10; ++i) {
+    CallOutcome call;
+    channel.Call(EncoderRequest(), 0, &call.response, call.Callback());
+    ASSERT_TRUE(call.done.WaitForNotificationWithTimeout(absl::Seconds(30))) << i;
+    ASSERT_TRUE(call.status.ok()) << call.status.error_message();
+  }
+  EXPECT_EQ(channel.spins(), 0u);
+  slots->Release();
+}
+
 // A replica's batcher answers out of order: each answer reaches the call it belongs to.
 TEST(RouterDataSocketTest, AnswersOutOfOrderReachTheirOwnCalls) {
   std::string path = TempSocket("o");

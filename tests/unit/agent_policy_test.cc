@@ -1,5 +1,5 @@
 // The agent's pure policies: restart backoff and crash loops, GPU health, the warm pool plan,
-// the router's choices and the GPU power plan.
+// the router's choices, its busy-polling windows and the GPU power plan.
 #include <unistd.h>
 
 #include <cstdio>
@@ -7,6 +7,7 @@
 #include <map>
 
 #include "agent/agent.h"
+#include "agent/busy_poll.h"
 #include "agent/fake_gpu_driver.h"
 #include "agent/gpu_monitor.h"
 #include "agent/gpu_power.h"
@@ -538,6 +539,64 @@ TEST(NodeLabelsTest, ParsedAndCheckedLikeKubernetesLabels) {
   says({"zone=a b"}, "the value must be at most 63");
   says({"zone=" + std::string(64, 'v')}, "the value must be at most 63");
   says({"zone=a", "zone=b"}, "the key 'zone' is given twice");
+}
+
+}  // namespace
+}  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// The router's reader sleeps until a window around the expected answer, spins through it,
+// then sleeps again.
+TEST(BusyPollTest, TheSpinWindowIsCentredOnTheExpectedAnswer) {
+  // Sent at 1000, answers take 400 µs: a 200 µs window from 1300 to 1500.
+  SpinWindow w = PlanSpin(/*now=*/1010, /*oldest_sent=*/1000, /*typical=*/400, /*window=*/200);
+  EXPECT_EQ(w.from, 1300);
+  EXPECT_EQ(w.until, 1500);
+  // Inside the window: spin from now.
+  w = PlanSpin(1350, 1000, 400, 200);
+  EXPECT_EQ(w.from, 1350);
+  EXPECT_EQ(w.until, 1500);
+  // A window wider than the answer time starts at once.
+  w = PlanSpin(1000, 1000, 100, 600);
+  EXPECT_EQ(w.from, 1000);
+  EXPECT_EQ(w.until, 1400);
+  // Not known yet: spin at once, half a window.
+  w = PlanSpin(1000, 1000, 0, 200);
+  EXPECT_EQ(w.from, 1000);
+  EXPECT_EQ(w.until, 1100);
+}
+
+TEST(BusyPollTest, NoWindowWhenOffIdleOrLate) {
+  EXPECT_EQ(PlanSpin(1000, 1000, 400, 0).until, 0);   // off
+  EXPECT_EQ(PlanSpin(1000, 0, 400, 200).until, 0);    // no call waits
+  EXPECT_EQ(PlanSpin(1500, 1000, 400, 200).until, 0); // the window ended: the answer is late
+  EXPECT_EQ(PlanSpin(9000, 1000, 400, 200).until, 0);
+  EXPECT_EQ(PlanSpin(1000, 1000, -5, 200).until, 1100);  // a bad estimate counts as none
+}
+
+TEST(BusyPollTest, TheTypicalAnswerTimeFollowsObservationsSlowly) {
+  EXPECT_EQ(NextTypical(0, 480), 480);  // the first is taken as is
+  EXPECT_EQ(NextTypical(400, 480), 410);
+  EXPECT_EQ(NextTypical(400, 320), 390);
+  EXPECT_EQ(NextTypical(400, -7), 400);  // a clock step is ignored
+  int64_t t = 0;
+  for (int i = 0; i < 100; ++i) t = NextTypical(t, i % 2 ? 300 : 500);
+  EXPECT_GE(t, 350);
+  EXPECT_LE(t, 450);
+}
+
+TEST(BusyPollTest, SpinSlotsBoundTheSpinners) {
+  SpinSlots slots(2);
+  EXPECT_TRUE(slots.TryAcquire());
+  EXPECT_TRUE(slots.TryAcquire());
+  EXPECT_FALSE(slots.TryAcquire());
+  slots.Release();
+  EXPECT_EQ(slots.free(), 1);
+  EXPECT_TRUE(slots.TryAcquire());
+  SpinSlots none(0);
+  EXPECT_FALSE(none.TryAcquire());
 }
 
 }  // namespace
