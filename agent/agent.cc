@@ -373,6 +373,7 @@ absl::Status Agent::Start() {
   Log()->info("admin listening admin_port={} (/healthz /readyz /metrics /v1/replicas)",
               admin_->port());
   last_tick_unix_ms_ = absl::ToUnixMillis(absl::Now());
+  launcher_->NotifyAdoptedExits([this] { Wake(); });
   loop_ = std::thread([this]() { Loop(); });
   if (!options_.controller.empty()) {
     ControllerClient::Hooks hooks;
@@ -822,6 +823,7 @@ void Agent::Stop() {
     stopping_ = true;
   }
   if (loop_.joinable()) loop_.join();
+  launcher_->NotifyAdoptedExits(nullptr);
   admin_.reset();
   router_.reset();
 }

@@ -99,7 +99,8 @@ class Agent {
   void RequestReload();
   // A child process changed state (SIGCHLD): the loop runs a pass at once, so a replica's
   // exit is seen and acted on without waiting out the tick. Replicas adopted from an earlier
-  // agent are not its children; their exits are seen on the tick (through their pidfds).
+  // agent are not its children: the launcher watches their pidfds and wakes the loop the same
+  // way.
   void ChildExited();
   void Stop();
 

@@ -126,6 +126,7 @@ bool PidfdExited(int fd) {
 }  // namespace
 
 RealProcessLauncher::~RealProcessLauncher() {
+  NotifyAdoptedExits(nullptr);
   absl::MutexLock lock(&mu_);
   for (const auto& [pid, fd] : adopted_) {
     if (fd >= 0) close(fd);
@@ -174,7 +175,70 @@ absl::Status RealProcessLauncher::Adopt(pid_t pid) {
   absl::MutexLock lock(&mu_);
   auto [it, fresh] = adopted_.try_emplace(pid, fd);
   if (!fresh && fd >= 0) close(fd);
+  if (fresh) WakeWatcher();
   return absl::OkStatus();
+}
+
+void RealProcessLauncher::WakeWatcher() {
+  if (watcher_wake_[1] < 0) return;
+  char one = 1;
+  (void)!::write(watcher_wake_[1], &one, 1);
+}
+
+void RealProcessLauncher::NotifyAdoptedExits(std::function<void()> on_exit) {
+  if (watcher_.joinable()) {
+    {
+      absl::MutexLock lock(&mu_);
+      watcher_stop_ = true;
+      WakeWatcher();
+    }
+    watcher_.join();
+    absl::MutexLock lock(&mu_);
+    ::close(watcher_wake_[0]);
+    ::close(watcher_wake_[1]);
+    watcher_wake_[0] = watcher_wake_[1] = -1;
+    watcher_stop_ = false;
+  }
+  if (!on_exit) return;
+  absl::MutexLock lock(&mu_);
+  if (::pipe2(watcher_wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    watcher_wake_[0] = watcher_wake_[1] = -1;
+    return;  // exits are seen when CollectExits is next called, as without a watcher
+  }
+  watcher_ = std::thread([this, on_exit = std::move(on_exit)] { WatchLoop(on_exit); });
+}
+
+void RealProcessLauncher::WatchLoop(std::function<void()> on_exit) {
+  for (;;) {
+    std::vector<pollfd> fds{{watcher_wake_[0], POLLIN, 0}};
+    std::vector<pid_t> pids{0};
+    {
+      absl::MutexLock lock(&mu_);
+      if (watcher_stop_) return;
+      for (const auto& [pid, fd] : adopted_) {
+        if (fd < 0 || reported_.count(pid)) continue;
+        fds.push_back({fd, POLLIN, 0});
+        pids.push_back(pid);
+      }
+    }
+    // A pidfd closed by CollectExits meanwhile stays open for this poll (the kernel holds
+    // the file); the wake that follows its removal makes the next pass drop it.
+    if (::poll(fds.data(), fds.size(), -1) < 0 && errno != EINTR) return;
+    if (fds[0].revents & POLLIN) {
+      char drain[64];
+      while (::read(watcher_wake_[0], drain, sizeof(drain)) > 0) {
+      }
+    }
+    bool exited = false;
+    {
+      absl::MutexLock lock(&mu_);
+      for (size_t i = 1; i < fds.size(); ++i) {
+        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+        if (adopted_.count(pids[i]) && reported_.insert(pids[i]).second) exited = true;
+      }
+    }
+    if (exited) on_exit();
+  }
 }
 
 std::vector<ProcessExit> RealProcessLauncher::CollectExits() {
@@ -195,6 +259,7 @@ std::vector<ProcessExit> RealProcessLauncher::CollectExits() {
     if (fd >= 0 ? PidfdExited(fd) : !Alive(pid)) {
       out.push_back({pid, 0});  // not our child: the exit status is unknown
       if (fd >= 0) close(fd);
+      reported_.erase(pid);
       it = adopted_.erase(it);
     } else {
       ++it;

@@ -2,8 +2,11 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <map>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -39,6 +42,10 @@ class ProcessLauncher {
   virtual bool Alive(pid_t pid) = 0;
   // The process's command line, arguments joined by NUL ("" when gone).
   virtual std::string CommandLine(pid_t pid) = 0;
+  // `on_exit` runs (on a thread of the launcher's) when an adopted process exits, once per
+  // process: the caller then collects it with CollectExits. A child's exit is the caller's
+  // SIGCHLD. An empty function stops the watching; it has returned when this call returns.
+  virtual void NotifyAdoptedExits(std::function<void()> on_exit) {}
 };
 
 class RealProcessLauncher : public ProcessLauncher {
@@ -49,14 +56,24 @@ class RealProcessLauncher : public ProcessLauncher {
   absl::Status Adopt(pid_t pid) override;
   bool Alive(pid_t pid) override;
   std::string CommandLine(pid_t pid) override;
+  void NotifyAdoptedExits(std::function<void()> on_exit) override;
 
  private:
+  void WatchLoop(std::function<void()> on_exit);
+  void WakeWatcher();  // the adopted set changed, or the watcher stops
+
   absl::Mutex mu_;
   std::vector<pid_t> children_ ABSL_GUARDED_BY(mu_);
   // Adopted processes (not our children) by pid, each with a pidfd taken at adoption (-1 where
   // the kernel has none): its exit is seen, and it is signalled, through the pidfd, so a pid
   // the kernel reuses for another process is never mistaken for it.
   std::map<pid_t, int> adopted_ ABSL_GUARDED_BY(mu_);
+  // The watcher of adopted pidfds: the processes it has reported (not reported again), a
+  // pipe that wakes it, and whether it stops.
+  std::thread watcher_;
+  std::set<pid_t> reported_ ABSL_GUARDED_BY(mu_);
+  int watcher_wake_[2] = {-1, -1};
+  bool watcher_stop_ ABSL_GUARDED_BY(mu_) = false;
 
  public:
   ~RealProcessLauncher() override;

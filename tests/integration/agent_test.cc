@@ -415,6 +415,28 @@ TEST_F(AgentTest, AReplicasExitIsSeenAtOnceWhateverTheTick) {
   EXPECT_NE(log.find(seen), std::string::npos) << log;
 }
 
+// A replica adopted from an earlier agent is not this agent's child (no SIGCHLD): its exit is
+// still seen when it happens, through the launcher's watch on its pidfd, not at the next tick
+// (10 s here; the exit is given 3 s).
+TEST_F(AgentTest, AnAdoptedReplicasExitIsSeenAtOnceWhateverTheTick) {
+  WriteAssignment("replicas:\n" + Replica("s0", "WARM"));
+  StartAgent();
+  json before = WaitFor([&](const json& j) { return Find(j, "s0")["state"] == "WARM"; }, "WARM");
+  const int pid = Find(before, "s0")["pid"];
+  seen_pids_.insert(pid);
+  StopAgent(SIGTERM);  // the replica keeps running
+  tick_ms_ = "10000";
+  StartAgent();
+  WaitFor([&](const json& j) { return Find(j, "s0")["adopted"] == true; }, "adoption");
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  const std::string seen = "replica s0: exited";
+  std::string log;
+  for (int i = 0; i < 300 && (log = ReadFile(log_)).find(seen) == std::string::npos; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_NE(log.find(seen), std::string::npos) << log;
+}
+
 // Under systemd (Type=notify, WatchdogSec=): READY=1 with a STATUS once the assignment is
 // applied, the STATUS again when its replica is SERVING, WATCHDOG=1 at half of WATCHDOG_USEC,
 // and STOPPING=1 on the way out, all on the notify socket.

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -165,6 +166,38 @@ TEST_F(RealLauncherTest, AnAdoptedProcessIsFollowedByItsPidfd) {
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFSIGNALED(status));
   EXPECT_EQ(WTERMSIG(status), SIGKILL);
+}
+
+// An adopted process's exit is announced by the launcher's watcher, once, without anyone
+// calling CollectExits (the agent's loop wakes on it instead of waiting out its tick); a
+// process adopted after the watcher started is watched too, and stopping the watcher returns.
+TEST_F(RealLauncherTest, AnAdoptedProcessesExitIsAnnouncedOnce) {
+  const pid_t first = SpawnSleep();
+  RealProcessLauncher other;
+  ASSERT_TRUE(other.Adopt(first).ok());
+  std::atomic<int> announced{0};
+  other.NotifyAdoptedExits([&] { announced++; });
+  const pid_t second = SpawnSleep();
+  ASSERT_TRUE(other.Adopt(second).ok());
+  usleep(20000);
+  EXPECT_EQ(announced.load(), 0) << "nothing exited yet";
+
+  kill(second, SIGKILL);
+  for (int i = 0; i < 5000 && announced.load() == 0; ++i) usleep(1000);
+  ASSERT_EQ(announced.load(), 1);
+  usleep(20000);
+  EXPECT_EQ(announced.load(), 1) << "an exit not yet collected is announced once, not again";
+  auto exits = other.CollectExits();
+  ASSERT_EQ(exits.size(), 1u);
+  EXPECT_EQ(exits[0].pid, second);
+
+  kill(first, SIGKILL);
+  for (int i = 0; i < 5000 && announced.load() < 2; ++i) usleep(1000);
+  EXPECT_EQ(announced.load(), 2);
+  other.NotifyAdoptedExits(nullptr);  // stops; returns
+  int status;
+  waitpid(first, &status, 0);
+  waitpid(second, &status, 0);
 }
 
 }  // namespace
