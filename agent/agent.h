@@ -44,8 +44,10 @@ struct AgentOptions {
   int http_port = 8000;
   // The router busy-polls local replicas' data sockets for answers (agent/busy_poll.h):
   // windows of this many microseconds around each expected answer (0 = off), at most
-  // `router_busy_poll_threads` readers at once, each holding a CPU while it spins.
-  int64_t router_busy_poll_us = 1000;
+  // `router_busy_poll_threads` readers at once, each holding a CPU while it spins. Off by
+  // default: it removed the router's overhead on a 2-vCPU VM but bought nothing on a 16-core
+  // GPU host, where it cost half a CPU (bench/RESULTS.md).
+  int64_t router_busy_poll_us = 0;
   int router_busy_poll_threads = 1;
   absl::Duration tick = absl::Milliseconds(100);
   absl::Duration stop_timeout = absl::Seconds(30);

@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
   app.add_option("--http-port", o.http_port, "Router REST port (0 = free)")->capture_default_str();
   app.add_option("--router-busy-poll-us", o.router_busy_poll_us,
                  "The router spins for a local replica's answer over a window this long around "
-                 "when it is expected, instead of sleeping through it (0 = off)")
+                 "when it is expected, instead of sleeping through it (0 = off; try 1000)")
       ->capture_default_str();
   app.add_option("--router-busy-poll-threads", o.router_busy_poll_threads,
                  "At most this many of the router's readers spin at once, each on a CPU (0 = off)")

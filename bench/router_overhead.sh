@@ -4,7 +4,7 @@
 # flight, raw tensors) run alternately against the replica's own gRPC port (the baseline) and
 # the router's, ROUNDS times each. Prints one line per run. Not a test.
 #   bench/router_overhead.sh [ROUNDS]          (BUILD_DIR: the build to run, default build/)
-# AGENT_ARGS: more kiln-agent flags (say --router-busy-poll-us 0). Each router line also gives
+# AGENT_ARGS: more kiln-agent flags (say --router-busy-poll-us 1000). Each router line also gives
 # the agent's CPU time over that run (user+system, ms).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -86,7 +86,7 @@ step() {  # $1 name, $2 seconds it needs at least, then the command
 [ -x "$BUILD/agent/kiln-agent" ] || { log "no kiln-agent: power, router and scaleup skipped"; STEPS=${STEPS//power/}; STEPS=${STEPS//router/}; STEPS=${STEPS//scaleup/}; }
 [ -x "$BUILD/runtime/kiln-runtime" ] || { log "no kiln-runtime: nothing to run"; exit 1; }
 # The router with its busy-polling off (0) and at other windows, alternately (ROUTER_WINDOWS).
-step router 20 env ROUTER_WINDOWS="${ROUTER_WINDOWS:-0 1000 300 0 1000 300}" bash -c '
+step router 20 env ROUTER_WINDOWS="${ROUTER_WINDOWS:-0 1000 0 1000}" bash -c '
   for w in $ROUTER_WINDOWS; do
     echo "--router-busy-poll-us $w:"
     AGENT_ARGS="--router-busy-poll-us $w" DURATION_S=3 bench/router_overhead.sh 1 | grep -E "^(direct|router)"
