@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <ctime>
 #include <limits>
 
@@ -22,6 +23,15 @@ namespace {
 constexpr uint32_t kMaxAnswerBytes = (1u << 31) - 1;
 
 int64_t NowMicros() { return absl::ToUnixMicros(absl::Now()); }
+// Spin planning runs on the monotonic clock: a step of the wall clock moves no window.
+int64_t MonoMicros() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+// Calls looked at for a window still open (the oldest first): a slow call, or one the replica
+// answers out of order, does not end the spinning for the calls behind it.
+constexpr int kCallsPlannedFrom = 16;
 
 // poll() for at most `micros` (-1 = no limit), to the microsecond.
 int PollFor(pollfd* fds, int64_t micros) {
@@ -140,7 +150,7 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
         refused = grpc::Status();  // another caller's connection serves this one too
         c = conn_;
         tag = next_tag_++;
-        c->pending.emplace(tag, Pending{response, std::move(done), deadline_unix_micros, NowMicros()});
+        c->pending.emplace(tag, Pending{response, std::move(done), deadline_unix_micros, MonoMicros()});
         // The reader is woken to wait for an earlier deadline, and, when it busy-polls, to
         // plan its spin for a first call (it sleeps with no call waiting).
         if ((deadline_unix_micros > 0 &&
@@ -206,28 +216,33 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
     pollfd fds[2] = {{c->fd, POLLIN, 0}, {c->wake_read, POLLIN, 0}};
     int n = 0;
     SpinWindow spin;
+    bool from_spin = false;
     if (spin_window_micros_ > 0 && slots_) {
-      int64_t oldest_sent = 0;
-      {
-        absl::MutexLock lock(&mu_);
-        if (!c->pending.empty()) oldest_sent = c->pending.begin()->second.sent_micros;
+      absl::MutexLock lock(&mu_);
+      const int64_t now = MonoMicros();
+      int looked = 0;
+      for (auto it = c->pending.begin(); it != c->pending.end() && looked < kCallsPlannedFrom;
+           ++it, ++looked) {
+        spin = PlanSpin(now, it->second.sent_micros, c->typical_micros, spin_window_micros_);
+        if (spin.until > 0) break;
       }
-      spin = PlanSpin(NowMicros(), oldest_sent, c->typical_micros, spin_window_micros_);
     }
-    if (spin.until > 0 && NowMicros() < spin.from) {
+    if (spin.until > 0 && MonoMicros() < spin.from) {
       // Asleep until the window opens (paid while the replica computes), then planned again.
-      int64_t until_window = spin.from - NowMicros();
+      int64_t until_window = spin.from - MonoMicros();
       const int64_t limit = wait_limit();
       if (limit >= 0) until_window = std::min(until_window, limit);
       n = PollFor(fds, std::max<int64_t>(until_window, 0));
       if (n == 0) continue;
     } else if (spin.until > 0 && slots_->TryAcquire()) {
-      const int64_t stop = next > 0 ? std::min(spin.until, next) : spin.until;
-      while ((n = ::poll(fds, 2, 0)) == 0 && NowMicros() < stop) {
+      // Until the window ends, or the nearest deadline passes.
+      while ((n = ::poll(fds, 2, 0)) == 0 && MonoMicros() < spin.until &&
+             (next <= 0 || NowMicros() < next)) {
       }
       slots_->Release();
       spins_++;
       if (n == 0) continue;  // not in the window: planned again (no window now), then asleep
+      from_spin = true;
     } else {
       n = PollFor(fds, wait_limit());
     }
@@ -258,7 +273,9 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
       p = std::move(it->second);
       c->pending.erase(it);
     }
-    c->typical_micros = NextTypical(c->typical_micros, NowMicros() - p.sent_micros);
+    // Answers only: a quick refusal says nothing of how long an answer takes.
+    if (h.code == 0) c->typical_micros = NextTypical(c->typical_micros, MonoMicros() - p.sent_micros);
+    if (from_spin && (fds[0].revents & POLLIN)) spin_answers_++;
     grpc::Status s;
     if (h.code == 0) {
       if (!p.response->ParseFromString(body)) {

@@ -50,13 +50,15 @@ class DataChannel {
   bool Idle();
   // Spin windows its readers have begun (busy-polling on).
   uint64_t spins() const { return spins_.load(); }
+  // Answers its readers found while spinning (the first frame read after a spin).
+  uint64_t spin_answers() const { return spin_answers_.load(); }
 
  private:
   struct Pending {
     inference::ModelInferResponse* response;
     Done done;
     int64_t deadline_unix_micros;
-    int64_t sent_micros;  // when it was registered (unix micros)
+    int64_t sent_micros;  // when it was registered (monotonic micros)
   };
   struct Connection {
     Connection(int fd, int wake_read, int wake_write);
@@ -82,6 +84,7 @@ class DataChannel {
   const int64_t spin_window_micros_ = 0;
   const std::shared_ptr<SpinSlots> slots_;
   std::atomic<uint64_t> spins_{0};
+  std::atomic<uint64_t> spin_answers_{0};
   absl::Mutex mu_;
   std::shared_ptr<Connection> conn_ ABSL_GUARDED_BY(mu_);
   uint64_t next_tag_ ABSL_GUARDED_BY(mu_) = 1;

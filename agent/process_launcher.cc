@@ -201,6 +201,7 @@ void RealProcessLauncher::NotifyAdoptedExits(std::function<void()> on_exit) {
   }
   if (!on_exit) return;
   absl::MutexLock lock(&mu_);
+  reported_.clear();  // exits not collected yet are announced to this watcher too
   if (::pipe2(watcher_wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
     watcher_wake_[0] = watcher_wake_[1] = -1;
     return;  // exits are seen when CollectExits is next called, as without a watcher
@@ -223,7 +224,10 @@ void RealProcessLauncher::WatchLoop(std::function<void()> on_exit) {
     }
     // A pidfd closed by CollectExits meanwhile stays open for this poll (the kernel holds
     // the file); the wake that follows its removal makes the next pass drop it.
-    if (::poll(fds.data(), fds.size(), -1) < 0 && errno != EINTR) return;
+    if (::poll(fds.data(), fds.size(), -1) < 0) {
+      if (errno != EINTR) usleep(100 * 1000);  // not expected; tried again, never spun on
+      continue;
+    }
     if (fds[0].revents & POLLIN) {
       char drain[64];
       while (::read(watcher_wake_[0], drain, sizeof(drain)) > 0) {
@@ -261,6 +265,7 @@ std::vector<ProcessExit> RealProcessLauncher::CollectExits() {
       if (fd >= 0) close(fd);
       reported_.erase(pid);
       it = adopted_.erase(it);
+      WakeWatcher();
     } else {
       ++it;
     }

@@ -60,7 +60,7 @@ class RealProcessLauncher : public ProcessLauncher {
 
  private:
   void WatchLoop(std::function<void()> on_exit);
-  void WakeWatcher();  // the adopted set changed, or the watcher stops
+  void WakeWatcher() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // the adopted set changed, or it stops
 
   absl::Mutex mu_;
   std::vector<pid_t> children_ ABSL_GUARDED_BY(mu_);
@@ -69,7 +69,9 @@ class RealProcessLauncher : public ProcessLauncher {
   // the kernel reuses for another process is never mistaken for it.
   std::map<pid_t, int> adopted_ ABSL_GUARDED_BY(mu_);
   // The watcher of adopted pidfds: the processes it has reported (not reported again), a
-  // pipe that wakes it, and whether it stops.
+  // pipe that wakes it, and whether it stops. The thread and the pipe are set up and torn
+  // down only by NotifyAdoptedExits, never while the watcher runs (it reads the pipe's ends
+  // without the lock).
   std::thread watcher_;
   std::set<pid_t> reported_ ABSL_GUARDED_BY(mu_);
   int watcher_wake_[2] = {-1, -1};

@@ -352,16 +352,27 @@ class RouterGrpcService final : public inference::GRPCInferenceService::Callback
                                           inference::ModelMetadataResponse* resp) override {
     auto choice = router_->Choose(req->name(), req->version(), "", false, {}, Forwarded(ctx));
     if (!choice.ok()) return Done(ctx, ToGrpcStatus(choice.status()));
-    grpc::ClientContext cc;
-    cc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    inference::ModelMetadataRequest pinned = *req;
+    // Asked without blocking this callback thread (the server has few; a slow replica must
+    // not hold them): the answer finishes the call from the client's callback.
+    struct Pending {
+      grpc::ClientContext cc;
+      inference::ModelMetadataRequest pinned;
+    };
+    auto pending = std::make_shared<Pending>();
+    pending->cc.set_deadline(
+        std::min(ctx->deadline(), std::chrono::system_clock::now() + std::chrono::seconds(5)));
+    pending->pinned = *req;
     if (!choice->endpoint.local) {
       // Another node's router: the version chosen here, from its own replicas.
-      cc.AddMetadata(kForwardedHeader, router_->node_name());
-      pinned.set_version(choice->version);
+      pending->cc.AddMetadata(kForwardedHeader, router_->node_name());
+      pending->pinned.set_version(choice->version);
     }
-    return Done(ctx,
-                router_->StubFor(choice->endpoint.grpc_address)->ModelMetadata(&cc, pinned, resp));
+    auto* reactor = ctx->DefaultReactor();
+    router_->StubFor(choice->endpoint.grpc_address)
+        ->async()
+        ->ModelMetadata(&pending->cc, &pending->pinned, resp,
+                        [pending, reactor](grpc::Status s) { reactor->Finish(s); });
+    return reactor;
   }
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx,
                                        const inference::ModelInferRequest* req,

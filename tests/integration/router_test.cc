@@ -430,33 +430,101 @@ TEST(RouterDataSocketTest, ABurstOfFirstCallsSharesOneConnection) {
   EXPECT_EQ(channel.connections_made(), 1);
 }
 
+// A replica whose ModelMetadata answers only when the test lets it.
+class HeldMetadataReplica : public inference::GRPCInferenceService::Service {
+ public:
+  grpc::Status ModelMetadata(grpc::ServerContext*, const inference::ModelMetadataRequest* req,
+                             inference::ModelMetadataResponse* resp) override {
+    arrived_++;
+    release_.WaitForNotificationWithTimeout(absl::Seconds(30));
+    resp->set_name(req->name());
+    resp->add_versions("1");
+    return grpc::Status::OK;
+  }
+  std::atomic<int> arrived_{0};
+  absl::Notification release_;
+};
+
+// ModelMetadata is passed to the replica without holding one of the router's threads while
+// the replica answers: with many metadata calls held at a slow replica, the router still
+// answers other calls, and each held call gets the replica's answer once it comes.
+TEST(RouterTest, ModelMetadataWaitsForTheReplicaWithoutHoldingTheRouter) {
+  HeldMetadataReplica replica;
+  int port = 0;
+  auto server = Serve(&replica, &port);
+  ASSERT_GT(port, 0);
+  auto router = StartRouter({{"m.0", "1", "127.0.0.1:" + std::to_string(port), "", true, ""}});
+  ASSERT_NE(router, nullptr);
+  auto stub = RouterStub(*router);
+  constexpr int kHeld = 48;
+  struct Call {
+    grpc::ClientContext ctx;
+    inference::ModelMetadataRequest req;
+    inference::ModelMetadataResponse resp;
+    grpc::Status status;
+    absl::Notification done;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  for (int i = 0; i < kHeld; ++i) {
+    auto c = std::make_unique<Call>();
+    c->req.set_name("encoder");
+    c->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    stub->async()->ModelMetadata(&c->ctx, &c->req, &c->resp, [p = c.get()](grpc::Status s) {
+      p->status = s;
+      p->done.Notify();
+    });
+    calls.push_back(std::move(c));
+  }
+  for (int i = 0; i < 3000 && replica.arrived_.load() < kHeld; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(replica.arrived_.load(), kHeld) << "every call reaches the replica while held";
+  grpc::ClientContext live_ctx;
+  live_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  inference::ServerLiveResponse live;
+  EXPECT_TRUE(stub->ServerLive(&live_ctx, {}, &live).ok());
+  EXPECT_TRUE(live.live());
+  for (const auto& c : calls) EXPECT_FALSE(c->done.HasBeenNotified());
+  replica.release_.Notify();
+  for (const auto& c : calls) {
+    ASSERT_TRUE(c->done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    EXPECT_TRUE(c->status.ok()) << c->status.error_message();
+    EXPECT_EQ(c->resp.name(), "encoder");
+  }
+  router->Stop();
+  server->Shutdown();
+}
+
 // A channel that busy-polls for answers: each call gets its own answer whether it comes inside
-// the spin window or long after it, a call past its deadline still fails at the deadline, and
-// the spinning itself happened (and only while a slot was free).
+// the spin window (quick answers; windows of 20 ms) or long after it (answers of 60 ms, which
+// the channel sleeps for), a call past its deadline still fails at the deadline, some answers
+// were found by spinning, and every spinner gave its slot back.
 TEST(RouterDataSocketTest, ABusyPollingChannelAnswersEveryCallAndKeepsDeadlines) {
   std::string path = TempSocket("p");
-  std::atomic<int> served{0};
   FakeDataSocket replica(path, [&](const inference::ModelInferRequest& req) {
     if (req.id() == "silent") return std::make_pair(-2, std::string());
-    // Every third answer comes well after the window (the channel sleeps for it).
-    if (served++ % 3 == 2) absl::SleepFor(absl::Milliseconds(5));
+    if (req.id().rfind("slow", 0) == 0) absl::SleepFor(absl::Milliseconds(60));
     inference::ModelInferResponse r;
     r.set_id(req.id());
     return std::make_pair(0, r.SerializeAsString());
   });
   auto slots = std::make_shared<SpinSlots>(1);
-  DataChannel channel(path, /*spin_window_micros=*/200, slots);
-  for (int i = 0; i < 30; ++i) {
-    CallOutcome call;
+  DataChannel channel(path, /*spin_window_micros=*/20000, slots);
+  auto call = [&](const std::string& id) {
+    CallOutcome out;
     inference::ModelInferRequest req = EncoderRequest();
-    req.set_id("q" + std::to_string(i));
-    channel.Call(req, 0, &call.response, call.Callback());
-    ASSERT_TRUE(call.done.WaitForNotificationWithTimeout(absl::Seconds(30))) << i;
-    ASSERT_TRUE(call.status.ok()) << i << ": " << call.status.error_message();
-    EXPECT_EQ(call.response.id(), "q" + std::to_string(i));
-  }
+    req.set_id(id);
+    channel.Call(req, 0, &out.response, out.Callback());
+    ASSERT_TRUE(out.done.WaitForNotificationWithTimeout(absl::Seconds(30))) << id;
+    ASSERT_TRUE(out.status.ok()) << id << ": " << out.status.error_message();
+    EXPECT_EQ(out.response.id(), id);
+  };
+  for (int i = 0; i < 20; ++i) call("quick" + std::to_string(i));
   EXPECT_GT(channel.spins(), 0u);
-  EXPECT_EQ(slots->free(), 1);  // every spinner gave its slot back
+  EXPECT_GT(channel.spin_answers(), 0u);
+  for (int i = 0; i < 3; ++i) call("slow" + std::to_string(i));
+  call("quick-again");
+  EXPECT_EQ(slots->free(), 1);
   CallOutcome late;
   inference::ModelInferRequest silent = EncoderRequest();
   silent.set_id("silent");

@@ -177,6 +177,7 @@ TEST_F(RealLauncherTest, AnAdoptedProcessesExitIsAnnouncedOnce) {
   ASSERT_TRUE(other.Adopt(first).ok());
   std::atomic<int> announced{0};
   other.NotifyAdoptedExits([&] { announced++; });
+  usleep(20000);  // the watcher is asleep on `first` alone when `second` is adopted
   const pid_t second = SpawnSleep();
   ASSERT_TRUE(other.Adopt(second).ok());
   usleep(20000);
