@@ -17,12 +17,14 @@
 #include "agent/admin_server.h"
 #include "agent/assignment_file.h"
 #include "agent/controller_client.h"
+#include "agent/cpu_allocator.h"
 #include "agent/fake_gpu_driver.h"
 #include "agent/nvml_driver.h"
 #include "agent/router.h"
 #include "common/filesystem.h"
 #include "common/http_server.h"
 #include "common/logging.h"
+#include "common/pinning.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 #include "warm_pool/pool_plan.h"
@@ -144,6 +146,9 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
   if (o.reserved_cpus < 0 || o.reserved_cpus > 64) {
     return absl::InvalidArgumentError("--reserved-cpus: must be in 0..64");
   }
+  if (o.start_timeout < absl::ZeroDuration() || o.start_timeout > absl::Hours(24)) {
+    return absl::InvalidArgumentError("--start-timeout-ms: must be in 0..86400000");
+  }
   if (o.router_busy_poll_us < 0 || o.router_busy_poll_us > 100000) {
     return absl::InvalidArgumentError("--router-busy-poll-us: must be in 0..100000");
   }
@@ -245,6 +250,7 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   so.runtime_binary = options_.runtime_binary;
   so.state_dir = options_.state_dir;
   so.stop_timeout = options_.stop_timeout;
+  so.start_timeout = options_.start_timeout;
   so.reserved_cpus = options_.reserved_cpus;
   so.fake_gpus = t.fake_gpus;
   so.runtime_log_level = options_.runtime_log_level;
@@ -714,6 +720,23 @@ void Agent::UpdatePower() {
   }
 }
 
+void Agent::PinAgent() {
+  const std::set<int> held = supervisor_->HeldCpus();
+  std::vector<int> want = AgentCpus(topology_.allowed_cpus, held,
+                                    AgentReservedCpus(topology_, options_.reserved_cpus));
+  if (want == agent_cpus_) return;
+  agent_cpus_ = want;  // a failure is logged once per change, not retried every pass
+  if (absl::Status s = PinThisProcess(want, -1); !s.ok()) {
+    Log()->warn("cannot keep the agent's threads on cpus {}: {}", FormatCpuList(want),
+                std::string(s.message()));
+    return;
+  }
+  Log()->info("agent threads on cpus {} (replicas hold {})", FormatCpuList(want),
+              FormatCpuList(std::vector<int>(held.begin(), held.end())));
+  absl::MutexLock lock(&cpus_mu_);
+  agent_cpus_text_ = FormatCpuList(want);
+}
+
 void Agent::Loop() {
   uint64_t watchdog_usec = 0;
   bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0;
@@ -748,6 +771,7 @@ void Agent::Loop() {
           BuildRouterTable(routing_, *supervisor_->Snapshot(), options_.node_name)));
     }
     UpdatePower();
+    PinAgent();
     // Ready (/readyz, systemd's READY=1): an assignment is applied and, once since the agent
     // started, every replica settled (in its assigned state, crash-looping or held off a bad
     // GPU), so a rolling update waits for a restarted node's replicas. From then on it stays
@@ -830,6 +854,10 @@ void Agent::Stop() {
 
 std::string Agent::ReplicasJson() const {
   nlohmann::json out = {{"node", options_.node_name}, {"ready", ready()}, {"converged", converged()}, {"replicas", nlohmann::json::array()}};
+  {
+    absl::MutexLock lock(&cpus_mu_);
+    out["agent_cpus"] = agent_cpus_text_;
+  }
   auto snapshot = supervisor_->Snapshot();
   for (const auto& v : *snapshot) {
     out["replicas"].push_back({{"id", v.spec.replica_id()},

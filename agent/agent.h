@@ -51,6 +51,8 @@ struct AgentOptions {
   int router_busy_poll_threads = 1;
   absl::Duration tick = absl::Milliseconds(100);
   absl::Duration stop_timeout = absl::Seconds(30);
+  // A replica not WARM within this long of its start is killed and restarted (0 = no limit).
+  absl::Duration start_timeout = absl::Minutes(10);
   bool stop_replicas_on_exit = false;
   std::string runtime_log_level = "info";
   // Pre-started runtimes kept ready per GPU (--prestart-per-gpu) and for CPU replicas
@@ -135,6 +137,9 @@ class Agent {
   absl::Status Persist(const std::string& name, const google::protobuf::Message& m);
   void Reload();
   void UpdatePower();
+  // Keeps the agent's own threads off the replicas' CPUs (AgentCpus), re-pinned when they
+  // change.
+  void PinAgent();
 
   const AgentOptions options_;
   Clock* clock_;
@@ -169,6 +174,9 @@ class Agent {
   v1::RoutingTable routing_;  // loop thread only (set before the loop starts)
   std::map<int, GpuLoad> gpu_load_;  // loop thread only
   std::map<int, PowerRetry> power_retry_;  // loop thread only: GPUs whose change failed
+  std::vector<int> agent_cpus_;             // loop thread only: as last pinned
+  mutable absl::Mutex cpus_mu_;
+  std::string agent_cpus_text_ ABSL_GUARDED_BY(cpus_mu_);  // for /v1/replicas
   int64_t generation_ = 0;           // loop thread only
   std::atomic<bool> ready_{false};
   std::atomic<bool> converged_{false};

@@ -17,6 +17,16 @@ std::vector<int> AgentReservedCpus(const Topology& topology, int reserved) {
   return out;
 }
 
+std::vector<int> AgentCpus(const std::vector<int>& allowed, const std::set<int>& held,
+                           const std::vector<int>& reserved) {
+  std::vector<int> out;
+  for (int c : allowed) {
+    if (!held.count(c)) out.push_back(c);
+  }
+  if (!out.empty()) return out;
+  return reserved.empty() ? allowed : reserved;
+}
+
 namespace {
 
 std::vector<int> Free(const std::vector<int>& candidates, const std::set<int>& in_use,

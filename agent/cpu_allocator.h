@@ -27,4 +27,11 @@ std::vector<int> AgentReservedCpus(const Topology& topology, int reserved);
 absl::StatusOr<CpuAssignment> AllocateCpus(const Topology& topology, const std::set<int>& in_use,
                                            const std::vector<int>& reserved, int gpu, int count);
 
+// The CPUs the agent's own threads (router, loop, admin) run on: the allowed CPUs no replica
+// holds, so replicas' sets stay exclusive of the agent too. When replicas hold them all: the
+// CPUs reserved for the agent, and with none reserved every allowed CPU (nothing is left to
+// keep apart).
+std::vector<int> AgentCpus(const std::vector<int>& allowed, const std::set<int>& held,
+                           const std::vector<int>& reserved);
+
 }  // namespace kiln

@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   o.runtime_binary = ec ? "kiln-runtime" : (self.parent_path() / "kiln-runtime").string();
   int tick_ms = 100;
   int stop_timeout_ms = 30000;
+  int64_t start_timeout_ms = 600000;
 
   CLI::App app{"kiln-agent: runs a node's model replicas"};
   app.add_option("--node-name", o.node_name, "This node's name")->capture_default_str();
@@ -59,6 +60,10 @@ int main(int argc, char** argv) {
                  "At most this many of the router's readers spin at once, each on a CPU (0 = off)")
       ->capture_default_str();
   app.add_option("--tick-ms", tick_ms, "Supervision period")->capture_default_str();
+  app.add_option("--start-timeout-ms", start_timeout_ms,
+                 "A replica not WARM (loaded, warmed up) this long after its start is killed and "
+                 "restarted with backoff (0 = no limit)")
+      ->capture_default_str();
   app.add_option("--stop-timeout-ms", stop_timeout_ms, "Drain deadline before a replica is killed")
       ->capture_default_str();
   app.add_flag("--stop-replicas-on-exit", o.stop_replicas_on_exit,
@@ -88,6 +93,7 @@ int main(int argc, char** argv) {
   o.labels = *parsed_labels;
   o.tick = absl::Milliseconds(tick_ms);
   o.stop_timeout = absl::Milliseconds(stop_timeout_ms);
+  o.start_timeout = absl::Milliseconds(start_timeout_ms);
 
   // SIGCHLD: a replica's exit wakes the loop.
   if (!kiln::InstallSignalPipe({SIGTERM, SIGINT, SIGHUP, SIGCHLD})) {

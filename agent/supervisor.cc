@@ -5,11 +5,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include <google/protobuf/util/json_util.h>
 
@@ -61,6 +64,28 @@ bool MoveLog(const std::string& from, const std::string& to) {
   }
   fs::rename(from, to, ec);
   return !ec;
+}
+
+// Logs of replicas that are gone are kept, this many at most (the newest), under logs/removed/:
+// a controller names each placement anew, so keeping every one would fill the disk over
+// rollouts, and dropping them at once would lose what a failed canary said.
+constexpr size_t kRemovedLogsKept = 64;
+
+void RetireLog(const std::string& log_file) {
+  if (log_file.empty()) return;
+  std::error_code ec;
+  const fs::path dir = fs::path(log_file).parent_path() / "removed";
+  fs::create_directories(dir, ec);
+  for (const std::string& f : {log_file, log_file + ".1"}) {
+    if (fs::exists(f, ec)) MoveLog(f, (dir / fs::path(f).filename()).string());
+  }
+  std::vector<std::pair<fs::file_time_type, fs::path>> kept;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    kept.emplace_back(fs::last_write_time(e.path(), ec), e.path());
+  }
+  if (kept.size() <= kRemovedLogsKept) return;
+  std::sort(kept.begin(), kept.end());  // oldest first
+  for (size_t i = 0; i + kRemovedLogsKept < kept.size(); ++i) fs::remove(kept[i].second, ec);
 }
 
 }  // namespace
@@ -186,6 +211,9 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
     if (existing && !existing->removing &&
         (existing->spec.model() != s.model() || existing->spec.version() != s.version() ||
          existing->spec.gpu() != s.gpu() || existing->spec.cpus() != s.cpus())) {
+      // The repository may change under a running replica (a controller's deployment points
+      // at a new one for a new version while the old version's replicas run on): the process
+      // keeps what it loaded, and a restart reads the new one.
       return absl::InvalidArgumentError("replica " + s.replica_id() +
                                         ": model, version, gpu or cpus changed; a changed "
                                         "replica needs a new id");
@@ -238,6 +266,11 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
 
 absl::Status Supervisor::Launch(Replica& r) {
   const v1::ReplicaSpec& s = r.spec;
+  if (s.gpu() >= static_cast<int>(topology_.gpus.size())) {
+    return absl::FailedPreconditionError("gpu " + std::to_string(s.gpu()) +
+                                         " does not exist on this node (" +
+                                         std::to_string(topology_.gpus.size()) + " GPUs)");
+  }
   // Named by the id, unless another replica still listens there (one renamed away from this
   // id keeps its socket).
   r.socket = options_.state_dir + "/sockets/" + s.replica_id() + ".sock";
@@ -303,6 +336,8 @@ absl::Status Supervisor::Launch(Replica& r) {
   r.last_used = clock_->Now();
   r.client = clients_->Connect(r.socket);
   OnStart(r.crashes, clock_->Now());
+  r.start_timed_out = false;
+  r.gpu_drain = false;
   log_("replica " + s.replica_id() + ": " + (handed ? "handed pre-started" : "started") +
        " pid " + std::to_string(r.pid) + " (" + s.model() +
        " v" + s.version() + " on " + Device(s) + ", cpus " + FormatCpuList(r.cpus.cpus) +
@@ -591,6 +626,7 @@ void Supervisor::SetGpuHealth(int gpu, bool healthy, const std::string& reason) 
         (void)launcher_->Signal(r.pid, SIGTERM);  // drain, then it exits
         r.phase = Phase::kStopping;
         r.due = clock_->Now() + options_.stop_timeout;
+        r.gpu_drain = true;
         log_("replica " + id + ": draining off unhealthy gpu " + std::to_string(gpu));
       }
     } else if (r.held) {
@@ -623,6 +659,15 @@ void Supervisor::HandleExit(const ProcessExit& e) {
     r.client.reset();
     r.grpc_port = r.http_port = 0;
     r.data_socket.clear();
+    if (std::exchange(r.gpu_drain, false) && !r.held && !r.removing) {
+      // Drained off its GPU, which was healthy again before it exited: not a crash.
+      log_("replica " + r.spec.replica_id() + ": stopped (" + ExitText(e.status) +
+           "); its GPU is healthy again, starting it again");
+      r.phase = Phase::kPending;
+      r.due = clock_->Now();
+      r.observed = v1::LIFECYCLE_STATE_UNSPECIFIED;
+      return;
+    }
     if (r.held && !r.removing) {
       log_("replica " + r.spec.replica_id() + ": stopped (" + ExitText(e.status) +
            "); not restarted while its GPU is unhealthy");
@@ -635,7 +680,10 @@ void Supervisor::HandleExit(const ProcessExit& e) {
       std::error_code ec;
       fs::remove(r.socket, ec);
       fs::remove(DataSocketOf(r.socket), ec);
-      if (!Readd(r)) replicas_.erase(it);
+      if (!Readd(r)) {
+        RetireLog(r.log_file);
+        replicas_.erase(it);
+      }
       return;
     }
     RestartDecision d = OnCrash(r.crashes, clock_->Now(), options_.restart);
@@ -656,8 +704,26 @@ void Supervisor::HandleExit(const ProcessExit& e) {
 
 void Supervisor::Observe(Replica& r) {
   if (!r.client) return;
-  auto st = r.client->GetState();
   absl::Time now = clock_->Now();
+  if (r.phase == Phase::kStarting && r.pid > 0 && options_.start_timeout > absl::ZeroDuration() &&
+      now - r.crashes.last_start >= options_.start_timeout) {
+    if (!r.start_timed_out) {
+      r.start_timed_out = true;
+      r.last_error = "not WARM within " + absl::FormatDuration(options_.start_timeout);
+      log_("replica " + r.spec.replica_id() + ": " + r.last_error + " of its start; killing pid " +
+           std::to_string(r.pid));
+    }
+    (void)launcher_->Signal(r.pid, SIGKILL);  // its exit restarts it, with backoff
+    return;
+  }
+  // Out of a crash loop once it has run as long as resets the backoff.
+  if (r.crash_loop && r.phase == Phase::kRunning &&
+      now - r.crashes.last_start >= options_.restart.healthy_reset) {
+    r.crash_loop = false;
+    log_("replica " + r.spec.replica_id() + ": running for " +
+         absl::FormatDuration(now - r.crashes.last_start) + "; no longer in a crash loop");
+  }
+  auto st = r.client->GetState();
   if (!st.ok()) {
     if (r.phase == Phase::kRunning) {
       if (r.control_ok) {
@@ -869,15 +935,38 @@ absl::Status Supervisor::Recover() {
     }
     pid_t pid = e["pid"].get<pid_t>();
     std::string socket = e["socket"].get<std::string>();
-    v1::ReplicaSpec spec;
-    if (!google::protobuf::util::JsonStringToMessage(e["spec"].dump(), &spec).ok()) continue;
-    // A non-empty string field of the entry, else `fallback` (an older state file lacks it).
+    // A non-empty string field of the entry, else `fallback` (an older state file lacks it);
+    // an integer field, else `fallback`. A field of the wrong type counts as absent.
     auto text_or = [&e](const char* key, const std::string& fallback) {
       auto it = e.find(key);
       return it != e.end() && it->is_string() && !it->get<std::string>().empty()
                  ? it->get<std::string>()
                  : fallback;
     };
+    auto int_or = [&e](const char* key, int fallback) {
+      auto it = e.find(key);
+      return it != e.end() && it->is_number_integer() ? it->get<int>() : fallback;
+    };
+    v1::ReplicaSpec spec;
+    google::protobuf::util::JsonParseOptions parse;
+    parse.ignore_unknown_fields = true;  // written by a newer agent: what this one knows
+    const bool spec_ok =
+        google::protobuf::util::JsonStringToMessage(e["spec"].dump(), &spec, parse).ok();
+    const bool gpu_ok = spec.gpu() < static_cast<int>(topology_.gpus.size());
+    if (!spec_ok || !gpu_ok) {
+      // Not adoptable, but it may be ours and running: stopped, never left without an owner
+      // (the assignment starts the replica again where it can).
+      const std::string launch = text_or("launch_socket", socket);
+      const bool ours = launcher_->Alive(pid) &&
+                        launcher_->CommandLine(pid).find(launch) != std::string::npos;
+      if (ours) (void)launcher_->Signal(pid, SIGKILL);
+      log_("state file: replica entry for pid " + std::to_string(pid) + " not adoptable (" +
+           (spec_ok ? "gpu " + std::to_string(spec.gpu()) + " does not exist on this node (" +
+                          std::to_string(topology_.gpus.size()) + " GPUs)"
+                    : std::string("its spec cannot be read")) +
+           ")" + (ours ? "; stopped it" : ""));
+      continue;
+    }
     // The pid must still be our runtime: its command line names its control socket (a
     // pre-started runtime's own, when it was handed this replica).
     const std::string launch_socket = text_or("launch_socket", socket);
@@ -906,14 +995,14 @@ absl::Status Supervisor::Recover() {
     if (!launcher_->Adopt(pid).ok()) continue;
     Replica r;
     r.spec = spec;
-    auto cpus = ParseCpuList(e.value("cpus", ""), "state file cpus");
+    auto cpus = ParseCpuList(text_or("cpus", ""), "state file cpus");
     if (cpus.ok()) r.cpus.cpus = *cpus;
-    r.cpus.memory_node = e.value("memory_node", -1);
+    r.cpus.memory_node = int_or("memory_node", -1);
     r.pid = pid;
     r.socket = socket;
     r.launch_socket = launch_socket;
     r.launched_as = launched_as;
-    r.log_file = e.value("log", "");
+    r.log_file = text_or("log", "");
     r.client = std::move(client);
     r.phase = Phase::kRunning;
     r.observed = st->state();
@@ -921,7 +1010,7 @@ absl::Status Supervisor::Recover() {
     r.http_port = st->http_port();
     r.data_socket = st->data_socket();
     r.device_memory_bytes = st->device_memory_bytes();
-    r.restarts = e.value("restarts", 0);
+    r.restarts = int_or("restarts", 0);
     r.adopted = true;
     r.control_ok = true;
     r.last_answer = clock_->Now();
@@ -966,10 +1055,17 @@ void Supervisor::RecoverPrestarted(const json& doc) {
     const pid_t pid = e["pid"].get<pid_t>();
     Prestarted p;
     p.gpu = e["gpu"].get<int>();
-    p.numa_node = e.value("numa_node", -1);
-    p.gpu_uuid = e.value("gpu_uuid", "");
+    // Fields of the wrong type count as absent (a hand-edited or damaged file).
+    auto text_or = [&e](const char* key) {
+      auto it = e.find(key);
+      return it != e.end() && it->is_string() ? it->get<std::string>() : std::string();
+    };
+    p.numa_node = e.contains("numa_node") && e["numa_node"].is_number_integer()
+                      ? e["numa_node"].get<int>()
+                      : -1;
+    p.gpu_uuid = text_or("gpu_uuid");
     p.socket = e["socket"].get<std::string>();
-    p.log_file = e.value("log", "");
+    p.log_file = text_or("log");
     if (e.contains("env") && e["env"].is_array()) {
       for (const auto& v : e["env"]) {
         if (v.is_string()) p.env.push_back(v.get<std::string>());
@@ -988,12 +1084,14 @@ void Supervisor::RecoverPrestarted(const json& doc) {
     // Still the pool it was started for: a GPU that is the same physical one (indexes can
     // change across reboots and hardware changes).
     std::string why;
-    if (e.value("stopping", false)) {
+    if (e.contains("stopping") && e["stopping"].is_boolean() && e["stopping"].get<bool>()) {
       why = "it was being stopped";
     } else if (!waiting) {
       why = "not waiting for a Load";
     } else if (PoolTarget(pools, p.key()) <= 0) {
       why = "no pool for it";
+    } else if (p.gpu >= static_cast<int>(topology_.gpus.size())) {
+      why = "gpu " + std::to_string(p.gpu) + " does not exist on this node";
     } else if (p.gpu >= 0 && topology_.gpus[p.gpu].identity.uuid != p.gpu_uuid) {
       why = "gpu " + std::to_string(p.gpu) + " is now another GPU";
     } else if (!launcher_->Adopt(pid).ok()) {
@@ -1013,6 +1111,12 @@ void Supervisor::RecoverPrestarted(const json& doc) {
     log_("pre-started runtime " + name + ": adopted pid " + std::to_string(pid));
     prestarted_.emplace(name, std::move(p));
   }
+}
+
+std::set<int> Supervisor::HeldCpus() const {
+  std::set<int> held;
+  for (const auto& [id, r] : replicas_) held.insert(r.cpus.cpus.begin(), r.cpus.cpus.end());
+  return held;
 }
 
 std::shared_ptr<const std::vector<ReplicaView>> Supervisor::Snapshot() const {

@@ -56,6 +56,10 @@ struct SupervisorOptions {
   int prestart_cpu = 0;
   // A pre-started runtime not ready within this long is killed (and replaced, with backoff).
   absl::Duration prestart_timeout = absl::Seconds(120);
+  // A replica not WARM (loaded and warmed up) within this long of its start is killed and
+  // restarted with backoff: a load stuck on a hung device or a stalled model store would
+  // otherwise hold its CPUs and the node's readiness for ever. 0 = no limit.
+  absl::Duration start_timeout = absl::Minutes(10);
 };
 
 // One pre-started runtime waiting for a replica.
@@ -130,6 +134,9 @@ class Supervisor {
   // The replicas as last published. Keep the returned pointer while reading: iterating
   // `*Snapshot()` directly lets the vector be freed mid-loop when a newer one is published.
   std::shared_ptr<const std::vector<ReplicaView>> Snapshot() const;
+  // The CPUs the replicas hold (each replica's exclusive set, from its assignment until it
+  // is gone).
+  std::set<int> HeldCpus() const;
   // Stops every pre-started runtime and keeps the pool empty (the agent stopping its
   // replicas on exit).
   void StopPrestarted();
@@ -173,6 +180,8 @@ class Supervisor {
     CpuAssignment readd_cpus;
     bool adopted = false;
     bool held = false;  // stopped because its GPU is unhealthy
+    bool start_timed_out = false;  // killed for not reaching WARM in time (logged once)
+    bool gpu_drain = false;        // SIGTERMed to drain off its unhealthy GPU
     bool waiting_for_cpus = false;  // its CPUs are still held by a replica on its way out
     absl::Time last_answer;
     absl::Time last_used;

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -27,9 +28,11 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/server_builder.h>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/cpu_list.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
@@ -413,6 +416,46 @@ TEST_F(AgentTest, AReplicasExitIsSeenAtOnceWhateverTheTick) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_NE(log.find(seen), std::string::npos) << log;
+}
+
+// The agent's own threads keep off the CPUs its replicas hold, so a replica's set is exclusive
+// of the router's and the loop's work too: listed in /v1/replicas and applied to every thread.
+TEST_F(AgentTest, TheAgentsThreadsKeepOffItsReplicasCpus) {
+  cpu_set_t mine;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(mine), &mine), 0);
+  if (CPU_COUNT(&mine) < 2) GTEST_SKIP() << "needs two CPUs: one for the replica, one left";
+  WriteAssignment("replicas:\n" + Replica("s0", "WARM"));
+  StartAgent();
+  json j = WaitFor([&](const json& j) { return Find(j, "s0")["state"] == "WARM"; }, "WARM");
+  auto replica_cpus = ParseCpuList(Find(j, "s0")["cpus"].get<std::string>(), "cpus");
+  ASSERT_TRUE(replica_cpus.ok()) << j.dump();
+  j = WaitFor([&](const json& j) { return !j["agent_cpus"].get<std::string>().empty(); },
+              "agent cpus");
+  auto agent_cpus = ParseCpuList(j["agent_cpus"].get<std::string>(), "agent_cpus");
+  ASSERT_TRUE(agent_cpus.ok()) << j.dump();
+  for (int c : *replica_cpus) {
+    EXPECT_EQ(std::count(agent_cpus->begin(), agent_cpus->end(), c), 0)
+        << "the agent runs on its replica's cpu " << c << ": " << j.dump();
+  }
+  // Every thread of the agent's (bounded poll: the log line comes after the last one is set).
+  auto all_pinned = [&]() {
+    std::error_code ec;
+    int threads = 0;
+    for (const auto& t : fs::directory_iterator("/proc/" + std::to_string(pid_) + "/task", ec)) {
+      std::string status = ReadFile(t.path().string() + "/status");
+      size_t at = status.find("Cpus_allowed_list:");
+      if (at == std::string::npos) continue;  // the thread ended meanwhile
+      size_t end = status.find('\n', at);
+      std::string list(absl::StripAsciiWhitespace(status.substr(at + 18, end - at - 18)));
+      auto cpus = ParseCpuList(list, "Cpus_allowed_list");
+      if (!cpus.ok() || *cpus != *agent_cpus) return false;
+      threads++;
+    }
+    return threads > 0;
+  };
+  bool pinned = false;
+  for (int i = 0; i < 500 && !(pinned = all_pinned()); ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(pinned) << "a thread of the agent's is not on cpus " << j["agent_cpus"];
 }
 
 // A replica adopted from an earlier agent is not this agent's child (no SIGCHLD): its exit is
@@ -1057,6 +1100,7 @@ TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
       {{"--router-busy-poll-us", "-5"}, "--router-busy-poll-us: must be in 0..100000"},
       {{"--router-busy-poll-us", "200000"}, "--router-busy-poll-us: must be in 0..100000"},
       {{"--router-busy-poll-threads", "65"}, "--router-busy-poll-threads: must be in 0..64"},
+      {{"--start-timeout-ms", "-1"}, "--start-timeout-ms: must be in 0..86400000"},
   };
   for (const auto& c : cases) {
     std::string cmd = std::string(KILN_AGENT_BIN) + " --runtime-binary " + KILN_RUNTIME_BIN +

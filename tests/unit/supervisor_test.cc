@@ -3,6 +3,7 @@
 
 #include <signal.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -11,6 +12,7 @@
 #include "agent/fake_runtime_client.h"
 #include "agent/router.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/support/shell.h"
 
 namespace kiln {
@@ -336,6 +338,50 @@ TEST_F(SupervisorTest, AnUnhealthyGpuIsDrainedAndTakesNoReplicasUntilHealthy) {
   sup_->Tick();
   EXPECT_EQ(launcher_.launches().size(), 4u);  // a and c start again
   EXPECT_EQ(View("a")->restarts, 0);           // a drain is not a crash
+}
+
+// A GPU healthy again before its replica finished draining off it: the replica's exit is not
+// a crash (no restart counted, no backoff), and it starts again at once.
+TEST_F(SupervisorTest, AGpuHealthyAgainMidDrainDoesNotCountTheExitAsACrash) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t a = View("a")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1");
+  sup_->Tick();
+  sup_->SetGpuHealth(0, false, "Xid 79: GPU has fallen off the bus");
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGTERM}}));
+  sup_->SetGpuHealth(0, true, "");  // before the replica exits
+  launcher_.ExitCode(a, 0);
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), 2u);  // started again, no backoff
+  EXPECT_EQ(View("a")->restarts, 0);
+  EXPECT_FALSE(View("a")->crash_loop);
+}
+
+// A removed replica's log is kept under logs/removed/, the newest 64 at most.
+TEST_F(SupervisorTest, RemovedReplicasLogsAreKeptBoundedUnderRemoved) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t a = View("a")->pid;
+  const fs::path logs = dir_ / "logs";
+  fs::create_directories(logs / "removed");
+  { std::ofstream(logs / "a.log") << "a's last words\n"; }
+  for (int i = 0; i < 70; ++i) {
+    const fs::path old = logs / "removed" / ("old-" + std::to_string(i) + ".log");
+    { std::ofstream(old) << i; }
+    fs::last_write_time(old, fs::file_time_type::clock::now() - std::chrono::hours(100 - i));
+  }
+  ASSERT_TRUE(sup_->Apply(Assignment({}, 2)).ok());
+  launcher_.ExitCode(a, 0);
+  sup_->Tick();
+  EXPECT_EQ(View("a"), nullptr);
+  EXPECT_FALSE(fs::exists(logs / "a.log"));
+  EXPECT_EQ(kiln::testing::ReadFile((logs / "removed" / "a.log").string()), "a's last words\n");
+  size_t kept = 0;
+  for (const auto& e : fs::directory_iterator(logs / "removed")) kept += e.is_regular_file();
+  EXPECT_EQ(kept, 64u);
+  EXPECT_FALSE(fs::exists(logs / "removed" / "old-0.log"));  // the oldest went
+  EXPECT_TRUE(fs::exists(logs / "removed" / "old-69.log"));
 }
 
 TEST_F(SupervisorTest, UnderAControllerAnUnhealthyGpusReplicasServeUntilMoved) {
@@ -917,6 +963,114 @@ TEST_F(PrestartTest, AdoptionKeepsOnlyWhatThePoolsWantOnTheSameGpus) {
   }
   EXPECT_EQ(per_gpu[0], 1);
   EXPECT_EQ(per_gpu[1], 1);
+}
+
+// A replica that never reaches WARM (a load hung on its device or its model store) is killed
+// at the start timeout and restarted with backoff, instead of holding its CPUs and the node's
+// readiness for ever.
+TEST_F(SupervisorTest, AReplicaNotWarmInTimeIsKilledAndRestarted) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t a = View("a")->pid;
+  runtimes_.Set(Socket("a"), v1::LOADING, "enc", "1");  // answers, but stays LOADING
+  clock_.Advance(options_.start_timeout - absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_TRUE(launcher_.signals().empty());
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGKILL}}));
+  EXPECT_NE(View("a")->last_error.find("not WARM within"), std::string::npos);
+  launcher_.Exit(a, SIGKILL);
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), 2u);  // restarted after its backoff
+  EXPECT_NE(View("a")->pid, a);
+}
+
+// A crash loop is reported while it lasts, not for ever: a replica that has run as long as
+// resets the backoff (10 minutes) is out of it.
+TEST_F(SupervisorTest, ACrashLoopEndsOnceTheReplicaRunsLongEnough) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  for (int crash = 0; crash < 6; ++crash) {
+    launcher_.Exit(View("a")->pid, SIGKILL);
+    sup_->Tick();
+    size_t before = launcher_.launches().size();
+    for (int s = 0; s < 120 && launcher_.launches().size() == before; ++s) {
+      clock_.Advance(absl::Seconds(1));
+      sup_->Tick();
+    }
+  }
+  ASSERT_TRUE(View("a")->crash_loop);
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1");
+  sup_->Tick();
+  clock_.Advance(absl::Minutes(9));
+  sup_->Tick();
+  EXPECT_TRUE(View("a")->crash_loop);
+  clock_.Advance(absl::Minutes(1));
+  sup_->Tick();
+  EXPECT_FALSE(View("a")->crash_loop);
+}
+
+// State file entries a newer agent wrote (fields this one does not know) are adopted; fields
+// of the wrong type count as absent; an entry whose spec cannot be read is not adopted, and its
+// process, when it is ours, is stopped rather than left running with no owner.
+TEST_F(SupervisorTest, RecoveryReadsNewerEntriesAndStopsWhatItCannotAdopt) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", -1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t a = View("a")->pid, b = View("b")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 7001);
+  runtimes_.Set(Socket("b"), v1::SERVING, "enc", "1", 7002);
+  sup_->Tick();
+  sup_.reset();
+  const std::string path = dir_.string() + "/replicas.json";
+  nlohmann::json doc = nlohmann::json::parse(kiln::testing::ReadFile(path));
+  for (auto& e : doc["replicas"]) {
+    if (e["pid"] == a) {
+      e["spec"]["fieldOfANewerAgent"] = 3;
+      e["log"] = nullptr;
+      e["memory_node"] = "zero";
+      e["restarts"] = "many";
+    } else {
+      e["spec"]["gpu"] = "the first";
+    }
+  }
+  { std::ofstream(path) << doc.dump(); }
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  ASSERT_NE(View("a"), nullptr);
+  EXPECT_EQ(View("a")->pid, a);
+  EXPECT_TRUE(View("a")->adopted);
+  EXPECT_EQ(View("b"), nullptr);
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{b, SIGKILL}}));
+}
+
+// A replica on a GPU the node no longer shows (the driver stopped answering after an upgrade,
+// say) is not adopted, and its process is stopped; the agent does not crash on it.
+TEST_F(SupervisorTest, RecoveryStopsReplicasOfAGpuTheNodeNoLongerHas) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 1, v1::SERVING), Spec("c", -1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t a = View("a")->pid, c = View("c")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 7001);
+  runtimes_.Set(Socket("c"), v1::SERVING, "enc", "1", 7003);
+  sup_->Tick();
+  sup_.reset();
+  Topology no_gpus = TwoNodeTopology();
+  no_gpus.gpus.clear();
+  sup_ = std::make_unique<Supervisor>(options_, no_gpus, &launcher_, &runtimes_, &clock_,
+                                      [this](const std::string& s) { log_.push_back(s); },
+                                      &prober_);
+  ASSERT_TRUE(sup_->Recover().ok());
+  EXPECT_EQ(View("a"), nullptr);
+  ASSERT_NE(View("c"), nullptr);
+  EXPECT_EQ(View("c")->pid, c);
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGKILL}}));
+  sup_->Tick();  // nothing indexes a GPU that is not there
+  // The saved assignment, applied again, is refused with the reason.
+  absl::Status s = sup_->Apply(Assignment({Spec("a", 1, 1, v1::SERVING), Spec("c", -1, 1, v1::SERVING)}, 2));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("does not exist"), std::string::npos) << s;
 }
 
 }  // namespace
