@@ -7,6 +7,35 @@
 
 namespace kiln {
 
+namespace {
+
+// Answers one request. A callback that throws (out of memory while encoding its reply, say)
+// must not take the executor or the caller's thread with it: the request is lost to its
+// caller's own error handling, and the batcher goes on.
+void Answer(Batcher::Item& item, absl::StatusOr<std::vector<Tensor>> result) {
+  try {
+    item.done(std::move(result));
+  } catch (const std::exception& e) {
+    GetLogger("batcher")->error("a request's reply failed: {}", e.what());
+  } catch (...) {
+    GetLogger("batcher")->error("a request's reply failed");
+  }
+}
+
+// Runs `fn`; an exception becomes an INTERNAL error naming `what`.
+template <typename F>
+auto Guarded(const char* what, F fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    return absl::InternalError(std::string(what) + ": " + e.what());
+  } catch (...) {
+    return absl::InternalError(std::string(what) + " failed");
+  }
+}
+
+}  // namespace
+
 BatchPolicy MakeBatchPolicy(const ModelConfig& config) {
   BatchPolicy p;
   if (config.max_batch_size > 0 && config.dynamic_batching) {
@@ -172,7 +201,10 @@ Batcher::Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, 
       executor_(std::move(executor)),
       clock_(clock),
       observer_(std::move(observer)) {
-  thread_ = std::thread([this] { Loop(); });
+  thread_ = std::thread([this] {
+    executor_id_ = std::this_thread::get_id();
+    Loop();
+  });
   reaper_ = std::thread([this] { Reap(); });
 }
 
@@ -217,7 +249,7 @@ void Batcher::Reap() {
       }
     }
     for (auto& item : expired) {
-      item.done(absl::DeadlineExceededError("the request timed out in the queue"));
+      Answer(item, absl::DeadlineExceededError("the request timed out in the queue"));
     }
   }
 }
@@ -236,7 +268,7 @@ absl::Status Batcher::Enqueue(Item item) {
   }
   // The fast path: nothing to wait for and nobody to batch with, run here.
   if (item.deadline <= clock_->Now()) {
-    item.done(absl::DeadlineExceededError("the request timed out in the queue"));
+    Answer(item, absl::DeadlineExceededError("the request timed out in the queue"));
   } else {
     std::vector<Item> one;
     one.push_back(std::move(item));
@@ -278,8 +310,14 @@ queue_it:
 }
 
 absl::Status Batcher::RunOnExecutor(std::function<void()> fn) {
-  if (std::this_thread::get_id() == thread_.get_id()) {  // already there (it would wait on itself)
-    fn();
+  if (std::this_thread::get_id() == executor_id_.load()) {  // already there (it would wait on itself)
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      return absl::InternalError(e.what());
+    } catch (...) {
+      return absl::InternalError("an exception");
+    }
     return absl::OkStatus();
   }
   Task task;
@@ -319,7 +357,7 @@ void Batcher::Stop() {
     for (Task* t : tasks_) t->done = true;  // not run
     tasks_.clear();
   }
-  for (auto& item : left) item.done(absl::UnavailableError("the model is shutting down"));
+  for (auto& item : left) Answer(item, absl::UnavailableError("the model is shutting down"));
 }
 
 void Batcher::Loop() {
@@ -378,7 +416,7 @@ void Batcher::Loop() {
       if (!batch.empty()) executing_ = true;
     }
     for (auto& item : expired) {
-      item.done(absl::DeadlineExceededError("the request timed out in the queue"));
+      Answer(item, absl::DeadlineExceededError("the request timed out in the queue"));
     }
     if (!batch.empty()) {
       Run(std::move(batch));
@@ -397,36 +435,38 @@ void Batcher::Run(std::vector<Item> items) {
     inputs.push_back(&item.inputs);
     total += item.rows;
   }
-  absl::StatusOr<std::vector<std::vector<Tensor>>> split;
-  auto batched = ConcatBatch(inputs);
-  if (!batched.ok()) {
-    split = batched.status();
-  } else {
-    auto outputs = executor_(std::move(*batched));
-    if (!outputs.ok()) {
-      split = outputs.status();
-    } else if (items.size() == 1) {
-      split = std::vector<std::vector<Tensor>>{std::move(*outputs)};
-    } else {
-      split = SplitBatch(*outputs, rows);
-    }
-  }
+  // Nothing thrown here leaves Run: the caller resets the executing flag after it, and an
+  // escaped exception would leave the batcher waiting on an execution that never ends.
+  absl::StatusOr<std::vector<std::vector<Tensor>>> split =
+      Guarded("the batch", [&]() -> absl::StatusOr<std::vector<std::vector<Tensor>>> {
+        auto batched = ConcatBatch(inputs);
+        if (!batched.ok()) return batched.status();
+        auto outputs = executor_(std::move(*batched));
+        if (!outputs.ok()) return outputs.status();
+        if (items.size() == 1) return std::vector<std::vector<Tensor>>{std::move(*outputs)};
+        return SplitBatch(*outputs, rows);
+      });
   if (observer_) observer_(static_cast<int64_t>(items.size()), total);
   if (!split.ok() && items.size() > 1) {
     // One bad request (an out-of-range token, say) must not fail the requests it was batched
-    // with: run each alone so only the bad one gets the error.
+    // with: run each alone so only the bad one gets the error. One whose deadline passed
+    // meanwhile is answered as timed out instead.
     for (auto& item : items) {
-      auto alone = executor_(item.inputs);
+      if (item.deadline <= clock_->Now()) {
+        Answer(item, absl::DeadlineExceededError("the request timed out in the queue"));
+        continue;
+      }
+      auto alone = Guarded("the request", [&] { return executor_(item.inputs); });
       if (observer_) observer_(1, item.rows);
-      item.done(std::move(alone));
+      Answer(item, std::move(alone));
     }
     return;
   }
   for (size_t r = 0; r < items.size(); ++r) {
     if (split.ok()) {
-      items[r].done(std::move((*split)[r]));
+      Answer(items[r], std::move((*split)[r]));
     } else {
-      items[r].done(split.status());
+      Answer(items[r], split.status());
     }
   }
 }

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -131,6 +132,8 @@ class Batcher {
   bool executing_ ABSL_GUARDED_BY(mu_) = false;  // one execution at a time, either path
   int64_t deadlined_ ABSL_GUARDED_BY(mu_) = 0;   // queued requests with a deadline
   std::thread thread_;
+  // The executor thread's id, set by the thread itself (read without racing a join).
+  std::atomic<std::thread::id> executor_id_{};
   std::thread reaper_;
 };
 

@@ -1,5 +1,6 @@
 #include "runtime/grpc_frontend.h"
 
+#include <chrono>
 #include <cstring>
 #include <limits>
 
@@ -332,6 +333,22 @@ grpc::ServerUnaryReactor* GrpcInferenceService::ModelInfer(grpc::CallbackServerC
     host_->CountRefused();
     reactor->Finish(ToGrpcStatus(decoded.status()));
     return reactor;
+  }
+  // The caller's gRPC deadline bounds the request's timeout, as the data socket does: a
+  // request its caller gave up on leaves the queue then instead of running for nobody.
+  const auto deadline = ctx->deadline();
+  if (deadline != std::chrono::system_clock::time_point::max()) {
+    const int64_t left = std::chrono::duration_cast<std::chrono::microseconds>(
+                             deadline - std::chrono::system_clock::now())
+                             .count();
+    if (left <= 0) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                   "the request's deadline passed before it was queued"));
+      return reactor;
+    }
+    if (decoded->timeout_micros == 0 || decoded->timeout_micros > left) {
+      decoded->timeout_micros = left;
+    }
   }
   const bool raw = req->raw_input_contents_size() > 0;
   // Request parameters are echoed back.

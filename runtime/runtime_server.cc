@@ -195,7 +195,12 @@ absl::Status RuntimeServer::Load() {
       device_memory_bytes_.load() / 1048576.0);
   KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kWarm, "loaded and warmed up"));
   if (options_.initial_state == "serving") {
-    KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kServing, "--initial-state=serving"));
+    absl::Status serving = lifecycle_.Transition(RuntimeState::kServing, "--initial-state=serving");
+    // A Drain or Shutdown that came once it was WARM is a stop, not a failed start.
+    const RuntimeState now = lifecycle_.state();
+    if (!serving.ok() && now != RuntimeState::kDraining && now != RuntimeState::kStopped) {
+      return serving;
+    }
   }
   // CUDA graphs are captured while the replica already counts as WARM (and may be promoted):
   // shapes not captured yet run eagerly until their graph exists.
@@ -269,7 +274,9 @@ absl::Status RuntimeServer::Demote() {
 absl::StatusOr<bool> RuntimeServer::Drain(absl::Duration deadline) {
   RuntimeState s = lifecycle_.state();
   if (s != RuntimeState::kDraining) {
-    KILN_RETURN_IF_ERROR(lifecycle_.Transition(RuntimeState::kDraining, "drain requested"));
+    absl::Status moved = lifecycle_.Transition(RuntimeState::kDraining, "drain requested");
+    // Another Drain (or SIGTERM) may have moved it there between the look and the move.
+    if (!moved.ok() && lifecycle_.state() != RuntimeState::kDraining) return moved;
   }
   InferenceEngine* engine = host_.engine();
   if (!engine) return true;
@@ -340,7 +347,9 @@ void RuntimeServer::Stop() {
   }
   prepare_cancel_ = true;
   RuntimeState s = lifecycle_.state();
-  if (s == RuntimeState::kWarm || s == RuntimeState::kServing) {
+  // Draining already (an agent's Drain under way): its in-flight and queued work still gets
+  // the drain deadline before anything is failed.
+  if (s == RuntimeState::kWarm || s == RuntimeState::kServing || s == RuntimeState::kDraining) {
     (void)Drain(options_.drain_timeout);
   }
   if (prepare_thread_.joinable()) prepare_thread_.join();

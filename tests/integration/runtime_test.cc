@@ -675,6 +675,39 @@ TEST(RuntimeTest, SigtermDrainsThenExitsCleanly) {
   EXPECT_NE(rt->Log().find("DRAINING -> STOPPED"), std::string::npos);
 }
 
+// SIGTERM while an agent's Drain waits: the queued work still gets the drain deadline (it is
+// served), rather than being failed because the runtime was already DRAINING.
+TEST(RuntimeTest, SigtermDuringADrainStillDrains) {
+  auto rt = StartRuntime("slow");
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  auto long_call = std::async(std::launch::async,
+                              [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
+  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
+  auto queued = std::async(std::launch::async, [&]() { return Infer(stub.get(), SlowRequest(1)); });
+  ASSERT_TRUE(WaitExecuting(rt.get(), 2, 1));
+  auto drain = std::async(std::launch::async, [&]() {
+    grpc::ClientContext ctx;
+    v1::DrainRequest dreq;
+    dreq.set_deadline_millis(60000);
+    v1::DrainResponse dresp;
+    return rt->control()->Drain(&ctx, dreq, &dresp);
+  });
+  for (int i = 0; i < 500; ++i) {  // bounded: until the Drain has begun
+    auto st = rt->GetState();
+    if (st.ok() && st->state() == v1::DRAINING) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  rt->Signal(SIGTERM);
+  EXPECT_TRUE(long_call.get().ok());
+  grpc::Status q = queued.get();
+  EXPECT_TRUE(q.ok()) << q.error_message();
+  (void)drain.get();  // ends with the process, either way
+  auto exit = rt->WaitExit(absl::Seconds(30));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << rt->Log();
+}
+
 TEST(RuntimeTest, FullQueueIsResourceExhaustedAndTimeoutsExpire) {
   auto rt = StartRuntime("slow");  // max_queue_size: 4
   ASSERT_NE(rt, nullptr);
@@ -707,6 +740,34 @@ TEST(RuntimeTest, FullQueueIsResourceExhaustedAndTimeoutsExpire) {
   auto stats = Stats(rt.get());
   EXPECT_EQ(stats.rejected_queue_full(), 2u);
   EXPECT_EQ(stats.timed_out(), 1u);
+}
+
+// A gRPC caller's deadline bounds its request's time in the queue, as a `timeout` parameter
+// does: behind a long execution, the request leaves the queue at the deadline (counted as
+// timed out) instead of running afterwards for a caller that gave up.
+TEST(RuntimeTest, AGrpcDeadlineBoundsTheQueueWait) {
+  auto rt = StartRuntime("slow");
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  const uint64_t batches_before = Stats(rt.get()).batches();
+  auto long_call = std::async(std::launch::async,
+                              [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
+  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+  inference::ModelInferResponse resp;
+  grpc::Status s = stub->ModelInfer(&ctx, SlowRequest(1), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  EXPECT_TRUE(long_call.get().ok());
+  // Bounded poll: the server's own expiry is counted when the reaper answers it.
+  v1::RuntimeStats stats;
+  for (int i = 0; i < 300; ++i) {
+    stats = Stats(rt.get());
+    if (stats.timed_out() == 1u) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(stats.timed_out(), 1u);
+  EXPECT_EQ(stats.batches(), batches_before + 1) << "the abandoned request ran after the long one";
 }
 
 TEST(RuntimeTest, RestTimeoutIs504) {

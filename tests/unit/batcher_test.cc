@@ -1,7 +1,10 @@
 #include "runtime/batcher.h"
 
+#include <atomic>
 #include <cstring>
+#include <new>
 #include <stdexcept>
+#include <thread>
 
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
@@ -335,6 +338,52 @@ TEST(BatcherTest, ALoneRequestOnAnIdleModelRunsOnTheCallersThread) {
   EXPECT_TRUE(done);  // already answered when Enqueue returns
   EXPECT_EQ(ran_on, std::this_thread::get_id());
   (*batcher)->Stop();
+}
+
+// An execution or a reply that throws (out of memory, say) answers its request INTERNAL and
+// leaves the batcher serving: inline on the caller's thread and on the executor thread alike;
+// Stop still returns.
+TEST(BatcherTest, AThrowingExecutionOrReplyLeavesTheBatcherServing) {
+  for (bool one_thread : {false, true}) {
+    SCOPED_TRACE(one_thread ? "executor thread" : "inline");
+    RealClock clock;
+    ModelConfig config = BatchingConfig(0);
+    config.dynamic_batching.reset();
+    std::atomic<bool> throw_next{true};
+    auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+      if (throw_next.exchange(false)) throw std::bad_alloc();
+      Tensor y = in[0];
+      y.name = "y";
+      return std::vector<Tensor>{y};
+    };
+    auto batcher = Batcher::Create(config, exec, &clock, nullptr, one_thread);
+    ASSERT_TRUE(batcher.ok());
+    struct Outcome {
+      absl::Notification done;
+      absl::Status status;
+    };
+    auto send = [&](Outcome* out, bool reply_throws) {
+      Batcher::Item it;
+      it.inputs = {Make("x", {1, 1}, {5})};
+      it.done = [out, reply_throws](absl::StatusOr<std::vector<Tensor>> r) {
+        out->status = r.status();
+        out->done.Notify();
+        if (reply_throws) throw std::runtime_error("the reply could not be encoded");
+      };
+      return (*batcher)->Enqueue(std::move(it));
+    };
+    Outcome first, second, third;
+    ASSERT_TRUE(send(&first, false).ok());
+    ASSERT_TRUE(first.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    EXPECT_EQ(first.status.code(), absl::StatusCode::kInternal) << first.status;
+    ASSERT_TRUE(send(&second, /*reply_throws=*/true).ok());
+    ASSERT_TRUE(second.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    EXPECT_TRUE(second.status.ok()) << second.status;
+    ASSERT_TRUE(send(&third, false).ok());
+    ASSERT_TRUE(third.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    EXPECT_TRUE(third.status.ok()) << third.status;
+    (*batcher)->Stop();
+  }
 }
 
 // A batcher made with one_thread runs even a lone request on an idle model on its executor
