@@ -579,6 +579,7 @@ void Supervisor::BeginStop(Replica& r, const std::string& why) {
     (void)launcher_->Signal(r.pid, SIGTERM);  // the runtime drains, then exits
     r.phase = Phase::kStopping;
     r.due = clock_->Now() + options_.stop_timeout;
+    state_dirty_ = true;  // the drain and its deadline are saved
     log_("replica " + r.spec.replica_id() + ": stopping (" + why + "), pid " + std::to_string(r.pid));
   } else if (r.phase != Phase::kStopping) {
     r.phase = Phase::kFailed;  // never running: nothing to stop
@@ -903,6 +904,11 @@ absl::Status Supervisor::WriteStateFile() {
                                {"restarts", r.restarts},
                                {"last_used_unix_ms", absl::ToUnixMillis(r.last_used)},
                                {"spec", json::parse(spec)}});
+    // A drain under way outlives the agent: the next one goes on with it, to the same
+    // deadline (an agent restart neither doubles it nor takes the replica back).
+    if (r.removing && r.phase == Phase::kStopping) {
+      doc["replicas"].back()["stopping_until_unix_ms"] = absl::ToUnixMillis(r.due);
+    }
   }
   doc["prestarted"] = json::array();
   for (const auto& [name, p] : prestarted_) {
@@ -1020,8 +1026,16 @@ absl::Status Supervisor::Recover() {
       r.last_used = std::min(r.last_used, absl::FromUnixMillis(e["last_used_unix_ms"].get<int64_t>()));
     }
     OnStart(r.crashes, clock_->Now());
+    const auto stopping = e.find("stopping_until_unix_ms");
+    if (stopping != e.end() && stopping->is_number_integer()) {
+      // It was draining: it goes on draining (the SIGTERM was sent), killed at its deadline.
+      r.removing = true;
+      r.phase = Phase::kStopping;
+      r.due = std::min(absl::FromUnixMillis(stopping->get<int64_t>()),
+                       clock_->Now() + options_.stop_timeout);
+    }
     log_("replica " + spec.replica_id() + ": adopted pid " + std::to_string(pid) + " (" +
-         v1::LifecycleState_Name(r.observed) + ")");
+         v1::LifecycleState_Name(r.observed) + (r.removing ? ", draining" : "") + ")");
     replicas_.emplace(spec.replica_id(), std::move(r));
   }
   RecoverPrestarted(doc);

@@ -1013,6 +1013,40 @@ TEST_F(SupervisorTest, ACrashLoopEndsOnceTheReplicaRunsLongEnough) {
   EXPECT_FALSE(View("a")->crash_loop);
 }
 
+// A drain under way when the agent restarts goes on under the next agent: to the same
+// deadline (not a fresh one), and a replica assigned again with another shape while it drained
+// (to start once it is gone) does not get the saved assignment refused.
+TEST_F(SupervisorTest, ADrainOutlivesAnAgentRestart) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t a = View("a")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1");
+  sup_->Tick();
+  ASSERT_TRUE(sup_->Apply(Assignment({}, 2)).ok());  // removed: it drains
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGTERM}}));
+  const v1::Assignment again = Assignment({Spec("a", 0, 2, v1::SERVING)}, 3);  // another shape
+  ASSERT_TRUE(sup_->Apply(again).ok());
+  clock_.Advance(absl::Seconds(6));
+  sup_->Tick();
+  sup_.reset();  // the agent restarts mid-drain
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  ASSERT_NE(View("a"), nullptr);
+  EXPECT_EQ(View("a")->pid, a);
+  EXPECT_EQ(View("a")->phase, "STOPPING");
+  ASSERT_TRUE(sup_->Apply(again).ok()) << "the saved assignment is refused";
+  sup_->Tick();
+  EXPECT_EQ(launcher_.signals().size(), 1u);  // no second SIGTERM
+  clock_.Advance(absl::Seconds(4));  // the first agent's 10 s deadline
+  sup_->Tick();
+  EXPECT_EQ(launcher_.signals().back(), std::make_pair(a, SIGKILL));
+  launcher_.Exit(a, SIGKILL);
+  sup_->Tick();
+  ASSERT_EQ(launcher_.launches().size(), 2u);  // started again, as assigned now
+  EXPECT_EQ(launcher_.launches().back().cpus.size(), 2u);
+  EXPECT_EQ(View("a")->restarts, 0);
+}
+
 // State file entries a newer agent wrote (fields this one does not know) are adopted; fields
 // of the wrong type count as absent; an entry whose spec cannot be read is not adopted, and its
 // process, when it is ours, is stopped rather than left running with no owner.
