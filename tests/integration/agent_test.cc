@@ -797,6 +797,28 @@ TEST_F(AgentTest, RestartingTheAgentUnderLoadFailsNoRequestThroughItsRouter) {
   close(http_socket);
 }
 
+// The router with busy-polling on (off by default) serves through the data socket as it does
+// without it: lone calls and several at once, every one answered, none by a gRPC hop.
+TEST_F(AgentTest, ABusyPollingRouterServesEveryCall) {
+  extra_args_ = {"--router-busy-poll-us", "1000"};
+  WriteAssignment("replicas:\n" + Replica("s0", "SERVING"));
+  StartAgent();
+  WaitFor([&](const json& j) { return Find(j, "s0")["state"] == "SERVING"; }, "SERVING");
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(Infer(router_grpc_).ok()) << i;
+  std::vector<std::thread> clients;
+  std::atomic<int> failed{0};
+  for (int t = 0; t < 4; ++t) {
+    clients.emplace_back([&] {
+      for (int i = 0; i < 10; ++i) failed += Infer(router_grpc_).ok() ? 0 : 1;
+    });
+  }
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(failed.load(), 0);
+  std::string metrics = Get("/metrics").second;
+  EXPECT_NE(metrics.find("transport=\"data_socket\"} 60\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("transport=\"grpc\"} 0\n"), std::string::npos) << metrics;
+}
+
 TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {
   std::string v1 = "  - {id: a1, model: encoder, version: \"1\", repository: " + kRepo +
                    ", cpus: 1, state: SERVING}\n";
