@@ -722,8 +722,7 @@ void Agent::UpdatePower() {
 
 void Agent::PinAgent() {
   const std::set<int> held = supervisor_->HeldCpus();
-  std::vector<int> want = AgentCpus(topology_.allowed_cpus, held,
-                                    AgentReservedCpus(topology_, options_.reserved_cpus));
+  std::vector<int> want = AgentCpus(topology_.allowed_cpus, held, supervisor_->reserved_cpus());
   if (want == agent_cpus_) return;
   agent_cpus_ = want;  // a failure is logged once per change, not retried every pass
   if (absl::Status s = PinThisProcess(want, -1); !s.ok()) {

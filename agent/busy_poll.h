@@ -50,6 +50,7 @@ class SpinSlots {
 struct BusyPollPolicy {
   int64_t window_micros = 0;
   int slots = 0;
+  bool on() const { return window_micros > 0 && slots > 0; }
 };
 
 }  // namespace kiln

@@ -67,8 +67,8 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
 
 Router::Router(Options options)
     : options_(std::move(options)),
-      spin_slots_(std::make_shared<SpinSlots>(
-          options_.busy_poll.window_micros > 0 ? options_.busy_poll.slots : 0)) {}
+      spin_slots_(std::make_shared<SpinSlots>(options_.busy_poll.on() ? options_.busy_poll.slots
+                                                                      : 0)) {}
 
 void Router::SetTable(std::shared_ptr<const RouterTable> table) {
   std::vector<std::shared_ptr<DataChannel>> gone;  // destroyed below, outside the lock
@@ -175,9 +175,8 @@ std::shared_ptr<DataChannel> Router::ChannelFor(const std::string& path) {
   if (channels_closed_) return nullptr;
   auto& channel = channels_[path];
   if (!channel) {
-    const bool spin = options_.busy_poll.window_micros > 0 && options_.busy_poll.slots > 0;
-    channel = std::make_shared<DataChannel>(path, spin ? options_.busy_poll.window_micros : 0,
-                                            spin_slots_);
+    channel = std::make_shared<DataChannel>(
+        path, options_.busy_poll.on() ? options_.busy_poll.window_micros : 0, spin_slots_);
   }
   return channel;
 }

@@ -66,6 +66,24 @@ bool MoveLog(const std::string& from, const std::string& to) {
   return !ec;
 }
 
+// State-file fields: a non-empty string, else `fallback` (an older file lacks it); an integer,
+// else `fallback`; a boolean, else false. A field of the wrong type counts as absent (a
+// hand-edited or damaged file).
+std::string TextOr(const json& e, const char* key, const std::string& fallback = "") {
+  auto it = e.find(key);
+  return it != e.end() && it->is_string() && !it->get<std::string>().empty()
+             ? it->get<std::string>()
+             : fallback;
+}
+int IntOr(const json& e, const char* key, int fallback) {
+  auto it = e.find(key);
+  return it != e.end() && it->is_number_integer() ? it->get<int>() : fallback;
+}
+bool FlagSet(const json& e, const char* key) {
+  auto it = e.find(key);
+  return it != e.end() && it->is_boolean() && it->get<bool>();
+}
+
 // Logs of replicas that are gone are kept, this many at most (the newest), under logs/removed/:
 // a controller names each placement anew, so keeping every one would fill the disk over
 // rollouts, and dropping them at once would lose what a failed canary said.
@@ -941,18 +959,11 @@ absl::Status Supervisor::Recover() {
     }
     pid_t pid = e["pid"].get<pid_t>();
     std::string socket = e["socket"].get<std::string>();
-    // A non-empty string field of the entry, else `fallback` (an older state file lacks it);
-    // an integer field, else `fallback`. A field of the wrong type counts as absent.
-    auto text_or = [&e](const char* key, const std::string& fallback) {
-      auto it = e.find(key);
-      return it != e.end() && it->is_string() && !it->get<std::string>().empty()
-                 ? it->get<std::string>()
-                 : fallback;
-    };
-    auto int_or = [&e](const char* key, int fallback) {
-      auto it = e.find(key);
-      return it != e.end() && it->is_number_integer() ? it->get<int>() : fallback;
-    };
+    // The pid must still be our runtime: its command line names its control socket (a
+    // pre-started runtime's own, when it was handed this replica).
+    const std::string launch_socket = TextOr(e, "launch_socket", socket);
+    const bool ours = launcher_->Alive(pid) &&
+                      launcher_->CommandLine(pid).find(launch_socket) != std::string::npos;
     v1::ReplicaSpec spec;
     google::protobuf::util::JsonParseOptions parse;
     parse.ignore_unknown_fields = true;  // written by a newer agent: what this one knows
@@ -962,9 +973,6 @@ absl::Status Supervisor::Recover() {
     if (!spec_ok || !gpu_ok) {
       // Not adoptable, but it may be ours and running: stopped, never left without an owner
       // (the assignment starts the replica again where it can).
-      const std::string launch = text_or("launch_socket", socket);
-      const bool ours = launcher_->Alive(pid) &&
-                        launcher_->CommandLine(pid).find(launch) != std::string::npos;
       if (ours) (void)launcher_->Signal(pid, SIGKILL);
       log_("state file: replica entry for pid " + std::to_string(pid) + " not adoptable (" +
            (spec_ok ? "gpu " + std::to_string(spec.gpu()) + " does not exist on this node (" +
@@ -973,14 +981,9 @@ absl::Status Supervisor::Recover() {
            ")" + (ours ? "; stopped it" : ""));
       continue;
     }
-    // The pid must still be our runtime: its command line names its control socket (a
-    // pre-started runtime's own, when it was handed this replica).
-    const std::string launch_socket = text_or("launch_socket", socket);
     NotePrestartName(launch_socket);
     // The id the process itself was given (a renamed pool member's first one).
-    const std::string launched_as = text_or("launched_as", spec.replica_id());
-    std::string cmdline = launcher_->CommandLine(pid);
-    bool ours = launcher_->Alive(pid) && cmdline.find(launch_socket) != std::string::npos;
+    const std::string launched_as = TextOr(e, "launched_as", spec.replica_id());
     auto client = clients_->Connect(socket);
     absl::StatusOr<v1::RuntimeState> st =
         ours ? client->GetState() : absl::StatusOr<v1::RuntimeState>(absl::NotFoundError("gone"));
@@ -1001,14 +1004,14 @@ absl::Status Supervisor::Recover() {
     if (!launcher_->Adopt(pid).ok()) continue;
     Replica r;
     r.spec = spec;
-    auto cpus = ParseCpuList(text_or("cpus", ""), "state file cpus");
+    auto cpus = ParseCpuList(TextOr(e, "cpus"), "state file cpus");
     if (cpus.ok()) r.cpus.cpus = *cpus;
-    r.cpus.memory_node = int_or("memory_node", -1);
+    r.cpus.memory_node = IntOr(e, "memory_node", -1);
     r.pid = pid;
     r.socket = socket;
     r.launch_socket = launch_socket;
     r.launched_as = launched_as;
-    r.log_file = text_or("log", "");
+    r.log_file = TextOr(e, "log");
     r.client = std::move(client);
     r.phase = Phase::kRunning;
     r.observed = st->state();
@@ -1016,7 +1019,7 @@ absl::Status Supervisor::Recover() {
     r.http_port = st->http_port();
     r.data_socket = st->data_socket();
     r.device_memory_bytes = st->device_memory_bytes();
-    r.restarts = int_or("restarts", 0);
+    r.restarts = IntOr(e, "restarts", 0);
     r.adopted = true;
     r.control_ok = true;
     r.last_answer = clock_->Now();
@@ -1069,17 +1072,10 @@ void Supervisor::RecoverPrestarted(const json& doc) {
     const pid_t pid = e["pid"].get<pid_t>();
     Prestarted p;
     p.gpu = e["gpu"].get<int>();
-    // Fields of the wrong type count as absent (a hand-edited or damaged file).
-    auto text_or = [&e](const char* key) {
-      auto it = e.find(key);
-      return it != e.end() && it->is_string() ? it->get<std::string>() : std::string();
-    };
-    p.numa_node = e.contains("numa_node") && e["numa_node"].is_number_integer()
-                      ? e["numa_node"].get<int>()
-                      : -1;
-    p.gpu_uuid = text_or("gpu_uuid");
+    p.numa_node = IntOr(e, "numa_node", -1);
+    p.gpu_uuid = TextOr(e, "gpu_uuid");
     p.socket = e["socket"].get<std::string>();
-    p.log_file = text_or("log");
+    p.log_file = TextOr(e, "log");
     if (e.contains("env") && e["env"].is_array()) {
       for (const auto& v : e["env"]) {
         if (v.is_string()) p.env.push_back(v.get<std::string>());
@@ -1098,7 +1094,7 @@ void Supervisor::RecoverPrestarted(const json& doc) {
     // Still the pool it was started for: a GPU that is the same physical one (indexes can
     // change across reboots and hardware changes).
     std::string why;
-    if (e.contains("stopping") && e["stopping"].is_boolean() && e["stopping"].get<bool>()) {
+    if (FlagSet(e, "stopping")) {
       why = "it was being stopped";
     } else if (!waiting) {
       why = "not waiting for a Load";

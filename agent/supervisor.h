@@ -137,6 +137,8 @@ class Supervisor {
   // The CPUs the replicas hold (each replica's exclusive set, from its assignment until it
   // is gone).
   std::set<int> HeldCpus() const;
+  // The CPUs kept for the agent itself (AgentReservedCpus), never given to a replica.
+  const std::vector<int>& reserved_cpus() const { return reserved_; }
   // Stops every pre-started runtime and keeps the pool empty (the agent stopping its
   // replicas on exit).
   void StopPrestarted();
