@@ -1,7 +1,9 @@
 #include "runtime/batcher.h"
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
+#include <string>
 
 #include "common/logging.h"
 
@@ -9,20 +11,28 @@ namespace kiln {
 
 namespace {
 
+// Runs `fn`; returns what it threw, "" when it threw nothing.
+std::string RunCatching(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception";
+  }
+  return "";
+}
+
 // Answers one request. A callback that throws (out of memory while encoding its reply, say)
 // must not take the executor or the caller's thread with it: the request is lost to its
 // caller's own error handling, and the batcher goes on.
 void Answer(Batcher::Item& item, absl::StatusOr<std::vector<Tensor>> result) {
-  try {
-    item.done(std::move(result));
-  } catch (const std::exception& e) {
-    GetLogger("batcher")->error("a request's reply failed: {}", e.what());
-  } catch (...) {
-    GetLogger("batcher")->error("a request's reply failed");
-  }
+  const std::string thrown = RunCatching([&] { item.done(std::move(result)); });
+  if (!thrown.empty()) GetLogger("batcher")->error("a request's reply failed: {}", thrown);
 }
 
-// Runs `fn`; an exception becomes an INTERNAL error naming `what`.
+// Runs `fn`, which returns a status or a value; an exception becomes an INTERNAL error
+// naming `what`.
 template <typename F>
 auto Guarded(const char* what, F fn) -> decltype(fn()) {
   try {
@@ -32,6 +42,10 @@ auto Guarded(const char* what, F fn) -> decltype(fn()) {
   } catch (...) {
     return absl::InternalError(std::string(what) + " failed");
   }
+}
+
+absl::Status TimedOutInQueue() {
+  return absl::DeadlineExceededError("the request timed out in the queue");
 }
 
 }  // namespace
@@ -249,7 +263,7 @@ void Batcher::Reap() {
       }
     }
     for (auto& item : expired) {
-      Answer(item, absl::DeadlineExceededError("the request timed out in the queue"));
+      Answer(item, TimedOutInQueue());
     }
   }
 }
@@ -268,7 +282,7 @@ absl::Status Batcher::Enqueue(Item item) {
   }
   // The fast path: nothing to wait for and nobody to batch with, run here.
   if (item.deadline <= clock_->Now()) {
-    Answer(item, absl::DeadlineExceededError("the request timed out in the queue"));
+    Answer(item, TimedOutInQueue());
   } else {
     std::vector<Item> one;
     one.push_back(std::move(item));
@@ -311,14 +325,8 @@ queue_it:
 
 absl::Status Batcher::RunOnExecutor(std::function<void()> fn) {
   if (std::this_thread::get_id() == executor_id_.load()) {  // already there (it would wait on itself)
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      return absl::InternalError(e.what());
-    } catch (...) {
-      return absl::InternalError("an exception");
-    }
-    return absl::OkStatus();
+    const std::string thrown = RunCatching(fn);
+    return thrown.empty() ? absl::OkStatus() : absl::InternalError(thrown);
   }
   Task task;
   task.fn = std::move(fn);
@@ -377,16 +385,9 @@ void Batcher::Loop() {
         tasks_.pop_front();
         executing_ = true;
         mu_.Unlock();
-        std::string error;
-        try {
-          task->fn();
-        } catch (const std::exception& e) {
-          error = e.what();
-        } catch (...) {
-          error = "an exception";
-        }
+        std::string error = RunCatching(task->fn);
         mu_.Lock();
-        task->error = error;
+        task->error = std::move(error);
         executing_ = false;
         task->ran = true;
         task->done = true;
@@ -416,7 +417,7 @@ void Batcher::Loop() {
       if (!batch.empty()) executing_ = true;
     }
     for (auto& item : expired) {
-      Answer(item, absl::DeadlineExceededError("the request timed out in the queue"));
+      Answer(item, TimedOutInQueue());
     }
     if (!batch.empty()) {
       Run(std::move(batch));
@@ -453,7 +454,7 @@ void Batcher::Run(std::vector<Item> items) {
     // meanwhile is answered as timed out instead.
     for (auto& item : items) {
       if (item.deadline <= clock_->Now()) {
-        Answer(item, absl::DeadlineExceededError("the request timed out in the queue"));
+        Answer(item, TimedOutInQueue());
         continue;
       }
       auto alone = Guarded("the request", [&] { return executor_(item.inputs); });

@@ -193,15 +193,11 @@ void DataServer::Serve(const std::shared_ptr<Connection>& c, uint64_t tag,
     fail(decoded.status());
     return;
   }
-  if (deadline_unix_micros > 0) {  // the router's caller's deadline bounds the request's timeout
-    int64_t left = deadline_unix_micros - absl::ToUnixMicros(absl::Now());
-    if (left <= 0) {
-      fail(absl::DeadlineExceededError("the request's deadline passed before it was queued"));
-      return;
-    }
-    if (decoded->timeout_micros == 0 || decoded->timeout_micros > left) {
-      decoded->timeout_micros = left;
-    }
+  // The router's caller's deadline bounds the request's timeout.
+  if (absl::Status bounded = BoundTimeoutByDeadline(deadline_unix_micros, &*decoded);
+      !bounded.ok()) {
+    fail(bounded);
+    return;
   }
   const bool raw = req.raw_input_contents_size() > 0;
   auto params = std::make_shared<google::protobuf::Map<std::string, inference::InferParameter>>(

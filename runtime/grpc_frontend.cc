@@ -4,6 +4,8 @@
 #include <cstring>
 #include <limits>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/grpc_status.h"
 #include "common/status.h"
 
@@ -324,6 +326,18 @@ grpc::ServerUnaryReactor* GrpcInferenceService::ModelMetadata(
   return Finish(ctx, ToGrpcStatus(FillModelMetadata(*host_, req->name(), req->version(), resp)));
 }
 
+absl::Status BoundTimeoutByDeadline(int64_t deadline_unix_micros, InferRequest* request) {
+  if (deadline_unix_micros <= 0) return absl::OkStatus();
+  const int64_t left = deadline_unix_micros - absl::ToUnixMicros(absl::Now());
+  if (left <= 0) {
+    return absl::DeadlineExceededError("the request's deadline passed before it was queued");
+  }
+  if (request->timeout_micros == 0 || request->timeout_micros > left) {
+    request->timeout_micros = left;
+  }
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* GrpcInferenceService::ModelInfer(grpc::CallbackServerContext* ctx,
                                                            const inference::ModelInferRequest* req,
                                                            inference::ModelInferResponse* resp) {
@@ -334,20 +348,14 @@ grpc::ServerUnaryReactor* GrpcInferenceService::ModelInfer(grpc::CallbackServerC
     reactor->Finish(ToGrpcStatus(decoded.status()));
     return reactor;
   }
-  // The caller's gRPC deadline bounds the request's timeout, as the data socket does: a
-  // request its caller gave up on leaves the queue then instead of running for nobody.
+  // The caller's gRPC deadline bounds the request's timeout, as the data socket's does.
   const auto deadline = ctx->deadline();
   if (deadline != std::chrono::system_clock::time_point::max()) {
-    const int64_t left = std::chrono::duration_cast<std::chrono::microseconds>(
-                             deadline - std::chrono::system_clock::now())
-                             .count();
-    if (left <= 0) {
-      reactor->Finish(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                                   "the request's deadline passed before it was queued"));
+    absl::Status bounded = BoundTimeoutByDeadline(
+        absl::ToUnixMicros(absl::FromChrono(deadline)), &*decoded);
+    if (!bounded.ok()) {
+      reactor->Finish(ToGrpcStatus(bounded));
       return reactor;
-    }
-    if (decoded->timeout_micros == 0 || decoded->timeout_micros > left) {
-      decoded->timeout_micros = left;
     }
   }
   const bool raw = req->raw_input_contents_size() > 0;
