@@ -484,6 +484,12 @@ void HttpServer::Stop(absl::Duration grace) {
   // next) or is refused.
   auto closed = std::make_shared<std::promise<void>>();
   net::dispatch(s->acceptor.get_executor(), [s, closed] {
+    // Stopping before the port refuses connections: a reply written once a client can see the
+    // stop (a refused connect) says "Connection: close".
+    {
+      absl::MutexLock lock(&s->mu);
+      s->stopping_ = true;
+    }
     beast::error_code ignored;
     s->acceptor.close(ignored);
     s->accept_retry.cancel();
