@@ -14,6 +14,16 @@
 #include "common/grpc_status.h"
 
 namespace kiln {
+namespace {
+
+// A call answered inline.
+grpc::ServerUnaryReactor* Answered(grpc::CallbackServerContext* ctx, const grpc::Status& status) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(status);
+  return reactor;
+}
+
+}  // namespace
 
 absl::StatusOr<absl::Duration> ControlService::Deadline(int64_t millis) const {
   if (millis < 0 || millis > 3'600'000) {
@@ -23,55 +33,113 @@ absl::StatusOr<absl::Duration> ControlService::Deadline(int64_t millis) const {
   return millis == 0 ? default_drain_ : absl::Milliseconds(millis);
 }
 
-grpc::Status ControlService::GetState(grpc::ServerContext*, const v1::GetStateRequest*,
-                                      v1::RuntimeState* resp) {
-  *resp = target_->GetState();
-  return grpc::Status::OK;
+ControlService::~ControlService() {
+  std::list<Worker> workers;
+  {
+    absl::MutexLock lock(&mu_);
+    workers.swap(workers_);
+  }
+  for (Worker& w : workers) w.thread.join();
 }
 
-grpc::Status ControlService::Promote(grpc::ServerContext*, const v1::PromoteRequest*,
-                                     v1::RuntimeState* resp) {
-  absl::Status s = target_->Promote();
-  *resp = target_->GetState();
-  return ToGrpcStatus(s);
+grpc::ServerUnaryReactor* ControlService::Blocking(grpc::CallbackServerContext* ctx,
+                                                   std::function<grpc::Status()> work) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  std::list<Worker> finished;
+  bool refused = false;
+  {
+    absl::MutexLock lock(&mu_);
+    // The workers that are done have returned from their work (or are about to): joined below.
+    for (auto it = workers_.begin(); it != workers_.end();) {
+      auto next = std::next(it);
+      if (it->done) finished.splice(finished.end(), workers_, it);
+      it = next;
+    }
+    refused = workers_.size() >= static_cast<size_t>(kMaxBlockingCalls);
+    if (!refused) {
+      Worker& w = workers_.emplace_back();
+      w.thread = std::thread([this, reactor, work = std::move(work), &w] {
+        grpc::Status status = work();
+        {
+          absl::MutexLock done_lock(&mu_);
+          w.done = true;
+        }
+        reactor->Finish(status);
+      });
+    }
+  }
+  for (Worker& w : finished) w.thread.join();
+  if (refused) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                 "too many control calls in progress (at most " +
+                                     std::to_string(kMaxBlockingCalls) + ")"));
+  }
+  return reactor;
 }
 
-grpc::Status ControlService::Demote(grpc::ServerContext*, const v1::DemoteRequest*,
-                                    v1::RuntimeState* resp) {
+grpc::ServerUnaryReactor* ControlService::GetState(grpc::CallbackServerContext* ctx,
+                                                   const v1::GetStateRequest*,
+                                                   v1::RuntimeState* resp) {
+  *resp = target_->GetState();
+  return Answered(ctx, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* ControlService::Promote(grpc::CallbackServerContext* ctx,
+                                                  const v1::PromoteRequest*,
+                                                  v1::RuntimeState* resp) {
+  // May run a warm-up inference first.
+  return Blocking(ctx, [this, resp] {
+    absl::Status s = target_->Promote();
+    *resp = target_->GetState();
+    return ToGrpcStatus(s);
+  });
+}
+
+grpc::ServerUnaryReactor* ControlService::Demote(grpc::CallbackServerContext* ctx,
+                                                 const v1::DemoteRequest*,
+                                                 v1::RuntimeState* resp) {
   absl::Status s = target_->Demote();
   *resp = target_->GetState();
-  return ToGrpcStatus(s);
+  return Answered(ctx, ToGrpcStatus(s));
 }
 
-grpc::Status ControlService::Drain(grpc::ServerContext*, const v1::DrainRequest* req,
-                                   v1::DrainResponse* resp) {
-  auto deadline = Deadline(req->deadline_millis());
-  if (!deadline.ok()) return ToGrpcStatus(deadline.status());
-  auto drained = target_->Drain(*deadline);
-  if (!drained.ok()) return ToGrpcStatus(drained.status());
-  resp->set_drained(*drained);
-  resp->set_in_flight(target_->InFlight());
-  *resp->mutable_state() = target_->GetState();
-  return grpc::Status::OK;
+grpc::ServerUnaryReactor* ControlService::Drain(grpc::CallbackServerContext* ctx,
+                                                const v1::DrainRequest* req,
+                                                v1::DrainResponse* resp) {
+  return Blocking(ctx, [this, req, resp] {
+    auto deadline = Deadline(req->deadline_millis());
+    if (!deadline.ok()) return ToGrpcStatus(deadline.status());
+    auto drained = target_->Drain(*deadline);
+    if (!drained.ok()) return ToGrpcStatus(drained.status());
+    resp->set_drained(*drained);
+    resp->set_in_flight(target_->InFlight());
+    *resp->mutable_state() = target_->GetState();
+    return grpc::Status::OK;
+  });
 }
 
-grpc::Status ControlService::Stats(grpc::ServerContext*, const v1::StatsRequest*,
-                                   v1::RuntimeStats* resp) {
+grpc::ServerUnaryReactor* ControlService::Stats(grpc::CallbackServerContext* ctx,
+                                                const v1::StatsRequest*, v1::RuntimeStats* resp) {
   *resp = target_->Stats();
-  return grpc::Status::OK;
+  return Answered(ctx, grpc::Status::OK);
 }
 
-grpc::Status ControlService::Shutdown(grpc::ServerContext*, const v1::ShutdownRequest* req,
-                                      v1::ShutdownResponse* resp) {
-  auto deadline = Deadline(req->deadline_millis());
-  if (!deadline.ok()) return ToGrpcStatus(deadline.status());
-  resp->set_drained(target_->Shutdown(*deadline));
-  return grpc::Status::OK;
+grpc::ServerUnaryReactor* ControlService::Shutdown(grpc::CallbackServerContext* ctx,
+                                                   const v1::ShutdownRequest* req,
+                                                   v1::ShutdownResponse* resp) {
+  return Blocking(ctx, [this, req, resp] {
+    auto deadline = Deadline(req->deadline_millis());
+    if (!deadline.ok()) return ToGrpcStatus(deadline.status());
+    resp->set_drained(target_->Shutdown(*deadline));
+    return grpc::Status::OK;
+  });
 }
 
-grpc::Status ControlService::Load(grpc::ServerContext*, const v1::LoadRequest* req,
-                                  v1::LoadResponse*) {
-  return ToGrpcStatus(target_->Load({req->args().begin(), req->args().end()}));
+grpc::ServerUnaryReactor* ControlService::Load(grpc::CallbackServerContext* ctx,
+                                               const v1::LoadRequest* req, v1::LoadResponse*) {
+  return Blocking(ctx, [this, req] {
+    return ToGrpcStatus(target_->Load({req->args().begin(), req->args().end()}));
+  });
 }
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartControlServer(const std::string& path,

@@ -346,6 +346,16 @@ TEST(RuntimeTest, HealthAndMetadataOnBothProtocols) {
   EXPECT_EQ(state->device(), "cpu");
   EXPECT_GT(state->load_time_micros(), 0);
   EXPECT_NE(rt->Log().find("grpc_port=" + std::to_string(rt->grpc_port())), std::string::npos);
+  // Both gRPC servers (inference, control) are on the callback API: no synchronous service
+  // brings gRPC's sync-server threads, which would poll the inference port's reads and hand
+  // every request to another thread.
+  for (const auto& task : std::filesystem::directory_iterator(
+           "/proc/" + std::to_string(rt->pid()) + "/task")) {
+    std::ifstream comm(task.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    EXPECT_EQ(name.rfind("grpcpp_sync", 0), std::string::npos) << "thread " << task.path();
+  }
 }
 
 TEST(RuntimeTest, SixtyFourConcurrentMixedRequestsEachGetTheirOwnAnswer) {

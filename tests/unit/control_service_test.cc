@@ -1,0 +1,228 @@
+// kiln.v1.RuntimeControl on the callback API: a call that blocks (a drain, a model load) runs on
+// a thread of its own, so the quick calls (an agent's health probe: GetState, Stats) still
+// answer meanwhile; blocking calls are bounded; bad arguments are refused naming the field.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <future>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "kiln/v1/runtime_control.grpc.pb.h"
+#include "runtime/control_service.h"
+
+namespace kiln {
+namespace {
+
+// A target whose Drain and Load block until released.
+class HeldTarget : public ControlTarget {
+ public:
+  v1::RuntimeState GetState() override {
+    v1::RuntimeState s;
+    s.set_state(v1::SERVING);
+    s.set_pid(getpid());
+    return s;
+  }
+  absl::Status Promote() override { return absl::OkStatus(); }
+  absl::Status Demote() override { return absl::FailedPreconditionError("cannot demote now"); }
+  absl::StatusOr<bool> Drain(absl::Duration deadline) override {
+    absl::MutexLock lock(&mu_);
+    ++held_;
+    last_deadline_ = deadline;
+    mu_.Await(absl::Condition(&released_));
+    --held_;
+    return true;
+  }
+  v1::RuntimeStats Stats() override {
+    v1::RuntimeStats s;
+    s.set_requests(7);
+    return s;
+  }
+  bool Shutdown(absl::Duration) override { return true; }
+  int64_t InFlight() override { return 0; }
+  absl::Status Load(const std::vector<std::string>& args) override {
+    absl::MutexLock lock(&mu_);
+    ++held_;
+    mu_.Await(absl::Condition(&released_));
+    --held_;
+    return args.empty() ? absl::InvalidArgumentError("--model: required") : absl::OkStatus();
+  }
+
+  int held() {
+    absl::MutexLock lock(&mu_);
+    return held_;
+  }
+  // Bounded poll: true once `n` calls are held.
+  bool WaitHeld(int n) {
+    absl::MutexLock lock(&mu_);
+    auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return held_ >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(10));
+  }
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    released_ = true;
+  }
+  absl::Duration last_deadline() {
+    absl::MutexLock lock(&mu_);
+    return last_deadline_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  int held_ ABSL_GUARDED_BY(mu_) = 0;
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Duration last_deadline_ ABSL_GUARDED_BY(mu_);
+};
+
+class ControlServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("kiln-control-test-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+    service_ = std::make_unique<ControlService>(&target_, absl::Seconds(30));
+    auto server = StartControlServer((dir_ / "c.sock").string(), service_.get());
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    stub_ = v1::RuntimeControl::NewStub(grpc::CreateChannel(
+        "unix:" + (dir_ / "c.sock").string(), grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    target_.Release();
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    server_.reset();
+    service_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  static void Deadline(grpc::ClientContext* ctx, int seconds = 10) {
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  }
+  // A Drain sent from a thread of its own; its status when it returns.
+  std::future<grpc::Status> DrainAsync(int64_t deadline_millis) {
+    return std::async(std::launch::async, [this, deadline_millis] {
+      grpc::ClientContext ctx;
+      Deadline(&ctx, 30);
+      v1::DrainRequest req;
+      req.set_deadline_millis(deadline_millis);
+      v1::DrainResponse resp;
+      grpc::Status s = stub_->Drain(&ctx, req, &resp);
+      if (s.ok() && (!resp.drained() || resp.state().state() != v1::SERVING)) {
+        return grpc::Status(grpc::StatusCode::INTERNAL, "unexpected DrainResponse");
+      }
+      return s;
+    });
+  }
+
+  std::filesystem::path dir_;
+  HeldTarget target_;
+  std::unique_ptr<ControlService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::RuntimeControl::Stub> stub_;
+};
+
+TEST_F(ControlServiceTest, QuickCallsAnswerWhileADrainIsHeld) {
+  std::future<grpc::Status> drain = DrainAsync(2500);
+  ASSERT_TRUE(target_.WaitHeld(1));
+  for (int i = 0; i < 20; ++i) {
+    grpc::ClientContext ctx;
+    Deadline(&ctx, 5);
+    v1::RuntimeState state;
+    ASSERT_TRUE(stub_->GetState(&ctx, {}, &state).ok());
+    EXPECT_EQ(state.state(), v1::SERVING);
+    grpc::ClientContext sctx;
+    Deadline(&sctx, 5);
+    v1::RuntimeStats stats;
+    ASSERT_TRUE(stub_->Stats(&sctx, {}, &stats).ok());
+    EXPECT_EQ(stats.requests(), 7u);
+  }
+  // A refused Demote carries the target's reason.
+  grpc::ClientContext dctx;
+  Deadline(&dctx);
+  v1::RuntimeState state;
+  grpc::Status demoted = stub_->Demote(&dctx, {}, &state);
+  EXPECT_EQ(demoted.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(demoted.error_message(), "cannot demote now");
+  EXPECT_EQ(drain.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  target_.Release();
+  EXPECT_TRUE(drain.get().ok());
+  EXPECT_EQ(target_.last_deadline(), absl::Milliseconds(2500));
+}
+
+TEST_F(ControlServiceTest, BlockingCallsAreBoundedAndTheRestRefusedNotQueued) {
+  std::vector<std::future<grpc::Status>> drains;
+  for (int i = 0; i < ControlService::kMaxBlockingCalls; ++i) drains.push_back(DrainAsync(0));
+  ASSERT_TRUE(target_.WaitHeld(ControlService::kMaxBlockingCalls));
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::LoadRequest load;
+  load.add_args("--model=m");
+  v1::LoadResponse resp;
+  grpc::Status refused = stub_->Load(&ctx, load, &resp);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.error_message().find("too many control calls"), std::string::npos)
+      << refused.error_message();
+  target_.Release();
+  for (auto& d : drains) EXPECT_TRUE(d.get().ok());
+  EXPECT_EQ(target_.last_deadline(), absl::Seconds(30));  // 0 = the service's default
+  // Finished workers are reaped: blocking calls are taken again, and a Load's own error
+  // comes back.
+  for (int i = 0; i < ControlService::kMaxBlockingCalls + 2; ++i) {
+    grpc::ClientContext lctx;
+    Deadline(&lctx);
+    v1::LoadRequest empty;
+    grpc::Status s = stub_->Load(&lctx, empty, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_EQ(s.error_message(), "--model: required");
+  }
+}
+
+TEST_F(ControlServiceTest, ABadDeadlineIsRefusedNamingTheField) {
+  for (int64_t bad : {int64_t{-1}, int64_t{3'600'001}}) {
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    v1::DrainRequest req;
+    req.set_deadline_millis(bad);
+    v1::DrainResponse resp;
+    grpc::Status s = stub_->Drain(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(s.error_message().find("deadline_millis"), std::string::npos) << s.error_message();
+    grpc::ClientContext sctx;
+    Deadline(&sctx);
+    v1::ShutdownRequest sreq;
+    sreq.set_deadline_millis(bad);
+    v1::ShutdownResponse sresp;
+    s = stub_->Shutdown(&sctx, sreq, &sresp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  EXPECT_EQ(target_.held(), 0);
+}
+
+// The service can go while a blocking call still runs: its destructor waits for the worker,
+// which finishes the call.
+TEST_F(ControlServiceTest, StoppingWhileADrainIsHeldFinishesIt) {
+  std::future<grpc::Status> drain = DrainAsync(1000);
+  ASSERT_TRUE(target_.WaitHeld(1));
+  std::thread release([this] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    target_.Release();
+  });
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  server_.reset();
+  service_.reset();
+  release.join();
+  grpc::Status s = drain.get();
+  // Answered, or cancelled by the server's shutdown: never left hanging.
+  EXPECT_TRUE(s.ok() || s.error_code() == grpc::StatusCode::CANCELLED ||
+              s.error_code() == grpc::StatusCode::UNAVAILABLE)
+      << s.error_code() << " " << s.error_message();
+}
+
+}  // namespace
+}  // namespace kiln
