@@ -146,8 +146,16 @@ class Connection : public std::enable_shared_from_this<Connection> {
     net::post(stream_.get_executor(), [self = shared_from_this()] { self->Close(); });
   }
 
-  // From any thread, once per request; dropped once the server has stopped.
+  // From any thread, once per request; dropped once the server has stopped. From the
+  // connection's own strand (a handler that answered inline) the write starts at once, on this
+  // thread, instead of waking another of the server's threads for it.
   void Reply(HttpResponse response) {
+    const auto* strand = stream_.get_executor().target<net::strand<net::io_context::executor_type>>();
+    if (strand != nullptr && strand->running_in_this_thread()) {
+      if (state_->stopped()) return;
+      Write(std::move(response), /*close=*/false);
+      return;
+    }
     absl::MutexLock lock(&state_->mu);
     if (state_->stopped_) return;
     net::post(stream_.get_executor(), [self = shared_from_this(), r = std::move(response)]() mutable {

@@ -64,6 +64,10 @@ void AddRuntimeFlags(CLI::App& app, Flags* f, bool model_required) {
   app.add_option("--replica-id", o.replica_id,
                  "The replica this process runs, as its agent names it (logs, GetState)");
   app.add_option("--threads", o.threads, "Intra-op threads (0 = the config's or LibTorch's)");
+  app.add_option("--http-threads", o.http_threads,
+                 "REST frontend threads (reading, JSON decoding and encoding); more only for "
+                 "JSON-heavy traffic on a replica with CPUs to spare")
+      ->capture_default_str();
   app.add_option("--max-request-bytes", f->max_request,
                  "Largest request payload (bytes, or 64Mi)")
       ->capture_default_str();

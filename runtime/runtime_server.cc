@@ -68,6 +68,10 @@ absl::Status ValidateRuntimeOptions(const RuntimeOptions& o) {
   if (o.threads < 0 || o.threads > 1024) {
     return absl::InvalidArgumentError("--threads: must be in 0..1024");
   }
+  if (o.http_threads < 1 || o.http_threads > 64) {
+    return absl::InvalidArgumentError("--http-threads: must be in 1..64, got " +
+                                      std::to_string(o.http_threads));
+  }
   if (o.max_request_bytes < 1024 || o.max_request_bytes > (2LL << 30)) {
     return absl::InvalidArgumentError("--max-request-bytes: must be in 1Ki..2Gi");
   }
@@ -160,6 +164,7 @@ absl::Status RuntimeServer::StartListening() {
   http.bind_address = options_.bind_address;
   http.port = options_.http_port;
   http.max_request_bytes = options_.max_request_bytes;
+  http.threads = options_.http_threads;
   http.server_version = options_.server_version;
   KILN_ASSIGN_OR_RETURN(http_, HttpFrontend::Start(&host_, http));
   http_port_ = http_->port();

@@ -1264,6 +1264,10 @@ TEST(RuntimeFlagsTest, BadFlagsNameTheFlag) {
       {{"--model-repository", kRepo, "--model", "encoder", "--max-request-bytes", "huge"}, "--max-request-bytes"},
       {{"--model-repository", kRepo, "--model", "encoder", "--log-level", "loud"}, "--log-level"},
       {{"--model-repository", kRepo, "--model", "encoder", "--replica-id", "a/b"}, "--replica-id"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--http-threads", "0"},
+       "--http-threads: must be in 1..64, got 0"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--http-threads", "65"},
+       "--http-threads: must be in 1..64, got 65"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args = {KILN_RUNTIME_BIN};
