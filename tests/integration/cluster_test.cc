@@ -127,9 +127,32 @@ std::pair<int, std::string> Http(const std::string& method, int port, const std:
   }
 }
 
+// What runs of this binary that were killed mid-test (by ctest's timeout, say: no TearDown)
+// left: their directories (kiln-cluster-PID, that PID gone) and every process whose command line
+// names one (controllers, agents, and the runtimes an agent keeps running across its own exit).
+void SweepKilledRuns() {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(fs::temp_directory_path(), ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("kiln-cluster-", 0) != 0) continue;
+    const pid_t owner = static_cast<pid_t>(std::atol(name.c_str() + 13));
+    if (owner <= 0 || owner == getpid() || kill(owner, 0) == 0 || errno != ESRCH) continue;
+    const std::string dir = entry.path().string();
+    for (const auto& proc : fs::directory_iterator("/proc", ec)) {
+      const pid_t pid = static_cast<pid_t>(std::atol(proc.path().filename().c_str()));
+      if (pid <= 0) continue;
+      std::string cmdline = ReadFile(proc.path().string() + "/cmdline");
+      std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+      if (cmdline.find(dir + "/") != std::string::npos) kill(pid, SIGKILL);
+    }
+    fs::remove_all(entry.path(), ec);
+  }
+}
+
 class ClusterTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    SweepKilledRuns();
     dir_ = (fs::temp_directory_path() / ("kiln-cluster-" + std::to_string(getpid()))).string();
     fs::remove_all(dir_);
     fs::create_directories(dir_);
@@ -850,7 +873,9 @@ TEST_F(ClusterTest, ReplicasSpreadAcrossTheZonesTheAgentsReport) {
   json nodes = json::parse(text, nullptr, false);
   ASSERT_FALSE(nodes.is_discarded()) << text;
   for (const auto& n : nodes["items"]) {
-    if (n.value("name", "") == "b1") EXPECT_EQ(n["labels"].value("rack", ""), "r7") << n.dump();
+    if (n.value("name", "") == "b1") {
+      EXPECT_EQ(n["labels"].value("rack", ""), "r7") << n.dump();
+    }
   }
   // A label that is not one: the agent does not start, and says why.
   kiln::testing::ShellResult bad = kiln::testing::Shell(
@@ -1228,7 +1253,9 @@ TEST_F(ClusterTest, ABadCanaryIsRolledBackByItself) {
   EXPECT_EQ(last_rc_, 0) << out;
   for (const auto& r : nlohmann::json::parse(out)["items"]) {
     EXPECT_NE(r.value("version", ""), "3") << "a version 3 replica is left: " << out;
-    if (r.value("state", "") == "SERVING") EXPECT_GT(r.value("pid", 0), 0) << out;
+    if (r.value("state", "") == "SERVING") {
+      EXPECT_GT(r.value("pid", 0), 0) << out;
+    }
   }
   out = Ctl("get replicas enc -o yaml");
   EXPECT_EQ(last_rc_, 0) << out;
