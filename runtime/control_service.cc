@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <system_error>
 
 #include <grpcpp/server_builder.h>
 
@@ -34,45 +35,68 @@ absl::StatusOr<absl::Duration> ControlService::Deadline(int64_t millis) const {
 }
 
 ControlService::~ControlService() {
+  // The server has stopped: every call is finished, so each worker is past its work.
   std::list<Worker> workers;
   {
     absl::MutexLock lock(&mu_);
     workers.swap(workers_);
   }
-  for (Worker& w : workers) w.thread.join();
+  for (Worker& w : workers) {
+    if (w.thread.joinable()) w.thread.join();
+  }
 }
 
 grpc::ServerUnaryReactor* ControlService::Blocking(grpc::CallbackServerContext* ctx,
-                                                   std::function<grpc::Status()> work) {
+                                                   std::function<grpc::Status()> work,
+                                                   bool bounded) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  std::list<Worker> finished;
-  bool refused = false;
+  std::list<Worker> exited;
+  std::string refused;
   {
     absl::MutexLock lock(&mu_);
-    // The workers that are done have returned from their work (or are about to): joined below.
+    // Workers past their call's Finish: joining them waits only for their return. (A worker
+    // still inside Finish may be running this very call's handler: it is not taken.)
     for (auto it = workers_.begin(); it != workers_.end();) {
       auto next = std::next(it);
-      if (it->done) finished.splice(finished.end(), workers_, it);
+      if (it->exited) exited.splice(exited.end(), workers_, it);
       it = next;
     }
-    refused = workers_.size() >= static_cast<size_t>(kMaxBlockingCalls);
-    if (!refused) {
+    if (bounded && active_ >= kMaxBlockingCalls) {
+      refused = "too many control calls in progress (at most " +
+                std::to_string(kMaxBlockingCalls) + ")";
+    } else {
       Worker& w = workers_.emplace_back();
-      w.thread = std::thread([this, reactor, work = std::move(work), &w] {
-        grpc::Status status = work();
-        {
-          absl::MutexLock done_lock(&mu_);
-          w.done = true;
-        }
-        reactor->Finish(status);
-      });
+      try {
+        // Started under the lock: the worker takes it only once its work is done, by when
+        // w.thread is set.
+        w.thread = std::thread([this, reactor, work = std::move(work), &w] {
+          grpc::Status status;
+          try {
+            status = work();
+          } catch (const std::exception& e) {
+            status = grpc::Status(grpc::StatusCode::INTERNAL,
+                                  std::string("internal error: ") + e.what());
+          } catch (...) {
+            status = grpc::Status(grpc::StatusCode::INTERNAL, "internal error");
+          }
+          {
+            absl::MutexLock done(&mu_);
+            --active_;
+          }
+          reactor->Finish(status);
+          absl::MutexLock done(&mu_);
+          w.exited = true;
+        });
+        ++active_;
+      } catch (const std::system_error& e) {
+        workers_.pop_back();
+        refused = std::string("cannot start a thread for the call: ") + e.what();
+      }
     }
   }
-  for (Worker& w : finished) w.thread.join();
-  if (refused) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                                 "too many control calls in progress (at most " +
-                                     std::to_string(kMaxBlockingCalls) + ")"));
+  for (Worker& w : exited) w.thread.join();
+  if (!refused.empty()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, refused));
   }
   return reactor;
 }
@@ -127,12 +151,16 @@ grpc::ServerUnaryReactor* ControlService::Stats(grpc::CallbackServerContext* ctx
 grpc::ServerUnaryReactor* ControlService::Shutdown(grpc::CallbackServerContext* ctx,
                                                    const v1::ShutdownRequest* req,
                                                    v1::ShutdownResponse* resp) {
-  return Blocking(ctx, [this, req, resp] {
-    auto deadline = Deadline(req->deadline_millis());
-    if (!deadline.ok()) return ToGrpcStatus(deadline.status());
-    resp->set_drained(target_->Shutdown(*deadline));
-    return grpc::Status::OK;
-  });
+  // Never refused for the bound: a runtime must always be able to be told to stop.
+  return Blocking(
+      ctx,
+      [this, req, resp] {
+        auto deadline = Deadline(req->deadline_millis());
+        if (!deadline.ok()) return ToGrpcStatus(deadline.status());
+        resp->set_drained(target_->Shutdown(*deadline));
+        return grpc::Status::OK;
+      },
+      /*bounded=*/false);
 }
 
 grpc::ServerUnaryReactor* ControlService::Load(grpc::CallbackServerContext* ctx,

@@ -47,12 +47,13 @@ class ControlTarget {
 // on a thread of their own so no gRPC thread waits on them.
 class ControlService final : public v1::RuntimeControl::CallbackService {
  public:
-  // At most this many blocking calls at once; more are refused RESOURCE_EXHAUSTED.
+  // At most this many blocking calls at once; more are refused RESOURCE_EXHAUSTED (Shutdown
+  // never is).
   static constexpr int kMaxBlockingCalls = 16;
 
   ControlService(ControlTarget* target, absl::Duration default_drain)
       : target_(target), default_drain_(default_drain) {}
-  // Waits for the blocking calls still running.
+  // After the server has stopped (which waits for every call to finish): joins the workers.
   ~ControlService() override;
 
   grpc::ServerUnaryReactor* GetState(grpc::CallbackServerContext* ctx, const v1::GetStateRequest*,
@@ -74,17 +75,19 @@ class ControlService final : public v1::RuntimeControl::CallbackService {
  private:
   struct Worker {
     std::thread thread;
-    bool done = false;
+    bool exited = false;  // past its call's Finish
   };
   absl::StatusOr<absl::Duration> Deadline(int64_t millis) const;
-  // Finishes the call with `work`'s status, run on a thread of its own.
+  // Finishes the call with `work`'s status (an exception: INTERNAL), run on a thread of its
+  // own. `bounded`: refused RESOURCE_EXHAUSTED while kMaxBlockingCalls are unfinished.
   grpc::ServerUnaryReactor* Blocking(grpc::CallbackServerContext* ctx,
-                                     std::function<grpc::Status()> work);
+                                     std::function<grpc::Status()> work, bool bounded = true);
 
   ControlTarget* target_;
   const absl::Duration default_drain_;
   absl::Mutex mu_;
   std::list<Worker> workers_ ABSL_GUARDED_BY(mu_);
+  int active_ ABSL_GUARDED_BY(mu_) = 0;  // blocking calls not yet finished
 };
 
 // Serves `service` on the unix socket `path`, created mode 0600. A socket left by a crashed

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <filesystem>
 #include <future>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,10 @@ class HeldTarget : public ControlTarget {
     s.set_pid(getpid());
     return s;
   }
-  absl::Status Promote() override { return absl::OkStatus(); }
+  absl::Status Promote() override {
+    if (throw_on_promote) throw std::runtime_error("out of device memory");
+    return absl::OkStatus();
+  }
   absl::Status Demote() override { return absl::FailedPreconditionError("cannot demote now"); }
   absl::StatusOr<bool> Drain(absl::Duration deadline) override {
     absl::MutexLock lock(&mu_);
@@ -67,6 +71,8 @@ class HeldTarget : public ControlTarget {
     absl::MutexLock lock(&mu_);
     released_ = true;
   }
+  std::atomic<bool> throw_on_promote{false};
+
   absl::Duration last_deadline() {
     absl::MutexLock lock(&mu_);
     return last_deadline_;
@@ -168,6 +174,12 @@ TEST_F(ControlServiceTest, BlockingCallsAreBoundedAndTheRestRefusedNotQueued) {
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(refused.error_message().find("too many control calls"), std::string::npos)
       << refused.error_message();
+  // Shutdown is never refused for the bound: a runtime can always be told to stop.
+  grpc::ClientContext sctx;
+  Deadline(&sctx);
+  v1::ShutdownResponse sresp;
+  EXPECT_TRUE(stub_->Shutdown(&sctx, {}, &sresp).ok());
+  EXPECT_TRUE(sresp.drained());
   target_.Release();
   for (auto& d : drains) EXPECT_TRUE(d.get().ok());
   EXPECT_EQ(target_.last_deadline(), absl::Seconds(30));  // 0 = the service's default
@@ -204,8 +216,8 @@ TEST_F(ControlServiceTest, ABadDeadlineIsRefusedNamingTheField) {
   EXPECT_EQ(target_.held(), 0);
 }
 
-// The service can go while a blocking call still runs: its destructor waits for the worker,
-// which finishes the call.
+// The server can stop while a blocking call still runs: its Shutdown waits for the worker to
+// finish the call, and the service then goes.
 TEST_F(ControlServiceTest, StoppingWhileADrainIsHeldFinishesIt) {
   std::future<grpc::Status> drain = DrainAsync(1000);
   ASSERT_TRUE(target_.WaitHeld(1));
@@ -222,6 +234,26 @@ TEST_F(ControlServiceTest, StoppingWhileADrainIsHeldFinishesIt) {
   EXPECT_TRUE(s.ok() || s.error_code() == grpc::StatusCode::CANCELLED ||
               s.error_code() == grpc::StatusCode::UNAVAILABLE)
       << s.error_code() << " " << s.error_message();
+}
+
+// A blocking call that throws (a model load out of memory, say) is answered INTERNAL with the
+// reason, on its own thread, and the service serves on.
+TEST_F(ControlServiceTest, AThrowingCallIsAnsweredInternalAndTheServiceServesOn) {
+  target_.throw_on_promote = true;
+  for (int i = 0; i < 3; ++i) {
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    v1::RuntimeState state;
+    grpc::Status s = stub_->Promote(&ctx, {}, &state);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL);
+    EXPECT_EQ(s.error_message(), "internal error: out of device memory");
+  }
+  target_.throw_on_promote = false;
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::RuntimeState state;
+  EXPECT_TRUE(stub_->Promote(&ctx, {}, &state).ok());
+  EXPECT_EQ(state.state(), v1::SERVING);
 }
 
 }  // namespace
