@@ -4,6 +4,7 @@
 // process-wide settings every kiln binary starts with.
 #include <CLI/CLI.hpp>
 
+#include <cstdlib>
 #include <optional>
 #include <string>
 
@@ -17,8 +18,13 @@ namespace kiln {
 inline std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv) {
   // Debian's Abseil is built with its debug checks, so every absl::Mutex acquisition (gRPC's
   // own locks included) also updated a global lock-order graph: 2-4% of a replica's and of the
-  // router's CPU on the served path, measured. The tests keep the checks; the binaries do not.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  // router's CPU on the served path, measured, and a process abort on a suspected inversion.
+  // KILN_LOCK_CHECKS=1 keeps them (scripts/test.sh sets it, so the binaries the tests start
+  // still abort on a lock-order inversion).
+  const char* checks = std::getenv("KILN_LOCK_CHECKS");
+  if (checks == nullptr || std::string(checks) != "1") {
+    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  }
   std::string log_level = "info";
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error")->capture_default_str();
   try {
