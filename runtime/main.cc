@@ -268,8 +268,8 @@ int main(int argc, char** argv) {
     }
     // The model and how it is served come with the Load; said here, they would be ignored.
     for (const char* flag : {"--model-repository", "--model", "--version", "--grpc-port",
-                             "--http-port", "--initial-state", "--threads", "--cpu-set",
-                             "--memory-node", "--replica-id"}) {
+                             "--http-port", "--initial-state", "--threads", "--http-threads",
+                             "--cpu-set", "--memory-node", "--replica-id"}) {
       if (app.count(flag) > 0) {
         log->error("{}: not with --prestart (it comes with the Load)", flag);
         return 2;

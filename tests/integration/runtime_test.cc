@@ -215,7 +215,8 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   EXPECT_NE(bad.error_message().find("--control-socket"), std::string::npos) << bad.error_message();
   for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
            {"--cpu-set", "3-1"}, {"--cpu-set", "x"}, {"--cpu-set", "99999"},
-           {"--memory-node", "-2"}, {"--memory-node", "1024"}, {"--replica-id", "r 1"}}) {
+           {"--memory-node", "-2"}, {"--memory-node", "1024"}, {"--replica-id", "r 1"},
+           {"--http-threads", "0"}}) {
     bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "encoder", "--control-socket",
                         rt->control_socket(), flag, value});
     EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << flag << " " << value;
@@ -237,7 +238,8 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   while (cpu < CPU_SETSIZE - 1 && !CPU_ISSET(cpu, &allowed)) ++cpu;
   grpc::Status loaded =
       rt->Load(kRepo, "encoder", "serving",
-               {"--version", "1", "--cpu-set", std::to_string(cpu), "--replica-id", "enc-7.0"});
+               {"--version", "1", "--cpu-set", std::to_string(cpu), "--replica-id", "enc-7.0",
+                "--http-threads", "3"});
   ASSERT_TRUE(loaded.ok()) << loaded.error_message() << rt->Log();
   st = rt->GetState();
   ASSERT_TRUE(st.ok());
@@ -253,6 +255,18 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   grpc::Status s = stub->ModelInfer(&ctx, GrpcEncoderRequest(c, true), &resp);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_LT(MaxDiff(GrpcFloats(resp), c["embedding"]), 1e-5);
+  // REST on the three HTTP threads the Load asked for: concurrent requests, each its own answer.
+  std::vector<std::future<HttpResult>> rest;
+  for (int i = 0; i < 6; ++i) {
+    rest.push_back(std::async(std::launch::async, [&] {
+      return Http(rt->http_port(), "POST", "/v2/models/encoder/infer", RestEncoderBody(c));
+    }));
+  }
+  for (auto& f : rest) {
+    HttpResult h = f.get();
+    ASSERT_EQ(h.code, 200) << h.raw;
+    EXPECT_LT(MaxDiff(JsonFloats(h.body["outputs"][0]["data"]), c["embedding"]), 1e-5);
+  }
   // It pinned every thread to the CPUs the Load named.
   std::error_code ec;
   int threads = 0;
@@ -301,6 +315,11 @@ TEST(RuntimeTest, APrestartedRuntimeStopsCleanlyWithoutALoad) {
                                      absl::Seconds(30));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("--cpu-set: not with --prestart"), std::string::npos) << r.output;
+  r = kiln::testing::RunToCompletion({KILN_RUNTIME_BIN, "--prestart", "--control-socket",
+                                      "/tmp/kiln-unused.sock", "--http-threads", "2"},
+                                     absl::Seconds(30));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("--http-threads: not with --prestart"), std::string::npos) << r.output;
 }
 
 TEST(RuntimeTest, HealthAndMetadataOnBothProtocols) {
