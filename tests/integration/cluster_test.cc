@@ -128,22 +128,42 @@ std::pair<int, std::string> Http(const std::string& method, int port, const std:
 }
 
 // What runs of this binary that were killed mid-test (by ctest's timeout, say: no TearDown)
-// left: their directories (kiln-cluster-PID, that PID gone) and every process whose command line
-// names one (controllers, agents, and the runtimes an agent keeps running across its own exit).
+// left: their directories (kiln-cluster-PID, that PID gone, or this process's own PID reused
+// before any test here started something) and the kiln processes whose command line names one
+// (controllers, agents, and the runtimes an agent keeps running across its own exit). Passes
+// repeat until one kills nothing: a dying agent may have started a runtime meanwhile.
+bool Alive(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  // A killed run nobody has reaped yet is a zombie: gone all the same.
+  const std::string stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
+  const size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
+}
+
 void SweepKilledRuns() {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(fs::temp_directory_path(), ec)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("kiln-cluster-", 0) != 0) continue;
     const pid_t owner = static_cast<pid_t>(std::atol(name.c_str() + 13));
-    if (owner <= 0 || owner == getpid() || kill(owner, 0) == 0 || errno != ESRCH) continue;
-    const std::string dir = entry.path().string();
-    for (const auto& proc : fs::directory_iterator("/proc", ec)) {
-      const pid_t pid = static_cast<pid_t>(std::atol(proc.path().filename().c_str()));
-      if (pid <= 0) continue;
-      std::string cmdline = ReadFile(proc.path().string() + "/cmdline");
-      std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
-      if (cmdline.find(dir + "/") != std::string::npos) kill(pid, SIGKILL);
+    if (owner <= 0 || (owner != getpid() && Alive(owner))) continue;
+    const std::string dir = entry.path().string() + "/";
+    for (int pass = 0; pass < 20; ++pass) {
+      int killed = 0;
+      for (const auto& proc : fs::directory_iterator("/proc", ec)) {
+        const pid_t pid = static_cast<pid_t>(std::atol(proc.path().filename().c_str()));
+        if (pid <= 0 || pid == getpid()) continue;
+        std::string cmdline = ReadFile(proc.path().string() + "/cmdline");
+        const std::string program = cmdline.substr(0, cmdline.find('\0'));
+        if (program != KILN_CONTROLLER_BIN && program != KILN_AGENT_BIN &&
+            program != KILN_RUNTIME_BIN) {
+          continue;
+        }
+        std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+        if (cmdline.find(dir) != std::string::npos && kill(pid, SIGKILL) == 0) ++killed;
+      }
+      if (killed == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     fs::remove_all(entry.path(), ec);
   }
