@@ -5,12 +5,19 @@
 # the router's, ROUNDS times each. Prints one line per run. Not a test.
 #   bench/router_overhead.sh [ROUNDS]          (BUILD_DIR: the build to run, default build/)
 # AGENT_ARGS: more kiln-agent flags (say --router-busy-poll-us 1000). Each router line also gives
-# the agent's CPU time over that run (user+system, ms).
+# the agent's CPU time over that run (user+system, ms). PROTOCOL=rest: REST JSON instead of gRPC
+# raw, against the replica's and the router's REST ports.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build}
 MODELS=${MODELS_DIR:-$ROOT/build/models}
 ROUNDS=${1:-2}
+PROTOCOL=${PROTOCOL:-grpc}
+case "$PROTOCOL" in
+  grpc) PORT_FIELD=grpc_port LOAD_ARGS=(--target grpc --raw) ;;
+  rest) PORT_FIELD=http_port LOAD_ARGS=(--target rest) ;;
+  *) echo "PROTOCOL: grpc or rest, got '$PROTOCOL'" >&2; exit 2 ;;
+esac
 DURATION_S=${DURATION_S:-5}
 WORK=$(mktemp -d /tmp/krouter.XXXXXX)
 AGENT_PID=""
@@ -35,21 +42,25 @@ EOF
   --stop-replicas-on-exit ${AGENT_ARGS:-} > "$WORK/agent.log" 2>&1 &
 AGENT_PID=$!
 for _ in $(seq 1 600); do grep -q "serving the assignment" "$WORK/agent.log" && break; sleep 0.05; done
-ROUTER=$(grep -o "router listening grpc_port=[0-9]*" "$WORK/agent.log" | grep -o "[0-9]*$")
+if [ "$PROTOCOL" = rest ]; then
+  ROUTER=$(grep -o "router listening grpc_port=[0-9]* http_port=[0-9]*" "$WORK/agent.log" | grep -o "[0-9]*$")
+else
+  ROUTER=$(grep -o "router listening grpc_port=[0-9]*" "$WORK/agent.log" | grep -o "[0-9]*$")
+fi
 ADMIN=$(grep -o "admin_port=[0-9]*" "$WORK/agent.log" | grep -o "[0-9]*$" | head -1)
 REPLICA=""
 for _ in $(seq 1 600); do
   REPLICA=$(curl -s "127.0.0.1:$ADMIN/v1/replicas" | python3 -c "
 import json,sys
 for r in json.load(sys.stdin)['replicas']:
-    if r['state']=='SERVING' and r['healthy'] and r['grpc_port']: print(r['grpc_port'])" 2>/dev/null || true)
+    if r['state']=='SERVING' and r['healthy'] and r['grpc_port']: print(r['$PORT_FIELD'])" 2>/dev/null || true)
   [ -n "$REPLICA" ] && break
   sleep 0.05
 done
 [ -n "$REPLICA" ] && [ -n "$ROUTER" ] || { echo "the replica never served"; cat "$WORK/agent.log"; exit 1; }
-echo "replica grpc port $REPLICA, router grpc port $ROUTER"
+echo "replica $PROTOCOL port $REPLICA, router $PROTOCOL port $ROUTER"
 load() {
-  "$BUILD/bench/kiln-loadgen" --target grpc --raw --mode closed --concurrency 1 --seq-len 16 \
+  "$BUILD/bench/kiln-loadgen" "${LOAD_ARGS[@]}" --mode closed --concurrency 1 --seq-len 16 \
     --duration-s "$DURATION_S" --warmup-s 1 --address "127.0.0.1:$1" 2>&1 |
     grep -E "requests:|throughput:|latency ms:" | tr -s ' ' | tr '\n' ' '
 }
