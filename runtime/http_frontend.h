@@ -15,14 +15,14 @@ namespace kiln {
 //   POST /v2/models/{m}[/versions/{v}]/infer
 class HttpFrontend {
  public:
+  // One HTTP thread by default: a second makes every request hop between them (a wake-up
+  // each), which cost more than it gave on a 2-vCPU VM even at 32 clients (bench/RESULTS.md).
+  static constexpr int kDefaultThreads = 1;
   struct Options {
     std::string bind_address = "0.0.0.0";
     int port = 0;  // 0 = pick a free port
     int64_t max_request_bytes = 64LL * 1024 * 1024;
-    // HTTP threads: reading, JSON decoding and encoding. One by default: a second makes every
-    // request hop between them (a wake-up each), which cost more than it gave on a 2-vCPU VM
-    // even at 32 clients (bench/RESULTS.md).
-    int threads = 1;
+    int threads = kDefaultThreads;  // reading, JSON decoding and encoding
     std::string server_version;
   };
   static absl::StatusOr<std::unique_ptr<HttpFrontend>> Start(ModelHost* host, Options options);

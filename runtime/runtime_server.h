@@ -37,7 +37,7 @@ struct RuntimeOptions {
   // The replica this process runs, as its agent names it (logs and GetState); empty = none.
   std::string replica_id;
   int64_t threads = 0;
-  int http_threads = 1;  // the REST frontend's threads
+  int http_threads = HttpFrontend::kDefaultThreads;  // the REST frontend's threads
   int64_t max_request_bytes = 64LL * 1024 * 1024;
   absl::Duration drain_timeout = absl::Seconds(30);
   std::string server_version = "0.1.0";

@@ -659,14 +659,11 @@ TEST_F(AgentTest, APrestartedRuntimeBecomesTheStartingReplicaPinnedAndThePoolRef
   StartAgent();
   WaitFor([&](const json& j) { return Find(j, "s0")["adopted"] == true; }, "adoption");
   StopAgent(SIGTERM);
-  auto running = [](int pid) {
-    std::string stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
-    size_t paren = stat.rfind(')');
-    return paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] != 'Z';
-  };
   for (int pid : pids) {
-    for (int i = 0; i < 400 && running(pid); ++i) absl::SleepFor(absl::Milliseconds(25));
-    EXPECT_FALSE(running(pid)) << pid;
+    for (int i = 0; i < 400 && kiln::testing::Running(pid); ++i) {
+      absl::SleepFor(absl::Milliseconds(25));
+    }
+    EXPECT_FALSE(kiln::testing::Running(pid)) << pid;
   }
 }
 

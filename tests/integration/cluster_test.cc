@@ -132,21 +132,14 @@ std::pair<int, std::string> Http(const std::string& method, int port, const std:
 // before any test here started something) and the kiln processes whose command line names one
 // (controllers, agents, and the runtimes an agent keeps running across its own exit). Passes
 // repeat until one kills nothing: a dying agent may have started a runtime meanwhile.
-bool Alive(pid_t pid) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  // A killed run nobody has reaped yet is a zombie: gone all the same.
-  const std::string stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
-  const size_t paren = stat.rfind(')');
-  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
-}
-
 void SweepKilledRuns() {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(fs::temp_directory_path(), ec)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("kiln-cluster-", 0) != 0) continue;
     const pid_t owner = static_cast<pid_t>(std::atol(name.c_str() + 13));
-    if (owner <= 0 || (owner != getpid() && Alive(owner))) continue;
+    // A killed run nobody has reaped yet is a zombie: gone all the same.
+    if (owner <= 0 || (owner != getpid() && kiln::testing::Running(owner))) continue;
     const std::string dir = entry.path().string() + "/";
     for (int pass = 0; pass < 20; ++pass) {
       int killed = 0;

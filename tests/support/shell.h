@@ -76,6 +76,13 @@ inline std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
+// Whether `pid` runs: it exists and is not a zombie (killed, not yet reaped by its parent).
+inline bool Running(pid_t pid) {
+  const std::string stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
+  const size_t paren = stat.rfind(')');
+  return paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] != 'Z';
+}
+
 // Prometheus's promtool: on the PATH, else `fallback` (where scripts/fetch-promtool.sh puts
 // it); empty when neither has it.
 inline std::string FindPromtool(const std::string& fallback) {
