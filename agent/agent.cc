@@ -918,14 +918,18 @@ std::string Agent::MetricsText() {
       << power_->changes_applied() << "\n";
   }
   if (router_) {
-    m << "# HELP kiln_router_forwarded_total gRPC inference calls the node's router forwarded "
-         "(retries included), by transport: data_socket to a replica on this node, grpc "
-         "otherwise.\n"
+    m << "# HELP kiln_router_forwarded_total Inference calls the node's router forwarded "
+         "(retries included), by protocol (grpc, rest) and transport: data_socket to a replica "
+         "on this node, grpc or http otherwise.\n"
       << "# TYPE kiln_router_forwarded_total counter\n"
-      << "kiln_router_forwarded_total{" << node << ",transport=\"data_socket\"} "
+      << "kiln_router_forwarded_total{" << node << ",protocol=\"grpc\",transport=\"data_socket\"} "
       << router_->forwarded_data_socket() << "\n"
-      << "kiln_router_forwarded_total{" << node << ",transport=\"grpc\"} "
+      << "kiln_router_forwarded_total{" << node << ",protocol=\"grpc\",transport=\"grpc\"} "
       << router_->forwarded_grpc() << "\n"
+      << "kiln_router_forwarded_total{" << node << ",protocol=\"rest\",transport=\"data_socket\"} "
+      << router_->forwarded_rest_data_socket() << "\n"
+      << "kiln_router_forwarded_total{" << node << ",protocol=\"rest\",transport=\"http\"} "
+      << router_->forwarded_rest_http() << "\n"
       << "# HELP kiln_router_retries_total Forwarded calls tried again on another replica after "
          "theirs went away.\n"
       << "# TYPE kiln_router_retries_total counter\n"

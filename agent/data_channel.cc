@@ -90,9 +90,28 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
   // Serialized before the call is registered: once it is, a broken connection may finish it
   // (and the request with it) at any moment.
   std::string body;
-  if (!request.SerializeToString(&body) || body.size() > std::numeric_limits<uint32_t>::max()) {
+  if (!request.SerializeToString(&body)) {
     done(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                       "the request cannot be framed for the replica's data socket"));
+    return;
+  }
+  CallRaw(kInferFrame, std::move(body), deadline_unix_micros,
+          [response, done = std::move(done)](const grpc::Status& s, std::string* answer) {
+            if (s.ok() && !response->ParseFromString(*answer)) {
+              done(grpc::Status(grpc::StatusCode::INTERNAL,
+                                "the replica's answer is not an inference.ModelInferResponse"));
+              return;
+            }
+            done(s);
+          });
+}
+
+void DataChannel::CallRaw(uint8_t code, std::string body, int64_t deadline_unix_micros,
+                          RawDone done) {
+  if (body.size() > std::numeric_limits<uint32_t>::max()) {
+    done(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      "the request cannot be framed for the replica's data socket"),
+         nullptr);
     return;
   }
   // A connection is made outside the lock (a replica whose accept lags must not hold up the
@@ -112,7 +131,10 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
   grpc::Status refused;
   if (need_connection) {
     auto fd = ConnectUnix(path_);
-    if (fd.ok()) connections_made_++;
+    if (fd.ok()) {
+      connections_made_++;
+      json_refused_ = false;  // perhaps another runtime: asked again
+    }
     int wake[2] = {-1, -1};
     if (!fd.ok()) {
       refused = grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -150,7 +172,7 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
         refused = grpc::Status();  // another caller's connection serves this one too
         c = conn_;
         tag = next_tag_++;
-        c->pending.emplace(tag, Pending{response, std::move(done), deadline_unix_micros, MonoMicros()});
+        c->pending.emplace(tag, Pending{std::move(done), deadline_unix_micros, MonoMicros()});
         // The reader is woken to wait for an earlier deadline, and, when it busy-polls, to
         // plan its spin for a first call (it sleeps with no call waiting).
         if ((deadline_unix_micros > 0 &&
@@ -169,11 +191,11 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
   }
   for (auto& [old, t] : ended) t.join();  // each has returned from its loop or is about to
   if (!refused.ok()) {
-    done(refused);
+    done(refused, nullptr);
     return;
   }
   // Not sent (the connection broke): its reader fails every call on it, this one too.
-  (void)c->sender->Send(EncodeFrame(tag, 0, deadline_unix_micros, body));
+  (void)c->sender->Send(EncodeFrame(tag, code, deadline_unix_micros, body));
 }
 
 int64_t DataChannel::Expire(const std::shared_ptr<Connection>& c) {
@@ -196,7 +218,8 @@ int64_t DataChannel::Expire(const std::shared_ptr<Connection>& c) {
   }
   for (auto& p : expired) {
     p.done(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                        "the replica did not answer before the deadline"));
+                        "the replica did not answer before the deadline"),
+           nullptr);
   }
   return next;
 }
@@ -276,18 +299,14 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
     // Answers only: a quick refusal says nothing of how long an answer takes.
     if (h.code == 0) c->typical_micros = NextTypical(c->typical_micros, MonoMicros() - p.sent_micros);
     if (from_spin && (fds[0].revents & POLLIN)) spin_answers_++;
-    grpc::Status s;
     if (h.code == 0) {
-      if (!p.response->ParseFromString(body)) {
-        s = grpc::Status(grpc::StatusCode::INTERNAL,
-                         "the replica's answer is not an inference.ModelInferResponse");
-      }
+      p.done(grpc::Status(), &body);
     } else {
-      s = grpc::Status(h.code <= 16 ? static_cast<grpc::StatusCode>(h.code)
-                                    : grpc::StatusCode::UNKNOWN,
-                       body);
+      p.done(grpc::Status(h.code <= 16 ? static_cast<grpc::StatusCode>(h.code)
+                                       : grpc::StatusCode::UNKNOWN,
+                          body),
+             nullptr);
     }
-    p.done(s);
   }
   Broke(c, why);
   c->finished = true;
@@ -303,7 +322,8 @@ void DataChannel::Broke(const std::shared_ptr<Connection>& c, const std::string&
   ::shutdown(c->fd, SHUT_RDWR);
   for (auto& [tag, p] : calls) {
     p.done(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "replica data socket " + path_ + ": " + why));
+                        "replica data socket " + path_ + ": " + why),
+           nullptr);
   }
 }
 

@@ -40,6 +40,16 @@ class DataChannel {
   void Call(const inference::ModelInferRequest& request, int64_t deadline_unix_micros,
             inference::ModelInferResponse* response, Done done);
 
+  // Sends a frame of `code` with `body` (common/data_frames.h); `done` gets the answer's body
+  // when the status is OK (code 0), to read or take. Otherwise as Call.
+  using RawDone = std::function<void(const grpc::Status&, std::string* body)>;
+  void CallRaw(uint8_t code, std::string body, int64_t deadline_unix_micros, RawDone done);
+
+  // The replica refused a REST inference frame as a code it does not know (a runtime older
+  // than this router): REST goes to it over HTTP until its next connection.
+  bool json_refused() const { return json_refused_.load(); }
+  void set_json_refused() { json_refused_ = true; }
+
   // Fails every call in flight (UNAVAILABLE) and every later one: the router is stopping.
   void FailAll();
 
@@ -55,8 +65,7 @@ class DataChannel {
 
  private:
   struct Pending {
-    inference::ModelInferResponse* response;
-    Done done;
+    RawDone done;
     int64_t deadline_unix_micros;
     int64_t sent_micros;  // when it was registered (monotonic micros)
   };
@@ -91,6 +100,7 @@ class DataChannel {
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   bool connecting_ ABSL_GUARDED_BY(mu_) = false;  // a caller is connecting (outside the lock)
   std::atomic<int> connections_made_{0};
+  std::atomic<bool> json_refused_{false};
   // Every connection's reader, joined by the destructor (never by a reader itself).
   std::vector<std::pair<std::shared_ptr<Connection>, std::thread>> readers_ ABSL_GUARDED_BY(mu_);
 };

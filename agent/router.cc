@@ -17,8 +17,10 @@
 #include <thread>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "absl/strings/str_split.h"
+#include "common/data_frames.h"
 #include "common/grpc_status.h"
 #include "common/http_server.h"
 #include "common/logging.h"
@@ -517,6 +519,7 @@ class Router::Impl {
       absl::MutexLock lock(&forwards_mu_);
       auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(forwards_mu_) { return forwards_ == 0; };
       forwards_mu_.Await(absl::Condition(&idle));
+      forwards_closed_ = true;
     }
     if (grpc_server_) {
       // GOAWAY: clients move new calls to a new connection; calls in flight get 5 s.
@@ -541,7 +544,7 @@ class Router::Impl {
     auto& c = clients_[address];
     if (!c) {
       http::client::http_client_config cfg;
-      cfg.set_timeout(std::chrono::seconds(300));
+      cfg.set_timeout(absl::ToChronoSeconds(kRestForwardTimeout));
       c = std::make_shared<http::client::http_client>("http://" + address, cfg);
     }
     return c;
@@ -583,6 +586,12 @@ class Router::Impl {
         if (request.body.empty()) {
           Reply(reply, 400, JsonError("the inference request has no body (expected a JSON "
                                       "object with \"inputs\")"));
+          return;
+        }
+        if (request.Header("Inference-Header-Content-Length")) {
+          // Its header is not passed on, and a replica answers it as its REST port does.
+          Reply(reply, 400, JsonError("the binary data extension is not supported; send JSON "
+                                      "data or use gRPC raw_input_contents"));
           return;
         }
         Sticky sticky = StickyOf(request, model);
@@ -637,6 +646,31 @@ class Router::Impl {
             JsonError(std::string(choice.status().message())));
       return;
     }
+    if (!body.empty() && !choice->endpoint.data_socket.empty()) {
+      // A local replica: its data socket, without a second HTTP hop, unless it is a runtime
+      // older than this router (then over HTTP, below).
+      std::shared_ptr<DataChannel> channel = router_->ChannelFor(choice->endpoint.data_socket);
+      if (!channel) {
+        Reply(reply, 503, JsonError("the router is stopping"));
+        return;
+      }
+      if (!channel->json_refused()) {
+        ForwardToDataSocket(*channel, std::move(reply), model, version, path, std::move(body),
+                            sticky, std::move(exclude), attempt, forwarded, *choice);
+        return;
+      }
+    }
+    {
+      absl::MutexLock lock(&forwards_mu_);
+      if (forwards_closed_) {
+        // Stopping (a data-socket call failed by Stop, retried here): nothing may be left
+        // with cpprestsdk to finish after the router is gone.
+        Reply(reply, 503, JsonError("the router is stopping"));
+        return;
+      }
+      forwards_++;
+    }
+    router_->CountRestForward(/*data_socket=*/false);
     http::http_request out(body.empty() ? http::methods::GET : http::methods::POST);
     if (choice->endpoint.local || !version.empty()) {
       out.set_request_uri(path);
@@ -652,10 +686,6 @@ class Router::Impl {
     std::string id = choice->endpoint.id;
     std::string chosen = choice->version;
     router_->Begin(id);
-    {
-      absl::MutexLock lock(&forwards_mu_);
-      forwards_++;
-    }
     ClientFor(choice->endpoint.http_address)
         ->request(out, cancel_.get_token())
         .then([this, reply, model, version, path, body = std::move(body), sticky, exclude, attempt,
@@ -696,13 +726,68 @@ class Router::Impl {
         });
   }
 
+  // One REST inference to a local replica's data socket (common/data_frames.h): the replica
+  // answers what its REST port would, with parameters.kiln-version added; a 503 or a replica
+  // gone (UNAVAILABLE) is tried once more elsewhere, as over HTTP.
+  void ForwardToDataSocket(DataChannel& channel, HttpReply reply, const std::string& model,
+                           const std::string& version, const std::string& path, std::string body,
+                           const Sticky& sticky, std::set<std::string> exclude, int attempt,
+                           bool forwarded, const Choice& choice) {
+    const std::string id = choice.endpoint.id;
+    const std::string chosen = choice.version;
+    router_->Begin(id);
+    router_->CountRestForward(/*data_socket=*/true);
+    std::string frame = EncodeJsonInferBody(body, model, version);  // `body` kept for a retry
+    // As long as an HTTP forward waits (cpprestsdk's timeout, above); the replica bounds the
+    // request's own `timeout` by it.
+    const int64_t deadline = absl::ToUnixMicros(absl::Now() + kRestForwardTimeout);
+    // The callback runs on the channel's reader (or inline here), while the channel lives: a
+    // plain pointer, since a reference it held could make the reader join itself.
+    channel.CallRaw(
+        kJsonInferFrame, std::move(frame), deadline,
+        [this, ch = &channel, reply = std::move(reply), model, version, path,
+         body = std::move(body), sticky, exclude = std::move(exclude), attempt, id, chosen,
+         forwarded](const grpc::Status& s, std::string* answer) mutable {
+          router_->End(id);
+          int code = 0;
+          std::string text;
+          if (s.ok()) {
+            text = std::move(*answer);
+            if (absl::Status d = DecodeJsonAnswer(&text, &code); !d.ok()) {
+              Reply(reply, 502, JsonError("the replica's answer: " + std::string(d.message())));
+              return;
+            }
+          } else if (s.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
+                     absl::StartsWith(s.error_message(), "frame code ")) {
+            // A runtime older than this router: over HTTP from now on (not a retry).
+            ch->set_json_refused();
+            Forward(reply, model, version, path, std::move(body), sticky, exclude, attempt,
+                    forwarded);
+            return;
+          } else {
+            code = HttpStatusFromCode(static_cast<absl::StatusCode>(s.error_code()));
+            text = JsonError(s.error_message());
+          }
+          if (code == 503 && attempt == 0) {
+            exclude.insert(id);
+            router_->CountRetry();
+            Forward(reply, model, version, path, std::move(body), sticky, exclude, 1, forwarded);
+            return;
+          }
+          Reply(reply, code, std::move(text), code == 200 ? chosen : "");
+        });
+  }
+
+  static constexpr absl::Duration kRestForwardTimeout = absl::Seconds(300);
+
   Router* router_;
   RouterGrpcService grpc_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpServer> http_server_;
   pplx::cancellation_token_source cancel_;
   absl::Mutex forwards_mu_;
-  int forwards_ ABSL_GUARDED_BY(forwards_mu_) = 0;  // REST forwards out to replicas
+  int forwards_ ABSL_GUARDED_BY(forwards_mu_) = 0;  // REST forwards out to replicas over HTTP
+  bool forwards_closed_ ABSL_GUARDED_BY(forwards_mu_) = false;  // stopped: no more of them
   absl::Mutex clients_mu_;
   std::map<std::string, std::shared_ptr<http::client::http_client>> clients_
       ABSL_GUARDED_BY(clients_mu_);

@@ -26,8 +26,9 @@ struct RouterTable {
     std::string grpc_address;  // host:port
     std::string http_address;  // host:port
     bool local = false;
-    // A local replica's data socket (common/data_frames.h): gRPC ModelInfer goes there
-    // instead of through a second loopback gRPC hop. Empty: the gRPC address.
+    // A local replica's data socket (common/data_frames.h): gRPC ModelInfer and REST
+    // inference go there instead of through a second loopback hop. Empty: the gRPC and HTTP
+    // addresses.
     std::string data_socket;
   };
   struct Route {
@@ -117,6 +118,13 @@ class Router {
   uint64_t forwarded_data_socket() const { return forwarded_data_socket_.load(); }
   uint64_t forwarded_grpc() const { return forwarded_grpc_.load(); }
   void CountForward(bool data_socket) { (data_socket ? forwarded_data_socket_ : forwarded_grpc_)++; }
+  // REST inference calls forwarded (tries, retries included): to local replicas' data
+  // sockets, and over HTTP.
+  uint64_t forwarded_rest_data_socket() const { return forwarded_rest_data_socket_.load(); }
+  uint64_t forwarded_rest_http() const { return forwarded_rest_http_.load(); }
+  void CountRestForward(bool data_socket) {
+    (data_socket ? forwarded_rest_data_socket_ : forwarded_rest_http_)++;
+  }
 
  private:
   class Impl;
@@ -133,6 +141,8 @@ class Router {
   std::atomic<uint64_t> retries_{0};
   std::atomic<uint64_t> forwarded_data_socket_{0};
   std::atomic<uint64_t> forwarded_grpc_{0};
+  std::atomic<uint64_t> forwarded_rest_data_socket_{0};
+  std::atomic<uint64_t> forwarded_rest_http_{0};
   const std::shared_ptr<SpinSlots> spin_slots_;  // shared by every data channel's readers
   std::unique_ptr<Impl> impl_;
   // Data sockets of local replicas; one that left the table goes once no call is on it.

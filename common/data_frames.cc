@@ -83,6 +83,61 @@ FrameHeader DecodeFrameHeader(const char in[kFrameHeaderBytes]) {
   return h;
 }
 
+std::string EncodeJsonInferBody(std::string json, const std::string& model,
+                                const std::string& version) {
+  char lengths[8];
+  PutLe(model.size(), 4, lengths);
+  PutLe(version.size(), 4, lengths + 4);
+  json.reserve(json.size() + model.size() + version.size() + sizeof(lengths));
+  json += model;
+  json += version;
+  json.append(lengths, sizeof(lengths));
+  return json;
+}
+
+absl::Status DecodeJsonInferBody(std::string* body, std::string* model, std::string* version) {
+  if (body->size() < 8) {
+    return absl::InvalidArgumentError("a REST inference frame of " + std::to_string(body->size()) +
+                                      " bytes is shorter than its 8-byte trailer");
+  }
+  const char* end = body->data() + body->size();
+  const uint64_t model_len = GetLe(end - 8, 4);
+  const uint64_t version_len = GetLe(end - 4, 4);
+  if (model_len + version_len > body->size() - 8) {
+    return absl::InvalidArgumentError("a REST inference frame's trailer names " +
+                                      std::to_string(model_len + version_len) +
+                                      " bytes of model and version in a body of " +
+                                      std::to_string(body->size()) + " bytes");
+  }
+  const size_t json_len = body->size() - 8 - model_len - version_len;
+  model->assign(body->data() + json_len, model_len);
+  version->assign(body->data() + json_len + model_len, version_len);
+  body->resize(json_len);
+  return absl::OkStatus();
+}
+
+std::string EncodeJsonAnswer(std::string json, int http_status) {
+  char status[2];
+  PutLe(static_cast<uint64_t>(http_status), 2, status);
+  json.append(status, sizeof(status));
+  return json;
+}
+
+absl::Status DecodeJsonAnswer(std::string* body, int* http_status) {
+  if (body->size() < 2) {
+    return absl::InvalidArgumentError("a REST inference answer of " + std::to_string(body->size()) +
+                                      " bytes is shorter than its 2-byte status");
+  }
+  const int status = static_cast<int>(GetLe(body->data() + body->size() - 2, 2));
+  if (status < 100 || status > 599) {
+    return absl::InvalidArgumentError("a REST inference answer's HTTP status " +
+                                      std::to_string(status) + " is not in 100..599");
+  }
+  *http_status = status;
+  body->resize(body->size() - 2);
+  return absl::OkStatus();
+}
+
 std::string EncodeFrame(uint64_t tag, uint8_t code, int64_t deadline_unix_micros,
                         const std::string& body) {
   std::string out(kFrameHeaderBytes, '\0');

@@ -9,12 +9,20 @@
 //
 //   u32 length of the body (little-endian), u64 tag, u8 code, i64 deadline, body
 //
-// A request has code 0, the caller's deadline (unix microseconds; 0 = none) and a serialized
-// inference.ModelInferRequest as its body. A response has the request's tag, a gRPC status
-// code, deadline 0, and a serialized inference.ModelInferResponse (code 0) or the error
-// message (UTF-8). A frame over the receiver's limit ends the connection (the sender sees it
-// closed: its calls fail UNAVAILABLE); a request whose body does not parse is answered
-// INVALID_ARGUMENT.
+// A request's code says what its body is; its deadline is the caller's (unix microseconds;
+// 0 = none):
+//   kInferFrame (0): a serialized inference.ModelInferRequest. Answered with a gRPC status
+//     code and a serialized inference.ModelInferResponse (code 0) or the error message.
+//   kJsonInferFrame (1): a REST inference, `JSON body, model, version, u32 model length,
+//     u32 version length` (a trailer, so that the receiver takes the JSON without a copy).
+//     Answered with code 0 and `JSON body, u16 HTTP status` (whatever the REST frontend
+//     would have answered, errors included, with parameters.kiln-version added to a 200), or
+//     with a gRPC status code and the error message when the frame itself was refused.
+// A response has the request's tag and deadline 0. A frame over the receiver's limit ends the
+// connection (the sender sees it closed: its calls fail UNAVAILABLE); a request whose body
+// does not parse is answered INVALID_ARGUMENT, and so is one of a code the receiver does not
+// know, with a message that begins "frame code " (a replica older than its router: the router
+// goes back to HTTP for it).
 
 #include <cstddef>
 #include <cstdint>
@@ -33,6 +41,17 @@ struct FrameHeader {
   uint8_t code = 0;
   int64_t deadline_unix_micros = 0;
 };
+
+constexpr uint8_t kInferFrame = 0;
+constexpr uint8_t kJsonInferFrame = 1;
+
+// kJsonInferFrame bodies (see above). The decoders cut `body` down to the JSON in place;
+// a body too short for its trailer, or with lengths past its size, is INVALID_ARGUMENT.
+std::string EncodeJsonInferBody(std::string json, const std::string& model,
+                                const std::string& version);
+absl::Status DecodeJsonInferBody(std::string* body, std::string* model, std::string* version);
+std::string EncodeJsonAnswer(std::string json, int http_status);
+absl::Status DecodeJsonAnswer(std::string* body, int* http_status);
 
 void EncodeFrameHeader(const FrameHeader& h, char out[kFrameHeaderBytes]);
 FrameHeader DecodeFrameHeader(const char in[kFrameHeaderBytes]);

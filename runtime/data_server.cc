@@ -12,7 +12,9 @@
 #include "common/data_frames.h"
 #include "common/frame_sender.h"
 #include "common/logging.h"
+#include "common/http_server.h"
 #include "runtime/grpc_frontend.h"
+#include "runtime/json_codec.h"
 
 namespace kiln {
 
@@ -164,12 +166,16 @@ void DataServer::ReadLoop(std::shared_ptr<Connection> c) {
     }
     body.resize(h.length);
     if (h.length > 0 && !ReadFull(c->fd, body.data(), body.size())) break;
-    if (h.code != 0) {
+    if (h.code == kInferFrame) {
+      Serve(c, h.tag, h.deadline_unix_micros, body);
+    } else if (h.code == kJsonInferFrame) {
+      ServeJson(c, h.tag, h.deadline_unix_micros, &body);
+    } else {
+      // The words the router looks for (common/data_frames.h).
       c->Send(h.tag, static_cast<uint8_t>(absl::StatusCode::kInvalidArgument),
-              "frame code " + std::to_string(h.code) + ": a request's code must be 0");
-      continue;
+              "frame code " + std::to_string(h.code) +
+                  ": not a request this runtime knows (0: ModelInfer, 1: REST inference)");
     }
-    Serve(c, h.tag, h.deadline_unix_micros, body);
   }
   ::shutdown(c->fd, SHUT_RDWR);  // answers still in the engine fail to write, harmlessly
   absl::MutexLock lock(&mu_);
@@ -221,6 +227,46 @@ void DataServer::Serve(const std::shared_ptr<Connection>& c, uint64_t tag,
       return;
     }
     c->Send(tag, 0, bytes);
+  });
+}
+
+void DataServer::ServeJson(const std::shared_ptr<Connection>& c, uint64_t tag,
+                           int64_t deadline_unix_micros, std::string* body) {
+  // Whatever the REST frontend would answer, with its HTTP status (runtime/http_frontend.cc).
+  auto answer = [c, tag](int http_status, std::string json) {
+    c->Send(tag, 0, EncodeJsonAnswer(std::move(json), http_status));
+  };
+  auto fail = [&](const absl::Status& s, bool decoding) {
+    answer(RestErrorStatus(s, decoding), JsonError(std::string(s.message())));
+  };
+  std::string model, version;
+  if (absl::Status s = DecodeJsonInferBody(body, &model, &version); !s.ok()) {
+    host_->CountRefused();
+    c->Send(tag, static_cast<uint8_t>(s.code()), std::string(s.message()));
+    return;
+  }
+  auto params = std::make_shared<nlohmann::json>();
+  auto decoded = DecodeJsonInferRequest(*body, model, version, max_request_bytes_, params.get());
+  body->clear();
+  if (!decoded.ok()) {
+    host_->CountRefused();
+    fail(decoded.status(), /*decoding=*/true);
+    return;
+  }
+  if (absl::Status bounded = BoundTimeoutByDeadline(deadline_unix_micros, &*decoded);
+      !bounded.ok()) {
+    fail(bounded, /*decoding=*/false);
+    return;
+  }
+  // The router says which version served; this replica's version is the one that does.
+  (*params)["kiln-version"] = host_->version();
+  host_->Infer(std::move(*decoded), [answer, params](absl::StatusOr<InferResponse> r) {
+    if (!r.ok()) {
+      answer(RestErrorStatus(r.status(), /*decoding=*/false),
+             JsonError(std::string(r.status().message())));
+      return;
+    }
+    answer(200, EncodeJsonInferResponse(*r, *params));
   });
 }
 

@@ -14,9 +14,9 @@
 
 namespace kiln {
 
-// ModelInfer on a unix socket for the node's router (common/data_frames.h): the same decoding,
-// engine and encoding as the gRPC frontend, without HTTP/2. One thread per connection reads
-// requests and hands them to the engine; answers are written from whichever thread finishes
+// ModelInfer and REST inference on a unix socket for the node's router (common/data_frames.h):
+// the same decoding, engine and encoding as the gRPC and REST frontends, without HTTP. One
+// thread per connection reads requests and hands them to the engine; answers are written from whichever thread finishes
 // them (a connection's writes are serialised), in the order they finish.
 class DataServer {
  public:
@@ -42,6 +42,9 @@ class DataServer {
   void ReadLoop(std::shared_ptr<Connection> c);
   void Serve(const std::shared_ptr<Connection>& c, uint64_t tag, int64_t deadline_unix_micros,
              const std::string& body);
+  // A REST inference (kJsonInferFrame); takes `body`.
+  void ServeJson(const std::shared_ptr<Connection>& c, uint64_t tag, int64_t deadline_unix_micros,
+                 std::string* body);
 
   const std::string path_;
   const int listen_fd_;

@@ -61,10 +61,7 @@ void Reply(const HttpReply& request, int code, std::string body) {
 }
 
 void ReplyStatus(const HttpReply& request, const absl::Status& status, bool decoding = false) {
-  int code = HttpStatusFromCode(status.code());
-  // A payload over the limit can never succeed: 413, not 429 ("retry later").
-  if (decoding && status.code() == absl::StatusCode::kResourceExhausted) code = 413;
-  Reply(request, code, JsonError(std::string(status.message())));
+  Reply(request, RestErrorStatus(status, decoding), JsonError(std::string(status.message())));
 }
 
 json MetadataJson(const inference::ModelMetadataResponse& m) {

@@ -527,6 +527,11 @@ void AppendTensorData(const Tensor& t, json* array) {
   }
 }
 
+int RestErrorStatus(const absl::Status& status, bool decoding) {
+  if (decoding && status.code() == absl::StatusCode::kResourceExhausted) return 413;
+  return HttpStatusFromCode(status.code());
+}
+
 std::string EncodeJsonInferResponse(const InferResponse& response, const json& parameters) {
   json out = json::object();
   out["model_name"] = response.model_name;

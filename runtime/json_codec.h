@@ -24,6 +24,10 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
 std::string EncodeJsonInferResponse(const InferResponse& response,
                                     const nlohmann::json& parameters);
 
+// The HTTP status of a REST inference error: HttpStatusFromCode, but a payload over the limit
+// found while `decoding` is 413 (it can never succeed), not 429 ("retry later").
+int RestErrorStatus(const absl::Status& status, bool decoding);
+
 // Appends a tensor's elements to a JSON array, as numbers (or booleans).
 void AppendTensorData(const Tensor& t, nlohmann::json* array);
 

@@ -812,8 +812,21 @@ TEST_F(AgentTest, ABusyPollingRouterServesEveryCall) {
   for (auto& c : clients) c.join();
   EXPECT_EQ(failed.load(), 0);
   std::string metrics = Get("/metrics").second;
-  EXPECT_NE(metrics.find("transport=\"data_socket\"} 60\n"), std::string::npos) << metrics;
-  EXPECT_NE(metrics.find("transport=\"grpc\"} 0\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("protocol=\"grpc\",transport=\"data_socket\"} 60\n"), std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("protocol=\"grpc\",transport=\"grpc\"} 0\n"), std::string::npos) << metrics;
+}
+
+// The value of kiln_router_forwarded_total{protocol, transport} in `metrics`, -1 when absent.
+long ForwardedCount(const std::string& metrics, const std::string& protocol,
+                    const std::string& transport) {
+  const std::string series =
+      "protocol=\"" + protocol + "\",transport=\"" + transport + "\"} ";
+  size_t at = metrics.find("kiln_router_forwarded_total{");
+  if (at == std::string::npos) return -1;
+  at = metrics.find(series, at);
+  if (at == std::string::npos) return -1;
+  return std::atol(metrics.c_str() + at + series.size());
 }
 
 TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {
@@ -852,14 +865,8 @@ TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {
     EXPECT_NE(Find(j, "a1")["data_socket"].get<std::string>(), "");
     EXPECT_NE(Find(j, "b1")["data_socket"].get<std::string>(), "");
     std::string metrics = Get("/metrics").second;
-    auto count = [&](const std::string& transport) {
-      size_t at = metrics.find("kiln_router_forwarded_total{");
-      at = metrics.find("transport=\"" + transport + "\"} ", at);
-      if (at == std::string::npos) return -1L;
-      return std::atol(metrics.c_str() + metrics.find("} ", at) + 2);
-    };
-    EXPECT_GE(count("data_socket"), 55) << metrics;  // 40 + 3 x 6 calls above
-    EXPECT_EQ(count("grpc"), 0) << metrics;
+    EXPECT_GE(ForwardedCount(metrics, "grpc", "data_socket"), 55) << metrics;  // 40 + 3 x 6 above
+    EXPECT_EQ(ForwardedCount(metrics, "grpc", "grpc"), 0) << metrics;
   }
   // REST through the router says which version served.
   web::http::client::http_client c("http://127.0.0.1:" + std::to_string(router_http_));
@@ -875,6 +882,12 @@ TEST_F(AgentTest, RouterSplitsByWeightSticksByKeyAndFailsOverWhenAReplicaDies) {
   json out = json::parse(resp.extract_utf8string(true).get());
   EXPECT_EQ(out["parameters"]["kiln-version"], "2");
   EXPECT_EQ(out["model_version"], "2");
+  {
+    // Through the replica's data socket too, not a second HTTP hop.
+    std::string metrics = Get("/metrics").second;
+    EXPECT_EQ(ForwardedCount(metrics, "rest", "data_socket"), 1) << metrics;
+    EXPECT_EQ(ForwardedCount(metrics, "rest", "http"), 0) << metrics;
+  }
 
   // Only version 2 from now on, with two replicas; then one of them is killed under load.
   std::string v2b = "  - {id: b2, model: encoder, version: \"2\", repository: " + kRepo +

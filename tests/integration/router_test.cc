@@ -79,10 +79,20 @@ std::unique_ptr<grpc::Server> Serve(grpc::Service* replica, int* port) {
 
 // A local replica's data socket (common/data_frames.h) answering each request as `answer`
 // says: (code, body) for a frame carrying `request`, close the connection when it returns
-// code -1, or never answer that one for -2. Records the deadlines it was sent.
+// code -1, or never answer that one for -2. Records the deadlines it was sent. REST frames
+// (kJsonInferFrame) go to the JSON answer when one is set, and are refused as an older
+// runtime refuses them when not.
 class FakeDataSocket {
  public:
   using Answer = std::function<std::pair<int, std::string>(const inference::ModelInferRequest&)>;
+  // (code, body) for the REST body sent for `model` and `version` (as Answer).
+  using JsonAnswer = std::function<std::pair<int, std::string>(
+      const std::string& model, const std::string& version, const std::string& json)>;
+  FakeDataSocket(std::string path, Answer answer, JsonAnswer json_answer)
+      : FakeDataSocket(std::move(path), std::move(answer)) {
+    absl::MutexLock lock(&mu_);
+    json_answer_ = std::move(json_answer);
+  }
   FakeDataSocket(std::string path, Answer answer) : path_(std::move(path)), answer_(answer) {
     auto fd = ListenUnix(path_, "test");
     EXPECT_TRUE(fd.ok()) << fd.status();
@@ -107,6 +117,11 @@ class FakeDataSocket {
     absl::MutexLock lock(&mu_);
     return static_cast<int>(deadlines_.size());
   }
+  // REST frames it was sent (answered or refused).
+  int json_requests() {
+    absl::MutexLock lock(&mu_);
+    return json_requests_;
+  }
 
  private:
   void Serve() {
@@ -123,13 +138,30 @@ class FakeDataSocket {
         FrameHeader h = DecodeFrameHeader(head);
         body.resize(h.length);
         if (h.length > 0 && !ReadFull(fd, body.data(), body.size())) break;
-        inference::ModelInferRequest req;
-        EXPECT_TRUE(req.ParseFromString(body));
-        {
-          absl::MutexLock lock(&mu_);
-          deadlines_.push_back(h.deadline_unix_micros);
+        std::pair<int, std::string> answer;
+        if (h.code == kJsonInferFrame) {
+          JsonAnswer json_answer;
+          {
+            absl::MutexLock lock(&mu_);
+            json_requests_++;
+            json_answer = json_answer_;
+          }
+          std::string model, version;
+          absl::Status d = DecodeJsonInferBody(&body, &model, &version);
+          EXPECT_TRUE(d.ok()) << d;
+          answer = json_answer ? json_answer(model, version, body)
+                               : std::make_pair(3, "frame code 1: not a request this runtime "
+                                                   "knows (0: ModelInfer)");
+        } else {
+          inference::ModelInferRequest req;
+          EXPECT_TRUE(req.ParseFromString(body));
+          {
+            absl::MutexLock lock(&mu_);
+            deadlines_.push_back(h.deadline_unix_micros);
+          }
+          answer = answer_(req);
         }
-        auto [code, out] = answer_(req);
+        auto [code, out] = answer;
         if (code == -2) continue;
         if (code < 0) break;
         std::string frame = EncodeFrame(h.tag, static_cast<uint8_t>(code), 0, out);
@@ -148,6 +180,8 @@ class FakeDataSocket {
   absl::Mutex mu_;
   int conn_fd_ ABSL_GUARDED_BY(mu_) = -1;
   std::vector<int64_t> deadlines_ ABSL_GUARDED_BY(mu_);
+  JsonAnswer json_answer_ ABSL_GUARDED_BY(mu_);
+  int json_requests_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 std::string TempSocket(const std::string& name) {
@@ -929,6 +963,165 @@ TEST(RouterRestTest, AnUnreachableReplicaIsRetriedOnAnother) {
   EXPECT_EQ(nlohmann::json::parse(r.body)["outputs"][0]["name"], "served");
   EXPECT_EQ(router->retries(), 1u);
   router->Stop();
+}
+
+// A REST inference to a local replica with a data socket goes there (its REST address goes
+// nowhere), with the path's model and version; the replica's answer comes back as it is, with
+// the header saying which version served.
+TEST(RouterRestDataSocketTest, ALocalReplicaIsReachedThroughItsDataSocket) {
+  std::string path = TempSocket("ra");
+  absl::Mutex mu;
+  std::vector<std::string> seen;  // model/version/body
+  FakeDataSocket replica(
+      path, [](const inference::ModelInferRequest&) { return std::make_pair(0, std::string()); },
+      [&](const std::string& model, const std::string& version, const std::string& json) {
+        absl::MutexLock lock(&mu);
+        seen.push_back(model + "/" + version + "/" + json);
+        return std::make_pair(
+            0, EncodeJsonAnswer(R"({"outputs":[{"name":"from-data-socket"}],"parameters":{"kiln-version":"1"}})",
+                                200));
+      });
+  auto router = StartRouter({{"a.0", "1", "127.0.0.1:1", "127.0.0.1:1", true, path}});
+  ASSERT_NE(router, nullptr);
+  const std::string body = R"({"inputs":[{"name":"x","datatype":"INT64","shape":[1],"data":[1]}]})";
+  for (const std::string at : {"/v2/models/encoder/infer", "/v2/models/encoder/versions/1/infer"}) {
+    testing::RawHttpClient c(router->http_port());
+    ASSERT_TRUE(c.Send(testing::Post(at, body)));
+    auto r = c.Read();
+    ASSERT_EQ(r.code, 200) << r.head << r.body;
+    EXPECT_NE(r.head.find("kiln-version: 1"), std::string::npos) << r.head;
+    EXPECT_EQ(r.body, R"({"outputs":[{"name":"from-data-socket"}],"parameters":{"kiln-version":"1"}})");
+  }
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(seen, (std::vector<std::string>{"encoder//" + body, "encoder/1/" + body}));
+  }
+  EXPECT_EQ(router->forwarded_rest_data_socket(), 2u);
+  EXPECT_EQ(router->forwarded_rest_http(), 0u);
+  EXPECT_EQ(router->retries(), 0u);
+  router->Stop();
+}
+
+// The replica's REST errors come back with their status, unretried; a 503 (a replica no longer
+// serving), a replica gone from its socket, or one that breaks the frame's trailer rules is
+// tried once more on another replica; an answer without its status is a 502.
+TEST(RouterRestDataSocketTest, ErrorsPassThroughAndAGoneReplicaIsRetriedElsewhere) {
+  const std::string body = R"({"inputs":[{"name":"x","datatype":"INT64","shape":[1],"data":[1]}]})";
+  // `first` answers with `code`/`answer`; "b.0" answers 200.
+  auto run = [&](int code, std::string answer) {
+    FakeDataSocket first(
+        TempSocket("rb1"),
+        [](const inference::ModelInferRequest&) { return std::make_pair(0, std::string()); },
+        [&](const std::string&, const std::string&, const std::string&) {
+          return std::make_pair(code, answer);
+        });
+    FakeDataSocket second(
+        TempSocket("rb2"),
+        [](const inference::ModelInferRequest&) { return std::make_pair(0, std::string()); },
+        [](const std::string&, const std::string&, const std::string&) {
+          return std::make_pair(0, EncodeJsonAnswer(R"({"outputs":[{"name":"second"}]})", 200));
+        });
+    auto router = StartRouter({{"a.0", "1", "127.0.0.1:1", "127.0.0.1:1", true, TempSocket("rb1")},
+                               {"b.0", "1", "127.0.0.1:1", "127.0.0.1:1", true, TempSocket("rb2")}});
+    EXPECT_NE(router, nullptr);
+    testing::RawHttpClient c(router->http_port());
+    EXPECT_TRUE(c.Send(testing::Post("/v2/models/encoder/infer", body)));
+    auto r = c.Read();
+    const uint64_t retries = router->retries();
+    router->Stop();
+    return std::make_tuple(r.code, r.body, retries);
+  };
+  // "a.0" sorts first among equally loaded local endpoints, so it is tried first.
+  auto [c400, b400, r400] = run(0, EncodeJsonAnswer(R"({"error":"unexpected inference input 'y'"})", 400));
+  EXPECT_EQ(c400, 400);
+  EXPECT_EQ(b400, R"({"error":"unexpected inference input 'y'"})");
+  EXPECT_EQ(r400, 0u);
+  auto [c429, b429, r429] = run(0, EncodeJsonAnswer(R"({"error":"the queue is full"})", 429));
+  EXPECT_EQ(c429, 429);
+  EXPECT_EQ(r429, 0u);
+  for (auto [code, answer] : {std::make_pair(0, EncodeJsonAnswer(R"({"error":"not serving"})", 503)),
+                              std::make_pair(-1, std::string()),
+                              std::make_pair(14, std::string("going away"))}) {
+    auto [c, b, r] = run(code, answer);
+    EXPECT_EQ(c, 200) << code << " " << b;
+    EXPECT_EQ(b, R"({"outputs":[{"name":"second"}]})");
+    EXPECT_EQ(r, 1u);
+  }
+  auto [cbad, bbad, rbad] = run(0, std::string("x"));  // no room for a status
+  EXPECT_EQ(cbad, 502) << bbad;
+  EXPECT_NE(bbad.find("status"), std::string::npos) << bbad;
+  auto [cframe, bframe, rframe] = run(3, std::string("a REST inference frame's trailer names 9 bytes"));
+  EXPECT_EQ(cframe, 400) << bframe;
+  EXPECT_NE(bframe.find("trailer"), std::string::npos) << bframe;
+  EXPECT_EQ(rframe, 0u);
+}
+
+// A replica older than its router (it refuses REST frames as a code it does not know) is sent
+// REST over HTTP instead: the first call, without counting as a retry, and the ones after it
+// without asking again. The binary data extension is refused by the router itself.
+TEST(RouterRestDataSocketTest, AnOlderReplicaIsSentRestOverHttp) {
+  std::string path = TempSocket("rc");
+  FakeDataSocket old(path, [](const inference::ModelInferRequest&) {
+    return std::make_pair(0, OutputNamed("grpc"));
+  });
+  FakeRestReplica rest("over-http");
+  ASSERT_TRUE(rest.server);
+  auto router = StartRouter({{"a.0", "1", "127.0.0.1:1", rest.address(), true, path}});
+  ASSERT_NE(router, nullptr);
+  const std::string body = R"({"inputs":[{"name":"x","datatype":"INT64","shape":[1],"data":[1]}]})";
+  for (int i = 0; i < 3; ++i) {
+    testing::RawHttpClient c(router->http_port());
+    ASSERT_TRUE(c.Send(testing::Post("/v2/models/encoder/infer", body)));
+    auto r = c.Read();
+    ASSERT_EQ(r.code, 200) << r.body;
+    auto doc = nlohmann::json::parse(r.body);
+    EXPECT_EQ(doc["outputs"][0]["name"], "over-http");
+    EXPECT_EQ(doc["parameters"]["kiln-version"], "1");
+  }
+  EXPECT_EQ(old.json_requests(), 1);
+  EXPECT_EQ(router->forwarded_rest_data_socket(), 1u);
+  EXPECT_EQ(router->forwarded_rest_http(), 3u);
+  EXPECT_EQ(router->retries(), 0u);
+  // gRPC still goes to its data socket.
+  auto stub = RouterStub(*router);
+  grpc::ClientContext ctx;
+  inference::ModelInferResponse resp;
+  ASSERT_TRUE(stub->ModelInfer(&ctx, EncoderRequest(), &resp).ok());
+  EXPECT_EQ(resp.outputs(0).name(), "grpc");
+
+  testing::RawHttpClient c(router->http_port());
+  ASSERT_TRUE(c.Send(testing::Post("/v2/models/encoder/infer", body,
+                                   "Inference-Header-Content-Length: 10\r\n")));
+  auto r = c.Read();
+  EXPECT_EQ(r.code, 400) << r.body;
+  EXPECT_NE(r.body.find("binary data extension"), std::string::npos) << r.body;
+  EXPECT_EQ(router->forwarded_rest_http(), 3u);
+  router->Stop();
+}
+
+// A REST call waiting on a replica's data socket when the router stops is answered (503),
+// not left hanging, and nothing of it runs after the router is gone.
+TEST(RouterRestDataSocketTest, StopsWithARestCallInFlight) {
+  std::string path = TempSocket("rd");
+  FakeDataSocket silent(
+      path, [](const inference::ModelInferRequest&) { return std::make_pair(0, std::string()); },
+      [](const std::string&, const std::string&, const std::string&) {
+        return std::make_pair(-2, std::string());  // never answers
+      });
+  auto router = StartRouter({{"a.0", "1", "127.0.0.1:1", "127.0.0.1:1", true, path}});
+  ASSERT_NE(router, nullptr);
+  std::atomic<int> code{-1};
+  std::thread client([&] {
+    testing::RawHttpClient c(router->http_port());
+    code = c.Send(testing::Post("/v2/models/encoder/infer", R"({"inputs":[]})")) ? c.Read().code : 0;
+  });
+  for (int i = 0; i < 2000 && silent.json_requests() == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(silent.json_requests(), 1);
+  router->Stop();
+  router.reset();
+  client.join();
+  EXPECT_NE(code.load(), 200);
+  EXPECT_NE(code.load(), -1);
 }
 
 }  // namespace

@@ -1122,6 +1122,91 @@ TEST(RuntimeTest, TheDataSocketServesTheReferenceOutputsAndRefusesBadFrames) {
   std::filesystem::remove_all(dir);
 }
 
+// REST bodies over the data socket (kJsonInferFrame) get what the REST port answers, byte for
+// byte, with parameters.kiln-version added to a 200; errors carry the REST port's HTTP status.
+TEST(RuntimeTest, TheDataSocketAnswersRestBodiesAsTheRestPortDoes) {
+  auto dir = std::filesystem::temp_directory_path() / ("kiln_jdata_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "r.data").string();
+  auto rt = StartRuntime("encoder", "1", "serving",
+                         {"--data-socket", path, "--max-request-bytes", "1Mi"});
+  ASSERT_NE(rt, nullptr);
+  auto fd = ConnectUnix(path);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  auto refs = References("1");
+  // A frame for `body` at the path /v2/models/{model}[/versions/{version}]/infer, answered as
+  // (HTTP status, JSON).
+  uint64_t tag = 1;
+  auto call = [&](const std::string& body, const std::string& model, const std::string& version,
+                  int64_t deadline = 0) -> std::pair<int, json> {
+    const uint64_t t = tag++;
+    EXPECT_TRUE(SendFrame(*fd, t, kJsonInferFrame, deadline,
+                          EncodeJsonInferBody(body, model, version)));
+    DataAnswer a = ReadAnswer(*fd);
+    EXPECT_EQ(a.tag, t);
+    EXPECT_EQ(a.code, 0) << a.body;
+    int status = 0;
+    absl::Status d = DecodeJsonAnswer(&a.body, &status);
+    EXPECT_TRUE(d.ok()) << d;
+    return {status, json::parse(a.body, nullptr, false)};
+  };
+  for (size_t i = 0; i < 3; ++i) {
+    json body = json::parse(RestEncoderBody(refs[i]));
+    body["parameters"] = {{"trace", "t" + std::to_string(i)}};
+    for (const std::string version : {"", "1"}) {
+      auto [status, got] = call(body.dump(), "encoder", version);
+      ASSERT_EQ(status, 200) << got;
+      EXPECT_EQ(got["parameters"]["kiln-version"], "1");
+      EXPECT_EQ(got["parameters"]["trace"], "t" + std::to_string(i));
+      EXPECT_LT(MaxDiff(JsonFloats(got["outputs"][0]["data"]), refs[i]["embedding"]), 1e-5);
+      // The REST port's answer, but for the version this replica adds.
+      HttpResult h = Http(rt->http_port(), "POST",
+                          version.empty() ? "/v2/models/encoder/infer"
+                                          : "/v2/models/encoder/versions/1/infer",
+                          body.dump());
+      ASSERT_EQ(h.code, 200) << h.raw;
+      got["parameters"].erase("kiln-version");
+      EXPECT_EQ(got, h.body);
+    }
+  }
+  // Bad requests: the REST port's status and message; the connection serves on.
+  auto expect = [&](const std::string& body, const std::string& model, const std::string& version,
+                    int want, const std::string& says, int64_t deadline = 0) {
+    auto [status, got] = call(body, model, version, deadline);
+    EXPECT_EQ(status, want) << got;
+    EXPECT_NE(got.dump().find(says), std::string::npos) << got;
+    HttpResult h = Http(rt->http_port(), "POST",
+                        "/v2/models/" + model + (version.empty() ? "" : "/versions/" + version) +
+                            "/infer",
+                        body);
+    if (deadline == 0) EXPECT_EQ(h.code, want) << h.raw;
+  };
+  const std::string good = RestEncoderBody(refs[0]);
+  expect("{not json", "encoder", "", 400, "JSON");
+  expect(good, "nope", "", 404, "unknown model 'nope'");
+  expect(good, "encoder", "7", 404, "version");
+  json wrong = json::parse(good);
+  wrong["inputs"][0]["name"] = "token_ids";
+  expect(wrong.dump(), "encoder", "", 400, "token_ids");
+  json huge = json::parse(good);
+  huge["inputs"][0]["shape"] = {1, 1 << 20};
+  expect(huge.dump(), "encoder", "", 413, "");
+  expect(good, "encoder", "", 504, "deadline", /*deadline=*/1);
+  // A frame too short for its trailer, or whose trailer overruns it, is refused as a frame.
+  for (const std::string& bad : {std::string("abc"), std::string("{}") + std::string("\xff\xff\0\0\0\0\0\0", 8)}) {
+    ASSERT_TRUE(SendFrame(*fd, 99, kJsonInferFrame, 0, bad));
+    DataAnswer a = ReadAnswer(*fd);
+    EXPECT_EQ(a.tag, 99u);
+    EXPECT_EQ(a.code, 3) << a.body;  // INVALID_ARGUMENT
+    EXPECT_NE(a.body.find("trailer"), std::string::npos) << a.body;
+  }
+  auto [status, again] = call(good, "encoder", "");
+  EXPECT_EQ(status, 200) << again;
+  ::close(*fd);
+  rt.reset();
+  std::filesystem::remove_all(dir);
+}
+
 // A router that stops reading answers (wedged, stopped) must not hold up the replica: its
 // answers wait for it, and everyone else is still served. When it reads again, every answer
 // is there, each once.
