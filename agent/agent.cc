@@ -155,6 +155,9 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
   if (o.router_busy_poll_threads < 0 || o.router_busy_poll_threads > 64) {
     return absl::InvalidArgumentError("--router-busy-poll-threads: must be in 0..64");
   }
+  if (o.router_http_threads < 1 || o.router_http_threads > 64) {
+    return absl::InvalidArgumentError("--router-http-threads: must be in 1..64");
+  }
   if (!o.assignment_file.empty() && !o.controller.empty()) {
     return absl::InvalidArgumentError(
         "--controller: give either --assignment-file or --controller, not both");
@@ -337,6 +340,7 @@ absl::Status Agent::Start() {
   ro.node_name = options_.node_name;
   ro.http_port = options_.http_port;
   ro.busy_poll = {options_.router_busy_poll_us, options_.router_busy_poll_threads};
+  ro.http_threads = options_.router_http_threads;
   // Socket activation (kiln-agent-grpc.socket, kiln-agent-http.socket): the router serves the
   // sockets systemd holds, which queue connections while the agent restarts.
   char** names = nullptr;

@@ -23,6 +23,12 @@ namespace {
 constexpr uint32_t kMaxAnswerBytes = (1u << 31) - 1;
 
 int64_t NowMicros() { return absl::ToUnixMicros(absl::Now()); }
+
+// A REST answer (common/data_frames.h) with HTTP status 200.
+bool JsonAnswerIsOk(const std::string& body) {
+  return body.size() >= 2 && static_cast<unsigned char>(body[body.size() - 2]) == 200 &&
+         body[body.size() - 1] == 0;
+}
 // Spin planning runs on the monotonic clock: a step of the wall clock moves no window.
 int64_t MonoMicros() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -95,7 +101,7 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
                       "the request cannot be framed for the replica's data socket"));
     return;
   }
-  CallRaw(kInferFrame, std::move(body), deadline_unix_micros,
+  CallRaw(kInferFrame, std::move(body), deadline_unix_micros, deadline_unix_micros,
           [response, done = std::move(done)](const grpc::Status& s, std::string* answer) {
             if (s.ok() && !response->ParseFromString(*answer)) {
               done(grpc::Status(grpc::StatusCode::INTERNAL,
@@ -107,7 +113,7 @@ void DataChannel::Call(const inference::ModelInferRequest& request, int64_t dead
 }
 
 void DataChannel::CallRaw(uint8_t code, std::string body, int64_t deadline_unix_micros,
-                          RawDone done) {
+                          int64_t expire_unix_micros, RawDone done) {
   if (body.size() > std::numeric_limits<uint32_t>::max()) {
     done(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                       "the request cannot be framed for the replica's data socket"),
@@ -172,11 +178,11 @@ void DataChannel::CallRaw(uint8_t code, std::string body, int64_t deadline_unix_
         refused = grpc::Status();  // another caller's connection serves this one too
         c = conn_;
         tag = next_tag_++;
-        c->pending.emplace(tag, Pending{std::move(done), deadline_unix_micros, MonoMicros()});
+        c->pending.emplace(tag, Pending{std::move(done), code, expire_unix_micros, MonoMicros()});
         // The reader is woken to wait for an earlier deadline, and, when it busy-polls, to
         // plan its spin for a first call (it sleeps with no call waiting).
-        if ((deadline_unix_micros > 0 &&
-             (c->waiting_until == 0 || deadline_unix_micros < c->waiting_until)) ||
+        if ((expire_unix_micros > 0 &&
+             (c->waiting_until == 0 || expire_unix_micros < c->waiting_until)) ||
             (spin_window_micros_ > 0 && c->pending.size() == 1)) {
           char one = 1;
           (void)!::write(c->wake_write, &one, 1);
@@ -205,7 +211,7 @@ int64_t DataChannel::Expire(const std::shared_ptr<Connection>& c) {
     absl::MutexLock lock(&mu_);
     const int64_t now = NowMicros();
     for (auto it = c->pending.begin(); it != c->pending.end();) {
-      const int64_t d = it->second.deadline_unix_micros;
+      const int64_t d = it->second.expire_unix_micros;
       if (d > 0 && d <= now) {
         expired.push_back(std::move(it->second));
         it = c->pending.erase(it);  // an answer that comes later finds no call: dropped
@@ -296,8 +302,11 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
       p = std::move(it->second);
       c->pending.erase(it);
     }
-    // Answers only: a quick refusal says nothing of how long an answer takes.
-    if (h.code == 0) c->typical_micros = NextTypical(c->typical_micros, MonoMicros() - p.sent_micros);
+    // Answers only: a quick refusal (a REST error is one too) says nothing of how long an
+    // answer takes.
+    if (h.code == 0 && (p.code != kJsonInferFrame || JsonAnswerIsOk(body))) {
+      c->typical_micros = NextTypical(c->typical_micros, MonoMicros() - p.sent_micros);
+    }
     if (from_spin && (fds[0].revents & POLLIN)) spin_answers_++;
     if (h.code == 0) {
       p.done(grpc::Status(), &body);

@@ -40,10 +40,13 @@ class DataChannel {
   void Call(const inference::ModelInferRequest& request, int64_t deadline_unix_micros,
             inference::ModelInferResponse* response, Done done);
 
-  // Sends a frame of `code` with `body` (common/data_frames.h); `done` gets the answer's body
-  // when the status is OK (code 0), to read or take. Otherwise as Call.
+  // Sends a frame of `code` with `body` and `deadline_unix_micros` (common/data_frames.h);
+  // `done` gets the answer's body when the status is OK (code 0), to read or take. The call
+  // fails DEADLINE_EXCEEDED at `expire_unix_micros` (0 = never) whatever the frame says.
+  // Otherwise as Call.
   using RawDone = std::function<void(const grpc::Status&, std::string* body)>;
-  void CallRaw(uint8_t code, std::string body, int64_t deadline_unix_micros, RawDone done);
+  void CallRaw(uint8_t code, std::string body, int64_t deadline_unix_micros,
+               int64_t expire_unix_micros, RawDone done);
 
   // The replica refused a REST inference frame as a code it does not know (a runtime older
   // than this router): REST goes to it over HTTP until its next connection.
@@ -66,7 +69,8 @@ class DataChannel {
  private:
   struct Pending {
     RawDone done;
-    int64_t deadline_unix_micros;
+    uint8_t code;  // the request's (kInferFrame, kJsonInferFrame)
+    int64_t expire_unix_micros;  // 0 = never
     int64_t sent_micros;  // when it was registered (monotonic micros)
   };
   struct Connection {

@@ -59,6 +59,9 @@ int main(int argc, char** argv) {
   app.add_option("--router-busy-poll-threads", o.router_busy_poll_threads,
                  "At most this many of the router's readers spin at once, each on a CPU (0 = off)")
       ->capture_default_str();
+  app.add_option("--router-http-threads", o.router_http_threads,
+                 "Threads of the router's REST server (1..64)")
+      ->capture_default_str();
   app.add_option("--tick-ms", tick_ms, "Supervision period")->capture_default_str();
   app.add_option("--start-timeout-ms", start_timeout_ms,
                  "A replica not WARM (loaded, warmed up) this long after its start is killed and "

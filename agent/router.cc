@@ -473,6 +473,7 @@ class Router::Impl {
     h.port = o.http_port;
     h.max_body_bytes = o.max_request_bytes;
     h.flags = "--http-port/--ingress-bind";
+    h.threads = o.http_threads;
     h.listen_fd = o.http_listen_fd;
     auto server = HttpServer::Start(
         h, [this](HttpRequest request, HttpReply reply) { Handle(std::move(request), reply); });
@@ -510,7 +511,24 @@ class Router::Impl {
     stop_accepting_ = true;
     if (accept_thread_.joinable()) accept_thread_.join();
     if (http_server_) {
+      // REST calls still out to data sockets when the grace is nearly over are answered 503
+      // here, while their connections are open (their replicas' late answers go nowhere).
+      std::thread answer_late([this] {
+        std::map<uint64_t, HttpReply> late;
+        {
+          absl::MutexLock lock(&forwards_mu_);
+          auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(forwards_mu_) {
+            return rest_calls_.empty();
+          };
+          forwards_mu_.AwaitWithTimeout(absl::Condition(&none), kRestStopGrace);
+          late.swap(rest_calls_);
+        }
+        for (auto& [key, reply] : late) {
+          Reply(reply, 503, JsonError("the router is stopping"));
+        }
+      });
       http_server_->Stop(absl::Seconds(5));
+      answer_late.join();
       http_server_.reset();
     }
     // Forwards still out (their continuations use this object) are cancelled and waited for.
@@ -660,6 +678,16 @@ class Router::Impl {
         return;
       }
     }
+    ForwardHttp(std::move(reply), model, version, path, std::move(body), sticky,
+                std::move(exclude), attempt, forwarded, *choice);
+  }
+
+  // Forward's call over HTTP to `choice`.
+  void ForwardHttp(HttpReply reply, const std::string& model, const std::string& version,
+                   const std::string& path, std::string body, const Sticky& sticky,
+                   std::set<std::string> exclude, int attempt, bool forwarded,
+                   const Choice& choice_made) {
+    const Choice* choice = &choice_made;
     {
       absl::MutexLock lock(&forwards_mu_);
       if (forwards_closed_) {
@@ -737,18 +765,29 @@ class Router::Impl {
     const std::string chosen = choice.version;
     router_->Begin(id);
     router_->CountRestForward(/*data_socket=*/true);
+    uint64_t key;
+    {
+      // Answered by Stop if the replica has not answered by then.
+      absl::MutexLock lock(&forwards_mu_);
+      key = next_rest_call_++;
+      rest_calls_.emplace(key, reply);
+    }
     std::string frame = EncodeJsonInferBody(body, model, version);  // `body` kept for a retry
-    // As long as an HTTP forward waits (cpprestsdk's timeout, above); the replica bounds the
-    // request's own `timeout` by it.
-    const int64_t deadline = absl::ToUnixMicros(absl::Now() + kRestForwardTimeout);
+    // Given up after as long as an HTTP forward waits (cpprestsdk's timeout, above). The frame
+    // carries no deadline: the model's default queue timeout applies, as on its REST port.
+    const int64_t expire = absl::ToUnixMicros(absl::Now() + kRestForwardTimeout);
     // The callback runs on the channel's reader (or inline here), while the channel lives: a
     // plain pointer, since a reference it held could make the reader join itself.
     channel.CallRaw(
-        kJsonInferFrame, std::move(frame), deadline,
-        [this, ch = &channel, reply = std::move(reply), model, version, path,
+        kJsonInferFrame, std::move(frame), /*deadline_unix_micros=*/0, expire,
+        [this, ch = &channel, key, reply = std::move(reply), model, version, path,
          body = std::move(body), sticky, exclude = std::move(exclude), attempt, id, chosen,
-         forwarded](const grpc::Status& s, std::string* answer) mutable {
+         forwarded, choice](const grpc::Status& s, std::string* answer) mutable {
           router_->End(id);
+          {
+            absl::MutexLock lock(&forwards_mu_);
+            rest_calls_.erase(key);
+          }
           int code = 0;
           std::string text;
           if (s.ok()) {
@@ -759,10 +798,12 @@ class Router::Impl {
             }
           } else if (s.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
                      absl::StartsWith(s.error_message(), "frame code ")) {
-            // A runtime older than this router: over HTTP from now on (not a retry).
+            // A runtime older than this router: over HTTP from now on (not a retry), to the
+            // same replica. (Not through Forward: choosing again could hand this reader its
+            // own channel, whose last reference it might then drop and so join itself.)
             ch->set_json_refused();
-            Forward(reply, model, version, path, std::move(body), sticky, exclude, attempt,
-                    forwarded);
+            ForwardHttp(reply, model, version, path, std::move(body), sticky, exclude, attempt,
+                        forwarded, choice);
             return;
           } else {
             code = HttpStatusFromCode(static_cast<absl::StatusCode>(s.error_code()));
@@ -779,6 +820,9 @@ class Router::Impl {
   }
 
   static constexpr absl::Duration kRestForwardTimeout = absl::Seconds(300);
+  // How long Stop lets REST calls on data sockets run before answering them 503 itself: within
+  // the REST server's own grace (5 s), so that the answer is written before it closes.
+  static constexpr absl::Duration kRestStopGrace = absl::Seconds(4);
 
   Router* router_;
   RouterGrpcService grpc_service_;
@@ -788,6 +832,9 @@ class Router::Impl {
   absl::Mutex forwards_mu_;
   int forwards_ ABSL_GUARDED_BY(forwards_mu_) = 0;  // REST forwards out to replicas over HTTP
   bool forwards_closed_ ABSL_GUARDED_BY(forwards_mu_) = false;  // stopped: no more of them
+  // REST calls out to data sockets, unanswered.
+  std::map<uint64_t, HttpReply> rest_calls_ ABSL_GUARDED_BY(forwards_mu_);
+  uint64_t next_rest_call_ ABSL_GUARDED_BY(forwards_mu_) = 0;
   absl::Mutex clients_mu_;
   std::map<std::string, std::shared_ptr<http::client::http_client>> clients_
       ABSL_GUARDED_BY(clients_mu_);

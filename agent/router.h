@@ -77,6 +77,7 @@ class Router {
     std::string node_name = "kiln-agent";
     // Busy-polling local replicas' data sockets for answers (agent/busy_poll.h).
     BusyPollPolicy busy_poll;
+    int http_threads = 1;  // the REST server's
   };
   // Serves `table` (when given) from the first request on.
   static absl::StatusOr<std::unique_ptr<Router>> Start(

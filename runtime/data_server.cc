@@ -158,10 +158,16 @@ void DataServer::ReadLoop(std::shared_ptr<Connection> c) {
       }
       if (!Discard(c->fd, h.length)) break;
       host_->CountRefused();
-      c->Send(h.tag, static_cast<uint8_t>(absl::StatusCode::kResourceExhausted),
-              "the request's frame of " + std::to_string(h.length) +
-                  " bytes exceeds the payload limit of " + std::to_string(max_request_bytes_) +
-                  " bytes (--max-request-bytes) and its framing");
+      const std::string why = "the request's frame of " + std::to_string(h.length) +
+                              " bytes exceeds the payload limit of " +
+                              std::to_string(max_request_bytes_) +
+                              " bytes (--max-request-bytes) and its framing";
+      if (h.code == kJsonInferFrame) {
+        // As the REST port answers a body over the limit: 413, never to be retried.
+        c->Send(h.tag, 0, EncodeJsonAnswer(JsonError(why), 413));
+      } else {
+        c->Send(h.tag, static_cast<uint8_t>(absl::StatusCode::kResourceExhausted), why);
+      }
       continue;
     }
     body.resize(h.length);

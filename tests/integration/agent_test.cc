@@ -1132,6 +1132,8 @@ TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
       {{"--router-busy-poll-us", "-5"}, "--router-busy-poll-us: must be in 0..100000"},
       {{"--router-busy-poll-us", "200000"}, "--router-busy-poll-us: must be in 0..100000"},
       {{"--router-busy-poll-threads", "65"}, "--router-busy-poll-threads: must be in 0..64"},
+      {{"--router-http-threads", "0"}, "--router-http-threads: must be in 1..64"},
+      {{"--router-http-threads", "65"}, "--router-http-threads: must be in 1..64"},
       {{"--start-timeout-ms", "-1"}, "--start-timeout-ms: must be in 0..86400000"},
   };
   for (const auto& c : cases) {

@@ -1192,6 +1192,15 @@ TEST(RuntimeTest, TheDataSocketAnswersRestBodiesAsTheRestPortDoes) {
   huge["inputs"][0]["shape"] = {1, 1 << 20};
   expect(huge.dump(), "encoder", "", 413, "");
   expect(good, "encoder", "", 504, "deadline", /*deadline=*/1);
+  // A frame over --max-request-bytes and its framing: 413, as the REST port answers a body over
+  // the limit (never 429, which a client would retry).
+  {
+    const std::string big = std::string((1 << 20) + 70 * 1024, ' ') + good;
+    auto [status, got] = call(big, "encoder", "");
+    EXPECT_EQ(status, 413) << got;
+    EXPECT_NE(got.dump().find("exceeds the payload limit"), std::string::npos) << got;
+    EXPECT_EQ(Http(rt->http_port(), "POST", "/v2/models/encoder/infer", big).code, 413);
+  }
   // A frame too short for its trailer, or whose trailer overruns it, is refused as a frame.
   for (const std::string& bad : {std::string("abc"), std::string("{}") + std::string("\xff\xff\0\0\0\0\0\0", 8)}) {
     ASSERT_TRUE(SendFrame(*fd, 99, kJsonInferFrame, 0, bad));
