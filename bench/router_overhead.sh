@@ -6,7 +6,8 @@
 #   bench/router_overhead.sh [ROUNDS]          (BUILD_DIR: the build to run, default build/)
 # AGENT_ARGS: more kiln-agent flags (say --router-busy-poll-us 1000). Each router line also gives
 # the agent's CPU time over that run (user+system, ms). PROTOCOL=rest: REST JSON instead of gRPC
-# raw, against the replica's and the router's REST ports.
+# raw, against the replica's and the router's REST ports. CONCURRENCY=N: N requests in flight
+# (default 1); BATCHING=1: the demo config's dynamic batching left on.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${BUILD_DIR:-$ROOT/build}
@@ -19,6 +20,8 @@ case "$PROTOCOL" in
   *) echo "PROTOCOL: grpc or rest, got '$PROTOCOL'" >&2; exit 2 ;;
 esac
 DURATION_S=${DURATION_S:-5}
+CONCURRENCY=${CONCURRENCY:-1}
+BATCHING=${BATCHING:-0}
 WORK=$(mktemp -d /tmp/krouter.XXXXXX)
 AGENT_PID=""
 cleanup() {
@@ -30,8 +33,12 @@ trap cleanup EXIT
 # The encoder without dynamic batching: each request runs as it comes.
 mkdir -p "$WORK/repo/encoder/1"
 ln -s "$MODELS/encoder/1/model.pt" "$WORK/repo/encoder/1/model.pt"
-python3 "$ROOT/bench/config_variant.py" "$MODELS/encoder/config.yaml" \
-  "$WORK/repo/encoder/config.yaml" --no-batching
+if [ "$BATCHING" = 1 ]; then
+  cp "$MODELS/encoder/config.yaml" "$WORK/repo/encoder/config.yaml"
+else
+  python3 "$ROOT/bench/config_variant.py" "$MODELS/encoder/config.yaml" \
+    "$WORK/repo/encoder/config.yaml" --no-batching
+fi
 cat > "$WORK/a.yaml" <<EOF
 replicas:
   - {id: r0, model: encoder, version: "1", repository: $WORK/repo, cpus: 1, state: SERVING}
@@ -60,7 +67,7 @@ done
 [ -n "$REPLICA" ] && [ -n "$ROUTER" ] || { echo "the replica never served"; cat "$WORK/agent.log"; exit 1; }
 echo "replica $PROTOCOL port $REPLICA, router $PROTOCOL port $ROUTER"
 load() {
-  "$BUILD/bench/kiln-loadgen" "${LOAD_ARGS[@]}" --mode closed --concurrency 1 --seq-len 16 \
+  "$BUILD/bench/kiln-loadgen" "${LOAD_ARGS[@]}" --mode closed --concurrency "$CONCURRENCY" --seq-len 16 \
     --duration-s "$DURATION_S" --warmup-s 1 --address "127.0.0.1:$1" 2>&1 |
     grep -E "requests:|throughput:|latency ms:" | tr -s ' ' | tr '\n' ' '
 }
