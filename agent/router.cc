@@ -729,9 +729,13 @@ class Router::Impl {
           router_->End(id);
           int code = 0;
           std::string text;
+          bool versioned = false;  // the answer names the chosen version already
           try {
             http::http_response r = t.get();
             code = r.status_code();
+            // Another node's router says which version served, in its body too.
+            auto said = r.headers().find("kiln-version");
+            versioned = said != r.headers().end() && said->second == chosen;
             text = r.extract_utf8string(true).get();
           } catch (const std::exception& e) {
             code = 503;  // connection refused or reset: the replica is gone
@@ -743,7 +747,7 @@ class Router::Impl {
             Forward(reply, model, version, path, std::move(body), sticky, exclude, 1, forwarded);
             return;
           }
-          if (code == 200 && !body.empty()) {
+          if (code == 200 && !body.empty() && !versioned) {
             json doc = json::parse(text, nullptr, false);
             if (doc.is_object()) {
               doc["parameters"]["kiln-version"] = chosen;
