@@ -7,7 +7,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cpprest/http_client.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/server_builder.h>
 
@@ -22,14 +21,15 @@
 #include "absl/strings/str_split.h"
 #include "common/data_frames.h"
 #include "common/grpc_status.h"
+#include "common/http_client.h"
 #include "common/http_server.h"
+#include "common/uri.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 
 namespace kiln {
 
-namespace http = web::http;
 using nlohmann::json;
 
 RouterTable BuildRouterTable(const v1::RoutingTable& routing,
@@ -531,14 +531,13 @@ class Router::Impl {
       answer_late.join();
       http_server_.reset();
     }
-    // Forwards still out (their continuations use this object) are cancelled and waited for.
-    cancel_.cancel();
+    // HTTP forwards still out (their callbacks use this object) fail, and are waited for;
+    // none starts after.
     {
       absl::MutexLock lock(&forwards_mu_);
-      auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(forwards_mu_) { return forwards_ == 0; };
-      forwards_mu_.Await(absl::Condition(&idle));
       forwards_closed_ = true;
     }
+    http_client_->Stop();
     if (grpc_server_) {
       // GOAWAY: clients move new calls to a new connection; calls in flight get 5 s.
       grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -557,17 +556,6 @@ class Router::Impl {
   std::thread accept_thread_;
 
  private:
-  std::shared_ptr<http::client::http_client> ClientFor(const std::string& address) {
-    absl::MutexLock lock(&clients_mu_);
-    auto& c = clients_[address];
-    if (!c) {
-      http::client::http_client_config cfg;
-      cfg.set_timeout(absl::ToChronoSeconds(kRestForwardTimeout));
-      c = std::make_shared<http::client::http_client>("http://" + address, cfg);
-    }
-    return c;
-  }
-
   void Handle(HttpRequest request, const HttpReply& reply) {
     try {
       Route(request, reply);
@@ -691,55 +679,51 @@ class Router::Impl {
     {
       absl::MutexLock lock(&forwards_mu_);
       if (forwards_closed_) {
-        // Stopping (a data-socket call failed by Stop, retried here): nothing may be left
-        // with cpprestsdk to finish after the router is gone.
+        // Stopping (a data-socket call failed by Stop, retried here).
         Reply(reply, 503, JsonError("the router is stopping"));
         return;
       }
-      forwards_++;
     }
     router_->CountRestForward(/*data_socket=*/false);
-    http::http_request out(body.empty() ? http::methods::GET : http::methods::POST);
+    HttpClientRequest out;
+    out.method = body.empty() ? "GET" : "POST";
     if (choice->endpoint.local || !version.empty()) {
-      out.set_request_uri(path);
+      out.target = path;
     } else {
       // Another node's router: it serves the version chosen here, from its own replicas.
-      std::string pinned = "/v2/models/" + web::uri::encode_data_string(model) + "/versions/" +
-                           web::uri::encode_data_string(choice->version);
-      if (!body.empty()) pinned += "/infer";
-      out.set_request_uri(pinned);
+      out.target = "/v2/models/" + PercentEncodeSegment(model) + "/versions/" +
+                   PercentEncodeSegment(choice->version);
+      if (!body.empty()) out.target += "/infer";
     }
-    if (!choice->endpoint.local) out.headers().add(kForwardedHeader, router_->node_name());
-    if (!body.empty()) out.set_body(body, "application/json");
+    if (!choice->endpoint.local) out.headers.emplace_back(kForwardedHeader, router_->node_name());
+    if (!body.empty()) {
+      out.body = body;  // `body` kept for a retry
+      out.content_type = "application/json";
+    }
     std::string id = choice->endpoint.id;
     std::string chosen = choice->version;
     router_->Begin(id);
-    ClientFor(choice->endpoint.http_address)
-        ->request(out, cancel_.get_token())
-        .then([this, reply, model, version, path, body = std::move(body), sticky, exclude, attempt,
-               id, chosen, forwarded](pplx::task<http::http_response> t) mutable {
-          // Counted out last, after any retry has counted itself in.
-          struct Done {
-            Impl* impl;
-            ~Done() {
-              absl::MutexLock lock(&impl->forwards_mu_);
-              impl->forwards_--;
-            }
-          } done{this};
+    // The callback runs on the client's thread (or inline, once it is stopping).
+    http_client_->Send(
+        choice->endpoint.http_address, std::move(out),
+        [this, reply, model, version, path, body = std::move(body), sticky, exclude, attempt, id,
+         chosen, forwarded](absl::StatusOr<HttpClientResponse> r) mutable {
           router_->End(id);
           int code = 0;
           std::string text;
           bool versioned = false;  // the answer names the chosen version already
-          try {
-            http::http_response r = t.get();
-            code = r.status_code();
+          if (r.ok()) {
+            code = r->code;
             // Another node's router says which version served, in its body too.
-            auto said = r.headers().find("kiln-version");
-            versioned = said != r.headers().end() && said->second == chosen;
-            text = r.extract_utf8string(true).get();
-          } catch (const std::exception& e) {
+            versioned = r->Header("kiln-version") == chosen;
+            text = std::move(r->body);
+          } else if (r.status().code() == absl::StatusCode::kUnavailable) {
             code = 503;  // connection refused or reset: the replica is gone
-            text = JsonError(std::string("replica unreachable: ") + e.what());
+            text = JsonError("replica unreachable: " + std::string(r.status().message()));
+          } else {
+            // No answer in time (504), or one that is not HTTP or too large (502).
+            code = r.status().code() == absl::StatusCode::kDeadlineExceeded ? 504 : 502;
+            text = JsonError("replica " + std::string(r.status().message()));
           }
           if (code == 503 && attempt == 0) {
             exclude.insert(id);
@@ -832,16 +816,19 @@ class Router::Impl {
   RouterGrpcService grpc_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpServer> http_server_;
-  pplx::cancellation_token_source cancel_;
   absl::Mutex forwards_mu_;
-  int forwards_ ABSL_GUARDED_BY(forwards_mu_) = 0;  // REST forwards out to replicas over HTTP
   bool forwards_closed_ ABSL_GUARDED_BY(forwards_mu_) = false;  // stopped: no more of them
   // REST calls out to data sockets, unanswered.
   std::map<uint64_t, HttpReply> rest_calls_ ABSL_GUARDED_BY(forwards_mu_);
   uint64_t next_rest_call_ ABSL_GUARDED_BY(forwards_mu_) = 0;
-  absl::Mutex clients_mu_;
-  std::map<std::string, std::shared_ptr<http::client::http_client>> clients_
-      ABSL_GUARDED_BY(clients_mu_);
+  // REST forwards over HTTP: to other nodes' routers, metadata, and replicas older than the
+  // router. Connections are kept alive per address. Last: stopped (its callbacks joined) before
+  // the members they use go.
+  const std::unique_ptr<HttpClient> http_client_ = std::make_unique<HttpClient>([] {
+    HttpClient::Options o;
+    o.timeout = kRestForwardTimeout;
+    return o;
+  }());
 };
 
 absl::StatusOr<std::unique_ptr<Router>> Router::Start(Options options,

@@ -370,5 +370,17 @@ TEST(PercentDecode, DecodesEscapesAndKeepsMalformedOnes) {
   EXPECT_EQ(PercentDecode("a+b"), "a+b");
 }
 
+TEST(PercentEncodeSegment, EncodesAllButUnreservedAndRoundTrips) {
+  EXPECT_EQ(PercentEncodeSegment("bge-m3_v1.2~x"), "bge-m3_v1.2~x");
+  EXPECT_EQ(PercentEncodeSegment("a b/c?d%"), "a%20b%2Fc%3Fd%25");
+  EXPECT_EQ(PercentEncodeSegment(std::string("\xc3\xa9\0", 3)), "%C3%A9%00");
+  const std::string all = [] {
+    std::string s;
+    for (int c = 0; c < 256; ++c) s.push_back(static_cast<char>(c));
+    return s;
+  }();
+  EXPECT_EQ(PercentDecode(PercentEncodeSegment(all)), all);
+}
+
 }  // namespace
 }  // namespace kiln

@@ -1,0 +1,264 @@
+// The Beast HTTP client over real loopback sockets, against the project's HTTP server and
+// against raw sockets that misbehave on purpose.
+
+#include "common/http_client.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "common/http_server.h"
+
+namespace kiln {
+namespace {
+
+// Sends and waits (bounded) for the answer.
+absl::StatusOr<HttpClientResponse> SendAndWait(HttpClient& client, const std::string& address,
+                                               HttpClientRequest request) {
+  absl::Notification done;
+  absl::StatusOr<HttpClientResponse> out = absl::UnknownError("no answer within 30 s");
+  client.Send(address, std::move(request), [&](absl::StatusOr<HttpClientResponse> r) {
+    out = std::move(r);
+    done.Notify();
+  });
+  done.WaitForNotificationWithTimeout(absl::Seconds(30));
+  return out;
+}
+
+// A loopback TCP listener (port 0) whose every connection is handed to `serve` on its own
+// thread; joined by the destructor after the listener and the connections are shut.
+class RawServer {
+ public:
+  explicit RawServer(std::function<void(int fd)> serve) : serve_(std::move(serve)) {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    EXPECT_EQ(listen(fd_, 16), 0);
+    socklen_t len = sizeof(addr);
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    accept_ = std::thread([this] {
+      for (;;) {
+        int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (c < 0) return;
+        absl::MutexLock lock(&mu_);
+        conns_.push_back(c);
+        threads_.emplace_back([this, c] { serve_(c); });
+      }
+    });
+  }
+  ~RawServer() {
+    shutdown(fd_, SHUT_RDWR);
+    accept_.join();
+    std::vector<std::thread> threads;
+    {
+      absl::MutexLock lock(&mu_);
+      for (int c : conns_) shutdown(c, SHUT_RDWR);
+      threads.swap(threads_);
+    }
+    for (auto& t : threads) t.join();
+    absl::MutexLock lock(&mu_);
+    for (int c : conns_) close(c);
+    close(fd_);
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  int accepted() {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(conns_.size());
+  }
+
+ private:
+  std::function<void(int)> serve_;
+  int fd_ = -1;
+  int port_ = 0;
+  std::thread accept_;
+  absl::Mutex mu_;
+  std::vector<int> conns_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+};
+
+// Reads one request head (and nothing after it); false when the connection ended first.
+bool ReadHead(int fd) {
+  std::string got;
+  char c;
+  while (got.find("\r\n\r\n") == std::string::npos) {
+    if (read(fd, &c, 1) != 1) return false;
+    got += c;
+  }
+  return true;
+}
+
+void WriteAll(int fd, const std::string& s) {
+  (void)!send(fd, s.data(), s.size(), MSG_NOSIGNAL);
+}
+
+TEST(HttpClientTest, GetAndPostOverOneKeptAliveConnection) {
+  HttpServer::Options o;
+  o.bind_address = "127.0.0.1";
+  auto server = HttpServer::Start(o, [](HttpRequest r, HttpReply reply) {
+    HttpResponse out;
+    out.code = r.method == "POST" ? 201 : 200;
+    out.body = r.method + " " + r.path + " x-test=" +
+               std::string(r.Header("x-test").value_or("-")) + " body=" + r.body;
+    out.content_type = "text/plain";
+    out.headers.emplace_back("kiln-version", "7");
+    reply.Send(std::move(out));
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = "127.0.0.1:" + std::to_string((*server)->port());
+  HttpClient client({});
+  for (int i = 0; i < 3; ++i) {
+    HttpClientRequest get;
+    get.target = "/v2/models/m";
+    auto r = SendAndWait(client, address, get);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->code, 200);
+    EXPECT_EQ(r->body, "GET /v2/models/m x-test=- body=");
+    EXPECT_EQ(r->Header("KILN-VERSION"), "7");
+    EXPECT_EQ(r->Header("no-such"), std::nullopt);
+    HttpClientRequest post;
+    post.method = "POST";
+    post.target = "/v2/models/m/infer";
+    post.headers = {{"x-test", "yes"}};
+    post.body = std::string(100000, 'b');
+    post.content_type = "application/json";
+    r = SendAndWait(client, address, post);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->code, 201);
+    EXPECT_EQ(r->body, "POST /v2/models/m/infer x-test=yes body=" + std::string(100000, 'b'));
+  }
+  EXPECT_EQ(client.connections_made(), 1);
+  client.Stop();
+  (*server)->Stop(absl::Seconds(1));
+}
+
+// A kept-alive connection the peer closed while it was idle is replaced, and the request sent
+// once more on the new one: the caller never sees it.
+TEST(HttpClientTest, AKeptAliveConnectionThePeerClosedIsReplaced) {
+  RawServer server([](int fd) {
+    // One answer per connection, kept alive in words, then closed.
+    if (!ReadHead(fd)) return;
+    WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok");
+    shutdown(fd, SHUT_RDWR);
+  });
+  HttpClient client({});
+  for (int i = 0; i < 3; ++i) {
+    auto r = SendAndWait(client, server.address(), {});
+    ASSERT_TRUE(r.ok()) << i << ": " << r.status();
+    EXPECT_EQ(r->body, "ok");
+    absl::SleepFor(absl::Milliseconds(20));  // the close reaches the client's idle socket
+  }
+  EXPECT_EQ(client.connections_made(), 3);
+  EXPECT_EQ(server.accepted(), 3);
+}
+
+TEST(HttpClientTest, FailuresAreNamed) {
+  HttpClient::Options o;
+  o.timeout = absl::Milliseconds(300);
+  o.max_response_bytes = 1000;
+  HttpClient client(o);
+  // Nothing listens there.
+  int dead_port;
+  {
+    RawServer gone([](int) {});
+    dead_port = std::stoi(gone.address().substr(10));
+  }
+  auto refused = SendAndWait(client, "127.0.0.1:" + std::to_string(dead_port), {});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_NE(refused.status().message().find("cannot connect"), std::string::npos);
+  // Never answers.
+  RawServer silent([](int fd) {
+    ReadHead(fd);
+    char c;
+    (void)!read(fd, &c, 1);  // until the client or the test closes it
+  });
+  auto late = SendAndWait(client, silent.address(), {});
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  // Answers too much.
+  RawServer big([](int fd) {
+    if (!ReadHead(fd)) return;
+    WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n" + std::string(5000, 'x'));
+  });
+  auto over = SendAndWait(client, big.address(), {});
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  RawServer big_chunks([](int fd) {
+    if (!ReadHead(fd)) return;
+    WriteAll(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
+    for (int i = 0; i < 10; ++i) WriteAll(fd, "1f4\r\n" + std::string(500, 'x') + "\r\n");
+    WriteAll(fd, "0\r\n\r\n");
+  });
+  auto chunked = SendAndWait(client, big_chunks.address(), {});
+  EXPECT_EQ(chunked.status().code(), absl::StatusCode::kResourceExhausted) << chunked.status();
+  // Does not speak HTTP.
+  RawServer garbage([](int fd) {
+    if (!ReadHead(fd)) return;
+    WriteAll(fd, "SSH-2.0-OpenSSH\r\n\r\n");
+  });
+  auto bad = SendAndWait(client, garbage.address(), {});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInternal) << bad.status();
+  // Closes before answering (a replica going away).
+  RawServer closing([](int fd) {
+    ReadHead(fd);
+    shutdown(fd, SHUT_RDWR);
+  });
+  auto gone = SendAndWait(client, closing.address(), {});
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kUnavailable) << gone.status();
+  // Not an address, not a method.
+  for (const std::string address : {"nowhere", "127.0.0.1:0", "127.0.0.1:99999", ":80"}) {
+    auto r = SendAndWait(client, address, {});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << address;
+  }
+  HttpClientRequest del;
+  del.method = "DELETE";
+  EXPECT_EQ(SendAndWait(client, silent.address(), del).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A name is resolved.
+  RawServer named([](int fd) {
+    if (!ReadHead(fd)) return;
+    WriteAll(fd, "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nname");
+  });
+  auto by_name = SendAndWait(client, "localhost:" + named.address().substr(10), {});
+  ASSERT_TRUE(by_name.ok()) << by_name.status();
+  EXPECT_EQ(by_name->body, "name");
+}
+
+// Stop fails what is in flight (each callback once) and whatever is sent after it.
+TEST(HttpClientTest, StopFailsWhatIsInFlightAndEverythingAfter) {
+  RawServer silent([](int fd) {
+    ReadHead(fd);
+    char c;
+    (void)!read(fd, &c, 1);
+  });
+  HttpClient client({});
+  std::atomic<int> calls{0};
+  std::atomic<int> unavailable{0};
+  for (int i = 0; i < 4; ++i) {
+    client.Send(silent.address(), {}, [&](absl::StatusOr<HttpClientResponse> r) {
+      calls++;
+      if (r.status().code() == absl::StatusCode::kUnavailable) unavailable++;
+    });
+  }
+  for (int i = 0; i < 2000 && silent.accepted() < 4; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(silent.accepted(), 4);
+  client.Stop();
+  EXPECT_EQ(calls.load(), 4);
+  EXPECT_EQ(unavailable.load(), 4);
+  auto after = SendAndWait(client, silent.address(), {});
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable);
+  client.Stop();  // again: nothing happens
+}
+
+}  // namespace
+}  // namespace kiln
