@@ -717,8 +717,11 @@ class Router::Impl {
             // Another node's router says which version served, in its body too.
             versioned = r->Header("kiln-version") == chosen;
             text = std::move(r->body);
-          } else if (r.status().code() == absl::StatusCode::kUnavailable) {
-            code = 503;  // connection refused or reset: the replica is gone
+          } else if (r.status().code() == absl::StatusCode::kUnavailable ||
+                     r.status().code() == absl::StatusCode::kInvalidArgument) {
+            // Connection refused or reset (the replica is gone), or an endpoint whose address
+            // is not one: tried elsewhere.
+            code = 503;
             text = JsonError("replica unreachable: " + std::string(r.status().message()));
           } else {
             // No answer in time (504), or one that is not HTTP or too large (502).
@@ -761,7 +764,7 @@ class Router::Impl {
       rest_calls_.emplace(key, reply);
     }
     std::string frame = EncodeJsonInferBody(body, model, version);  // `body` kept for a retry
-    // Given up after as long as an HTTP forward waits (cpprestsdk's timeout, above). The frame
+    // Given up after as long as an HTTP forward waits (the client's timeout, below). The frame
     // carries no deadline: the model's default queue timeout applies, as on its REST port.
     const int64_t expire = absl::ToUnixMicros(absl::Now() + kRestForwardTimeout);
     // The callback runs on the channel's reader (or inline here), while the channel lives: a

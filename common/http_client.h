@@ -54,8 +54,8 @@ class HttpClient {
   // Sends `request` to `address` ("host:port"). `done` runs exactly once: on the client's
   // thread, or inline here once the client is stopped or when `address` is not host:port.
   //   UNAVAILABLE: no connection could be made, the peer closed or reset it before the whole
-  //     response (a kept-alive connection the peer had closed meanwhile is replaced and the
-  //     request sent once more first), or the client is stopping;
+  //     response (when that was a kept-alive connection and none of the response had come,
+  //     the request is first sent once more on a new connection), or the client is stopping;
   //   DEADLINE_EXCEEDED: a timeout passed; RESOURCE_EXHAUSTED: a response over the limit;
   //   INVALID_ARGUMENT: a bad address or request; INTERNAL: a response that is not HTTP.
   void Send(const std::string& address, HttpClientRequest request, Done done);
@@ -64,8 +64,10 @@ class HttpClient {
   // has had its `done`. Not from a `done` (it joins the client's thread). Idempotent.
   void Stop();
 
-  // Connections made so far (tests: kept-alive ones are reused).
+  // Connections made so far, and kept-alive ones now idle (tests: they are reused, and dropped
+  // when their peer closes them).
   int64_t connections_made() const;
+  int idle_connections() const;
 
  private:
   class Impl;
