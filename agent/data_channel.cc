@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,11 +40,12 @@ int64_t MonoMicros() {
 // answers out of order, does not end the spinning for the calls behind it.
 constexpr int kCallsPlannedFrom = 16;
 
-// poll() for at most `micros` (-1 = no limit), to the microsecond.
+// poll() the reader's three descriptors for at most `micros` (-1 = no limit), to the
+// microsecond.
 int PollFor(pollfd* fds, int64_t micros) {
-  if (micros < 0) return ::ppoll(fds, 2, nullptr, nullptr);
+  if (micros < 0) return ::ppoll(fds, 3, nullptr, nullptr);
   timespec ts{static_cast<time_t>(micros / 1'000'000), static_cast<long>(micros % 1'000'000) * 1000};
-  return ::ppoll(fds, 2, &ts, nullptr);
+  return ::ppoll(fds, 3, &ts, nullptr);
 }
 
 // A replica that reads no request for this long while requests wait is stuck: its connection
@@ -53,8 +55,8 @@ constexpr size_t kMaxBacklogBytes = size_t{1} << 30;
 
 }  // namespace
 
-DataChannel::Connection::Connection(int fd, int wake_read, int wake_write)
-    : fd(fd), wake_read(wake_read), wake_write(wake_write),
+DataChannel::Connection::Connection(int fd, int wake_read, int wake_write, int timer_fd)
+    : fd(fd), wake_read(wake_read), wake_write(wake_write), timer_fd(timer_fd),
       sender(std::make_unique<FrameSender>(fd, kSendStall, kMaxBacklogBytes)) {}
 
 DataChannel::Connection::~Connection() {
@@ -62,6 +64,7 @@ DataChannel::Connection::~Connection() {
   ::close(fd);
   ::close(wake_read);
   ::close(wake_write);
+  ::close(timer_fd);
 }
 
 DataChannel::~DataChannel() {
@@ -142,14 +145,20 @@ void DataChannel::CallRaw(uint8_t code, std::string body, int64_t deadline_unix_
       json_refused_ = false;  // perhaps another runtime: asked again
     }
     int wake[2] = {-1, -1};
+    int timer = -1;
     if (!fd.ok()) {
       refused = grpc::Status(grpc::StatusCode::UNAVAILABLE,
                              "replica data socket: " + std::string(fd.status().message()));
     } else if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
       ::close(*fd);
       refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, "replica data socket: pipe failed");
+    } else if ((timer = ::timerfd_create(CLOCK_REALTIME, TFD_CLOEXEC | TFD_NONBLOCK)) < 0) {
+      ::close(*fd);
+      ::close(wake[0]);
+      ::close(wake[1]);
+      refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, "replica data socket: timerfd failed");
     } else {
-      fresh = std::make_shared<Connection>(*fd, wake[0], wake[1]);
+      fresh = std::make_shared<Connection>(*fd, wake[0], wake[1], timer);
     }
   }
   std::shared_ptr<Connection> c;
@@ -179,11 +188,14 @@ void DataChannel::CallRaw(uint8_t code, std::string body, int64_t deadline_unix_
         c = conn_;
         tag = next_tag_++;
         c->pending.emplace(tag, Pending{std::move(done), code, expire_unix_micros, MonoMicros()});
-        // The reader is woken to wait for an earlier deadline, and, when it busy-polls, to
-        // plan its spin for a first call (it sleeps with no call waiting).
-        if ((expire_unix_micros > 0 &&
-             (c->waiting_until == 0 || expire_unix_micros < c->waiting_until)) ||
-            (spin_window_micros_ > 0 && c->pending.size() == 1)) {
+        // An earlier deadline re-arms the reader's timer (without waking it); when it
+        // busy-polls, the reader is woken to plan its spin for a first call (it sleeps with no
+        // call waiting).
+        if (expire_unix_micros > 0 &&
+            (c->waiting_until == 0 || expire_unix_micros < c->waiting_until)) {
+          ArmTimer(*c, expire_unix_micros);
+        }
+        if (spin_window_micros_ > 0 && c->pending.size() == 1) {
           char one = 1;
           (void)!::write(c->wake_write, &one, 1);
         }
@@ -204,6 +216,16 @@ void DataChannel::CallRaw(uint8_t code, std::string body, int64_t deadline_unix_
   (void)c->sender->Send(EncodeFrame(tag, code, deadline_unix_micros, body));
 }
 
+void DataChannel::ArmTimer(Connection& c, int64_t unix_micros) {
+  itimerspec at{};  // zero: disarmed
+  if (unix_micros > 0) {
+    at.it_value.tv_sec = static_cast<time_t>(unix_micros / 1'000'000);
+    at.it_value.tv_nsec = static_cast<long>(unix_micros % 1'000'000) * 1000;
+  }
+  (void)::timerfd_settime(c.timer_fd, TFD_TIMER_ABSTIME, &at, nullptr);
+  c.waiting_until = unix_micros;
+}
+
 int64_t DataChannel::Expire(const std::shared_ptr<Connection>& c) {
   std::vector<Pending> expired;
   int64_t next = 0;
@@ -220,7 +242,7 @@ int64_t DataChannel::Expire(const std::shared_ptr<Connection>& c) {
       if (d > 0 && (next == 0 || d < next)) next = d;
       ++it;
     }
-    c->waiting_until = next;
+    if (next != c->waiting_until) ArmTimer(*c, next);
   }
   for (auto& p : expired) {
     p.done(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
@@ -236,13 +258,9 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
   std::string body;
   std::string why = "the replica closed the connection";
   for (;;) {
+    // Deadlines wake it through the timer (armed here at the nearest).
     const int64_t next = Expire(c);
-    // Microseconds to wait at most: to the nearest deadline, -1 = none.
-    auto wait_limit = [next]() -> int64_t {
-      if (next <= 0) return -1;
-      return std::clamp<int64_t>(next - NowMicros(), 0, int64_t{60'000'000});
-    };
-    pollfd fds[2] = {{c->fd, POLLIN, 0}, {c->wake_read, POLLIN, 0}};
+    pollfd fds[3] = {{c->fd, POLLIN, 0}, {c->wake_read, POLLIN, 0}, {c->timer_fd, POLLIN, 0}};
     int n = 0;
     SpinWindow spin;
     bool from_spin = false;
@@ -258,14 +276,11 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
     }
     if (spin.until > 0 && MonoMicros() < spin.from) {
       // Asleep until the window opens (paid while the replica computes), then planned again.
-      int64_t until_window = spin.from - MonoMicros();
-      const int64_t limit = wait_limit();
-      if (limit >= 0) until_window = std::min(until_window, limit);
-      n = PollFor(fds, std::max<int64_t>(until_window, 0));
+      n = PollFor(fds, std::max<int64_t>(spin.from - MonoMicros(), 0));
       if (n == 0) continue;
     } else if (spin.until > 0 && slots_->TryAcquire()) {
       // Until the window ends, or the nearest deadline passes.
-      while ((n = ::poll(fds, 2, 0)) == 0 && MonoMicros() < spin.until &&
+      while ((n = ::poll(fds, 3, 0)) == 0 && MonoMicros() < spin.until &&
              (next <= 0 || NowMicros() < next)) {
       }
       slots_->Release();
@@ -273,7 +288,7 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
       if (n == 0) continue;  // not in the window: planned again (no window now), then asleep
       from_spin = true;
     } else {
-      n = PollFor(fds, wait_limit());
+      n = PollFor(fds, -1);
     }
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -284,6 +299,10 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
       char drain[64];
       while (::read(c->wake_read, drain, sizeof(drain)) > 0) {
       }
+    }
+    if (fds[2].revents & POLLIN) {
+      uint64_t expirations;
+      (void)!::read(c->timer_fd, &expirations, sizeof(expirations));
     }
     if (!(fds[0].revents & (POLLIN | POLLHUP | POLLERR))) continue;  // a deadline, or woken
     if (!ReadFull(c->fd, head, sizeof(head))) break;

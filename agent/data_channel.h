@@ -74,15 +74,18 @@ class DataChannel {
     int64_t sent_micros;  // when it was registered (monotonic micros)
   };
   struct Connection {
-    Connection(int fd, int wake_read, int wake_write);
+    Connection(int fd, int wake_read, int wake_write, int timer_fd);
     ~Connection();  // closes the descriptors: no other holder can write to a reused one
     const int fd;
-    const int wake_read, wake_write;  // a pipe: wakes the reader for an earlier deadline
+    const int wake_read, wake_write;  // a pipe: wakes the reader to plan a spin
+    // A timerfd (CLOCK_REALTIME, absolute) armed at the nearest deadline: a call's deadline
+    // wakes the reader only if it passes, not when the call is made.
+    const int timer_fd;
     // Requests are sent from the router's request threads, which must never wait on a
     // replica that stopped reading (common/frame_sender.h).
     std::unique_ptr<FrameSender> sender;
     std::map<uint64_t, Pending> pending;  // guarded by the channel's mu_
-    int64_t waiting_until = 0;            // the deadline the reader waits for (mu_), 0 = none
+    int64_t waiting_until = 0;            // the deadline timer_fd is armed at (mu_), 0 = none
     bool broken = false;                  // guarded by the channel's mu_
     std::atomic<bool> finished{false};    // its reader has failed or answered every call
     int64_t typical_micros = 0;  // answer time, moving average (its reader's alone)
@@ -90,8 +93,11 @@ class DataChannel {
   void ReadLoop(std::shared_ptr<Connection> c);
   // Fails and forgets the connection's calls (its reader saw it end).
   void Broke(const std::shared_ptr<Connection>& c, const std::string& why);
-  // Fails the calls whose deadline passed; returns the next deadline (0 = none).
+  // Fails the calls whose deadline passed, and arms the timer at the next; returns it (0 =
+  // none).
   int64_t Expire(const std::shared_ptr<Connection>& c);
+  // Arms `c`'s timer at `unix_micros` (0 = disarmed) and records it.
+  static void ArmTimer(Connection& c, int64_t unix_micros);
 
   const std::string path_;
   const int64_t spin_window_micros_ = 0;

@@ -5,7 +5,7 @@
 # the router's, ROUNDS times each. Prints one line per run. Not a test.
 #   bench/router_overhead.sh [ROUNDS]          (BUILD_DIR: the build to run, default build/)
 # AGENT_ARGS: more kiln-agent flags (say --router-busy-poll-us 1000). Each router line also gives
-# the agent's CPU time over that run (user+system, ms). PROTOCOL=rest: REST JSON instead of gRPC
+# the agent's CPU time over that run (user+system, ms) and its threads' context switches. PROTOCOL=rest: REST JSON instead of gRPC
 # raw, against the replica's and the router's REST ports. CONCURRENCY=N: N requests in flight
 # (default 1); BATCHING=1: the demo config's dynamic batching left on.
 set -euo pipefail
@@ -71,6 +71,12 @@ load() {
     --duration-s "$DURATION_S" --warmup-s 1 --address "127.0.0.1:$1" 2>&1 |
     grep -E "requests:|throughput:|latency ms:" | tr -s ' ' | tr '\n' ' '
 }
+# Context switches of all the agent's threads so far (voluntary + involuntary): each is a
+# sleep and a wake-up, what the router's latency on a small VM is mostly made of.
+agent_switches() {
+  cat /proc/"$AGENT_PID"/task/*/status 2>/dev/null |
+    awk '/ctxt_switches/ {n += $2} END {print n}'
+}
 # The agent's CPU time so far, ms (utime + stime, clock ticks).
 agent_cpu_ms() {
   awk -v hz="$(getconf CLK_TCK)" '{print int(($14 + $15) * 1000 / hz)}' "/proc/$AGENT_PID/stat"
@@ -78,6 +84,7 @@ agent_cpu_ms() {
 for i in $(seq 1 "$ROUNDS"); do
   echo "direct $i: $(load "$REPLICA")"
   before=$(agent_cpu_ms)
+  switches=$(agent_switches)
   line=$(load "$ROUTER")
-  echo "router $i: $line agent cpu ms: $(( $(agent_cpu_ms) - before ))"
+  echo "router $i: $line agent cpu ms: $(( $(agent_cpu_ms) - before )) agent switches: $(( $(agent_switches) - switches ))"
 done
