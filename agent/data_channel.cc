@@ -23,7 +23,14 @@ namespace {
 // Past this an answer is not one (protobuf parses less than 2 GiB): the connection is dropped.
 constexpr uint32_t kMaxAnswerBytes = (1u << 31) - 1;
 
-int64_t NowMicros() { return absl::ToUnixMicros(absl::Now()); }
+// The kernel's wall clock, the one the deadline timer fires by (absl::Now() may estimate it
+// from the TSC, a microsecond or more behind: a timer seen to fire "early" must not look like
+// a deadline still ahead).
+int64_t NowMicros() {
+  timespec ts;
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  return int64_t{ts.tv_sec} * 1'000'000 + ts.tv_nsec / 1000;
+}
 
 // A REST answer (common/data_frames.h) with HTTP status 200.
 bool JsonAnswerIsOk(const std::string& body) {
@@ -222,8 +229,10 @@ void DataChannel::ArmTimer(Connection& c, int64_t unix_micros) {
     at.it_value.tv_sec = static_cast<time_t>(unix_micros / 1'000'000);
     at.it_value.tv_nsec = static_cast<long>(unix_micros % 1'000'000) * 1000;
   }
-  (void)::timerfd_settime(c.timer_fd, TFD_TIMER_ABSTIME, &at, nullptr);
-  c.waiting_until = unix_micros;
+  // Not armed: recorded as none, so that the next call or Expire tries again.
+  c.waiting_until = ::timerfd_settime(c.timer_fd, TFD_TIMER_ABSTIME, &at, nullptr) == 0
+                        ? unix_micros
+                        : 0;
 }
 
 int64_t DataChannel::Expire(const std::shared_ptr<Connection>& c) {
@@ -303,6 +312,10 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
     if (fds[2].revents & POLLIN) {
       uint64_t expirations;
       (void)!::read(c->timer_fd, &expirations, sizeof(expirations));
+      // Spent: Expire arms it again for whatever deadline is still ahead, even the same one
+      // (a clock stepped back since it was armed, say), instead of taking it as still set.
+      absl::MutexLock lock(&mu_);
+      c->waiting_until = 0;
     }
     if (!(fds[0].revents & (POLLIN | POLLHUP | POLLERR))) continue;  // a deadline, or woken
     if (!ReadFull(c->fd, head, sizeof(head))) break;

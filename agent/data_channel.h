@@ -97,7 +97,7 @@ class DataChannel {
   // none).
   int64_t Expire(const std::shared_ptr<Connection>& c);
   // Arms `c`'s timer at `unix_micros` (0 = disarmed) and records it.
-  static void ArmTimer(Connection& c, int64_t unix_micros);
+  void ArmTimer(Connection& c, int64_t unix_micros) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string path_;
   const int64_t spin_window_micros_ = 0;

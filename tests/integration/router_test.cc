@@ -265,6 +265,47 @@ TEST(RouterDataSocketTest, AReplicaErrorPassesThroughUnretried) {
   EXPECT_EQ(replica.requests(), 1);
 }
 
+// Deadlines on a replica that never answers, each ending its call with no other event to wake
+// the channel: a later call's deadline set first, then an earlier one's (the timer moved
+// earlier), then the later one (the timer set again for the next deadline after the first
+// passed).
+TEST(RouterDataSocketTest, EachDeadlineEndsItsCallInTurn) {
+  std::string path = TempSocket("dl");
+  FakeDataSocket silent(path, [](const inference::ModelInferRequest&) {
+    return std::make_pair(-2, std::string());
+  });
+  DataChannel channel(path);
+  inference::ModelInferResponse resp;
+  struct Outcome {
+    absl::Notification done;
+    grpc::Status status;
+    absl::Time at;
+  };
+  Outcome later, sooner;
+  const absl::Time start = absl::Now();
+  auto call = [&](Outcome& o, absl::Duration in) {
+    channel.Call(EncoderRequest(), absl::ToUnixMicros(start + in), &resp,
+                 [&o](const grpc::Status& s) {
+                   o.status = s;
+                   o.at = absl::Now();
+                   o.done.Notify();
+                 });
+  };
+  call(later, absl::Milliseconds(400));
+  call(sooner, absl::Milliseconds(100));
+  ASSERT_TRUE(sooner.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(later.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(sooner.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(later.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // Never before its deadline (absl::Now() may trail the kernel's clock the channel reads by a
+  // microsecond or so); the sooner one first.
+  EXPECT_GE(sooner.at, start + absl::Milliseconds(99));
+  EXPECT_GE(later.at, start + absl::Milliseconds(399));
+  EXPECT_LT(sooner.at, later.at);
+  EXPECT_TRUE(channel.Idle());
+  EXPECT_EQ(silent.requests(), 2);
+}
+
 // A replica that never answers: a call past its deadline fails DEADLINE_EXCEEDED (the router
 // does not keep it forever), and a stopping router fails the ones without a deadline.
 TEST(RouterDataSocketTest, CallsEndAtTheirDeadlineOrWhenTheChannelCloses) {
