@@ -188,6 +188,27 @@ class FakeDataSocket {
   std::vector<int64_t> json_deadlines_ ABSL_GUARDED_BY(mu_);
 };
 
+// A replica's data socket at `path` that reads every request and answers none.
+std::unique_ptr<FakeDataSocket> SilentReplica(const std::string& path) {
+  return std::make_unique<FakeDataSocket>(
+      path, [](const inference::ModelInferRequest&) { return std::make_pair(-2, std::string()); });
+}
+
+// Outcome of one DataChannel call, and when it came.
+struct CallOutcome {
+  absl::Notification done;
+  grpc::Status status;
+  absl::Time at;
+  inference::ModelInferResponse response;
+  DataChannel::Done Callback() {
+    return [this](const grpc::Status& s) {
+      status = s;
+      at = absl::Now();
+      done.Notify();
+    };
+  }
+};
+
 std::string TempSocket(const std::string& name) {
   return (std::filesystem::temp_directory_path() /
           ("kiln-rt-" + std::to_string(getpid()) + "-" + name + ".data"))
@@ -271,25 +292,12 @@ TEST(RouterDataSocketTest, AReplicaErrorPassesThroughUnretried) {
 // passed).
 TEST(RouterDataSocketTest, EachDeadlineEndsItsCallInTurn) {
   std::string path = TempSocket("dl");
-  FakeDataSocket silent(path, [](const inference::ModelInferRequest&) {
-    return std::make_pair(-2, std::string());
-  });
+  auto silent = SilentReplica(path);
   DataChannel channel(path);
-  inference::ModelInferResponse resp;
-  struct Outcome {
-    absl::Notification done;
-    grpc::Status status;
-    absl::Time at;
-  };
-  Outcome later, sooner;
+  CallOutcome later, sooner;
   const absl::Time start = absl::Now();
-  auto call = [&](Outcome& o, absl::Duration in) {
-    channel.Call(EncoderRequest(), absl::ToUnixMicros(start + in), &resp,
-                 [&o](const grpc::Status& s) {
-                   o.status = s;
-                   o.at = absl::Now();
-                   o.done.Notify();
-                 });
+  auto call = [&](CallOutcome& o, absl::Duration in) {
+    channel.Call(EncoderRequest(), absl::ToUnixMicros(start + in), &o.response, o.Callback());
   };
   call(later, absl::Milliseconds(400));
   call(sooner, absl::Milliseconds(100));
@@ -303,32 +311,20 @@ TEST(RouterDataSocketTest, EachDeadlineEndsItsCallInTurn) {
   EXPECT_GE(later.at, start + absl::Milliseconds(399));
   EXPECT_LT(sooner.at, later.at);
   EXPECT_TRUE(channel.Idle());
-  EXPECT_EQ(silent.requests(), 2);
+  EXPECT_EQ(silent->requests(), 2);
 }
 
 // A replica that never answers: a call past its deadline fails DEADLINE_EXCEEDED (the router
 // does not keep it forever), and a stopping router fails the ones without a deadline.
 TEST(RouterDataSocketTest, CallsEndAtTheirDeadlineOrWhenTheChannelCloses) {
   std::string path = TempSocket("e");
-  FakeDataSocket silent(path, [](const inference::ModelInferRequest&) {
-    return std::make_pair(-2, std::string());
-  });
+  auto silent = SilentReplica(path);
   DataChannel channel(path);
   inference::ModelInferResponse resp;
-  struct Outcome {
-    absl::Notification done;
-    grpc::Status status;
-  };
-  Outcome late, forever;
+  CallOutcome late, forever;
   const int64_t deadline = absl::ToUnixMicros(absl::Now() + absl::Milliseconds(200));
-  channel.Call(EncoderRequest(), deadline, &resp, [&](const grpc::Status& s) {
-    late.status = s;
-    late.done.Notify();
-  });
-  channel.Call(EncoderRequest(), 0, &resp, [&](const grpc::Status& s) {
-    forever.status = s;
-    forever.done.Notify();
-  });
+  channel.Call(EncoderRequest(), deadline, &late.response, late.Callback());
+  channel.Call(EncoderRequest(), 0, &forever.response, forever.Callback());
   ASSERT_TRUE(late.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
   EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_FALSE(forever.done.HasBeenNotified());
@@ -341,7 +337,7 @@ TEST(RouterDataSocketTest, CallsEndAtTheirDeadlineOrWhenTheChannelCloses) {
   grpc::Status after;
   channel.Call(EncoderRequest(), 0, &resp, [&](const grpc::Status& s) { after = s; });
   EXPECT_EQ(after.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(silent.requests(), 2);
+  EXPECT_EQ(silent->requests(), 2);
 }
 
 // A replica that goes away under a call (its connection closes before it answers), and one
@@ -422,19 +418,6 @@ struct NeverAccepting {
   }
   std::string path;
   int fd;
-};
-
-// Outcome of one DataChannel call.
-struct CallOutcome {
-  absl::Notification done;
-  grpc::Status status;
-  inference::ModelInferResponse response;
-  DataChannel::Done Callback() {
-    return [this](const grpc::Status& s) {
-      status = s;
-      done.Notify();
-    };
-  }
 };
 
 // A replica that accepted the connection but reads nothing (stopped, wedged): the router's
