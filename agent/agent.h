@@ -49,9 +49,9 @@ struct AgentOptions {
   // GPU host, where it cost half a CPU (bench/RESULTS.md).
   int64_t router_busy_poll_us = 0;
   int router_busy_poll_threads = 1;
-  // Threads of the router's REST server (reading, HTTP parsing, replies). One by default: a
-  // second made each request hop between them, which cost 30-40 µs a request on a 2-vCPU VM
-  // (bench/RESULTS.md).
+  // Threads of the router's REST server (reading, HTTP parsing, replies). One by default: with
+  // a second each request hopped between them, and the router's median was 26-45 µs higher on
+  // a 2-vCPU VM (bench/RESULTS.md).
   int router_http_threads = 1;
   absl::Duration tick = absl::Milliseconds(100);
   absl::Duration stop_timeout = absl::Seconds(30);

@@ -11,6 +11,7 @@
 #include <grpcpp/server_builder.h>
 
 #include <cerrno>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -87,8 +88,19 @@ void Router::SetTable(std::shared_ptr<const RouterTable> table) {
     }
     for (auto it = channels_.begin(); it != channels_.end();) {
       if (!sockets.count(it->first) && it->second->Idle()) {
-        gone.push_back(std::move(it->second));
+        retired_.push_back(std::move(it->second));
         it = channels_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    // Destroyed only here, once nothing else holds them: a reader of another channel holding
+    // one for a moment (a retry) must never be left with its last reference, whose
+    // destructor would wait on that channel's readers (which might be waiting on it).
+    for (auto it = retired_.begin(); it != retired_.end();) {
+      if (it->use_count() == 1) {
+        gone.push_back(std::move(*it));
+        it = retired_.erase(it);
       } else {
         ++it;
       }
@@ -511,32 +523,21 @@ class Router::Impl {
     stop_accepting_ = true;
     if (accept_thread_.joinable()) accept_thread_.join();
     if (http_server_) {
-      // REST calls still out to data sockets when the grace is nearly over are answered 503
-      // here, while their connections are open (their replicas' late answers go nowhere).
-      std::thread answer_late([this] {
-        std::map<uint64_t, HttpReply> late;
-        {
-          absl::MutexLock lock(&forwards_mu_);
-          auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(forwards_mu_) {
-            return rest_calls_.empty();
-          };
-          forwards_mu_.AwaitWithTimeout(absl::Condition(&none), kRestStopGrace);
-          late.swap(rest_calls_);
-        }
-        for (auto& [key, reply] : late) {
-          Reply(reply, 503, JsonError("the router is stopping"));
-        }
+      // REST calls still out (to data sockets or over HTTP) when the grace is nearly over, or
+      // made after that, are answered 503 here while their connections are open; their
+      // replicas' late answers go nowhere.
+      absl::Notification server_stopped;
+      std::thread answer_late([this, &server_stopped] {
+        server_stopped.WaitForNotificationWithTimeout(kRestStopGrace);
+        CloseRest();
       });
       http_server_->Stop(absl::Seconds(5));
+      server_stopped.Notify();
       answer_late.join();
       http_server_.reset();
     }
-    // HTTP forwards still out (their callbacks use this object) fail, and are waited for;
-    // none starts after.
-    {
-      absl::MutexLock lock(&forwards_mu_);
-      forwards_closed_ = true;
-    }
+    CloseRest();
+    // HTTP forwards still out (their callbacks use this object) fail, and are waited for.
     http_client_->Stop();
     if (grpc_server_) {
       // GOAWAY: clients move new calls to a new connection; calls in flight get 5 s.
@@ -676,14 +677,8 @@ class Router::Impl {
                    std::set<std::string> exclude, int attempt, bool forwarded,
                    const Choice& choice_made) {
     const Choice* choice = &choice_made;
-    {
-      absl::MutexLock lock(&forwards_mu_);
-      if (forwards_closed_) {
-        // Stopping (a data-socket call failed by Stop, retried here).
-        Reply(reply, 503, JsonError("the router is stopping"));
-        return;
-      }
-    }
+    const std::optional<uint64_t> key = OpenRestCall(reply);
+    if (!key) return;  // stopping: answered 503
     router_->CountRestForward(/*data_socket=*/false);
     HttpClientRequest out;
     out.method = body.empty() ? "GET" : "POST";
@@ -706,9 +701,10 @@ class Router::Impl {
     // The callback runs on the client's thread (or inline, once it is stopping).
     http_client_->Send(
         choice->endpoint.http_address, std::move(out),
-        [this, reply, model, version, path, body = std::move(body), sticky, exclude, attempt, id,
-         chosen, forwarded](absl::StatusOr<HttpClientResponse> r) mutable {
+        [this, key, reply, model, version, path, body = std::move(body), sticky, exclude, attempt,
+         id, chosen, forwarded](absl::StatusOr<HttpClientResponse> r) mutable {
           router_->End(id);
+          CloseRestCall(*key);
           int code = 0;
           std::string text;
           bool versioned = false;  // the answer names the chosen version already
@@ -752,17 +748,12 @@ class Router::Impl {
                            const std::string& version, const std::string& path, std::string body,
                            const Sticky& sticky, std::set<std::string> exclude, int attempt,
                            bool forwarded, const Choice& choice) {
+    const std::optional<uint64_t> key = OpenRestCall(reply);
+    if (!key) return;  // stopping: answered 503
     const std::string id = choice.endpoint.id;
     const std::string chosen = choice.version;
     router_->Begin(id);
     router_->CountRestForward(/*data_socket=*/true);
-    uint64_t key;
-    {
-      // Answered by Stop if the replica has not answered by then.
-      absl::MutexLock lock(&forwards_mu_);
-      key = next_rest_call_++;
-      rest_calls_.emplace(key, reply);
-    }
     std::string frame = EncodeJsonInferBody(body, model, version);  // `body` kept for a retry
     // Given up after as long as an HTTP forward waits (the client's timeout, below). The frame
     // carries no deadline: the model's default queue timeout applies, as on its REST port.
@@ -775,10 +766,7 @@ class Router::Impl {
          body = std::move(body), sticky, exclude = std::move(exclude), attempt, id, chosen,
          forwarded, choice](const grpc::Status& s, std::string* answer) mutable {
           router_->End(id);
-          {
-            absl::MutexLock lock(&forwards_mu_);
-            rest_calls_.erase(key);
-          }
+          CloseRestCall(*key);
           int code = 0;
           std::string text;
           if (s.ok()) {
@@ -810,6 +798,35 @@ class Router::Impl {
         });
   }
 
+  // A REST call going out to a replica (or another router), answered by Stop if nothing
+  // answers it first; nullopt, and answered 503 now, once Stop has closed them.
+  std::optional<uint64_t> OpenRestCall(const HttpReply& reply) {
+    {
+      absl::MutexLock lock(&forwards_mu_);
+      if (!rest_closed_) {
+        const uint64_t key = next_rest_call_++;
+        rest_calls_.emplace(key, reply);
+        return key;
+      }
+    }
+    Reply(reply, 503, JsonError("the router is stopping"));
+    return std::nullopt;
+  }
+  void CloseRestCall(uint64_t key) {
+    absl::MutexLock lock(&forwards_mu_);
+    rest_calls_.erase(key);
+  }
+  // Stop: every REST call still out is answered 503, and every later one at once.
+  void CloseRest() {
+    std::map<uint64_t, HttpReply> late;
+    {
+      absl::MutexLock lock(&forwards_mu_);
+      rest_closed_ = true;
+      late.swap(rest_calls_);
+    }
+    for (auto& [key, reply] : late) Reply(reply, 503, JsonError("the router is stopping"));
+  }
+
   static constexpr absl::Duration kRestForwardTimeout = absl::Seconds(300);
   // How long Stop lets REST calls on data sockets run before answering them 503 itself: within
   // the REST server's own grace (5 s), so that the answer is written before it closes.
@@ -820,8 +837,8 @@ class Router::Impl {
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpServer> http_server_;
   absl::Mutex forwards_mu_;
-  bool forwards_closed_ ABSL_GUARDED_BY(forwards_mu_) = false;  // stopped: no more of them
-  // REST calls out to data sockets, unanswered.
+  bool rest_closed_ ABSL_GUARDED_BY(forwards_mu_) = false;  // stopping: no more of them
+  // REST calls out to replicas and other routers, unanswered.
   std::map<uint64_t, HttpReply> rest_calls_ ABSL_GUARDED_BY(forwards_mu_);
   uint64_t next_rest_call_ ABSL_GUARDED_BY(forwards_mu_) = 0;
   // REST forwards over HTTP: to other nodes' routers, metadata, and replicas older than the
@@ -863,14 +880,23 @@ void Router::Stop() {
 }
 
 void Router::FailChannels() {
-  std::map<std::string, std::shared_ptr<DataChannel>> channels;
+  std::vector<std::shared_ptr<DataChannel>> channels;
   {
     absl::MutexLock lock(&mu_);
     channels_closed_ = true;  // a retry now finds none
-    channels.swap(channels_);
+    for (auto& [path, channel] : channels_) channels.push_back(std::move(channel));
+    channels_.clear();
+    for (auto& channel : retired_) channels.push_back(std::move(channel));
+    retired_.clear();
   }
-  for (auto& [path, channel] : channels) channel->FailAll();
-  channels.clear();  // joins their readers, outside the lock (they finish calls into this)
+  for (auto& channel : channels) channel->FailAll();
+  // Destroyed here (joining their readers, outside the lock: they finish calls into this),
+  // each once no reader of another channel holds it any more (see SetTable). Bounded: a
+  // failed call's callback lets go in microseconds.
+  for (auto& channel : channels) {
+    for (int i = 0; i < 10000 && channel.use_count() > 1; ++i) absl::SleepFor(absl::Milliseconds(1));
+    channel.reset();
+  }
 }
 
 int Router::grpc_port() const { return impl_ ? impl_->grpc_port_ : 0; }

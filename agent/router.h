@@ -150,6 +150,8 @@ class Router {
   // Last: destroyed first (their readers finish calls into the members above).
   std::map<std::string, std::shared_ptr<DataChannel>> channels_ ABSL_GUARDED_BY(mu_);
   bool channels_closed_ ABSL_GUARDED_BY(mu_) = false;  // stopping: no new channels
+  // Channels that left the table, kept until nothing else holds them (SetTable).
+  std::vector<std::shared_ptr<DataChannel>> retired_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kiln

@@ -63,12 +63,18 @@ routes:
 YAML
 start b "$AGENT_B"
 if [ "$PROTOCOL" = rest ]; then A=$A_HTTP B=$(port_of b http_port); else A=$A_GRPC B=$(port_of b grpc_port); fi
-# A serves once its replica does.
+# A serves once its replica does (SERVING and healthy), within 30 s.
 ADMIN=$(grep -o "admin_port=[0-9]*" "$WORK/a.log" | grep -o "[0-9]*$" | head -1)
+SERVING=""
 for _ in $(seq 1 600); do
-  curl -s "127.0.0.1:$ADMIN/readyz" > /dev/null 2>&1 && break
+  SERVING=$(curl -s "127.0.0.1:$ADMIN/v1/replicas" | python3 -c "
+import json,sys
+print(any(r['state']=='SERVING' and r['healthy'] for r in json.load(sys.stdin)['replicas']))" \
+    2>/dev/null || true)
+  [ "$SERVING" = True ] && break
   sleep 0.05
 done
+[ "$SERVING" = True ] || { echo "node a's replica never served"; cat "$WORK/a.log"; exit 1; }
 load() {
   "$BUILD/bench/kiln-loadgen" "${LOAD_ARGS[@]}" --mode closed --concurrency 1 --seq-len 16 \
     --duration-s "$DURATION_S" --warmup-s 1 --address "127.0.0.1:$1" 2>&1 |
