@@ -17,8 +17,8 @@ ROUNDS=${1:-2}
 PROTOCOL=${PROTOCOL:-grpc}
 DURATION_S=${DURATION_S:-5}
 case "$PROTOCOL" in
-  grpc) FIELD=grpc_port LOAD_ARGS=(--target grpc --raw) ;;
-  rest) FIELD=http_port LOAD_ARGS=(--target rest) ;;
+  grpc) LOAD_ARGS=(--target grpc --raw) ;;
+  rest) LOAD_ARGS=(--target rest) ;;
   *) echo "PROTOCOL: grpc or rest, got '$PROTOCOL'" >&2; exit 2 ;;
 esac
 WORK=$(mktemp -d /tmp/kforward.XXXXXX)

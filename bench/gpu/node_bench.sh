@@ -14,7 +14,8 @@
 # against the host's CUDA LibTorch (build-gpu/), then runs STEPS, in the order router, power,
 # cuda, scaleup, each bounded, all results and logs in OUT:
 #   router  bench/router_overhead.sh: the agent's router against the replica's own port, with
-#           the router's busy-polling off and on (ROUTER_WINDOWS: --router-busy-poll-us values);
+#           the router's busy-polling off and on (ROUTER_WINDOWS: --router-busy-poll-us values),
+#           then REST; bench/router_forward.sh: a call sent on to another node's router;
 #   power   bench/gpu/agent_power.sh: NVML discovery, idle watts with a WARM replica parked
 #           and not parked, promote -> first response in each case, cold start beside them;
 #   cuda    bench/gpu/encoder_cuda.sh: the encoder on cuda:0 in fp32 and fp16, and the served
@@ -86,11 +87,17 @@ step() {  # $1 name, $2 seconds it needs at least, then the command
 [ -x "$BUILD/agent/kiln-agent" ] || { log "no kiln-agent: power, router and scaleup skipped"; STEPS=${STEPS//power/}; STEPS=${STEPS//router/}; STEPS=${STEPS//scaleup/}; }
 [ -x "$BUILD/runtime/kiln-runtime" ] || { log "no kiln-runtime: nothing to run"; exit 1; }
 # The router with its busy-polling off (0) and at other windows, alternately (ROUTER_WINDOWS).
-step router 20 env ROUTER_WINDOWS="${ROUTER_WINDOWS:-0 1000 0 1000}" bash -c '
+# Then REST the same way (busy-polling off), and a call sent on to another node's router.
+step router 60 env ROUTER_WINDOWS="${ROUTER_WINDOWS:-0 1000 0 1000}" bash -c '
   for w in $ROUTER_WINDOWS; do
     echo "--router-busy-poll-us $w:"
     AGENT_ARGS="--router-busy-poll-us $w" DURATION_S=3 bench/router_overhead.sh 1 | grep -E "^(direct|router)"
-  done'
+  done
+  echo "REST:"
+  PROTOCOL=rest DURATION_S=3 bench/router_overhead.sh 2 | grep -E "^(direct|router)"
+  echo "forwarded to another router, REST then gRPC:"
+  PROTOCOL=rest DURATION_S=3 bench/router_forward.sh 1 | grep -E "^(a |b )"
+  PROTOCOL=grpc DURATION_S=3 bench/router_forward.sh 1 | grep -E "^(a |b )"'
 step power 90 env RUNS="${RUNS:-2}" SETTLE_S="${SETTLE_S:-4}" SAMPLE_S="${SAMPLE_S:-6}" bench/gpu/agent_power.sh
 step cuda 60 env DURATION_S="${DURATION_S:-3}" BENCH_MIN_TIME="${BENCH_MIN_TIME:-0.3}" bench/gpu/encoder_cuda.sh
 step scaleup 40 bench/agent_scaleup.sh 3
