@@ -675,32 +675,31 @@ class Router::Impl {
   void ForwardHttp(HttpReply reply, const std::string& model, const std::string& version,
                    const std::string& path, std::string body, const Sticky& sticky,
                    std::set<std::string> exclude, int attempt, bool forwarded,
-                   const Choice& choice_made) {
-    const Choice* choice = &choice_made;
+                   const Choice& choice) {
     const std::optional<uint64_t> key = OpenRestCall(reply);
     if (!key) return;  // stopping: answered 503
     router_->CountRestForward(/*data_socket=*/false);
     HttpClientRequest out;
     out.method = body.empty() ? "GET" : "POST";
-    if (choice->endpoint.local || !version.empty()) {
+    if (choice.endpoint.local || !version.empty()) {
       out.target = path;
     } else {
       // Another node's router: it serves the version chosen here, from its own replicas.
       out.target = "/v2/models/" + PercentEncodeSegment(model) + "/versions/" +
-                   PercentEncodeSegment(choice->version);
+                   PercentEncodeSegment(choice.version);
       if (!body.empty()) out.target += "/infer";
     }
-    if (!choice->endpoint.local) out.headers.emplace_back(kForwardedHeader, router_->node_name());
+    if (!choice.endpoint.local) out.headers.emplace_back(kForwardedHeader, router_->node_name());
     if (!body.empty()) {
       out.body = body;  // `body` kept for a retry
       out.content_type = "application/json";
     }
-    std::string id = choice->endpoint.id;
-    std::string chosen = choice->version;
+    std::string id = choice.endpoint.id;
+    std::string chosen = choice.version;
     router_->Begin(id);
     // The callback runs on the client's thread (or inline, once it is stopping).
     http_client_->Send(
-        choice->endpoint.http_address, std::move(out),
+        choice.endpoint.http_address, std::move(out),
         [this, key, reply, model, version, path, body = std::move(body), sticky, exclude, attempt,
          id, chosen, forwarded](absl::StatusOr<HttpClientResponse> r) mutable {
           router_->End(id);

@@ -14,7 +14,7 @@
 #include "common/logging.h"
 #include "common/http_server.h"
 #include "runtime/grpc_frontend.h"
-#include "runtime/json_codec.h"
+#include "runtime/http_frontend.h"
 
 namespace kiln {
 
@@ -238,42 +238,18 @@ void DataServer::Serve(const std::shared_ptr<Connection>& c, uint64_t tag,
 
 void DataServer::ServeJson(const std::shared_ptr<Connection>& c, uint64_t tag,
                            int64_t deadline_unix_micros, std::string* body) {
-  // Whatever the REST frontend would answer, with its HTTP status (runtime/http_frontend.cc).
-  auto answer = [c, tag](int http_status, std::string json) {
-    c->Send(tag, 0, EncodeJsonAnswer(std::move(json), http_status));
-  };
-  auto fail = [&](const absl::Status& s, bool decoding) {
-    answer(RestErrorStatus(s, decoding), JsonError(std::string(s.message())));
-  };
   std::string model, version;
   if (absl::Status s = DecodeJsonInferBody(body, &model, &version); !s.ok()) {
     host_->CountRefused();
     c->Send(tag, static_cast<uint8_t>(s.code()), std::string(s.message()));
     return;
   }
-  auto params = std::make_shared<nlohmann::json>();
-  auto decoded = DecodeJsonInferRequest(*body, model, version, max_request_bytes_, params.get());
-  body->clear();
-  if (!decoded.ok()) {
-    host_->CountRefused();
-    fail(decoded.status(), /*decoding=*/true);
-    return;
-  }
-  if (absl::Status bounded = BoundTimeoutByDeadline(deadline_unix_micros, &*decoded);
-      !bounded.ok()) {
-    fail(bounded, /*decoding=*/false);
-    return;
-  }
-  // The router says which version served; this replica's version is the one that does.
-  (*params)["kiln-version"] = host_->version();
-  host_->Infer(std::move(*decoded), [answer, params](absl::StatusOr<InferResponse> r) {
-    if (!r.ok()) {
-      answer(RestErrorStatus(r.status(), /*decoding=*/false),
-             JsonError(std::string(r.status().message())));
-      return;
-    }
-    answer(200, EncodeJsonInferResponse(*r, *params));
-  });
+  // Whatever the REST port would answer, with its HTTP status; the router says which version
+  // served, and this replica's is the one that does.
+  ServeRestInfer(host_, body, model, version, max_request_bytes_, deadline_unix_micros,
+                 /*add_version=*/true, [c, tag](int http_status, std::string json) {
+                   c->Send(tag, 0, EncodeJsonAnswer(std::move(json), http_status));
+                 });
 }
 
 }  // namespace kiln

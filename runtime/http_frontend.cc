@@ -60,8 +60,9 @@ void Reply(const HttpReply& request, int code, std::string body) {
   request.Send(code, std::move(body), "application/json");
 }
 
-void ReplyStatus(const HttpReply& request, const absl::Status& status, bool decoding = false) {
-  Reply(request, RestErrorStatus(status, decoding), JsonError(std::string(status.message())));
+void ReplyStatus(const HttpReply& request, const absl::Status& status) {
+  Reply(request, RestErrorStatus(status, /*decoding=*/false),
+        JsonError(std::string(status.message())));
 }
 
 json MetadataJson(const inference::ModelMetadataResponse& m) {
@@ -82,6 +83,39 @@ json MetadataJson(const inference::ModelMetadataResponse& m) {
 }
 
 }  // namespace
+
+void ServeRestInfer(ModelHost* host, std::string* body, const std::string& model,
+                    const std::string& version, int64_t max_request_bytes,
+                    int64_t deadline_unix_micros, bool add_version,
+                    std::function<void(int http_status, std::string json)> answer) {
+  auto fail = [&](const absl::Status& s, bool decoding) {
+    answer(RestErrorStatus(s, decoding), JsonError(std::string(s.message())));
+  };
+  auto params = std::make_shared<json>();
+  auto decoded = DecodeJsonInferRequest(*body, model, version, max_request_bytes, params.get());
+  body->clear();
+  if (!decoded.ok()) {
+    host->CountRefused();
+    fail(decoded.status(), /*decoding=*/true);
+    return;
+  }
+  // The caller's deadline bounds the request's timeout.
+  if (absl::Status bounded = BoundTimeoutByDeadline(deadline_unix_micros, &*decoded);
+      !bounded.ok()) {
+    fail(bounded, /*decoding=*/false);
+    return;
+  }
+  if (add_version) (*params)["kiln-version"] = host->version();
+  host->Infer(std::move(*decoded),
+              [answer = std::move(answer), params](absl::StatusOr<InferResponse> r) {
+                if (!r.ok()) {
+                  answer(RestErrorStatus(r.status(), /*decoding=*/false),
+                         JsonError(std::string(r.status().message())));
+                  return;
+                }
+                answer(200, EncodeJsonInferResponse(*r, *params));
+              });
+}
 
 class HttpFrontend::Impl {
  public:
@@ -205,24 +239,12 @@ class HttpFrontend::Impl {
     }
     // The body arrived whole and within the limit: the server refuses a declared size over it
     // (413) before reading a byte, and cuts a chunked body at it.
-    auto params = std::make_shared<json>();
-    auto decoded = DecodeJsonInferRequest(http_request.body, model, version,
-                                          options_.max_request_bytes, params.get());
-    http_request.body.clear();
-    if (!decoded.ok()) {
-      host_->CountRefused();
-      ReplyStatus(request, decoded.status(), /*decoding=*/true);
-      return;
-    }
-    host_->Infer(std::move(*decoded),
-                 // `ticket` holds the gate until the reply is sent.
-                 [request, ticket, params](absl::StatusOr<InferResponse> r) {
-                   if (!r.ok()) {
-                     ReplyStatus(request, r.status());
-                     return;
-                   }
-                   Reply(request, 200, EncodeJsonInferResponse(*r, *params));
-                 });
+    ServeRestInfer(host_, &http_request.body, model, version, options_.max_request_bytes,
+                   /*deadline_unix_micros=*/0, /*add_version=*/false,
+                   // `ticket` holds the gate until the reply is sent.
+                   [request, ticket](int code, std::string json) {
+                     Reply(request, code, std::move(json));
+                   });
   }
 
   ModelHost* host_;

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -8,6 +9,15 @@
 #include "runtime/model_host.h"
 
 namespace kiln {
+
+// One REST inference: `*body` (taken) for `model`/`version` from the path, served by `host`.
+// `answer` runs exactly once (maybe on this thread) with the HTTP status and JSON body the REST
+// port sends. `deadline_unix_micros` (0 = none) is the caller's, as on the data socket; with
+// `add_version` the answer's parameters say which version served (kiln-version).
+void ServeRestInfer(ModelHost* host, std::string* body, const std::string& model,
+                    const std::string& version, int64_t max_request_bytes,
+                    int64_t deadline_unix_micros, bool add_version,
+                    std::function<void(int http_status, std::string json)> answer);
 
 // The Open Inference Protocol REST frontend (common/HttpServer):
 //   GET  /v2/health/live, /v2/health/ready, /v2
