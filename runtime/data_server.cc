@@ -206,7 +206,7 @@ void DataServer::Serve(const std::shared_ptr<Connection>& c, uint64_t tag,
     return;
   }
   // The router's caller's deadline bounds the request's timeout.
-  if (absl::Status bounded = BoundTimeoutByDeadline(deadline_unix_micros, &*decoded);
+  if (absl::Status bounded = NoteCallerDeadline(deadline_unix_micros, &*decoded);
       !bounded.ok()) {
     fail(bounded);
     return;

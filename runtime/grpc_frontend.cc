@@ -326,15 +326,13 @@ grpc::ServerUnaryReactor* GrpcInferenceService::ModelMetadata(
   return Finish(ctx, ToGrpcStatus(FillModelMetadata(*host_, req->name(), req->version(), resp)));
 }
 
-absl::Status BoundTimeoutByDeadline(int64_t deadline_unix_micros, InferRequest* request) {
+absl::Status NoteCallerDeadline(int64_t deadline_unix_micros, InferRequest* request) {
   if (deadline_unix_micros <= 0) return absl::OkStatus();
   const int64_t left = deadline_unix_micros - absl::ToUnixMicros(absl::Now());
   if (left <= 0) {
     return absl::DeadlineExceededError("the request's deadline passed before it was queued");
   }
-  if (request->timeout_micros == 0 || request->timeout_micros > left) {
-    request->timeout_micros = left;
-  }
+  request->caller_time_left_micros = left;
   return absl::OkStatus();
 }
 
@@ -351,7 +349,7 @@ grpc::ServerUnaryReactor* GrpcInferenceService::ModelInfer(grpc::CallbackServerC
   // The caller's gRPC deadline bounds the request's timeout, as the data socket's does.
   const auto deadline = ctx->deadline();
   if (deadline != std::chrono::system_clock::time_point::max()) {
-    absl::Status bounded = BoundTimeoutByDeadline(
+    absl::Status bounded = NoteCallerDeadline(
         absl::ToUnixMicros(absl::FromChrono(deadline)), &*decoded);
     if (!bounded.ok()) {
       reactor->Finish(ToGrpcStatus(bounded));

@@ -24,10 +24,11 @@ absl::Status ApplyRequestParameters(
     const google::protobuf::Map<std::string, inference::InferParameter>& params,
     InferRequest* request);
 
-// Bounds `request`'s timeout by its caller's deadline (unix microseconds; 0 = none), so a
-// request its caller gave up on leaves the queue then instead of running for nobody.
+// Notes on `request` its caller's deadline (unix microseconds; 0 = none), as time left: the
+// engine bounds the request's timeout (its own, else the model's default) by it, so a request
+// its caller gave up on leaves the queue then instead of running for nobody.
 // DEADLINE_EXCEEDED when the deadline has passed already.
-absl::Status BoundTimeoutByDeadline(int64_t deadline_unix_micros, InferRequest* request);
+absl::Status NoteCallerDeadline(int64_t deadline_unix_micros, InferRequest* request);
 
 // The Open Inference Protocol gRPC service, on gRPC's callback API: ModelInfer never blocks
 // a gRPC thread while the request waits in the batcher.

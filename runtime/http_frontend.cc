@@ -100,7 +100,7 @@ void ServeRestInfer(ModelHost* host, std::string* body, const std::string& model
     return;
   }
   // The caller's deadline bounds the request's timeout.
-  if (absl::Status bounded = BoundTimeoutByDeadline(deadline_unix_micros, &*decoded);
+  if (absl::Status bounded = NoteCallerDeadline(deadline_unix_micros, &*decoded);
       !bounded.ok()) {
     fail(bounded, /*decoding=*/false);
     return;

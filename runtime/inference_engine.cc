@@ -160,6 +160,9 @@ absl::Status InferenceEngine::Validate(InferRequest& r) const {
   if (r.timeout_micros < 0) {
     return absl::InvalidArgumentError("parameter 'timeout': must be >= 0 microseconds");
   }
+  if (r.caller_time_left_micros < 0) {
+    return absl::DeadlineExceededError("the request's deadline passed before it was queued");
+  }
   r.inputs = std::move(ordered);
   return absl::OkStatus();
 }
@@ -291,6 +294,10 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
   int64_t timeout = request.timeout_micros;
   if (timeout == 0 && config_.dynamic_batching) {
     timeout = config_.dynamic_batching->default_timeout_microseconds;
+  }
+  if (request.caller_time_left_micros > 0 &&
+      (timeout == 0 || request.caller_time_left_micros < timeout)) {
+    timeout = request.caller_time_left_micros;
   }
   if (timeout > 0) item.deadline = start + absl::Microseconds(timeout);
   item.inputs = std::move(request.inputs);

@@ -29,6 +29,10 @@ struct InferRequest {
   std::vector<std::string> outputs;  // requested outputs; empty = all
   int64_t priority = 0;              // 0 = the config's default level
   int64_t timeout_micros = 0;        // 0 = the config's default
+  // The caller's own deadline (a gRPC deadline, the router's), as the time it had left when the
+  // request was decoded; 0 = none. It bounds the request's timeout but never replaces it: the
+  // request leaves the queue at the earlier of the two.
+  int64_t caller_time_left_micros = 0;
 };
 
 struct InferResponse {

@@ -1,6 +1,8 @@
 // Request decoding (gRPC and REST JSON), response encoding, and the engine's request
 // validation, with a fake in-process backend.
+#include <atomic>
 #include <cstring>
+#include <future>
 #include <limits>
 
 #include "gtest/gtest.h"
@@ -650,6 +652,80 @@ TEST(EngineComputeTest, ModelTimeIsRecordedPerExecution) {
   EXPECT_DOUBLE_EQ(s.compute_micros.sum, 9000);
   EXPECT_EQ(s.latency_micros.count, 3u);
   EXPECT_GE(s.latency_micros.sum, 9000);
+}
+
+// A caller's deadline bounds a request's timeout and never lengthens it: the request leaves the
+// queue at the earliest of its own timeout, the model's default and its caller's deadline.
+TEST(EngineDeadlineTest, CallersDeadlineBoundsButNeverReplacesTheTimeout) {
+  struct Case {
+    std::string name;
+    int64_t default_timeout;  // the model's, microseconds
+    int64_t own_timeout;      // the request's `timeout` parameter
+    int64_t caller_left;      // the caller's deadline, as time left
+    bool expires;             // after 3 ms of the 20 ms batching delay
+  };
+  const std::vector<Case> cases = {
+      {"model default earlier than caller", 2000, 0, 60'000'000, true},
+      {"caller earlier than model default", 60'000'000, 0, 2000, true},
+      {"caller with no model default", 0, 0, 2000, true},
+      {"own timeout earlier than caller", 0, 2000, 60'000'000, true},
+      {"caller earlier than own timeout", 0, 60'000'000, 2000, true},
+      {"all later: served after the delay", 60'000'000, 0, 60'000'000, false},
+      {"no timeouts at all", 0, 0, 0, false},
+  };
+  for (const Case& c : cases) {
+    SimulatedClock clock;
+    Lifecycle lifecycle(&clock);
+    ModelConfig config = EngineConfig();
+    config.dynamic_batching = DynamicBatchingConfig{};
+    config.dynamic_batching->max_queue_delay_microseconds = 20000;
+    config.dynamic_batching->default_timeout_microseconds = c.default_timeout;
+    std::atomic<int> calls{0};
+    auto e = InferenceEngine::Create(config, "1", std::make_unique<DoublingBackend>(&calls),
+                                     &lifecycle, &clock);
+    ASSERT_TRUE(e.ok()) << e.status();
+    ASSERT_TRUE(lifecycle.Transition(RuntimeState::kWarm, "test").ok());
+    ASSERT_TRUE(lifecycle.Transition(RuntimeState::kServing, "test").ok());
+    InferRequest r = FloatRequest({1, 2}, {1, 2});
+    r.timeout_micros = c.own_timeout;
+    r.caller_time_left_micros = c.caller_left;
+    auto p = std::make_shared<std::promise<absl::StatusOr<InferResponse>>>();
+    auto f = p->get_future();
+    (*e)->Infer(std::move(r), [p](absl::StatusOr<InferResponse> x) { p->set_value(std::move(x)); });
+    EXPECT_EQ((*e)->Stats().queue_depth, 1) << c.name;
+    clock.Advance(absl::Milliseconds(3));
+    if (!c.expires) {
+      // Not expired: still queued (a bounded look), then served once the delay has passed.
+      EXPECT_NE(f.wait_for(std::chrono::milliseconds(50)), std::future_status::ready) << c.name;
+      clock.Advance(absl::Milliseconds(20));
+    }
+    ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready) << c.name;
+    auto reply = f.get();
+    if (c.expires) {
+      EXPECT_EQ(reply.status().code(), absl::StatusCode::kDeadlineExceeded) << c.name;
+      EXPECT_EQ(calls.load(), 0) << c.name;
+    } else {
+      EXPECT_TRUE(reply.ok()) << c.name << ": " << reply.status();
+      EXPECT_EQ(calls.load(), 1) << c.name;
+    }
+    (*e)->Stop();
+  }
+}
+
+// The frontends note a caller's deadline as time left, leaving the request's own timeout alone;
+// a deadline already passed is refused.
+TEST(EngineDeadlineTest, NoteCallerDeadlineKeepsTheOwnTimeout) {
+  InferRequest r = FloatRequest({1, 2}, {1, 2});
+  r.timeout_micros = 5000;
+  const int64_t now = absl::ToUnixMicros(absl::Now());
+  ASSERT_TRUE(NoteCallerDeadline(now + 60'000'000, &r).ok());
+  EXPECT_EQ(r.timeout_micros, 5000);
+  EXPECT_GT(r.caller_time_left_micros, 50'000'000);
+  EXPECT_LE(r.caller_time_left_micros, 60'000'000);
+  InferRequest none = FloatRequest({1, 2}, {1, 2});
+  ASSERT_TRUE(NoteCallerDeadline(0, &none).ok());
+  EXPECT_EQ(none.caller_time_left_micros, 0);
+  EXPECT_EQ(NoteCallerDeadline(now - 1000, &none).code(), absl::StatusCode::kDeadlineExceeded);
 }
 
 }  // namespace
