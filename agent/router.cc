@@ -602,13 +602,14 @@ class Router::Impl {
           return;
         }
         Sticky sticky = StickyOf(request, model);
-        Forward(reply, model, version, path, std::move(request.body), sticky, {}, 0,
-                Forwarded(request));
+        Forward(std::make_shared<RestCall>(RestCall{reply, model, version, path,
+                                                    std::move(request.body), std::move(sticky),
+                                                    Forwarded(request)}));
         return;
       }
       if (parts.size() == next && request.method == "GET") {
-        Forward(reply, model, version, path, "", StickyOf(request, model), {}, 0,
-                Forwarded(request));
+        Forward(std::make_shared<RestCall>(
+            RestCall{reply, model, version, path, "", StickyOf(request, model), Forwarded(request)}));
         return;
       }
     }
@@ -642,56 +643,78 @@ class Router::Impl {
     return request.Header(kForwardedHeader).has_value();
   }
 
+  // One REST call being forwarded: what the client asked, and where it was tried.
+  struct RestCall {
+    HttpReply reply;
+    std::string model;
+    std::string version;  // as the path gave it (empty: the router picks)
+    std::string path;
+    std::string body;     // empty: a GET; kept for a retry
+    Sticky sticky;
+    // The call came from another node's router (Router::Choose's local_only).
+    bool forwarded = false;
+    std::set<std::string> exclude = {};  // endpoints tried already
+    int attempt = 0;
+  };
+
   // Forwards to the chosen replica; on 503 or a connection failure, once more elsewhere.
-  // `forwarded`: the call came from another node's router (Router::Choose's local_only).
-  void Forward(HttpReply reply, const std::string& model, const std::string& version,
-               const std::string& path, std::string body, const Sticky& sticky,
-               std::set<std::string> exclude, int attempt, bool forwarded) {
-    auto choice = router_->Choose(model, version, sticky.key, sticky.given, exclude, forwarded);
+  void Forward(std::shared_ptr<RestCall> call) {
+    auto choice = router_->Choose(call->model, call->version, call->sticky.key,
+                                  call->sticky.given, call->exclude, call->forwarded);
     if (!choice.ok()) {
-      Reply(reply, HttpStatusFromCode(choice.status().code()),
+      Reply(call->reply, HttpStatusFromCode(choice.status().code()),
             JsonError(std::string(choice.status().message())));
       return;
     }
-    if (!body.empty() && !choice->endpoint.data_socket.empty()) {
+    if (!call->body.empty() && !choice->endpoint.data_socket.empty()) {
       // A local replica: its data socket, without a second HTTP hop, unless it is a runtime
       // older than this router (then over HTTP, below).
       std::shared_ptr<DataChannel> channel = router_->ChannelFor(choice->endpoint.data_socket);
       if (!channel) {
-        Reply(reply, 503, JsonError("the router is stopping"));
+        Reply(call->reply, 503, JsonError("the router is stopping"));
         return;
       }
       if (!channel->json_refused()) {
-        ForwardToDataSocket(*channel, std::move(reply), model, version, path, std::move(body),
-                            sticky, std::move(exclude), attempt, forwarded, *choice);
+        ForwardToDataSocket(*channel, std::move(call), *choice);
         return;
       }
     }
-    ForwardHttp(std::move(reply), model, version, path, std::move(body), sticky,
-                std::move(exclude), attempt, forwarded, *choice);
+    ForwardHttp(std::move(call), *choice);
+  }
+
+  // The answer `code`/`text` from endpoint `id` for `call`: a 503 on the first attempt is
+  // tried once more elsewhere; anything else goes back to the client, with the version that
+  // served when it succeeded.
+  void Answer(std::shared_ptr<RestCall> call, const std::string& id, const std::string& chosen,
+              int code, std::string text) {
+    if (code == 503 && call->attempt == 0) {
+      call->exclude.insert(id);
+      call->attempt = 1;
+      router_->CountRetry();
+      Forward(std::move(call));
+      return;
+    }
+    Reply(call->reply, code, std::move(text), code == 200 ? chosen : "");
   }
 
   // Forward's call over HTTP to `choice`.
-  void ForwardHttp(HttpReply reply, const std::string& model, const std::string& version,
-                   const std::string& path, std::string body, const Sticky& sticky,
-                   std::set<std::string> exclude, int attempt, bool forwarded,
-                   const Choice& choice) {
-    const std::optional<uint64_t> key = OpenRestCall(reply);
+  void ForwardHttp(std::shared_ptr<RestCall> call, const Choice& choice) {
+    const std::optional<uint64_t> key = OpenRestCall(call->reply);
     if (!key) return;  // stopping: answered 503
     router_->CountRestForward(/*data_socket=*/false);
     HttpClientRequest out;
-    out.method = body.empty() ? "GET" : "POST";
-    if (choice.endpoint.local || !version.empty()) {
-      out.target = path;
+    out.method = call->body.empty() ? "GET" : "POST";
+    if (choice.endpoint.local || !call->version.empty()) {
+      out.target = call->path;
     } else {
       // Another node's router: it serves the version chosen here, from its own replicas.
-      out.target = "/v2/models/" + PercentEncodeSegment(model) + "/versions/" +
+      out.target = "/v2/models/" + PercentEncodeSegment(call->model) + "/versions/" +
                    PercentEncodeSegment(choice.version);
-      if (!body.empty()) out.target += "/infer";
+      if (!call->body.empty()) out.target += "/infer";
     }
     if (!choice.endpoint.local) out.headers.emplace_back(kForwardedHeader, router_->node_name());
-    if (!body.empty()) {
-      out.body = body;  // `body` kept for a retry
+    if (!call->body.empty()) {
+      out.body = call->body;  // the call's kept for a retry
       out.content_type = "application/json";
     }
     std::string id = choice.endpoint.id;
@@ -700,8 +723,7 @@ class Router::Impl {
     // The callback runs on the client's thread (or inline, once it is stopping).
     http_client_->Send(
         choice.endpoint.http_address, std::move(out),
-        [this, key, reply, model, version, path, body = std::move(body), sticky, exclude, attempt,
-         id, chosen, forwarded](absl::StatusOr<HttpClientResponse> r) mutable {
+        [this, key, call = std::move(call), id, chosen](absl::StatusOr<HttpClientResponse> r) {
           router_->End(id);
           CloseRestCall(*key);
           int code = 0;
@@ -723,37 +745,30 @@ class Router::Impl {
             code = r.status().code() == absl::StatusCode::kDeadlineExceeded ? 504 : 502;
             text = JsonError("replica " + std::string(r.status().message()));
           }
-          if (code == 503 && attempt == 0) {
-            exclude.insert(id);
-            router_->CountRetry();
-            Forward(reply, model, version, path, std::move(body), sticky, exclude, 1, forwarded);
-            return;
-          }
-          if (code == 200 && !body.empty() && !versioned) {
+          if (code == 200 && !call->body.empty() && !versioned) {
             json doc = json::parse(text, nullptr, false);
             if (doc.is_object()) {
               doc["parameters"]["kiln-version"] = chosen;
               text = doc.dump(-1, ' ', false, json::error_handler_t::replace);
             }
           }
-          Reply(reply, code, std::move(text), code == 200 ? chosen : "");
+          Answer(call, id, chosen, code, std::move(text));
         });
   }
 
   // One REST inference to a local replica's data socket (common/data_frames.h): the replica
   // answers what its REST port would, with parameters.kiln-version added; a 503 or a replica
   // gone (UNAVAILABLE) is tried once more elsewhere, as over HTTP.
-  void ForwardToDataSocket(DataChannel& channel, HttpReply reply, const std::string& model,
-                           const std::string& version, const std::string& path, std::string body,
-                           const Sticky& sticky, std::set<std::string> exclude, int attempt,
-                           bool forwarded, const Choice& choice) {
-    const std::optional<uint64_t> key = OpenRestCall(reply);
+  void ForwardToDataSocket(DataChannel& channel, std::shared_ptr<RestCall> call,
+                           const Choice& choice) {
+    const std::optional<uint64_t> key = OpenRestCall(call->reply);
     if (!key) return;  // stopping: answered 503
     const std::string id = choice.endpoint.id;
     const std::string chosen = choice.version;
     router_->Begin(id);
     router_->CountRestForward(/*data_socket=*/true);
-    std::string frame = EncodeJsonInferBody(body, model, version);  // `body` kept for a retry
+    // The call's body is kept for a retry.
+    std::string frame = EncodeJsonInferBody(call->body, call->model, call->version);
     // Given up after as long as an HTTP forward waits (the client's timeout, below). The frame
     // carries no deadline: the model's default queue timeout applies, as on its REST port.
     const int64_t expire = absl::ToUnixMicros(absl::Now() + kRestForwardTimeout);
@@ -761,9 +776,8 @@ class Router::Impl {
     // plain pointer, since a reference it held could make the reader join itself.
     channel.CallRaw(
         kJsonInferFrame, std::move(frame), /*deadline_unix_micros=*/0, expire,
-        [this, ch = &channel, key, reply = std::move(reply), model, version, path,
-         body = std::move(body), sticky, exclude = std::move(exclude), attempt, id, chosen,
-         forwarded, choice](const grpc::Status& s, std::string* answer) mutable {
+        [this, ch = &channel, key, call = std::move(call), id, chosen,
+         choice](const grpc::Status& s, std::string* answer) {
           router_->End(id);
           CloseRestCall(*key);
           int code = 0;
@@ -771,7 +785,8 @@ class Router::Impl {
           if (s.ok()) {
             text = std::move(*answer);
             if (absl::Status d = DecodeJsonAnswer(&text, &code); !d.ok()) {
-              Reply(reply, 502, JsonError("the replica's answer: " + std::string(d.message())));
+              Reply(call->reply, 502,
+                    JsonError("the replica's answer: " + std::string(d.message())));
               return;
             }
           } else if (s.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
@@ -780,20 +795,13 @@ class Router::Impl {
             // same replica. (Not through Forward: choosing again could hand this reader its
             // own channel, whose last reference it might then drop and so join itself.)
             ch->set_json_refused();
-            ForwardHttp(reply, model, version, path, std::move(body), sticky, exclude, attempt,
-                        forwarded, choice);
+            ForwardHttp(call, choice);
             return;
           } else {
             code = HttpStatusFromCode(static_cast<absl::StatusCode>(s.error_code()));
             text = JsonError(s.error_message());
           }
-          if (code == 503 && attempt == 0) {
-            exclude.insert(id);
-            router_->CountRetry();
-            Forward(reply, model, version, path, std::move(body), sticky, exclude, 1, forwarded);
-            return;
-          }
-          Reply(reply, code, std::move(text), code == 200 ? chosen : "");
+          Answer(call, id, chosen, code, std::move(text));
         });
   }
 
