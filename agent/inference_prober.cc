@@ -3,6 +3,7 @@
 #include <grpcpp/create_channel.h>
 
 #include "common/grpc_status.h"
+#include "common/oip_parameters.h"
 #include "inference/grpc_service.grpc.pb.h"
 
 namespace kiln {
@@ -24,9 +25,11 @@ class GrpcInferenceProber : public InferenceProber {
     auto stub = inference::GRPCInferenceService::NewStub(
         grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
     inference::ModelInferRequest req;
+    // Per address and model: a port freed by one replica may be bound by another.
+    const std::string key = address + "\n" + model;
     {
       absl::MutexLock lock(&mu_);
-      auto it = requests_.find(address);
+      auto it = requests_.find(key);
       if (it != requests_.end()) req = it->second;
     }
     if (req.inputs_size() == 0) {
@@ -39,6 +42,14 @@ class GrpcInferenceProber : public InferenceProber {
       if (!s.ok()) return FromGrpcStatus(s);
       req.set_model_name(model);
       req.set_id("kiln-health-probe");
+      // A probe runs the model: never answered from the response cache, ahead of the queue's
+      // other requests (priority 1 is the highest level), and given the probe's own time
+      // rather than the model's default queue timeout, so a busy replica is not taken for a
+      // broken one.
+      auto& params = *req.mutable_parameters();
+      params[kSkipCacheParameter].set_bool_param(true);
+      params["priority"].set_int64_param(1);
+      params["timeout"].set_int64_param(absl::ToInt64Microseconds(timeout_));
       for (const auto& in : meta.inputs()) {
         auto* t = req.add_inputs();
         t->set_name(in.name());
@@ -52,12 +63,20 @@ class GrpcInferenceProber : public InferenceProber {
         req.add_raw_input_contents(std::string(static_cast<size_t>(n) * ElementSize(in.datatype()), '\0'));
       }
       absl::MutexLock lock(&mu_);
-      requests_[address] = req;
+      requests_[key] = req;
     }
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
     inference::ModelInferResponse resp;
-    return FromGrpcStatus(stub->ModelInfer(&ctx, req, &resp));
+    grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
+    if (s.error_code() == grpc::StatusCode::INVALID_ARGUMENT ||
+        s.error_code() == grpc::StatusCode::NOT_FOUND) {
+      // The request no longer fits what serves there (another version, another replica):
+      // the next probe reads the metadata again.
+      absl::MutexLock lock(&mu_);
+      requests_.erase(key);
+    }
+    return FromGrpcStatus(s);
   }
 
  private:

@@ -7,6 +7,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/grpc_status.h"
+#include "common/oip_parameters.h"
 #include "common/status.h"
 
 namespace kiln {
@@ -174,6 +175,13 @@ absl::Status ApplyRequestParameters(
   }
   if (auto it = params.find("timeout"); it != params.end()) {
     KILN_ASSIGN_OR_RETURN(request->timeout_micros, IntParam(it->second, "timeout"));
+  }
+  if (auto it = params.find(kSkipCacheParameter); it != params.end()) {
+    if (it->second.parameter_choice_case() != inference::InferParameter::kBoolParam) {
+      return absl::InvalidArgumentError(std::string("parameter '") + kSkipCacheParameter +
+                                        "': must be a bool");
+    }
+    request->skip_cache = it->second.bool_param();
   }
   return absl::OkStatus();
 }

@@ -269,7 +269,7 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
   };
 
   std::string cache_key;
-  if (cache_) {
+  if (cache_ && !request.skip_cache) {
     cache_key = ResponseCache::Key(config_.name, version_, request.inputs);
     if (auto hit = cache_->Lookup(cache_key)) {
       respond(std::move(*hit), true);
@@ -307,7 +307,7 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
       absl::Status trimmed = TrimToLength(config_, seq_len, &*outputs);
       if (!trimmed.ok()) outputs = trimmed;
     }
-    if (outputs.ok() && cache_) cache_->Insert(cache_key, *outputs);
+    if (outputs.ok() && !cache_key.empty()) cache_->Insert(cache_key, *outputs);
     respond(std::move(outputs), false);
   };
   absl::Status queued = batcher_->Enqueue(std::move(item));

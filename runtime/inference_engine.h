@@ -13,6 +13,7 @@
 #include "common/clock.h"
 #include "common/histogram.h"
 #include "runtime/backend.h"
+#include "common/oip_parameters.h"
 #include "runtime/batcher.h"
 #include "runtime/lifecycle.h"
 #include "runtime/model_config.h"
@@ -33,6 +34,9 @@ struct InferRequest {
   // request was decoded; 0 = none. It bounds the request's timeout but never replaces it: the
   // request leaves the queue at the earlier of the two.
   int64_t caller_time_left_micros = 0;
+  // Neither answered from the response cache nor stored in it (parameter kiln-skip-cache):
+  // the agent's health probe, which must run the model.
+  bool skip_cache = false;
 };
 
 struct InferResponse {

@@ -7,6 +7,7 @@
 #include <set>
 #include <vector>
 
+#include "common/oip_parameters.h"
 #include "common/status.h"
 
 namespace kiln {
@@ -397,6 +398,14 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
     }
     if (p.contains("timeout")) {
       KILN_ASSIGN_OR_RETURN(r.timeout_micros, JsonInt(p["timeout"], "parameters.timeout"));
+    }
+    if (p.contains(kSkipCacheParameter)) {
+      const json& v = p[kSkipCacheParameter];
+      if (!v.is_boolean()) {
+        return absl::InvalidArgumentError(std::string("parameters.") + kSkipCacheParameter +
+                                          ": must be a boolean");
+      }
+      r.skip_cache = v.get<bool>();
     }
     if (parameters) *parameters = p;
   }

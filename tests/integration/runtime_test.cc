@@ -799,6 +799,36 @@ TEST(RuntimeTest, AGrpcDeadlineBoundsTheQueueWait) {
   EXPECT_EQ(stats.batches(), batches_before + 1) << "the abandoned request ran after the long one";
 }
 
+// A gRPC caller's deadline only ever shortens a request's time in the queue: with a distant
+// deadline, the model's default_timeout_microseconds still ends the wait.
+TEST(RuntimeTest, AGrpcDeadlineKeepsTheModelsDefaultTimeout) {
+  auto dir = std::filesystem::temp_directory_path() / ("kiln_deftimeout_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "slow");
+  std::filesystem::copy(kRepo + "/slow", dir / "slow", std::filesystem::copy_options::recursive);
+  {
+    std::ofstream cfg(dir / "slow/config.yaml", std::ios::app);
+    cfg << "  default_timeout_microseconds: 100000\n";  // under dynamic_batching, the last key
+  }
+  auto rt = StartRuntime("slow", "", "serving", {}, dir.string());
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  auto long_call = std::async(std::launch::async,
+                              [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
+  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  inference::ModelInferResponse resp;
+  grpc::Status s = stub->ModelInfer(&ctx, SlowRequest(1), &resp);
+  // The 60 s deadline cannot have passed: the server ended the wait at the model's 100 ms.
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  EXPECT_NE(s.error_message().find("queue"), std::string::npos) << s.error_message();
+  EXPECT_TRUE(long_call.get().ok());
+  EXPECT_EQ(Stats(rt.get()).timed_out(), 1u);
+  rt.reset();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(RuntimeTest, RestTimeoutIs504) {
   auto rt = StartRuntime("slow");
   ASSERT_NE(rt, nullptr);

@@ -93,6 +93,23 @@ TEST(GrpcDecodeTest, RejectsBadInputs) {
   (*bad_param.mutable_parameters())["priority"].set_string_param("high");
   EXPECT_NE(DecodeInferRequest(bad_param, kLimit).status().message().find("priority"),
             std::string::npos);
+
+  // kiln-skip-cache: a bool, off unless given.
+  inference::ModelInferRequest skip;
+  skip.set_model_name("m");
+  auto* x = skip.add_inputs();
+  x->set_name("x");
+  x->set_datatype("INT32");
+  x->add_shape(1);
+  x->mutable_contents()->add_int_contents(1);
+  ASSERT_TRUE(DecodeInferRequest(skip, kLimit).ok());
+  EXPECT_FALSE(DecodeInferRequest(skip, kLimit)->skip_cache);
+  (*skip.mutable_parameters())["kiln-skip-cache"].set_bool_param(true);
+  ASSERT_TRUE(DecodeInferRequest(skip, kLimit).ok());
+  EXPECT_TRUE(DecodeInferRequest(skip, kLimit)->skip_cache);
+  (*skip.mutable_parameters())["kiln-skip-cache"].set_int64_param(1);
+  EXPECT_EQ(DecodeInferRequest(skip, kLimit).status().message(),
+            "parameter 'kiln-skip-cache': must be a bool");
 }
 
 TEST(GrpcEncodeTest, TypedRawAndHalf) {
@@ -136,6 +153,7 @@ TEST(JsonDecodeTest, NestedAndFlatData) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->id, "q");
   EXPECT_EQ(r->priority, 2);
+  EXPECT_FALSE(r->skip_cache);
   EXPECT_EQ(params["custom"], "kept");
   float v[4];
   std::memcpy(v, r->inputs[0].data.data(), 16);
@@ -313,6 +331,7 @@ TEST(JsonDecodeTest, RejectsBadBodies) {
       {R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[null]}]})", "a number"},
       {R"({"id":5,"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]})", "id: must be a string"},
       {R"({"parameters":{"timeout":"soon"},"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]})", "parameters.timeout"},
+      {R"({"parameters":{"kiln-skip-cache":1},"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]})", "parameters.kiln-skip-cache: must be a boolean"},
       {R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}],"outputs":[{"nom":"y"}]})", "outputs[0].name"},
   };
   for (const auto& c : cases) {
@@ -485,6 +504,38 @@ TEST_F(EngineTest, WarmRefusesThenServingAnswersAndCaches) {
   EXPECT_TRUE(again->cache_hit);
   EXPECT_EQ(calls_.load(), 1);
   EXPECT_EQ(engine_->Stats().cache.hits, 1u);
+}
+
+// kiln-skip-cache: the request runs the model even when the cache holds its answer, and leaves
+// nothing in the cache.
+TEST_F(EngineTest, SkipCacheRunsTheModelAndStoresNothing) {
+  ASSERT_TRUE(lifecycle_.Transition(RuntimeState::kServing, "test").ok());
+  auto skipping = [] {
+    InferRequest r = FloatRequest({1, 2}, {1, 2});
+    r.skip_cache = true;
+    return r;
+  };
+  for (int i = 1; i <= 2; ++i) {
+    auto r = engine_->InferSync(skipping());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_FALSE(r->cache_hit);
+    EXPECT_EQ(calls_.load(), i);
+  }
+  // Nothing was stored: the first ordinary request misses, the next one hits.
+  auto first = engine_->InferSync(FloatRequest({1, 2}, {1, 2}));
+  ASSERT_TRUE(first.ok());
+  EXPECT_FALSE(first->cache_hit);
+  EXPECT_EQ(calls_.load(), 3);
+  auto second = engine_->InferSync(FloatRequest({1, 2}, {1, 2}));
+  ASSERT_TRUE(second.ok());
+  EXPECT_TRUE(second->cache_hit);
+  // And with the answer cached, a skipping request still runs the model.
+  auto third = engine_->InferSync(skipping());
+  ASSERT_TRUE(third.ok());
+  EXPECT_FALSE(third->cache_hit);
+  EXPECT_EQ(calls_.load(), 4);
+  EXPECT_EQ(engine_->Stats().cache.hits, 1u);
+  EXPECT_EQ(engine_->Stats().cache.misses, 1u);
 }
 
 TEST_F(EngineTest, ValidationErrorsSayWhatWasExpected) {
@@ -699,7 +750,7 @@ TEST(EngineDeadlineTest, CallersDeadlineBoundsButNeverReplacesTheTimeout) {
       EXPECT_NE(f.wait_for(std::chrono::milliseconds(50)), std::future_status::ready) << c.name;
       clock.Advance(absl::Milliseconds(20));
     }
-    ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready) << c.name;
+    ASSERT_EQ(f.wait_for(std::chrono::seconds(3)), std::future_status::ready) << c.name;
     auto reply = f.get();
     if (c.expires) {
       EXPECT_EQ(reply.status().code(), absl::StatusCode::kDeadlineExceeded) << c.name;
@@ -722,6 +773,11 @@ TEST(EngineDeadlineTest, NoteCallerDeadlineKeepsTheOwnTimeout) {
   EXPECT_EQ(r.timeout_micros, 5000);
   EXPECT_GT(r.caller_time_left_micros, 50'000'000);
   EXPECT_LE(r.caller_time_left_micros, 60'000'000);
+  // Without a timeout of its own, the request keeps 0 (the model's default), not the time left.
+  InferRequest untimed = FloatRequest({1, 2}, {1, 2});
+  ASSERT_TRUE(NoteCallerDeadline(now + 60'000'000, &untimed).ok());
+  EXPECT_EQ(untimed.timeout_micros, 0);
+  EXPECT_GT(untimed.caller_time_left_micros, 50'000'000);
   InferRequest none = FloatRequest({1, 2}, {1, 2});
   ASSERT_TRUE(NoteCallerDeadline(0, &none).ok());
   EXPECT_EQ(none.caller_time_left_micros, 0);
