@@ -1,10 +1,12 @@
 #include "agent/process_launcher.h"
 
 #include <fcntl.h>
+#include <linux/close_range.h>
 #include <numaif.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -18,6 +20,26 @@
 extern char** environ;
 
 namespace kiln {
+
+namespace {
+
+// Marks every descriptor from `low` up close-on-exec. Runs in a forked child of a threaded
+// process, so only system calls: close_range (Linux 5.11), else one fcntl per possible
+// descriptor.
+void MarkCloseOnExecFrom(int low) {
+  if (syscall(SYS_close_range, static_cast<unsigned>(low), ~0U, CLOSE_RANGE_CLOEXEC) == 0) return;
+  struct rlimit lim {};
+  rlim_t top = 65536;
+  if (getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+    top = std::min<rlim_t>(lim.rlim_cur, 1 << 20);
+  }
+  for (int fd = low; fd < static_cast<int>(top); ++fd) {
+    const int flags = fcntl(fd, F_GETFD);
+    if (flags >= 0 && !(flags & FD_CLOEXEC)) fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
+  }
+}
+
+}  // namespace
 
 absl::StatusOr<pid_t> RealProcessLauncher::Launch(const LaunchRequest& r) {
   if (r.argv.empty()) return absl::InvalidArgumentError("launch: empty argv");
@@ -83,6 +105,11 @@ absl::StatusOr<pid_t> RealProcessLauncher::Launch(const LaunchRequest& r) {
       dup2(log_fd, 1);
       dup2(log_fd, 2);
     }
+    // Nothing but stdin, stdout and stderr reaches the runtime. Libraries open descriptors
+    // without close-on-exec (Boost.Asio's sockets: the agent's admin and router listeners and
+    // their connections); a runtime holding the admin listener would keep a restarted agent
+    // from binding its port, and a connection the agent closed from ending.
+    MarkCloseOnExecFrom(3);
     if (!r.cpus.empty() && sched_setaffinity(0, sizeof(cpuset), &cpuset) != 0) step = 1;
     if (step == 0 && r.memory_node >= 0 &&
         set_mempolicy(MPOL_BIND, nodemask, sizeof(nodemask) * 8 + 1) != 0) {

@@ -3,6 +3,7 @@
 #include "agent/process_launcher.h"
 
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -114,6 +115,35 @@ TEST_F(RealLauncherTest, TheChildStartsWithDefaultSignals) {
   const uint64_t ignored = std::stoull(out.substr(at + 8, 16), nullptr, 16);
   EXPECT_EQ(ignored & (1ULL << (SIGPIPE - 1)), 0u) << out;
   EXPECT_EQ(ignored & (1ULL << (SIGUSR2 - 1)), 0u) << out;
+}
+
+// Descriptors the agent holds without close-on-exec (Boost.Asio's listeners and connections
+// are made so) do not reach the child: a runtime holding the agent's admin listener would keep
+// a restarted agent from binding its port.
+TEST_F(RealLauncherTest, TheChildInheritsNoDescriptorButItsStandardOnes) {
+  int p[2];
+  ASSERT_EQ(pipe(p), 0);  // no O_CLOEXEC
+  const int sock = socket(AF_INET, SOCK_STREAM, 0);  // no SOCK_CLOEXEC
+  ASSERT_GE(sock, 0);
+  LaunchRequest r;
+  const std::string fds =
+      std::to_string(p[0]) + " " + std::to_string(p[1]) + " " + std::to_string(sock);
+  r.argv = {"/bin/sh", "-c",
+            "for fd in " + fds +
+                "; do if [ -e /proc/$$/fd/$fd ]; then echo open=$fd; else echo closed=$fd; fi; "
+                "done; [ -e /proc/$$/fd/1 ] && echo stdout=open"};
+  r.log_file = log_;
+  auto pid = launcher_.Launch(r);
+  close(p[0]);
+  close(p[1]);
+  close(sock);
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  auto exit = WaitForExit(launcher_, *pid);
+  ASSERT_TRUE(exit.has_value());
+  std::string out = ReadAll(log_);
+  EXPECT_EQ(out.find("open="), std::string::npos) << out;
+  EXPECT_NE(out.find("closed=" + std::to_string(sock)), std::string::npos) << out;
+  EXPECT_NE(out.find("stdout=open"), std::string::npos) << out;
 }
 
 TEST_F(RealLauncherTest, ReportsSignalsAndMissingBinaries) {
