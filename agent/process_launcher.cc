@@ -301,6 +301,12 @@ std::vector<ProcessExit> RealProcessLauncher::CollectExits() {
 }
 
 absl::StatusOr<pid_t> FakeProcessLauncher::Launch(const LaunchRequest& request) {
+  std::function<void(const LaunchRequest&)> hook;
+  {
+    absl::MutexLock lock(&mu_);
+    hook = on_launch_;
+  }
+  if (hook) hook(request);
   absl::MutexLock lock(&mu_);
   if (!fail_next_.ok()) {
     absl::Status s = fail_next_;

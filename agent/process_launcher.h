@@ -95,6 +95,11 @@ class FakeProcessLauncher : public ProcessLauncher {
   void Exit(pid_t pid, int signal_number);
   void ExitCode(pid_t pid, int code);
   void FailNextLaunch(absl::Status status);
+  // Called at the start of every Launch, before the process "exists".
+  void OnLaunch(std::function<void(const LaunchRequest&)> hook) {
+    absl::MutexLock lock(&mu_);
+    on_launch_ = std::move(hook);
+  }
   // Every launch so far, in order.
   std::vector<LaunchRequest> launches() const;
   std::vector<std::pair<pid_t, int>> signals() const;
@@ -109,6 +114,7 @@ class FakeProcessLauncher : public ProcessLauncher {
   std::vector<LaunchRequest> launches_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<pid_t, int>> signals_ ABSL_GUARDED_BY(mu_);
   absl::Status fail_next_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const LaunchRequest&)> on_launch_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kiln

@@ -361,7 +361,15 @@ absl::Status Supervisor::Launch(Replica& r) {
        " v" + s.version() + " on " + Device(s) + ", cpus " + FormatCpuList(r.cpus.cpus) +
        (r.cpus.memory_node >= 0 ? ", memory node " + std::to_string(r.cpus.memory_node) : "") +
        ")");
+  SaveState();
   return absl::OkStatus();
+}
+
+void Supervisor::SaveState() {
+  absl::Status s = WriteStateFile();
+  if (s.ok()) return;
+  log_("state file: " + std::string(s.message()) + " (tried again next tick)");
+  state_dirty_ = true;
 }
 
 std::map<Supervisor::PoolKey, Supervisor::PoolPlace> Supervisor::Pools() const {
@@ -488,6 +496,7 @@ absl::Status Supervisor::LaunchPrestarted(PoolKey key, const PoolPlace& place) {
                  : std::string("cpu replicas") +
                        (p.numa_node >= 0 ? " on numa node " + std::to_string(p.numa_node) : "")));
   prestarted_.emplace(name, std::move(p));
+  SaveState();
   return absl::OkStatus();
 }
 
@@ -879,10 +888,7 @@ void Supervisor::Tick() {
   TickPool();
   if (prestarted_.size() != pool_before || prestart_seq_ != seq_before) changed_set = true;
   if (std::exchange(state_dirty_, false)) changed_set = true;
-  if (changed_set) {
-    absl::Status s = WriteStateFile();
-    if (!s.ok()) log_("state file: " + std::string(s.message()));
-  }
+  if (changed_set) SaveState();
   Publish();
 }
 

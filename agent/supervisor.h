@@ -254,6 +254,10 @@ class Supervisor {
   std::string Device(const v1::ReplicaSpec& spec) const;
   std::set<int> CpusInUse(const std::string& except_id) const;
   absl::Status WriteStateFile();
+  // Writes the state file now: at once after each process started, so that an agent killed
+  // later in the same pass (its watchdog, say) still finds the process to adopt. A failed
+  // write is logged and tried again on the next tick.
+  void SaveState();
   void Publish();
 
   const SupervisorOptions options_;

@@ -12,6 +12,7 @@
 #include "agent/fake_runtime_client.h"
 #include "agent/router.h"
 #include "gtest/gtest.h"
+#include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/shell.h"
 
@@ -19,6 +20,7 @@ namespace kiln {
 namespace {
 
 namespace fs = std::filesystem;
+using json = nlohmann::json;
 
 Topology TwoNodeTopology() {
   Topology t;
@@ -284,6 +286,38 @@ TEST_F(SupervisorTest, ARestartedSupervisorAdoptsLiveReplicasAndDrainsOrphans) {
   EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{b, SIGTERM}}));
   EXPECT_EQ(launcher_.launches().size(), 3u);
   EXPECT_TRUE(fs::exists(dir_ / "replicas.json"));
+}
+
+// Each process started is in the state file before the next one starts: an agent killed later
+// in the same pass (its watchdog, say) still adopts every runtime it had started.
+TEST_F(SupervisorTest, EachStartedProcessIsSavedBeforeTheNextStarts) {
+  std::vector<size_t> saved_at_launch;
+  launcher_.OnLaunch([&](const LaunchRequest&) {
+    json doc = json::parse(kiln::testing::ReadFile(dir_.string() + "/replicas.json"), nullptr,
+                           false);
+    saved_at_launch.push_back(doc.is_object() ? doc["replicas"].size() : 0);
+  });
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING),
+                                      Spec("c", -1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  launcher_.OnLaunch(nullptr);
+  EXPECT_EQ(saved_at_launch, (std::vector<size_t>{0, 1, 2}));
+}
+
+// A state file that cannot be written is written on a later tick, though nothing else changed.
+TEST_F(SupervisorTest, AFailedStateFileWriteIsTriedAgain) {
+  fs::create_directories(dir_ / "replicas.json.tmp");  // the temporary file cannot be made
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t a = View("a")->pid;
+  EXPECT_FALSE(fs::exists(dir_ / "replicas.json"));
+  EXPECT_NE(absl::StrJoin(log_, "\n").find("state file:"), std::string::npos);
+  fs::remove_all(dir_ / "replicas.json.tmp");
+  sup_->Tick();
+  json doc = json::parse(kiln::testing::ReadFile(dir_.string() + "/replicas.json"), nullptr, false);
+  ASSERT_TRUE(doc.is_object());
+  ASSERT_EQ(doc["replicas"].size(), 1u);
+  EXPECT_EQ(doc["replicas"][0]["pid"], a);
 }
 
 // A process at a replica's socket that names another replica is not adopted as this one (a
