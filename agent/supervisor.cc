@@ -996,17 +996,18 @@ absl::Status Supervisor::Recover() {
     // A runtime that names its replica must name the one it was given (an older one names none).
     const bool other_replica =
         st.ok() && !st->replica_id().empty() && st->replica_id() != launched_as;
-    if (!ours || !st.ok() || st->model_name() != spec.model() ||
-        st->model_version() != spec.version() || other_replica) {
-      if (ours) (void)launcher_->Signal(pid, SIGKILL);  // ours but not answering: replace it
+    if (!ours || (st.ok() && (st->model_name() != spec.model() ||
+                              st->model_version() != spec.version() || other_replica))) {
+      if (ours) (void)launcher_->Signal(pid, SIGKILL);  // ours but serving something else
       log_("replica " + spec.replica_id() + ": pid " + std::to_string(pid) + " not adoptable (" +
-           (ours ? (st.ok() ? (other_replica ? "it runs replica " + st->replica_id()
-                                             : std::string("different model"))
-                            : std::string(st.status().message()))
+           (ours ? (other_replica ? "it runs replica " + st->replica_id()
+                                  : std::string("different model"))
                  : "gone") +
            ")");
       continue;
     }
+    // Ours but not answering now (busy under load, say): adopted all the same, out of routing
+    // until it answers, and killed only as any replica is, after --probe-timeout of silence.
     if (!launcher_->Adopt(pid).ok()) continue;
     Replica r;
     r.spec = spec;
@@ -1019,15 +1020,21 @@ absl::Status Supervisor::Recover() {
     r.launched_as = launched_as;
     r.log_file = TextOr(e, "log");
     r.client = std::move(client);
-    r.phase = Phase::kRunning;
-    r.observed = st->state();
-    r.grpc_port = st->grpc_port();
-    r.http_port = st->http_port();
-    r.data_socket = st->data_socket();
-    r.device_memory_bytes = st->device_memory_bytes();
+    // Still loading: a start, under the start timeout from now (Observe moves it on at WARM).
+    r.phase = st.ok() && st->state() == v1::LOADING ? Phase::kStarting : Phase::kRunning;
+    if (st.ok()) {
+      r.observed = st->state();
+      r.grpc_port = st->grpc_port();
+      r.http_port = st->http_port();
+      r.data_socket = st->data_socket();
+      r.device_memory_bytes = st->device_memory_bytes();
+    } else {
+      r.observed = v1::LIFECYCLE_STATE_UNSPECIFIED;
+      r.last_error = "control socket: " + std::string(st.status().message());
+    }
     r.restarts = IntOr(e, "restarts", 0);
     r.adopted = true;
-    r.control_ok = true;
+    r.control_ok = st.ok();
     r.last_answer = clock_->Now();
     // Least recently used survives the agent's restart (what the file says; else now).
     r.last_used = clock_->Now();
@@ -1044,7 +1051,9 @@ absl::Status Supervisor::Recover() {
                        clock_->Now() + options_.stop_timeout);
     }
     log_("replica " + spec.replica_id() + ": adopted pid " + std::to_string(pid) + " (" +
-         v1::LifecycleState_Name(r.observed) + (r.removing ? ", draining" : "") + ")");
+         (st.ok() ? v1::LifecycleState_Name(r.observed)
+                  : "not answering: " + std::string(st.status().message())) +
+         (r.removing ? ", draining" : "") + ")");
     replicas_.emplace(spec.replica_id(), std::move(r));
   }
   RecoverPrestarted(doc);

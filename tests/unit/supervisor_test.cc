@@ -472,22 +472,72 @@ TEST_F(SupervisorTest, ProbeFailuresTakeAReplicaOutOfRoutingAndSilenceGetsItKill
   EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{pid, SIGKILL}}));
 }
 
-TEST_F(SupervisorTest, RecoveryIgnoresGarbageAndUnansweringReplicas) {
+TEST_F(SupervisorTest, RecoveryIgnoresGarbageAndAdoptsSilentReplicas) {
   fs::create_directories(dir_);
   { std::ofstream(dir_ / "replicas.json") << "{not json"; }
   auto fresh = MakeSupervisor();
   EXPECT_TRUE(fresh->Recover().ok());
   EXPECT_TRUE(fresh->Snapshot()->empty());
 
-  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING)})).ok());
   sup_->Tick();
-  pid_t a = View("a")->pid;
-  runtimes_.SetReachable(Socket("a"), false);  // alive but its control socket is dead
+  pid_t a = View("a")->pid, b = View("b")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 7001);
+  runtimes_.Set(Socket("b"), v1::SERVING, "enc", "1", 7002);
+  sup_->Tick();
+  // Both alive, their control sockets silent when the agent comes back (busy, say).
+  runtimes_.SetReachable(Socket("a"), false);
+  runtimes_.SetReachable(Socket("b"), false);
   sup_.reset();
   sup_ = MakeSupervisor();
   ASSERT_TRUE(sup_->Recover().ok());
-  EXPECT_EQ(View("a"), nullptr);
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING)}, 2)).ok());
+  // Adopted, out of routing, not killed for one silence.
+  for (const std::string id : {"a", "b"}) {
+    ASSERT_NE(View(id), nullptr) << id;
+    EXPECT_TRUE(View(id)->adopted) << id;
+    EXPECT_FALSE(View(id)->healthy) << id;
+  }
+  EXPECT_TRUE(launcher_.signals().empty());
+  sup_->Tick();
+  EXPECT_TRUE(launcher_.signals().empty());
+  // b answers again and is back; a stays silent for the probe timeout and is replaced.
+  runtimes_.SetReachable(Socket("b"), true);
+  clock_.Advance(absl::Seconds(5));
+  sup_->Tick();
+  EXPECT_EQ(View("b")->pid, b);
+  EXPECT_EQ(View("b")->state, v1::SERVING);
+  EXPECT_TRUE(launcher_.signals().empty());
+  clock_.Advance(options_.probe_timeout);
+  sup_->Tick();
   EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGKILL}}));
+  EXPECT_EQ(View("b")->pid, b);
+  EXPECT_EQ(launcher_.launches().size(), 2u);  // nothing started twice
+}
+
+// A replica still loading when the agent comes back is adopted as starting: its start
+// timeout applies (from the adoption), and it goes on to its state once WARM.
+TEST_F(SupervisorTest, AReplicaAdoptedWhileLoadingIsStillStarting) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  pid_t a = View("a")->pid, b = View("b")->pid;
+  runtimes_.Set(Socket("a"), v1::LOADING, "enc", "1");
+  runtimes_.Set(Socket("b"), v1::LOADING, "enc", "1");
+  sup_.reset();
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING)}, 2)).ok());
+  EXPECT_EQ(View("a")->phase, "STARTING");
+  EXPECT_EQ(View("b")->phase, "STARTING");
+  runtimes_.Set(Socket("b"), v1::WARM, "enc", "1", 7002);
+  sup_->Tick();
+  sup_->Tick();
+  EXPECT_EQ(View("b")->phase, "RUNNING");
+  EXPECT_EQ(runtimes_.Get(Socket("b")).promotes, 1);
+  clock_.Advance(options_.start_timeout);
+  sup_->Tick();
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGKILL}}));
+  EXPECT_EQ(View("b")->pid, b);
 }
 
 TEST_F(SupervisorTest, ARenamedReplicaGoesOnUnderItsNewIdInTheSameProcess) {
