@@ -2,6 +2,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -144,7 +145,8 @@ class Supervisor {
   void StopPrestarted();
   // The pre-started runtimes as last published.
   std::shared_ptr<const std::vector<PrestartedView>> PrestartedSnapshot() const;
-  int64_t applied_generation() const { return applied_generation_; }
+  // Read from any thread (the controller stream reports it).
+  int64_t applied_generation() const { return applied_generation_.load(); }
   // True once every assigned replica has reached its assigned state.
   bool Converged() const;
   // Nothing is on its way: every replica is in its assigned state, or crash-looping, or held
@@ -276,7 +278,7 @@ class Supervisor {
   bool pool_stopped_ = false;
   bool state_dirty_ = false;  // the state file is rewritten on the next Tick
   absl::Duration load_time_this_tick_;  // Loads block the loop: a budget per Tick
-  int64_t applied_generation_ = 0;
+  std::atomic<int64_t> applied_generation_{0};
 
   mutable absl::Mutex snapshot_mu_;
   std::shared_ptr<const std::vector<ReplicaView>> snapshot_ ABSL_GUARDED_BY(snapshot_mu_);
