@@ -172,10 +172,26 @@ void DataServer::ReadLoop(std::shared_ptr<Connection> c) {
     }
     body.resize(h.length);
     if (h.length > 0 && !ReadFull(c->fd, body.data(), body.size())) break;
-    if (h.code == kInferFrame) {
-      Serve(c, h.tag, h.deadline_unix_micros, body);
-    } else if (h.code == kJsonInferFrame) {
-      ServeJson(c, h.tag, h.deadline_unix_micros, &body);
+    if (h.code == kInferFrame || h.code == kJsonInferFrame) {
+      // Nothing thrown while a request is decoded (an allocation that fails, say) ends this
+      // thread, and with it the process: the request is answered with the reason.
+      try {
+        if (h.code == kInferFrame) {
+          Serve(c, h.tag, h.deadline_unix_micros, body);
+        } else {
+          ServeJson(c, h.tag, h.deadline_unix_micros, &body);
+        }
+      } catch (const std::exception& e) {
+        host_->CountRefused();
+        const std::string why = std::string("the request could not be decoded: ") + e.what();
+        if (h.code == kJsonInferFrame) {
+          c->Send(h.tag, 0, EncodeJsonAnswer(JsonError(why), 500));
+        } else {
+          c->Send(h.tag, static_cast<uint8_t>(absl::StatusCode::kInternal), why);
+        }
+      }
+      // A large request's buffer is not kept for the small ones after it.
+      if (body.capacity() > (1u << 20)) body = std::string();
     } else {
       // The words the router looks for (common/data_frames.h).
       c->Send(h.tag, static_cast<uint8_t>(absl::StatusCode::kInvalidArgument),
@@ -208,6 +224,7 @@ void DataServer::Serve(const std::shared_ptr<Connection>& c, uint64_t tag,
   // The router's caller's deadline bounds the request's timeout.
   if (absl::Status bounded = NoteCallerDeadline(deadline_unix_micros, &*decoded);
       !bounded.ok()) {
+    host_->CountRefused();
     fail(bounded);
     return;
   }

@@ -226,6 +226,16 @@ absl::StatusOr<InferRequest> DecodeInferRequest(const inference::ModelInferReque
                                           in.datatype() + " " + ShapeString(t.shape) + ", got " +
                                           std::to_string(data.size()));
       }
+      if (t.dtype == DataType::kBool) {
+        for (size_t b = 0; b < data.size(); ++b) {
+          if (data[b] != 0 && data[b] != 1) {
+            return absl::InvalidArgumentError(
+                "input '" + in.name() + "': raw_input_contents byte " + std::to_string(b) +
+                " is " + std::to_string(static_cast<unsigned char>(data[b])) +
+                "; a BOOL is 0 or 1");
+          }
+        }
+      }
       t.data = data;
     } else {
       int64_t got = TypedCount(in.contents(), t.dtype);
@@ -241,7 +251,14 @@ absl::StatusOr<InferRequest> DecodeInferRequest(const inference::ModelInferReque
     }
     r.inputs.push_back(std::move(t));
   }
-  for (const auto& o : req.outputs()) r.outputs.push_back(o.name());
+  for (int i = 0; i < req.outputs_size(); ++i) {
+    const auto& o = req.outputs(i);
+    if (o.parameters().count("classification")) {
+      return absl::InvalidArgumentError("outputs[" + std::to_string(i) +
+                                        "].parameters.classification: not supported");
+    }
+    r.outputs.push_back(o.name());
+  }
   return r;
 }
 
@@ -335,7 +352,12 @@ grpc::ServerUnaryReactor* GrpcInferenceService::ModelMetadata(
 }
 
 absl::Status NoteCallerDeadline(int64_t deadline_unix_micros, InferRequest* request) {
-  if (deadline_unix_micros <= 0) return absl::OkStatus();
+  if (deadline_unix_micros < 0) {
+    return absl::InvalidArgumentError("the request's deadline (" +
+                                      std::to_string(deadline_unix_micros) +
+                                      " unix microseconds) is negative");
+  }
+  if (deadline_unix_micros == 0) return absl::OkStatus();
   const int64_t left = deadline_unix_micros - absl::ToUnixMicros(absl::Now());
   if (left <= 0) {
     return absl::DeadlineExceededError("the request's deadline passed before it was queued");
@@ -360,6 +382,7 @@ grpc::ServerUnaryReactor* GrpcInferenceService::ModelInfer(grpc::CallbackServerC
     absl::Status bounded = NoteCallerDeadline(
         absl::ToUnixMicros(absl::FromChrono(deadline)), &*decoded);
     if (!bounded.ok()) {
+      host_->CountRefused();
       reactor->Finish(ToGrpcStatus(bounded));
       return reactor;
     }

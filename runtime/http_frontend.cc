@@ -102,6 +102,7 @@ void ServeRestInfer(ModelHost* host, std::string* body, const std::string& model
   // The caller's deadline bounds the request's timeout.
   if (absl::Status bounded = NoteCallerDeadline(deadline_unix_micros, &*decoded);
       !bounded.ok()) {
+    host->CountRefused();
     fail(bounded, /*decoding=*/false);
     return;
   }

@@ -28,7 +28,7 @@ T Get(const std::string& data, size_t i) {
   return v;
 }
 
-absl::Status BadElement(const std::string& name, size_t i, const char* what) {
+absl::Status BadElement(const std::string& name, size_t i, const std::string& what) {
   return absl::InvalidArgumentError("input '" + name + "': data[" + std::to_string(i) +
                                     "] must be " + what);
 }
@@ -93,13 +93,23 @@ absl::Status PutElement(const json& v, DataType t, const std::string& name, size
       double d = v.get<double>();
       if (t == DataType::kFp64) {
         Put<double>(out, i, d);
-      } else if (t == DataType::kFp32) {
-        Put<float>(out, i, static_cast<float>(d));
-      } else if (t == DataType::kFp16) {
-        Put<uint16_t>(out, i, FloatToHalf(static_cast<float>(d)));
-      } else {
-        Put<uint16_t>(out, i, FloatToBf16(static_cast<float>(d)));
+        return absl::OkStatus();
       }
+      // JSON has no infinities: a number past the type's largest is a mistake, not one.
+      if (std::fabs(d) > std::numeric_limits<float>::max()) {
+        return BadElement(name, i, "a number within " + std::string(DataTypeName(t)) + "'s range");
+      }
+      const float f = static_cast<float>(d);
+      if (t == DataType::kFp32) {
+        Put<float>(out, i, f);
+        return absl::OkStatus();
+      }
+      const uint16_t h = t == DataType::kFp16 ? FloatToHalf(f) : FloatToBf16(f);
+      const uint16_t inf = t == DataType::kFp16 ? 0x7c00 : 0x7f80;
+      if ((h & 0x7fff) == inf) {
+        return BadElement(name, i, "a number within " + std::string(DataTypeName(t)) + "'s range");
+      }
+      Put<uint16_t>(out, i, h);
       return absl::OkStatus();
     }
   }
@@ -199,11 +209,17 @@ struct DirectData {
 // in order, as if they had been found there.
 class InferBodyReader : public nlohmann::json_sax<json> {
  public:
-  explicit InferBodyReader(int64_t max_bytes) : max_bytes_(max_bytes) {}
+  InferBodyReader(int64_t max_bytes, size_t body_bytes)
+      : max_bytes_(max_bytes), body_bytes_(body_bytes) {
+    skipped_.error = absl::InvalidArgumentError("skipped");
+  }
 
   json doc;
   std::map<size_t, DirectData> direct;  // by input position
   std::set<size_t> data_twice;          // inputs whose data were given more than once
+  // Inputs whose data were skipped unread: their header, complete before them, refuses the
+  // request (bad, or over the payload limit) whatever the data hold.
+  std::set<size_t> skipped;
 
   bool null() override { return Value(json(nullptr)); }
   bool boolean(bool v) override { return Value(json(v)); }
@@ -259,6 +275,7 @@ class InferBodyReader : public nlohmann::json_sax<json> {
       inputs_ = a;
       direct.clear();
       data_twice.clear();
+      skipped.clear();
       data_seen_.clear();
       total_ = 0;
     }
@@ -314,9 +331,24 @@ class InferBodyReader : public nlohmann::json_sax<json> {
   bool Begin() {
     data_next_ = false;
     const size_t index = inputs_->size() - 1;
-    // A bad header, or tensors over the limit, are refused after the read, as before.
-    auto h = ReadInputHeader(*stack_[2], "inputs[" + std::to_string(index) + "]");
-    if (!h.ok() || h->bytes > max_bytes_ - total_) return false;
+    const json& in = *stack_[2];
+    auto h = ReadInputHeader(in, "inputs[" + std::to_string(index) + "]");
+    const bool header_given = in.contains("name") && in.contains("datatype") && in.contains("shape");
+    if ((!h.ok() && header_given) || (h.ok() && h->bytes > max_bytes_ - total_)) {
+      // Refused after the read at its header (bad, or tensors over the limit): the data are
+      // skipped, never held as JSON values (each costs 16 bytes or more).
+      skipped.insert(index);
+      name_.clear();
+      limit_ = 0;
+      max_depth_ = std::numeric_limits<size_t>::max();
+      current_ = &skipped_;
+      Add(json(nullptr));
+      capturing_ = true;
+      return true;
+    }
+    // Data before their header, or more elements than the body could hold (refused after the
+    // read without making their tensor): into the document.
+    if (!h.ok() || static_cast<uint64_t>(h->elements) > body_bytes_) return false;
     DirectData d;
     d.dtype = h->dtype;
     d.shape = std::move(h->shape);
@@ -350,6 +382,8 @@ class InferBodyReader : public nlohmann::json_sax<json> {
   }
 
   const int64_t max_bytes_;
+  const size_t body_bytes_;
+  DirectData skipped_;        // where skipped data go: nowhere (its error stops every write)
   std::vector<json*> stack_;  // the open containers of the document, outermost first
   std::string key_;           // the last key read
   json* inputs_ = nullptr;    // the root's "inputs" array, once begun
@@ -370,7 +404,7 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
                                                     const std::string& model,
                                                     const std::string& version,
                                                     int64_t max_bytes, json* parameters) {
-  InferBodyReader reader(max_bytes);
+  InferBodyReader reader(max_bytes, body.size());
   if (!json::sax_parse(body, &reader)) {
     return absl::InvalidArgumentError("the request body is not valid JSON");
   }
@@ -439,6 +473,16 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
     if (reader.data_twice.count(idx - 1)) {
       return absl::InvalidArgumentError(field + ".data: given twice");
     }
+    if (reader.skipped.count(idx - 1)) {  // the header that refused them was given again
+      return absl::InvalidArgumentError(field + ": datatype and shape must each be given once");
+    }
+    if (static_cast<uint64_t>(n) > body.size()) {
+      // Each element takes a character at least: refused before its tensor is made.
+      return absl::InvalidArgumentError("input '" + t.name + "': expected " + std::to_string(n) +
+                                        " elements for shape " + ShapeString(t.shape) +
+                                        ", more than a body of " + std::to_string(body.size()) +
+                                        " bytes holds");
+    }
     size_t count = 0;
     if (auto d = reader.direct.find(idx - 1); d != reader.direct.end()) {
       // Decoded while read; a datatype or shape given again after the data changed them.
@@ -467,6 +511,11 @@ absl::StatusOr<InferRequest> DecodeJsonInferRequest(const std::string& body,
       if (!o.is_object() || !o.contains("name") || !o["name"].is_string()) {
         return absl::InvalidArgumentError("outputs[" + std::to_string(i) +
                                           "].name: must be a string");
+      }
+      if (o.contains("parameters") && o["parameters"].is_object() &&
+          o["parameters"].contains("classification")) {
+        return absl::InvalidArgumentError("outputs[" + std::to_string(i) +
+                                          "].parameters.classification: not supported");
       }
       r.outputs.push_back(o["name"].get<std::string>());
       ++i;

@@ -69,8 +69,10 @@ absl::StatusOr<int64_t> ElementCount(const std::vector<int64_t>& shape, const st
       return absl::InvalidArgumentError(field + ": shape " + ShapeString(shape) +
                                         " has a negative dimension");
     }
-    // 8 bytes is the widest element: keep the byte size representable too.
-    if (d != 0 && n > std::numeric_limits<int64_t>::max() / 8 / d) {
+    // 8 bytes is the widest element: keep the byte size representable too, and each
+    // dimension on its own (a 0 elsewhere must not let a huge one through to the model).
+    if (d > std::numeric_limits<int64_t>::max() / 8 ||
+        (d != 0 && n > std::numeric_limits<int64_t>::max() / 8 / d)) {
       return absl::InvalidArgumentError(field + ": shape " + ShapeString(shape) + " is too large");
     }
     n *= d;

@@ -332,6 +332,19 @@ TEST(JsonDecodeTest, RejectsBadBodies) {
       {R"({"id":5,"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]})", "id: must be a string"},
       {R"({"parameters":{"timeout":"soon"},"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]})", "parameters.timeout"},
       {R"({"parameters":{"kiln-skip-cache":1},"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]})", "parameters.kiln-skip-cache: must be a boolean"},
+      // A complete but bad header: its data are skipped unread (nesting deeper than any shape
+      // is not what is reported), and the header is.
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP99","data":[[[[[1]]]]]}]})", "FP99"},
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP99","data":[1],"datatype":"FP32"}]})", "inputs[0]: datatype and shape must each be given once"},
+      // More elements than the body could hold: refused before the tensor is made, whichever
+      // comes first, the data or the header.
+      {R"({"inputs":[{"name":"x","shape":[100000],"datatype":"FP32","data":[]}]})", "input 'x': expected 100000 elements for shape [100000], more than a body of"},
+      {R"({"inputs":[{"data":[1],"name":"x","shape":[100000],"datatype":"FP32"}]})", "more than a body of"},
+      // JSON has no infinities: past a float type's range is refused.
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1e39]}]})", "input 'x': data[0] must be a number within FP32's range"},
+      {R"({"inputs":[{"name":"x","shape":[2],"datatype":"FP16","data":[65504, 70000]}]})", "data[1] must be a number within FP16's range"},
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"BF16","data":[-1e39]}]})", "within BF16's range"},
+      {R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}],"outputs":[{"name":"y","parameters":{"classification":2}}]})", "outputs[0].parameters.classification: not supported"},
       {R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}],"outputs":[{"nom":"y"}]})", "outputs[0].name"},
   };
   for (const auto& c : cases) {
@@ -378,6 +391,42 @@ TEST(JsonDecodeTest, SizesThatWouldOverflowAndDeepNestingAreRefused) {
   for (int i = 0; i < 32; ++i) rank32 += i ? ",1" : "1";
   rank32 += R"(],"data":)" + std::string(32, '[') + "1" + std::string(32, ']') + "}]}";
   EXPECT_TRUE(DecodeJsonInferRequest(rank32, "m", "", kLimit, nullptr).ok());
+}
+
+// Found by review: inputs the decoder let through to the model, or answered unclearly.
+TEST(GrpcDecodeTest, BadBoolsZeroDimensionsOutputParametersAndDeadlinesAreRefused) {
+  auto bools = [](const std::string& raw) {
+    inference::ModelInferRequest req;
+    req.set_model_name("m");
+    auto* in = req.add_inputs();
+    in->set_name("flags");
+    in->set_datatype("BOOL");
+    in->add_shape(static_cast<int64_t>(raw.size()));
+    req.add_raw_input_contents(raw);
+    return req;
+  };
+  EXPECT_TRUE(DecodeInferRequest(bools(std::string("\x00\x01\x01", 3)), kLimit).ok());
+  EXPECT_EQ(DecodeInferRequest(bools(std::string("\x00\x02", 2)), kLimit).status().message(),
+            "input 'flags': raw_input_contents byte 1 is 2; a BOOL is 0 or 1");
+
+  // A zero elsewhere in the shape does not let a dimension past the size limit through.
+  inference::ModelInferRequest zero;
+  auto* z = zero.add_inputs();
+  z->set_name("z");
+  z->set_datatype("FP32");
+  for (int64_t d : {1LL, 0LL, 1LL << 62, 4LL}) z->add_shape(d);
+  auto zr = DecodeInferRequest(zero, kLimit);
+  EXPECT_EQ(zr.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(zr.status().message().find("is too large"), std::string::npos) << zr.status();
+
+  inference::ModelInferRequest classify = bools(std::string("\x01", 1));
+  (*classify.add_outputs()->mutable_parameters())["classification"].set_int64_param(3);
+  EXPECT_EQ(DecodeInferRequest(classify, kLimit).status().message(),
+            "outputs[0].parameters.classification: not supported");
+
+  InferRequest r;
+  EXPECT_EQ(NoteCallerDeadline(-1, &r).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.caller_time_left_micros, 0);
 }
 
 TEST(GrpcDecodeTest, SizesThatWouldOverflowAreRefused) {

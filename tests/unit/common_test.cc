@@ -1,5 +1,6 @@
 #include "common/clock.h"
 #include "common/config_node.h"
+#include "common/grpc_status.h"
 #include "common/histogram.h"
 #include "common/status.h"
 #include "gtest/gtest.h"
@@ -14,6 +15,18 @@ TEST(StatusTest, HttpMapping) {
   EXPECT_EQ(HttpStatusFromCode(absl::StatusCode::kUnavailable), 503);
   EXPECT_EQ(HttpStatusFromCode(absl::StatusCode::kDeadlineExceeded), 504);
   EXPECT_EQ(HttpStatusFromCode(absl::StatusCode::kInternal), 500);
+}
+
+// A gRPC status's message is cut to a size every client takes in its trailers, keeping the
+// code and the start of the reason.
+TEST(StatusTest, GrpcMessagesAreBounded) {
+  const std::string name(20000, 'n');
+  grpc::Status s = ToGrpcStatus(absl::InvalidArgumentError("unknown input '" + name + "'"));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_LT(s.error_message().size(), 2100u);
+  EXPECT_EQ(s.error_message().rfind("unknown input 'nnn", 0), 0u);
+  EXPECT_NE(s.error_message().find("(20016 bytes in all)"), std::string::npos);
+  EXPECT_EQ(ToGrpcStatus(absl::NotFoundError("short")).error_message(), "short");
 }
 
 TEST(ClockTest, SimulatedClockMovesOnlyWhenAdvanced) {
