@@ -179,9 +179,11 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
   std::set<int> used;     // every running replica's CPUs, and those given out below
   std::set<int> staying;  // the same without the replicas this assignment takes away
   for (const auto& [id, r] : replicas_) {
+    // A draining replica assigned again starts a new process once gone: its CPUs are given
+    // out again below, as a new replica's, since another may have been given them meanwhile.
     bool kept = false;
     for (const auto& s : a.replicas()) {
-      if (s.replica_id() == id_after(id) && s.model() == r.spec.model() &&
+      if (!r.removing && s.replica_id() == id_after(id) && s.model() == r.spec.model() &&
           s.version() == r.spec.version() && s.gpu() == r.spec.gpu() &&
           s.cpus() == r.spec.cpus()) {
         kept = true;

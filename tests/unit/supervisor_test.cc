@@ -637,6 +637,29 @@ TEST_F(SupervisorTest, AReplicaAssignedAgainWhileItDrainsStartsAgainOnceGone) {
   EXPECT_EQ(Arg(launcher_.launches().back(), "--version"), "2");
 }
 
+// A draining replica assigned again does not get back CPUs given meanwhile to another: on a
+// full NUMA node the assignment that wants both is refused, and nothing shares a CPU.
+TEST_F(SupervisorTest, AReplicaAssignedAgainWhileItDrainsDoesNotShareTheCpusOfItsReplacement) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("r", 0, 7, v1::SERVING)})).ok());  // node 0, full
+  sup_->Tick();
+  const pid_t r = View("r")->pid;
+  runtimes_.Set(Socket("r"), v1::SERVING, "enc", "1");
+  sup_->Tick();
+  // r goes, n takes its place (its CPUs once r is gone).
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("n", 0, 7, v1::SERVING)}, 2)).ok());
+  EXPECT_EQ(View("r")->phase, "STOPPING");
+  EXPECT_EQ(View("n")->cpus, View("r")->cpus);
+  // r back while it drains, n kept: no room for both on node 0.
+  auto both = sup_->Apply(Assignment({Spec("r", 0, 7, v1::SERVING), Spec("n", 0, 7, v1::SERVING)}, 3));
+  EXPECT_EQ(both.code(), absl::StatusCode::kResourceExhausted) << both;
+  // Once r is gone, n starts on the CPUs alone.
+  launcher_.ExitCode(r, 0);
+  sup_->Tick();
+  EXPECT_EQ(View("r"), nullptr);
+  ASSERT_NE(View("n"), nullptr);
+  EXPECT_EQ(View("n")->phase, "STARTING");
+}
+
 TEST_F(SupervisorTest, ARejectedAssignmentChangesNothingEvenWithRenames) {
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("pool-enc-0", 0, 1, v1::WARM), Spec("b", 0, 1, v1::SERVING)})).ok());
   sup_->Tick();
