@@ -273,12 +273,27 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
       r.cpus = cpus[s.replica_id()];
       r.phase = Phase::kPending;
       r.due = clock_->Now();
+      auto w = recovered_waiting_.find(s.replica_id());
+      if (w != recovered_waiting_.end() && w->second.spec.model() == s.model() &&
+          w->second.spec.version() == s.version() && w->second.spec.gpu() == s.gpu() &&
+          w->second.spec.cpus() == s.cpus()) {
+        // Waiting out a backoff when the agent stopped: it goes on waiting, crashes counted.
+        r.crashes = w->second.crashes;
+        r.restarts = w->second.restarts;
+        r.crash_loop = w->second.crash_loop;
+        r.phase = Phase::kBackoff;
+        r.due = w->second.due;
+        log_("replica " + s.replica_id() + ": restarts at its backoff from before the agent's "
+             "restart (" + std::to_string(r.restarts) + " restarts" +
+             (r.crash_loop ? ", CrashLoop" : "") + ")");
+      }
       replicas_.emplace(s.replica_id(), std::move(r));
     } else {
       it->second.spec.set_state(s.state());  // promote/demote happens in Tick
       *it->second.spec.mutable_runtime() = s.runtime();
     }
   }
+  recovered_waiting_.clear();  // what the first assignment after Recover did not want is gone
   applied_generation_ = a.generation();
   Publish();
   return absl::OkStatus();
@@ -913,6 +928,32 @@ bool Supervisor::Settled() const {
   return true;
 }
 
+namespace {
+
+// A replica's crashes, as the state file keeps them.
+json CrashesJson(const CrashHistory& h) {
+  json times = json::array();
+  for (absl::Time t : h.crashes) times.push_back(absl::ToUnixMillis(t));
+  return {{"times_unix_ms", times}, {"consecutive", h.consecutive}};
+}
+
+// The crashes a state file kept (what it does not say stays empty).
+CrashHistory CrashesFrom(const json& e) {
+  CrashHistory h;
+  if (!e.is_object()) return h;
+  if (e.contains("times_unix_ms") && e["times_unix_ms"].is_array()) {
+    for (const auto& t : e["times_unix_ms"]) {
+      if (t.is_number_integer()) h.crashes.push_back(absl::FromUnixMillis(t.get<int64_t>()));
+    }
+  }
+  if (e.contains("consecutive") && e["consecutive"].is_number_integer()) {
+    h.consecutive = std::max(0, e["consecutive"].get<int>());
+  }
+  return h;
+}
+
+}  // namespace
+
 absl::Status Supervisor::WriteStateFile() {
   json doc = {{"replicas", json::array()}};
   for (const auto& [id, r] : replicas_) {
@@ -928,6 +969,7 @@ absl::Status Supervisor::WriteStateFile() {
                                {"cpus", FormatCpuList(r.cpus.cpus)},
                                {"memory_node", r.cpus.memory_node},
                                {"restarts", r.restarts},
+                               {"crashes", CrashesJson(r.crashes)},
                                {"last_used_unix_ms", absl::ToUnixMillis(r.last_used)},
                                {"spec", json::parse(spec)}});
     // A drain under way outlives the agent: the next one goes on with it, to the same
@@ -935,6 +977,27 @@ absl::Status Supervisor::WriteStateFile() {
     if (r.removing && r.phase == Phase::kStopping) {
       doc["replicas"].back()["stopping_until_unix_ms"] = absl::ToUnixMillis(r.due);
     }
+  }
+  // Replicas with no process that wait out a backoff: their crashes outlive the agent.
+  doc["waiting"] = json::array();
+  auto waiting = [&](const std::string& id, const v1::ReplicaSpec& s, const CrashHistory& crashes,
+                     int restarts, bool crash_loop, absl::Time due) {
+    std::string spec;
+    (void)google::protobuf::util::MessageToJsonString(s, &spec);
+    doc["waiting"].push_back({{"id", id},
+                              {"spec", json::parse(spec)},
+                              {"crashes", CrashesJson(crashes)},
+                              {"restarts", restarts},
+                              {"crash_loop", crash_loop},
+                              {"due_unix_ms", absl::ToUnixMillis(due)}});
+  };
+  for (const auto& [id, r] : replicas_) {
+    if (r.pid <= 0 && !r.removing && r.phase == Phase::kBackoff) {
+      waiting(id, r.spec, r.crashes, r.restarts, r.crash_loop, r.due);
+    }
+  }
+  for (const auto& [id, w] : recovered_waiting_) {
+    if (!replicas_.count(id)) waiting(id, w.spec, w.crashes, w.restarts, w.crash_loop, w.due);
   }
   doc["prestarted"] = json::array();
   for (const auto& [name, p] : prestarted_) {
@@ -1035,6 +1098,7 @@ absl::Status Supervisor::Recover() {
       r.last_error = "control socket: " + std::string(st.status().message());
     }
     r.restarts = IntOr(e, "restarts", 0);
+    if (e.contains("crashes")) r.crashes = CrashesFrom(e["crashes"]);
     r.adopted = true;
     r.control_ok = st.ok();
     r.last_answer = clock_->Now();
@@ -1057,6 +1121,29 @@ absl::Status Supervisor::Recover() {
                   : "not answering: " + std::string(st.status().message())) +
          (r.removing ? ", draining" : "") + ")");
     replicas_.emplace(spec.replica_id(), std::move(r));
+  }
+  if (doc.contains("waiting") && doc["waiting"].is_array()) {
+    for (const auto& e : doc["waiting"]) {
+      if (!e.is_object() || !e.contains("id") || !e["id"].is_string() || !e.contains("spec") ||
+          replicas_.count(e["id"].get<std::string>())) {
+        continue;
+      }
+      Waiting w;
+      google::protobuf::util::JsonParseOptions parse;
+      parse.ignore_unknown_fields = true;
+      if (!google::protobuf::util::JsonStringToMessage(e["spec"].dump(), &w.spec, parse).ok()) {
+        continue;
+      }
+      w.crashes = CrashesFrom(e.contains("crashes") ? e["crashes"] : json());
+      w.restarts = IntOr(e, "restarts", 0);
+      w.crash_loop = e.contains("crash_loop") && e["crash_loop"].is_boolean() &&
+                     e["crash_loop"].get<bool>();
+      w.due = clock_->Now();
+      if (e.contains("due_unix_ms") && e["due_unix_ms"].is_number_integer()) {
+        w.due = std::max(w.due, absl::FromUnixMillis(e["due_unix_ms"].get<int64_t>()));
+      }
+      recovered_waiting_.emplace(e["id"].get<std::string>(), std::move(w));
+    }
   }
   RecoverPrestarted(doc);
   Publish();

@@ -271,6 +271,17 @@ class Supervisor {
   InferenceProber* prober_;
   std::vector<int> reserved_;
   std::map<std::string, Replica> replicas_;  // by replica id
+  // A replica with no process when the agent stopped (waiting out a backoff, in a crash
+  // loop), from the state file: the first assignment that wants it again, unchanged, goes on
+  // with its backoff and crash count instead of starting it hot.
+  struct Waiting {
+    v1::ReplicaSpec spec;
+    CrashHistory crashes;
+    int restarts = 0;
+    bool crash_loop = false;
+    absl::Time due;
+  };
+  std::map<std::string, Waiting> recovered_waiting_;  // until the first Apply after Recover
   std::map<int, std::string> unhealthy_gpus_;  // gpu -> reason
   std::map<std::string, Prestarted> prestarted_;  // by name, "prestart-7"
   std::map<PoolKey, PoolSlot> pool_slots_;

@@ -376,6 +376,79 @@ TEST_F(SupervisorTest, AnUnhealthyGpuIsDrainedAndTakesNoReplicasUntilHealthy) {
 
 // A GPU healthy again before its replica finished draining off it: the replica's exit is not
 // a crash (no restart counted, no backoff), and it starts again at once.
+// A replica in a crash loop, waiting out its backoff when the agent restarts, goes on waiting
+// with its crashes counted: not started hot with a fresh history. A running one keeps its
+// crash count too.
+TEST_F(SupervisorTest, BackoffAndCrashLoopSurviveARestartedSupervisor) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  for (int crash = 0; crash < 6; ++crash) {
+    launcher_.Exit(View("a")->pid, SIGKILL);
+    sup_->Tick();
+    if (crash == 5) break;  // the sixth: a crash loop, restarting in 60 s
+    const size_t before = launcher_.launches().size();
+    for (int s = 0; s < 120 && launcher_.launches().size() == before; ++s) {
+      clock_.Advance(absl::Seconds(1));
+      sup_->Tick();
+    }
+  }
+  ASSERT_TRUE(View("a")->crash_loop);
+  ASSERT_EQ(View("a")->pid, 0);
+  launcher_.Exit(View("b")->pid, SIGKILL);  // b: one crash, then running again
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  ASSERT_GT(View("b")->pid, 0);
+  runtimes_.Set(Socket("b"), v1::SERVING, "enc", "1", 7002);
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(10));  // a: 49 s of its 60 s backoff left
+  sup_->Tick();
+  const size_t launches = launcher_.launches().size();
+
+  sup_.reset();
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING)}, 2)).ok());
+  sup_->Tick();
+  ASSERT_NE(View("a"), nullptr);
+  EXPECT_TRUE(View("a")->crash_loop);
+  EXPECT_EQ(View("a")->restarts, 6);
+  EXPECT_EQ(View("a")->pid, 0);
+  EXPECT_EQ(launcher_.launches().size(), launches);  // not started hot
+  clock_.Advance(absl::Seconds(48));
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), launches);
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), launches + 1);  // at its backoff from before
+  EXPECT_EQ(View("b")->restarts, 1);
+  // b's crash is remembered: its next one waits 2 s, not 1 s.
+  launcher_.Exit(View("b")->pid, SIGKILL);
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_EQ(View("b")->pid, 0);
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_GT(View("b")->pid, 0);
+}
+
+// A waiting replica the first assignment after the restart no longer wants is forgotten.
+TEST_F(SupervisorTest, AWaitingReplicaNoLongerAssignedIsForgotten) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  launcher_.Exit(View("a")->pid, SIGKILL);
+  sup_->Tick();
+  ASSERT_EQ(View("a")->phase, "BACKOFF");
+  sup_.reset();
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  ASSERT_TRUE(sup_->Apply(Assignment({}, 2)).ok());
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)}, 3)).ok());
+  EXPECT_EQ(View("a")->restarts, 0);
+  EXPECT_EQ(View("a")->phase, "PENDING");
+}
+
 TEST_F(SupervisorTest, AGpuHealthyAgainMidDrainDoesNotCountTheExitAsACrash) {
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
   sup_->Tick();
