@@ -1186,12 +1186,16 @@ void Supervisor::RecoverPrestarted(const json& doc) {
       }
     }
     NotePrestartName(p.socket);
-    // Ours: the runtime binary this agent runs, named with the socket.
+    // Ours: a pre-started runtime named with the socket. One started from another runtime
+    // binary (an upgrade moved it) is not kept, but stopped: left alone it would hold its CPUs
+    // and device context for ever.
     const std::string cmdline = launcher_->CommandLine(pid);
-    const bool ours = launcher_->Alive(pid) &&
-                      cmdline.rfind(options_.runtime_binary + std::string(1, '\0'), 0) == 0 &&
-                      cmdline.find(p.socket) != std::string::npos;
+    const bool ours = launcher_->Alive(pid) && cmdline.find(p.socket) != std::string::npos &&
+                      cmdline.find(std::string(1, '\0') + "--prestart" + std::string(1, '\0')) !=
+                          std::string::npos;
     if (!ours) continue;
+    const bool same_binary =
+        cmdline.rfind(options_.runtime_binary + std::string(1, '\0'), 0) == 0;
     p.client = clients_->Connect(p.socket);
     auto st = p.client->GetState();
     const bool waiting = st.ok() && st->state() == v1::LOADING && st->model_name().empty();
@@ -1200,6 +1204,8 @@ void Supervisor::RecoverPrestarted(const json& doc) {
     std::string why;
     if (FlagSet(e, "stopping")) {
       why = "it was being stopped";
+    } else if (!same_binary) {
+      why = "started from another runtime binary than " + options_.runtime_binary;
     } else if (!waiting) {
       why = "not waiting for a Load";
     } else if (PoolTarget(pools, p.key()) <= 0) {

@@ -1085,6 +1085,28 @@ TEST_F(PrestartTest, ARestartedSupervisorAdoptsThePoolAndReplicasHandedFromIt) {
   for (auto [g, n] : pools) EXPECT_EQ(Signals(pooled[{g, n}], SIGKILL), 1);
 }
 
+// An agent restarted with another --runtime-binary stops the runtimes the old one pre-started
+// from the old binary (before, it skipped them, and they held their CPUs for ever), and
+// pre-starts its own.
+TEST_F(PrestartTest, PrestartedRuntimesOfAnotherBinaryAreStopped) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  std::vector<pid_t> old;
+  for (const auto& p : *sup_->PrestartedSnapshot()) old.push_back(p.pid);
+  ASSERT_EQ(old.size(), 4u);
+  const size_t launched = launcher_.launches().size();
+  sup_.reset();
+  options_.runtime_binary = "/opt/kiln-2/bin/kiln-runtime";
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  for (pid_t pid : old) EXPECT_EQ(Signals(pid, SIGKILL), 1) << pid;
+  for (pid_t pid : old) launcher_.Exit(pid, SIGKILL);
+  sup_->Tick();
+  ASSERT_EQ(launcher_.launches().size(), launched + 4);
+  EXPECT_EQ(launcher_.launches().back().argv[0], "/opt/kiln-2/bin/kiln-runtime");
+}
+
 TEST_F(PrestartTest, NewNamesNeverReuseOneAHandedReplicaStillNames) {
   options_.prestart_per_gpu = 0;
   sup_ = MakeSupervisor();
