@@ -75,7 +75,15 @@ absl::StatusOr<GpuIdentity> FakeGpuDriver::Identify(int index) {
 absl::StatusOr<GpuTelemetry> FakeGpuDriver::Read(int index) {
   absl::MutexLock lock(&mu_);
   KILN_RETURN_IF_ERROR(Check(index));
+  if (auto it = read_errors_.find(index); it != read_errors_.end() && !it->second.ok()) {
+    return it->second;
+  }
   return gpus_[index].telemetry;
+}
+
+void FakeGpuDriver::SetReadError(int index, absl::Status error) {
+  absl::MutexLock lock(&mu_);
+  read_errors_[index] = std::move(error);
 }
 
 absl::StatusOr<std::vector<GpuEvent>> FakeGpuDriver::WaitEvents(absl::Duration timeout) {

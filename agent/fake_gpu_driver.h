@@ -2,6 +2,7 @@
 
 #include <deque>
 #include <string>
+#include <map>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -42,6 +43,8 @@ class FakeGpuDriver : public GpuDriver {
 
   // Test controls.
   void InjectXid(int index, uint64_t xid);
+  // Read(index) fails with `error` until set back to OK.
+  void SetReadError(int index, absl::Status error);
   void SetTelemetry(int index, const GpuTelemetry& t);
   Gpu Get(int index) const;
   // Every setter call, in order ("power_limit 0 300000").
@@ -51,6 +54,7 @@ class FakeGpuDriver : public GpuDriver {
   absl::Status Check(int index) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
+  std::map<int, absl::Status> read_errors_ ABSL_GUARDED_BY(mu_);
   std::vector<Gpu> gpus_ ABSL_GUARDED_BY(mu_);
   std::deque<GpuEvent> events_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);

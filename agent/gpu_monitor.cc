@@ -143,10 +143,19 @@ void GpuMonitor::Poll() {
     in.xids = drain_xids_[gpu];
     in.xids.insert(in.xids.end(), recent_xids_[gpu].begin(), recent_xids_[gpu].end());
     GpuHealth h = EvaluateGpuHealth(in);
+    int& failures = read_failures_[gpu];
+    failures = t.ok() ? 0 : failures + 1;
     if (!t.ok()) {
-      h.healthy = false;
       h.degraded = true;
-      h.reasons.push_back("cannot read the GPU: " + std::string(t.status().message()));
+      if (failures >= kReadFailuresUnhealthy) {
+        h.healthy = false;
+        h.reasons.push_back("cannot read the GPU (" + std::to_string(failures) +
+                            " times in a row): " + std::string(t.status().message()));
+      } else {
+        h.reasons.push_back("a read of the GPU failed (" + std::to_string(failures) + " of " +
+                            std::to_string(kReadFailuresUnhealthy) + " before it is unhealthy): " +
+                            std::string(t.status().message()));
+      }
     }
     health_[gpu] = std::move(h);
   }

@@ -31,6 +31,9 @@ class GpuMonitor {
 
   // Application-class Xids kept per GPU (the most recent), so reasons stay bounded.
   static constexpr size_t kRecentApplicationXids = 8;
+  // Failed telemetry reads in a row that make a GPU unhealthy: one failed NVML call (a busy
+  // driver) must not drain every replica on the GPU.
+  static constexpr int kReadFailuresUnhealthy = 3;
 
   // Drains pending Xid events (without blocking) and reads every GPU's telemetry.
   void Poll();
@@ -59,6 +62,7 @@ class GpuMonitor {
   std::map<std::string, std::pair<std::vector<uint64_t>, std::optional<uint64_t>>> restored_;
   std::map<int, GpuTelemetry> telemetry_;
   std::map<int, GpuHealth> health_;
+  std::map<int, int> read_failures_;  // in a row
 };
 
 }  // namespace kiln

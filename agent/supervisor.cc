@@ -677,8 +677,11 @@ void Supervisor::SetGpuHealth(int gpu, bool healthy, const std::string& reason) 
     } else if (r.held) {
       r.held = false;
       if (r.phase == Phase::kFailed || r.phase == Phase::kBackoff) {
-        r.phase = Phase::kPending;
-        r.due = clock_->Now();
+        // A backoff the GPU's trouble interrupted is waited out still (a flapping GPU must not
+        // restart a crash-looping replica hot); one drained off the GPU starts at once.
+        const absl::Time now = clock_->Now();
+        r.due = std::max(r.due, now);
+        r.phase = r.due > now ? Phase::kBackoff : Phase::kPending;
       }
     }
   }
@@ -717,6 +720,7 @@ void Supervisor::HandleExit(const ProcessExit& e) {
       log_("replica " + r.spec.replica_id() + ": stopped (" + ExitText(e.status) +
            "); not restarted while its GPU is unhealthy");
       r.phase = Phase::kFailed;
+      r.due = clock_->Now();  // no backoff: its GPU's fault, not its own
       r.observed = v1::LIFECYCLE_STATE_UNSPECIFIED;
       return;
     }

@@ -123,6 +123,31 @@ TEST(GpuMonitorTest, XidsAndNewEccErrorsMakeAGpuUnhealthy) {
   EXPECT_NE(m.health().at(2).reasons[0].find("1 new uncorrectable"), std::string::npos);
 }
 
+// One failed telemetry read (a busy driver) does not make a GPU unhealthy; three in a row do,
+// and a good read ends it.
+TEST(GpuMonitorTest, AGpuIsUnhealthyOnlyAfterReadsFailThreeTimesInARow) {
+  FakeGpuDriver driver(FakeGpuDriver::MakeGpus(1, 16LL << 30));
+  GpuMonitor m(&driver, {0});
+  m.Poll();
+  ASSERT_TRUE(m.Healthy(0));
+  driver.SetReadError(0, absl::UnavailableError("NVML busy"));
+  m.Poll();
+  m.Poll();
+  EXPECT_TRUE(m.Healthy(0));
+  EXPECT_TRUE(m.health().at(0).degraded);
+  EXPECT_NE(m.health().at(0).reasons.back().find("2 of 3"), std::string::npos);
+  m.Poll();
+  EXPECT_FALSE(m.Healthy(0));
+  EXPECT_NE(m.health().at(0).reasons.back().find("3 times in a row"), std::string::npos);
+  driver.SetReadError(0, absl::OkStatus());
+  m.Poll();
+  EXPECT_TRUE(m.Healthy(0));
+  driver.SetReadError(0, absl::UnavailableError("NVML busy"));
+  m.Poll();
+  m.Poll();
+  EXPECT_TRUE(m.Healthy(0));  // counted afresh
+}
+
 // What needs a GPU reset outlives the agent on the same boot (a restarted agent keeps such a
 // GPU out of placement), not a reboot; application Xids stay bounded.
 TEST(GpuMonitorTest, AGpuThatNeedsAResetStaysUnhealthyAcrossARestartUntilAReboot) {

@@ -449,6 +449,37 @@ TEST_F(SupervisorTest, AWaitingReplicaNoLongerAssignedIsForgotten) {
   EXPECT_EQ(View("a")->phase, "PENDING");
 }
 
+// A GPU that flaps (unhealthy, then healthy again) while a replica waits out its backoff does
+// not restart the replica before its backoff ends.
+TEST_F(SupervisorTest, AGpuThatFlapsDoesNotCutAReplicasBackoff) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  for (int crash = 0; crash < 3; ++crash) {  // backoffs 1 s, 2 s, then 4 s
+    launcher_.Exit(View("a")->pid, SIGKILL);
+    sup_->Tick();
+    if (crash == 2) break;
+    const size_t before = launcher_.launches().size();
+    for (int s = 0; s < 10 && launcher_.launches().size() == before; ++s) {
+      clock_.Advance(absl::Seconds(1));
+      sup_->Tick();
+    }
+  }
+  ASSERT_EQ(View("a")->phase, "BACKOFF");
+  const size_t launches = launcher_.launches().size();
+  sup_->SetGpuHealth(0, false, "cannot read the GPU");
+  sup_->Tick();
+  sup_->SetGpuHealth(0, true, "");
+  sup_->Tick();
+  EXPECT_EQ(View("a")->phase, "BACKOFF");
+  EXPECT_EQ(launcher_.launches().size(), launches);
+  clock_.Advance(absl::Seconds(3));
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), launches);
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), launches + 1);
+}
+
 TEST_F(SupervisorTest, AGpuHealthyAgainMidDrainDoesNotCountTheExitAsACrash) {
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
   sup_->Tick();
