@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -498,12 +499,12 @@ v1::Register Agent::MakeRegister() {
 }
 
 absl::StatusOr<v1::RuntimeStats> Agent::ReplicaStats(const std::string& socket) {
-  RuntimeClient* client;
+  std::shared_ptr<RuntimeClient> client;
   {
     absl::MutexLock lock(&load_mu_);
     auto& c = stat_clients_[socket];
     if (!c) c = clients_->Connect(socket);
-    client = c.get();  // entries are never erased: the pointer stays valid
+    client = c;
   }
   return client->Stats();
 }
@@ -560,6 +561,14 @@ v1::NodeStatus Agent::MakeStatus() {
     }
     r->set_idle_ms(absl::ToInt64Milliseconds(now - active));
     last_stats_[v.socket] = {now, *stats, active};
+  }
+  {
+    // Replicas gone since (every new replica has a socket of its own): nothing kept for them.
+    std::set<std::string> live;
+    for (const auto& v : *snapshot) live.insert(v.socket);
+    absl::MutexLock lock(&load_mu_);
+    std::erase_if(last_stats_, [&](const auto& e) { return !live.count(e.first); });
+    std::erase_if(stat_clients_, [&](const auto& e) { return !live.count(e.first); });
   }
   {
     absl::MutexLock lock(&health_mu_);

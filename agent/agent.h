@@ -174,7 +174,8 @@ class Agent {
     absl::Time active;
   };
   std::map<std::string, SeenStats> last_stats_ ABSL_GUARDED_BY(load_mu_);
-  std::map<std::string, std::unique_ptr<RuntimeClient>> stat_clients_ ABSL_GUARDED_BY(load_mu_);
+  // Shared: a caller uses one outside the lock while a Status pass may prune it.
+  std::map<std::string, std::shared_ptr<RuntimeClient>> stat_clients_ ABSL_GUARDED_BY(load_mu_);
   v1::RoutingTable routing_;  // loop thread only (set before the loop starts)
   std::map<int, GpuLoad> gpu_load_;  // loop thread only
   std::map<int, PowerRetry> power_retry_;  // loop thread only: GPUs whose change failed

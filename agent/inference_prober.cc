@@ -63,6 +63,8 @@ class GrpcInferenceProber : public InferenceProber {
         req.add_raw_input_contents(std::string(static_cast<size_t>(n) * ElementSize(in.datatype()), '\0'));
       }
       absl::MutexLock lock(&mu_);
+      // Bounded: replicas come and go (new ports); a forgotten one reads its metadata again.
+      if (requests_.size() >= 1024) requests_.clear();
       requests_[key] = req;
     }
     grpc::ClientContext ctx;

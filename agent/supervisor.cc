@@ -628,6 +628,8 @@ void Supervisor::BeginStop(Replica& r, const std::string& why) {
   } else if (r.phase != Phase::kStopping) {
     r.phase = Phase::kFailed;  // never running: nothing to stop
     r.pid = 0;
+  } else {
+    state_dirty_ = true;  // draining already (off an unhealthy GPU): now for good
   }
 }
 
