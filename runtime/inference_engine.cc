@@ -245,8 +245,8 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
     if (!outputs.ok()) {
       absl::Status s = outputs.status();
       Record(start, s);
+      LeaveAfter leave{this};  // even when `done` throws: a drain waits on the count
       done(s);
-      Leave();
       return;
     }
     InferResponse resp;
@@ -264,8 +264,8 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
       }
     }
     Record(start, absl::OkStatus());
+    LeaveAfter leave{this};
     done(std::move(resp));
-    Leave();
   };
 
   std::string cache_key;
@@ -303,11 +303,15 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
   item.inputs = std::move(request.inputs);
   item.done = [this, respond, cache_key,
                seq_len](absl::StatusOr<std::vector<Tensor>> outputs) {
-    if (outputs.ok() && seq_len >= 0) {
-      absl::Status trimmed = TrimToLength(config_, seq_len, &*outputs);
-      if (!trimmed.ok()) outputs = trimmed;
+    try {
+      if (outputs.ok() && seq_len >= 0) {
+        absl::Status trimmed = TrimToLength(config_, seq_len, &*outputs);
+        if (!trimmed.ok()) outputs = trimmed;
+      }
+      if (outputs.ok() && !cache_key.empty()) cache_->Insert(cache_key, *outputs);
+    } catch (const std::exception& e) {  // an allocation failing: answered, not lost
+      outputs = absl::InternalError(std::string("the answer could not be made: ") + e.what());
     }
-    if (outputs.ok() && !cache_key.empty()) cache_->Insert(cache_key, *outputs);
     respond(std::move(outputs), false);
   };
   absl::Status queued = batcher_->Enqueue(std::move(item));

@@ -125,6 +125,11 @@ class InferenceEngine {
   void Record(absl::Time start, const absl::Status& status);
   // Leaves the in-flight count, after the reply was handed to the frontend.
   void Leave();
+  // Leaves on scope exit: a request's in-flight count comes down even if its answer throws.
+  struct LeaveAfter {
+    InferenceEngine* engine;
+    ~LeaveAfter() { engine->Leave(); }
+  };
 
   const ModelConfig config_;
   const std::string version_;

@@ -148,15 +148,17 @@ absl::Status RuntimeServer::StartListening() {
   // A port another process holds is an error, not shared (SO_REUSEPORT would split requests
   // with whatever holds it).
   b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  int grpc_port = 0;
   b.AddListeningPort(options_.bind_address + ":" + std::to_string(options_.grpc_port),
-                     grpc::InsecureServerCredentials(), &grpc_port_);
+                     grpc::InsecureServerCredentials(), &grpc_port);
   b.RegisterService(grpc_service_.get());
   // Oversized messages are refused by gRPC before they are buffered.
   b.SetMaxReceiveMessageSize(static_cast<int>(
       std::min<int64_t>(options_.max_request_bytes + 64 * 1024, INT32_MAX)));
   b.SetMaxSendMessageSize(INT32_MAX);
   grpc_server_ = b.BuildAndStart();
-  if (!grpc_server_ || grpc_port_ == 0) {
+  grpc_port_ = grpc_port;
+  if (!grpc_server_ || grpc_port == 0) {
     return absl::UnavailableError("--grpc-port: cannot listen on " + options_.bind_address + ":" +
                                   std::to_string(options_.grpc_port));
   }
@@ -170,7 +172,8 @@ absl::Status RuntimeServer::StartListening() {
   http_port_ = http_->port();
   log->info("listening grpc_port={} http_port={} control_socket={} data_socket={} model={} "
             "version={} replica={}",
-            grpc_port_, http_port_, options_.control_socket.empty() ? "-" : options_.control_socket,
+            grpc_port_.load(), http_port_.load(),
+            options_.control_socket.empty() ? "-" : options_.control_socket,
             options_.data_socket.empty() ? "-" : options_.data_socket, model_.config.name,
             model_.version, options_.replica_id.empty() ? "-" : options_.replica_id);
   return absl::OkStatus();
@@ -202,8 +205,10 @@ absl::Status RuntimeServer::Load() {
   if (options_.initial_state == "serving") {
     absl::Status serving = lifecycle_.Transition(RuntimeState::kServing, "--initial-state=serving");
     // A Drain or Shutdown that came once it was WARM is a stop, not a failed start.
+    // So is a Promote that came first (SERVING already).
     const RuntimeState now = lifecycle_.state();
-    if (!serving.ok() && now != RuntimeState::kDraining && now != RuntimeState::kStopped) {
+    if (!serving.ok() && now != RuntimeState::kDraining && now != RuntimeState::kStopped &&
+        now != RuntimeState::kServing) {
       return serving;
     }
   }
@@ -238,8 +243,8 @@ v1::RuntimeState RuntimeServer::GetState() {
   s.set_device(engine ? engine->device()
                       : (options_.device.empty() ? model_.config.instance.device
                                                  : options_.device));
-  s.set_grpc_port(grpc_port_);
-  s.set_http_port(http_port_);
+  s.set_grpc_port(grpc_port_.load());
+  s.set_http_port(http_port_.load());
   if (data_) s.set_data_socket(data_->path());
   s.set_pid(getpid());
   s.set_load_time_micros(load_time_micros_.load());
@@ -250,6 +255,7 @@ v1::RuntimeState RuntimeServer::GetState() {
 }
 
 absl::Status RuntimeServer::Promote() {
+  absl::MutexLock promoting(&promote_mu_);
   RuntimeState s = lifecycle_.state();
   if (s == RuntimeState::kServing) return absl::OkStatus();  // idempotent
   if (s != RuntimeState::kWarm || host_.engine() == nullptr) {
@@ -282,6 +288,10 @@ absl::StatusOr<bool> RuntimeServer::Drain(absl::Duration deadline) {
     absl::Status moved = lifecycle_.Transition(RuntimeState::kDraining, "drain requested");
     // Another Drain (or SIGTERM) may have moved it there between the look and the move.
     if (!moved.ok() && lifecycle_.state() != RuntimeState::kDraining) return moved;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    drain_until_ = std::min(drain_until_, absl::Now() + deadline);
   }
   InferenceEngine* engine = host_.engine();
   if (!engine) return true;
@@ -355,17 +365,25 @@ void RuntimeServer::Stop() {
   // Draining already (an agent's Drain under way): its in-flight and queued work still gets
   // the drain deadline before anything is failed.
   if (s == RuntimeState::kWarm || s == RuntimeState::kServing || s == RuntimeState::kDraining) {
-    (void)Drain(options_.drain_timeout);
+    absl::Duration wait = options_.drain_timeout;
+    {
+      absl::MutexLock lock(&mu_);
+      if (drain_until_ != absl::InfiniteFuture()) {
+        wait = std::max(absl::ZeroDuration(), drain_until_ - absl::Now());
+      }
+    }
+    (void)Drain(wait);
   }
   if (prepare_thread_.joinable()) prepare_thread_.join();
-  if (lifecycle_.state() == RuntimeState::kDraining) {
-    (void)lifecycle_.Transition(RuntimeState::kStopped, "shut down");
-  }
   auto log = GetLogger("runtime.server");
   absl::Time t0 = absl::Now();
   // The drain deadline has passed (or everything finished): whatever is still queued fails
   // now, so neither frontend waits on the model past the deadline.
   if (InferenceEngine* e = host_.engine()) e->Stop();
+  // STOPPED once nothing runs any more.
+  if (lifecycle_.state() == RuntimeState::kDraining) {
+    (void)lifecycle_.Transition(RuntimeState::kStopped, "shut down");
+  }
   if (http_) http_->Stop();
   if (data_) data_->Stop();
   absl::Time t1 = absl::Now();

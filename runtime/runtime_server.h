@@ -62,8 +62,8 @@ class RuntimeServer : public ControlTarget {
   // Starts listening, then loads. A load failure leaves the runtime FAILED and is returned.
   absl::Status Start();
 
-  int grpc_port() const { return grpc_port_; }
-  int http_port() const { return http_port_; }
+  int grpc_port() const { return grpc_port_.load(); }
+  int http_port() const { return http_port_.load(); }
   RuntimeState state() const { return lifecycle_.state(); }
 
   // Blocks until Shutdown() was called over the control socket, or `timeout` passes.
@@ -100,8 +100,12 @@ class RuntimeServer : public ControlTarget {
   std::unique_ptr<DataServer> data_;
   std::unique_ptr<ControlService> control_service_;
   std::unique_ptr<grpc::Server> control_server_;
-  int grpc_port_ = 0;
-  int http_port_ = 0;
+  // Written once listening; GetState may read them from the control server's threads before.
+  std::atomic<int> grpc_port_{0};
+  std::atomic<int> http_port_{0};
+  // One Promote at a time: a second one waits and finds the replica SERVING (done), instead of
+  // running the warm-up again and failing its own transition.
+  absl::Mutex promote_mu_;
   std::atomic<int64_t> load_time_micros_{0};
   std::atomic<int64_t> device_memory_bytes_{0};
   // Device preparation (CUDA graph capture) after loading, in the background.
@@ -109,6 +113,9 @@ class RuntimeServer : public ControlTarget {
   std::atomic<bool> prepare_cancel_{false};
 
   absl::Mutex mu_;
+  // The earliest deadline a Drain (or Shutdown) set: Stop waits for no more than what is left
+  // of it, not the full --drain-timeout again.
+  absl::Time drain_until_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool shutdown_requested_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
 };

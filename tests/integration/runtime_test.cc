@@ -931,6 +931,64 @@ TEST(RuntimeTest, PastTheDrainDeadlineQueuedWorkFailsInsteadOfRunning) {
   EXPECT_NE(rt->Log().find("drain deadline passed"), std::string::npos);
 }
 
+// A Shutdown's own deadline bounds the whole stop: past it, queued work fails instead of the
+// process draining again for --drain-timeout (60 s here).
+TEST(RuntimeTest, AShutdownDeadlineIsNotFollowedByTheFullDrainTimeout) {
+  auto rt = StartRuntime("slow", "", "serving", {"--drain-timeout-ms", "60000"});
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  auto running = std::async(std::launch::async,
+                            [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
+  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
+  std::vector<std::future<grpc::Status>> queued;
+  for (int i = 0; i < 3; ++i) {
+    queued.push_back(std::async(std::launch::async,
+                                [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); }));
+  }
+  ASSERT_TRUE(WaitExecuting(rt.get(), 4, 3));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::ShutdownRequest req;
+  req.set_deadline_millis(100);
+  v1::ShutdownResponse resp;
+  grpc::Status s = rt->control()->Shutdown(&ctx, req, &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_FALSE(resp.drained());
+  EXPECT_TRUE(running.get().ok());  // the batch already executing completes
+  for (auto& q : queued) {
+    EXPECT_EQ(q.get().error_code(), grpc::StatusCode::UNAVAILABLE);  // never executed
+  }
+  auto exit = rt->WaitExit(absl::Seconds(60));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << rt->Log();
+}
+
+// Promotes at once (an agent's retry beside an operator's) all succeed: one warms up and
+// promotes, the others find it SERVING.
+TEST(RuntimeTest, ConcurrentPromotesAllSucceed) {
+  auto rt = StartRuntime("encoder", "", "warm", {"--warmup-on-promote"});
+  ASSERT_NE(rt, nullptr);
+  std::vector<std::future<grpc::Status>> promotes;
+  for (int i = 0; i < 4; ++i) {
+    promotes.push_back(std::async(std::launch::async, [&]() {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      v1::PromoteRequest req;
+      v1::RuntimeState resp;
+      return rt->control()->Promote(&ctx, req, &resp);
+    }));
+  }
+  for (auto& p : promotes) {
+    grpc::Status s = p.get();
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+  auto st = rt->GetState();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state(), v1::SERVING);
+  // One promotion: SERVING entered once.
+  EXPECT_EQ(Stats(rt.get()).transitions().at("SERVING"), 1u);
+}
+
 TEST(RuntimeTest, HostileRestBodiesAreRefusedAndTheServerLives) {
   auto rt = StartRuntime("addsub", "", "serving", {"--max-request-bytes", "1Mi"});
   ASSERT_NE(rt, nullptr);
