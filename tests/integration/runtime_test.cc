@@ -907,27 +907,41 @@ TEST(RuntimeTest, SigtermDeliversEveryRestReplyThatFinishesInTheDrain) {
   EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << rt->Log();
 }
 
+// One long request executing and three queued behind it, on the slow model.
+struct Backlog {
+  std::future<grpc::Status> running;
+  std::vector<std::future<grpc::Status>> queued;
+  bool started = false;
+};
+Backlog StartBacklog(RuntimeProcess* rt, inference::GRPCInferenceService::Stub* stub) {
+  Backlog b;
+  b.running = std::async(std::launch::async, [stub]() { return Infer(stub, SlowRequest(kLongWork)); });
+  if (!WaitExecuting(rt, 1, 0)) return b;
+  for (int i = 0; i < 3; ++i) {
+    b.queued.push_back(
+        std::async(std::launch::async, [stub]() { return Infer(stub, SlowRequest(kLongWork)); }));
+  }
+  b.started = WaitExecuting(rt, 4, 3);
+  return b;
+}
+// Once the stop began: the executing request completes, the queued ones never run, and the
+// process exits cleanly.
+void ExpectQueuedFailedAndExit(RuntimeProcess* rt, Backlog* b) {
+  EXPECT_TRUE(b->running.get().ok());
+  for (auto& q : b->queued) EXPECT_EQ(q.get().error_code(), grpc::StatusCode::UNAVAILABLE);
+  auto exit = rt->WaitExit(absl::Seconds(60));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << rt->Log();
+}
+
 TEST(RuntimeTest, PastTheDrainDeadlineQueuedWorkFailsInsteadOfRunning) {
   auto rt = StartRuntime("slow", "", "serving", {"--drain-timeout-ms", "200"});
   ASSERT_NE(rt, nullptr);
   auto stub = Stub(*rt);
-  auto running = std::async(std::launch::async,
-                            [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
-  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
-  std::vector<std::future<grpc::Status>> queued;
-  for (int i = 0; i < 3; ++i) {
-    queued.push_back(std::async(std::launch::async,
-                                [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); }));
-  }
-  ASSERT_TRUE(WaitExecuting(rt.get(), 4, 3));
+  Backlog backlog = StartBacklog(rt.get(), stub.get());
+  ASSERT_TRUE(backlog.started);
   rt->Signal(SIGTERM);
-  EXPECT_TRUE(running.get().ok());  // the batch already executing completes
-  for (auto& q : queued) {
-    EXPECT_EQ(q.get().error_code(), grpc::StatusCode::UNAVAILABLE);  // never executed
-  }
-  auto exit = rt->WaitExit(absl::Seconds(60));
-  ASSERT_TRUE(exit.ok());
-  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << rt->Log();
+  ExpectQueuedFailedAndExit(rt.get(), &backlog);
   EXPECT_NE(rt->Log().find("drain deadline passed"), std::string::npos);
 }
 
@@ -937,15 +951,8 @@ TEST(RuntimeTest, AShutdownDeadlineIsNotFollowedByTheFullDrainTimeout) {
   auto rt = StartRuntime("slow", "", "serving", {"--drain-timeout-ms", "60000"});
   ASSERT_NE(rt, nullptr);
   auto stub = Stub(*rt);
-  auto running = std::async(std::launch::async,
-                            [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
-  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
-  std::vector<std::future<grpc::Status>> queued;
-  for (int i = 0; i < 3; ++i) {
-    queued.push_back(std::async(std::launch::async,
-                                [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); }));
-  }
-  ASSERT_TRUE(WaitExecuting(rt.get(), 4, 3));
+  Backlog backlog = StartBacklog(rt.get(), stub.get());
+  ASSERT_TRUE(backlog.started);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   v1::ShutdownRequest req;
@@ -954,13 +961,7 @@ TEST(RuntimeTest, AShutdownDeadlineIsNotFollowedByTheFullDrainTimeout) {
   grpc::Status s = rt->control()->Shutdown(&ctx, req, &resp);
   EXPECT_TRUE(s.ok()) << s.error_message();
   EXPECT_FALSE(resp.drained());
-  EXPECT_TRUE(running.get().ok());  // the batch already executing completes
-  for (auto& q : queued) {
-    EXPECT_EQ(q.get().error_code(), grpc::StatusCode::UNAVAILABLE);  // never executed
-  }
-  auto exit = rt->WaitExit(absl::Seconds(60));
-  ASSERT_TRUE(exit.ok());
-  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << rt->Log();
+  ExpectQueuedFailedAndExit(rt.get(), &backlog);
 }
 
 // Promotes at once (an agent's retry beside an operator's) all succeed: one warms up and
