@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -33,6 +34,14 @@
 namespace kiln {
 
 namespace {
+
+// The time on the monotonic clock, from an arbitrary start.
+absl::Duration MonotonicNow() {
+  return absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
+}
+
+// How long each EXTEND_TIMEOUT_USEC gives systemd's start timeout, sent every 5 s until READY.
+constexpr absl::Duration kStartExtension = absl::Seconds(30);
 
 std::shared_ptr<spdlog::logger> Log() { return GetLogger("agent"); }
 
@@ -752,7 +761,10 @@ void Agent::PinAgent() {
 void Agent::Loop() {
   uint64_t watchdog_usec = 0;
   bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0;
-  absl::Time last_watchdog = absl::InfinitePast();
+  // Watchdog pings and polls go by the monotonic clock: a wall clock stepped back (chrony at
+  // boot) must neither stop the pings (systemd would kill a healthy agent) nor the GPU polls.
+  absl::Duration last_watchdog = -absl::InfiniteDuration();
+  absl::Duration last_extend = -absl::InfiniteDuration();
   bool notified_ready = false;
   bool settled_once = false;
   std::string last_status;
@@ -765,8 +777,8 @@ void Agent::Loop() {
     }
     if (reload_.exchange(false)) Reload();
     tasks_.RunPending();
-    if (monitor_ && absl::Now() - last_gpu_poll_ >= absl::Seconds(1)) {
-      last_gpu_poll_ = absl::Now();
+    if (monitor_ && MonotonicNow() - last_gpu_poll_ >= absl::Seconds(1)) {
+      last_gpu_poll_ = MonotonicNow();
       monitor_->Poll();
       for (const auto& [gpu, h] : monitor_->health()) {
         std::string why;
@@ -817,17 +829,24 @@ void Agent::Loop() {
       logged_converged = generation_;
       Log()->info("serving the assignment (generation {})", generation_);
     }
-    absl::Time now = absl::Now();
+    const absl::Duration mono = MonotonicNow();
+    if (!notified_ready && mono - last_extend >= absl::Seconds(5)) {
+      // Not READY yet (no assignment, or models still loading, for minutes maybe): systemd's
+      // start timeout is pushed on while this loop turns, and runs out only if it stops.
+      sd_notifyf(0, "EXTEND_TIMEOUT_USEC=%lld",
+                 static_cast<long long>(absl::ToInt64Microseconds(kStartExtension)));
+      last_extend = mono;
+    }
     absl::Duration wait = options_.tick;
     if (watchdog) {
       const absl::Duration half = absl::Microseconds(watchdog_usec / 2);
-      if (now - last_watchdog >= half) {
+      if (mono - last_watchdog >= half) {
         sd_notify(0, "WATCHDOG=1");
-        last_watchdog = now;
+        last_watchdog = mono;
       }
-      wait = std::min(wait, last_watchdog + half - now);
+      wait = std::min(wait, last_watchdog + half - mono);
     }
-    last_tick_unix_ms_ = absl::ToUnixMillis(now);
+    last_tick_unix_ms_ = absl::ToUnixMillis(absl::Now());
     ticks_++;
     absl::MutexLock lock(&mu_);
     auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || wake_; };

@@ -155,7 +155,8 @@ class Agent {
   std::unique_ptr<Supervisor> supervisor_;
   std::unique_ptr<GpuPowerManager> power_;
   std::unique_ptr<GpuMonitor> monitor_;  // loop thread only
-  absl::Time last_gpu_poll_ = absl::InfinitePast();
+  // On the monotonic clock (MonotonicNow): a wall clock stepped back must not stop the polls.
+  absl::Duration last_gpu_poll_ = -absl::InfiniteDuration();
   mutable absl::Mutex health_mu_;
   std::map<int, GpuHealth> gpu_health_ ABSL_GUARDED_BY(health_mu_);
   std::unique_ptr<HttpServer> admin_;

@@ -519,6 +519,16 @@ TEST_F(AgentTest, UnderSystemdItNotifiesReadyStatusWatchdogAndStopping) {
   EXPECT_GE(count("STATUS=serving generation 1, every replica in its assigned state"), 1)
       << absl::StrJoin(got, " | ");
   EXPECT_GE(count("WATCHDOG=1"), 3) << absl::StrJoin(got, " | ");
+  // Until READY=1 the start timeout is pushed on (a model may load for minutes), never after.
+  const auto ready = std::find_if(got.begin(), got.end(), [](const std::string& m) {
+    return m.find("READY=1") != std::string::npos;
+  });
+  EXPECT_GE(std::count(got.begin(), ready, std::string("EXTEND_TIMEOUT_USEC=30000000")), 1)
+      << absl::StrJoin(got, " | ");
+  EXPECT_EQ(std::count_if(ready, got.end(),
+                          [](const std::string& m) { return m.find("EXTEND_TIMEOUT") != std::string::npos; }),
+            0)
+      << absl::StrJoin(got, " | ");
   EXPECT_EQ(Find(Replicas(), "s0")["state"], "SERVING");
   StopAgent(SIGTERM);
   read_until([&] { return count("STOPPING=1") > 0; }, 5);
