@@ -76,7 +76,9 @@ absl::StatusOr<std::unique_ptr<HttpServer>> StartAdminServer(const std::string& 
   HttpServer::Options o;
   o.bind_address = bind;
   o.port = port;
-  o.threads = 1;
+  // More than one: a /metrics scrape asks every replica for its Stats (2 s each for a hung one),
+  // and /healthz and /readyz must not wait behind it.
+  o.threads = 4;
   o.max_body_bytes = 64 * 1024;  // nothing it serves takes a body
   o.flags = "--admin-port/--admin-bind";
   return HttpServer::Start(o, [handlers = std::move(handlers)](HttpRequest request, HttpReply r) {

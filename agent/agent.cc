@@ -392,7 +392,7 @@ absl::Status Agent::Start() {
   KILN_ASSIGN_OR_RETURN(admin_, StartAdminServer(options_.admin_bind, options_.admin_port, h));
   Log()->info("admin listening admin_port={} (/healthz /readyz /metrics /v1/replicas)",
               admin_->port());
-  last_tick_unix_ms_ = absl::ToUnixMillis(absl::Now());
+  last_tick_mono_ms_ = absl::ToInt64Milliseconds(MonotonicNow());
   launcher_->NotifyAdoptedExits([this] { Wake(); });
   loop_ = std::thread([this]() { Loop(); });
   if (!options_.controller.empty()) {
@@ -616,7 +616,7 @@ int Agent::ingress_http_port() const { return router_ ? router_->http_port() : 0
 
 bool Agent::live() const {
   // The loop ticks every options_.tick; a loop silent for 30 ticks (and >= 5 s) is stalled.
-  int64_t age = absl::ToUnixMillis(absl::Now()) - last_tick_unix_ms_.load();
+  int64_t age = absl::ToInt64Milliseconds(MonotonicNow()) - last_tick_mono_ms_.load();
   return age < std::max<int64_t>(5000, 30 * absl::ToInt64Milliseconds(options_.tick));
 }
 
@@ -846,7 +846,7 @@ void Agent::Loop() {
       }
       wait = std::min(wait, last_watchdog + half - mono);
     }
-    last_tick_unix_ms_ = absl::ToUnixMillis(absl::Now());
+    last_tick_mono_ms_ = absl::ToInt64Milliseconds(MonotonicNow());
     ticks_++;
     absl::MutexLock lock(&mu_);
     auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || wake_; };
@@ -1040,14 +1040,15 @@ std::string Agent::MetricsText() {
       std::string labels;
       GpuTelemetry t;
     };
-    std::vector<Row> rows;
+    std::vector<Row> rows;                    // the GPUs whose telemetry could be read
+    std::vector<std::pair<int, std::string>> all;  // every GPU, with its labels
     for (const auto& g : topology_.gpus) {
+      const std::string gpu_labels = node + ",gpu=\"" + std::to_string(g.identity.index) +
+                                     "\",uuid=\"" + Escape(g.identity.uuid) + "\",fake=\"" +
+                                     (topology_.fake_gpus ? "true" : "false") + "\"";
+      all.emplace_back(g.identity.index, gpu_labels);
       auto t = gpus_->Read(g.identity.index);
-      if (!t.ok()) continue;
-      rows.push_back({node + ",gpu=\"" + std::to_string(g.identity.index) + "\",uuid=\"" +
-                          Escape(g.identity.uuid) + "\",fake=\"" +
-                          (topology_.fake_gpus ? "true" : "false") + "\"",
-                      *t});
+      if (t.ok()) rows.push_back({gpu_labels, *t});
     }
     auto gauge = [&](const char* name, const char* help, auto value) {
       m << "# HELP " << name << " " << help << "\n# TYPE " << name << " gauge\n";
@@ -1059,14 +1060,22 @@ std::string Agent::MetricsText() {
     gauge("kiln_gpu_memory_total_bytes", "Memory.", [](const GpuTelemetry& t) { return t.memory_total_bytes; });
     gauge("kiln_gpu_utilization_ratio", "SM utilisation, 0..1.", [](const GpuTelemetry& t) { return t.utilization_gpu_pct / 100.0; });
     gauge("kiln_gpu_temperature_celsius", "Temperature.", [](const GpuTelemetry& t) { return t.temperature_c; });
+    // Every GPU, whether its telemetry could be read or not: one that cannot be read (fallen
+    // off the bus) is exactly the one to alert on.
     absl::MutexLock lock(&health_mu_);
-    m << "# HELP kiln_gpu_healthy 0 when the GPU takes no replicas (Xid, ECC); degraded is 1 "
-         "when throttled or with informational faults.\n# TYPE kiln_gpu_healthy gauge\n";
-    for (const auto& r : rows) {
-      int gpu = std::stoi(r.labels.substr(r.labels.find("gpu=\"") + 5));
+    m << "# HELP kiln_gpu_healthy 0 when the GPU takes no replicas (Xid, ECC, unreadable).\n"
+         "# TYPE kiln_gpu_healthy gauge\n";
+    for (const auto& [gpu, gpu_labels] : all) {
       auto it = gpu_health_.find(gpu);
-      bool healthy = it == gpu_health_.end() || it->second.healthy;
-      m << "kiln_gpu_healthy{" << r.labels << "} " << (healthy ? 1 : 0) << "\n";
+      const bool healthy = it == gpu_health_.end() || it->second.healthy;
+      m << "kiln_gpu_healthy{" << gpu_labels << "} " << (healthy ? 1 : 0) << "\n";
+    }
+    m << "# HELP kiln_gpu_degraded 1 when the GPU is throttled, has informational faults or a "
+         "failed read.\n# TYPE kiln_gpu_degraded gauge\n";
+    for (const auto& [gpu, gpu_labels] : all) {
+      auto it = gpu_health_.find(gpu);
+      const bool degraded = it != gpu_health_.end() && it->second.degraded;
+      m << "kiln_gpu_degraded{" << gpu_labels << "} " << (degraded ? 1 : 0) << "\n";
     }
   }
   return m.str();

@@ -187,7 +187,7 @@ class Agent {
   std::atomic<bool> ready_{false};
   std::atomic<bool> converged_{false};
   std::atomic<bool> reload_{false};
-  std::atomic<int64_t> last_tick_unix_ms_{0};
+  std::atomic<int64_t> last_tick_mono_ms_{0};  // the loop's last pass, monotonic clock
   std::atomic<uint64_t> rejected_reloads_{0};
   std::atomic<uint64_t> ticks_{0};
 
