@@ -181,13 +181,21 @@ class NvmlDriver : public GpuDriver {
       absl::SleepFor(timeout);
       return out;
     }
-    NvmlEventData data{};
-    nvmlReturn_t r = api_.event_set_wait(
-        events_, &data, static_cast<unsigned>(absl::ToInt64Milliseconds(timeout)));
-    if (r == kNvmlErrorTimeout) return out;
-    KILN_RETURN_IF_ERROR(Check(r, "nvmlEventSetWait_v2"));
-    for (size_t i = 0; i < devices_.size(); ++i) {
-      if (devices_[i] == data.device) out.push_back({static_cast<int>(i), data.event_data});
+    // nvmlEventSetWait_v2 hands over one event per call: everything queued is taken now (up
+    // to a bound), so a drain-class Xid behind a burst of application ones is seen at once,
+    // not one poll per event later.
+    constexpr int kMaxEventsPerCall = 256;
+    unsigned wait_ms = static_cast<unsigned>(absl::ToInt64Milliseconds(timeout));
+    for (int n = 0; n < kMaxEventsPerCall; ++n) {
+      NvmlEventData data{};
+      nvmlReturn_t r = api_.event_set_wait(events_, &data, wait_ms);
+      if (r == kNvmlErrorTimeout) break;
+      if (r != kNvmlSuccess && !out.empty()) break;  // keep what was read; the error shows next time
+      KILN_RETURN_IF_ERROR(Check(r, "nvmlEventSetWait_v2"));
+      for (size_t i = 0; i < devices_.size(); ++i) {
+        if (devices_[i] == data.device) out.push_back({static_cast<int>(i), data.event_data});
+      }
+      wait_ms = 0;  // the rest only if already queued
     }
     return out;
   }
