@@ -1,5 +1,6 @@
 #include "agent/assignment_file.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -97,6 +98,23 @@ absl::Status ValidateAssignment(const v1::Assignment& a) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// HOST:PORT (an IPv6 host in brackets), the port in 1..65535.
+bool IsHostPort(const std::string& a) {
+  const size_t colon = a.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == a.size()) return false;
+  const std::string port = a.substr(colon + 1);
+  if (port.size() > 5 || !std::all_of(port.begin(), port.end(), ::isdigit)) return false;
+  const int n = std::stoi(port);
+  if (n < 1 || n > 65535) return false;
+  const std::string host = a.substr(0, colon);
+  if (host.front() == '[') return host.size() > 2 && host.back() == ']';
+  return host.find_first_of(" /[]") == std::string::npos;
+}
+
+}  // namespace
+
 absl::Status ValidateRoutingTable(const v1::RoutingTable& t) {
   std::set<std::string> models;
   for (int i = 0; i < t.routes_size(); ++i) {
@@ -125,6 +143,18 @@ absl::Status ValidateRoutingTable(const v1::RoutingTable& t) {
       total += r.versions(v).weight();
     }
     if (total == 0) return absl::InvalidArgumentError(p + ".versions: every weight is 0");
+    for (int e = 0; e < r.endpoints_size(); ++e) {
+      const auto& ep = r.endpoints(e);
+      const std::string epp = p + ".endpoints[" + std::to_string(e) + "]";
+      if (!IsHostPort(ep.grpc_address())) {
+        return absl::InvalidArgumentError(epp + ".grpc: must be HOST:PORT, got '" +
+                                          ep.grpc_address() + "'");
+      }
+      if (!ep.http_address().empty() && !IsHostPort(ep.http_address())) {
+        return absl::InvalidArgumentError(epp + ".http: must be HOST:PORT, got '" +
+                                          ep.http_address() + "'");
+      }
+    }
     const std::string& sticky = r.sticky_key();
     if (!sticky.empty() && !((sticky.rfind("header:", 0) == 0 && sticky.size() > 7) ||
                              (sticky.rfind("parameter:", 0) == 0 && sticky.size() > 10))) {
@@ -229,6 +259,12 @@ absl::StatusOr<AssignmentFile> ParseAssignmentFile(const std::string& yaml_text,
             KILN_ASSIGN_OR_RETURN(*ep->mutable_grpc_address(), grpc.AsString());
             KILN_ASSIGN_OR_RETURN(*ep->mutable_http_address(), e.GetString("http", ""));
             ep->set_replica_id(ep->node_name() + "/" + ep->grpc_address());
+            bool listed = false;
+            for (const auto& rv : r->versions()) listed |= rv.version() == ep->version();
+            if (!listed) {
+              return absl::InvalidArgumentError(e.path() + ".version: '" + ep->version() +
+                                                "' is not one of the route's versions");
+            }
           }
         }
       }

@@ -588,9 +588,11 @@ TEST(RuntimeTest, RefusedRequestsCountAndParametersComeBack) {
   EXPECT_EQ(rest.body["parameters"]["n"], 3) << rest.raw;
 }
 
-// Bounded poll until the runtime is executing exactly one request with nothing queued.
+// Bounded poll (30 s: a loaded CI machine may take seconds to get a call going) until the
+// runtime has `in_flight` requests, `queued` of them queued.
 bool WaitExecuting(RuntimeProcess* rt, int64_t in_flight, int64_t queued) {
-  for (int i = 0; i < 1000; ++i) {
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < until) {
     auto s = Stats(rt);
     if (s.in_flight() == in_flight && s.queue_depth() == queued) return true;
     absl::SleepFor(absl::Milliseconds(5));

@@ -14,7 +14,7 @@ routes:
   - model: encoder
     versions: [{version: "2", weight: 90}, {version: "3", weight: 10}]
     stickyKey: header:x-user-id
-    endpoints: [{node: b, version: "2", grpc: "10.0.0.2:8001"}]
+    endpoints: [{node: b, version: "2", grpc: "10.0.0.2:8001"}, {node: c, version: "3", grpc: "[fd00::3]:8001", http: "[fd00::3]:8000"}]
 )";
 
 TEST(AssignmentFileTest, ParsesReplicasPoolsAndRoutes) {
@@ -84,6 +84,16 @@ TEST(AssignmentFileTest, BadFieldsAreNamed) {
       {"routes: [{model: e, versions: [{version: '1'}], stickyKey: cookie:x}]", "routes[0].stickyKey"},
       {"routes: [{model: e, versions: [{version: '1', weight: -1}]}]", "weight"},
       {"routes: [{model: e, versions: [{version: '1'}]}, {model: e, versions: [{version: '1'}]}]", "routes[1].model"},
+      {"routes: [{model: e, versions: [{version: '1'}], endpoints: [{node: b, version: '2', grpc: 'h:8001'}]}]",
+       "routes[0].endpoints[0].version: '2' is not one of the route's versions"},
+      {"routes: [{model: e, versions: [{version: '1'}], endpoints: [{node: b, version: '1', grpc: 'h'}]}]",
+       "routes[0].endpoints[0].grpc: must be HOST:PORT, got 'h'"},
+      {"routes: [{model: e, versions: [{version: '1'}], endpoints: [{node: b, version: '1', grpc: ':8001'}]}]",
+       "endpoints[0].grpc"},
+      {"routes: [{model: e, versions: [{version: '1'}], endpoints: [{node: b, version: '1', grpc: 'h:0'}]}]",
+       "endpoints[0].grpc"},
+      {"routes: [{model: e, versions: [{version: '1'}], endpoints: [{node: b, version: '1', grpc: 'h:8001', http: 'h:x'}]}]",
+       "routes[0].endpoints[0].http: must be HOST:PORT"},
       {"replica: []", "replica: unknown field"},
       {"replicas: [", "not valid YAML"},
   };
