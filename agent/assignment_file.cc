@@ -93,7 +93,10 @@ absl::Status ValidateAssignment(const v1::Assignment& a) {
     if (r.state() != v1::SERVING && r.state() != v1::WARM) {
       return absl::InvalidArgumentError(p + ".state: must be SERVING or WARM");
     }
-    if (r.gpu_memory_bytes() < 0) return absl::InvalidArgumentError(p + ".gpuMemory: must be >= 0");
+    // Bounded, so that a node's sums of it cannot overflow (a GPU holds far less than 1Pi).
+    if (r.gpu_memory_bytes() < 0 || r.gpu_memory_bytes() > (int64_t{1} << 50)) {
+      return absl::InvalidArgumentError(p + ".gpuMemory: must be in 0..1048576Gi (1 PiB)");
+    }
   }
   return absl::OkStatus();
 }

@@ -308,7 +308,10 @@ absl::Status ValidateModelDeployment(const ModelDeployment& d) {
     return Bad("spec.resources.gpuMemory",
                "required when gpus is 1 (placement needs the replica's GPU memory)");
   }
-  if (s.resources.gpu_memory_bytes < 0) return Bad("spec.resources.gpuMemory", "must be >= 0");
+  // Bounded, so that placement's sums of it cannot overflow (a GPU holds far less than 1Pi).
+  if (s.resources.gpu_memory_bytes < 0 || s.resources.gpu_memory_bytes > (int64_t{1} << 50)) {
+    return Bad("spec.resources.gpuMemory", "must be in 0..1048576Gi (1 PiB)");
+  }
   if (s.resources.cpus < 1 || s.resources.cpus > 256) {
     return Bad("spec.resources.cpus", "must be in 1..256, got " + Num(s.resources.cpus));
   }

@@ -94,6 +94,7 @@ TEST(AssignmentFileTest, BadFieldsAreNamed) {
        "endpoints[0].grpc"},
       {"routes: [{model: e, versions: [{version: '1'}], endpoints: [{node: b, version: '1', grpc: 'h:8001', http: 'h:x'}]}]",
        "routes[0].endpoints[0].http: must be HOST:PORT"},
+      {"replicas: [{model: e, version: '1', repository: /m, gpuMemory: 2000000Gi}]", "replicas[0].gpuMemory: must be in 0..1048576Gi (1 PiB)"},
       {"replica: []", "replica: unknown field"},
       {"replicas: [", "not valid YAML"},
   };

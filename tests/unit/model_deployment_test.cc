@@ -170,6 +170,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"gpus: 1,", "gpus: 2,", "spec.resources.gpus: must be 0 (a CPU replica) or 1"},
         BadCase{"gpuMemory: 4Gi", "gpuMemory: 0", "spec.resources.gpuMemory: required when gpus is 1"},
         BadCase{"gpuMemory: 4Gi", "gpuMemory: lots", "spec.resources.gpuMemory"},
+        BadCase{"gpuMemory: 4Gi", "gpuMemory: 2000000Gi", "spec.resources.gpuMemory: must be in 0..1048576Gi (1 PiB)"},
         BadCase{"cpus: 4}", "cpus: 0}", "spec.resources.cpus: must be in 1..256"},
         BadCase{"precision: fp16", "precision: int8", "spec.runtime.precision: must be fp32, fp16 or bf16"},
         BadCase{"gpus: 1, gpuMemory: 4Gi", "gpus: 0", "spec.runtime.precision: fp16 needs a GPU replica"},
