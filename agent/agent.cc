@@ -317,8 +317,9 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
     monitor_ = std::make_unique<GpuMonitor>(
         gpus_.get(), indexes,
         GpuMonitor::Persistence{options_.state_dir + "/gpu_health.json", boot_id});
-    power_ = std::make_unique<GpuPowerManager>(gpus_.get(), mode, policy,
-                                               [](const std::string& s) { Log()->info("power: {}", s); });
+    power_ = std::make_unique<GpuPowerManager>(
+        gpus_.get(), mode, policy, [](const std::string& s) { Log()->info("power: {}", s); },
+        options_.state_dir + "/gpu_power_originals.json");
   }
 }
 

@@ -1,8 +1,11 @@
 #include "agent/gpu_power.h"
 
 #include <algorithm>
+#include <fstream>
 
+#include "common/filesystem.h"
 #include "common/status.h"
+#include "nlohmann/json.hpp"
 
 namespace kiln {
 
@@ -108,15 +111,74 @@ absl::StatusOr<PowerMode> ParsePowerMode(const std::string& text) {
                                     "'");
 }
 
-GpuPowerManager::GpuPowerManager(GpuDriver* driver, PowerMode mode, PowerPolicy policy, Log log)
-    : driver_(driver), mode_(mode), policy_(std::move(policy)), log_(std::move(log)) {}
+GpuPowerManager::GpuPowerManager(GpuDriver* driver, PowerMode mode, PowerPolicy policy, Log log,
+                                 std::string originals_file)
+    : driver_(driver),
+      mode_(mode),
+      originals_file_(std::move(originals_file)),
+      policy_(std::move(policy)),
+      log_(std::move(log)) {
+  if (originals_file_.empty() || mode_ != PowerMode::kEnforce) return;
+  std::ifstream in(originals_file_);
+  if (!in) return;
+  nlohmann::json doc = nlohmann::json::parse(in, nullptr, false);
+  if (!doc.is_object() || !doc.contains("gpus") || !doc["gpus"].is_object()) {
+    log_(originals_file_ + ": not a file kiln wrote; ignored");
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  for (const auto& [uuid, g] : doc["gpus"].items()) {
+    if (!g.is_object() || !g.contains("power_limit_mw") ||
+        !g["power_limit_mw"].is_number_unsigned()) {
+      continue;
+    }
+    Saved s;
+    s.power_limit_mw = g["power_limit_mw"].get<uint32_t>();
+    s.persistence = g.value("persistence", false);
+    s.clocks_locked = g.value("clocks_locked", false);
+    saved_[uuid] = s;
+  }
+  if (!saved_.empty()) {
+    log_(std::to_string(saved_.size()) + " GPU(s) still hold settings an earlier agent made (" +
+         originals_file_ + "): their own are restored on exit");
+  }
+}
+
+void GpuPowerManager::SaveOriginals() {
+  if (originals_file_.empty() || mode_ != PowerMode::kEnforce) return;
+  nlohmann::json gpus = nlohmann::json::object();
+  for (const auto& [uuid, s] : saved_) {
+    gpus[uuid] = {{"persistence", s.persistence},
+                  {"power_limit_mw", s.power_limit_mw},
+                  {"clocks_locked", s.clocks_locked}};
+  }
+  for (const auto& [index, o] : originals_) {
+    gpus[o.identity.uuid] = {{"persistence", o.telemetry.persistence_mode},
+                             {"power_limit_mw", o.telemetry.power_limit_mw},
+                             {"clocks_locked", locked_[index].has_value()}};
+  }
+  absl::Status s = ReplaceFile(originals_file_, nlohmann::json({{"gpus", gpus}}).dump(2) + "\n");
+  if (!s.ok()) log_(std::string(s.message()));
+}
 
 absl::StatusOr<std::vector<PowerChange>> GpuPowerManager::Apply(int index, GpuLoad load) {
   if (mode_ == PowerMode::kOff) return std::vector<PowerChange>{};
   KILN_ASSIGN_OR_RETURN(GpuIdentity id, driver_->Identify(index));
   KILN_ASSIGN_OR_RETURN(GpuTelemetry now, driver_->Read(index));
   absl::MutexLock lock(&mu_);
-  originals_.try_emplace(index, Original{id, now});
+  if (!originals_.count(index)) {
+    Original o{id, now};
+    // Settings an earlier agent found and did not put back are the card's own, not the caps
+    // it left.
+    if (auto it = saved_.find(id.uuid); it != saved_.end()) {
+      o.telemetry.persistence_mode = it->second.persistence;
+      o.telemetry.power_limit_mw = it->second.power_limit_mw;
+      if (it->second.clocks_locked) locked_[index] = std::make_pair(0u, 0u);  // reset on restore
+      saved_.erase(it);
+    }
+    originals_.emplace(index, o);
+    SaveOriginals();
+  }
   std::vector<PowerChange> plan = PlanPowerChanges(id, now, locked_[index], policy_.For(load));
   planned_ += plan.size();
   const std::string prefix = "gpu " + std::to_string(index) + " (" + id.uuid + ", " +
@@ -136,11 +198,17 @@ absl::StatusOr<std::vector<PowerChange>> GpuPowerManager::Apply(int index, GpuLo
         break;
       case PowerChange::kLockClocks:
         s = driver_->LockSmClocks(index, c.a, c.b);
-        if (s.ok()) locked_[index] = std::make_pair(c.a, c.b);
+        if (s.ok()) {
+          locked_[index] = std::make_pair(c.a, c.b);
+          SaveOriginals();  // a lock this agent made is reset by the next if it dies
+        }
         break;
       case PowerChange::kUnlockClocks:
         s = driver_->ResetSmClocks(index);
-        if (s.ok()) locked_[index].reset();
+        if (s.ok()) {
+          locked_[index].reset();
+          SaveOriginals();
+        }
         break;
     }
     if (!s.ok()) return Annotate(s, prefix + c.Describe());
@@ -186,6 +254,9 @@ absl::Status GpuPowerManager::RestoreAll() {
     locked_[index].reset();
   }
   originals_.clear();
+  if (first.ok() && mode_ == PowerMode::kEnforce && !originals_file_.empty()) {
+    SaveOriginals();  // what is left: cards this agent never touched, restored by the next
+  }
   return first;
 }
 

@@ -93,10 +93,15 @@ absl::StatusOr<PowerMode> ParsePowerMode(const std::string& text);
 
 // Carries power plans out: dry-run logs only; enforce applies, reads back and counts; the
 // settings each card had when first touched are restored by RestoreAll() (on exit).
+//
+// With `originals_file`, enforce mode keeps those first settings there (by GPU UUID) until
+// they are restored: an agent that died without restoring (killed, crashed) leaves them for
+// the next one, which restores them and does not take its own caps for the card's settings.
 class GpuPowerManager {
  public:
   using Log = std::function<void(const std::string&)>;
-  GpuPowerManager(GpuDriver* driver, PowerMode mode, PowerPolicy policy, Log log);
+  GpuPowerManager(GpuDriver* driver, PowerMode mode, PowerPolicy policy, Log log,
+                  std::string originals_file = "");
 
   // Brings GPU `index` to the policy for `load`. Returns the changes planned.
   absl::StatusOr<std::vector<PowerChange>> Apply(int index, GpuLoad load);
@@ -112,8 +117,19 @@ class GpuPowerManager {
     GpuTelemetry telemetry;
   };
 
+  // Writes originals_ (enforce mode, with a file); a failure is logged.
+  void SaveOriginals() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   GpuDriver* driver_;
   const PowerMode mode_;
+  const std::string originals_file_;
+  // From the file: what a previous agent found on each card (by UUID) and did not put back.
+  struct Saved {
+    bool persistence = false;
+    uint32_t power_limit_mw = 0;
+    bool clocks_locked = false;
+  };
+  std::map<std::string, Saved> saved_ ABSL_GUARDED_BY(mu_);
   const PowerPolicy policy_;
   Log log_;
   mutable absl::Mutex mu_;

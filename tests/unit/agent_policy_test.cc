@@ -523,6 +523,31 @@ TEST(GpuPowerTest, EnforceAppliesReadsBackAndRestoresOnExit) {
   EXPECT_FALSE(ParsePowerMode("yes").ok());
 }
 
+// An agent that dies without restoring (killed, crashed) leaves the cards' own settings in its
+// file: the next one restores those, not the caps the first one left.
+TEST(GpuPowerTest, ACardsOwnSettingsOutliveAnAgentThatDiedWithoutRestoring) {
+  const std::string file = ::testing::TempDir() + "/kiln_power_" + std::to_string(getpid()) + ".json";
+  std::remove(file.c_str());
+  FakeGpuDriver driver(FakeGpuDriver::MakeGpus(2, 80LL << 30));
+  auto quiet = [](const std::string&) {};
+  {
+    GpuPowerManager first(&driver, PowerMode::kEnforce, TestPolicy(), quiet, file);
+    ASSERT_TRUE(first.Apply(1, GpuLoad::kWarmOnly).ok());
+    EXPECT_EQ(driver.Read(1)->power_limit_mw, 250000u);
+    // Dies here: no RestoreAll.
+  }
+  GpuPowerManager next(&driver, PowerMode::kEnforce, TestPolicy(), quiet, file);
+  ASSERT_TRUE(next.Apply(1, GpuLoad::kWarmOnly).ok());  // finds the card capped at 250 W
+  ASSERT_TRUE(next.RestoreAll().ok());
+  EXPECT_EQ(driver.Read(1)->power_limit_mw, 700000u);  // the card's own, not the cap
+  // Restored: nothing left for a third agent to restore.
+  GpuPowerManager third(&driver, PowerMode::kEnforce, TestPolicy(), quiet, file);
+  ASSERT_TRUE(third.Apply(1, GpuLoad::kServing).ok());
+  ASSERT_TRUE(third.RestoreAll().ok());
+  EXPECT_EQ(driver.Read(1)->power_limit_mw, 700000u);
+  std::remove(file.c_str());
+}
+
 // A replica's idle time counts from its last request; with no earlier sample (the agent just
 // restarted) from when it was last seen SERVING, never from the restart itself.
 TEST(LastActiveTest, IdleTimeSurvivesAnAgentRestart) {
