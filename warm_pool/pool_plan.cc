@@ -66,7 +66,9 @@ PoolPlan PlanNodePools(const std::vector<PoolWanted>& wanted, const std::vector<
   std::map<std::string, std::vector<std::string>> joined;  // shape -> new member ids
   std::vector<const PoolRunning*> leaving;
   for (const auto& r : running) {
-    if (!r.pool_member && !wanted_ids.count(r.id)) leaving.push_back(&r);
+    // A crash-looping one does not join: it could never be taken over, and would hold a
+    // slot of the pool for good.
+    if (!r.pool_member && !wanted_ids.count(r.id) && !r.crash_loop) leaving.push_back(&r);
   }
   std::sort(leaving.begin(), leaving.end(),
             [](const PoolRunning* a, const PoolRunning* b) { return a->id < b->id; });
@@ -75,7 +77,7 @@ PoolPlan PlanNodePools(const std::vector<PoolWanted>& wanted, const std::vector<
     auto p = pool_of.find(r.shape);
     if (p == pool_of.end()) continue;
     size_t have = members[r.shape].size() + joined[r.shape].size();
-    if (have >= static_cast<size_t>(p->second->size)) continue;
+    if (have >= static_cast<size_t>(std::max(0, p->second->size))) continue;
     std::string id = new_id(*p->second);
     plan.renames[r.id] = id;
     joined[r.shape].push_back(id);

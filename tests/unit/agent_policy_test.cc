@@ -261,6 +261,14 @@ TEST(PoolPlanTest, ScaleDownJoinsAShortPoolElseDrains) {
   // s1 (by id) joins the empty pool under a pool id; s2 is not wanted and drains.
   EXPECT_EQ(plan.renames, (std::map<std::string, std::string>{{"s1", "A-pool-0"}}));
   EXPECT_EQ(plan.members["A"], std::vector<std::string>{"A-pool-0"});
+  // A crash-looping one does not join (it could never be taken over): the next one does.
+  running[2].crash_loop = true;  // s1
+  plan = PlanNodePools({{"s0", "A"}}, {Pool("A", 1)}, running, {});
+  EXPECT_EQ(plan.renames, (std::map<std::string, std::string>{{"s2", "A-pool-0"}}));
+  running[2].crash_loop = false;
+  // A negative size (a caller's mistake) takes nobody.
+  plan = PlanNodePools({{"s0", "A"}}, {Pool("A", -1)}, running, {});
+  EXPECT_TRUE(plan.renames.empty());
   // A full pool takes nobody.
   running.push_back(Running("A-pool-0", "A", true, true));
   plan = PlanNodePools({{"s0", "A"}}, {Pool("A", 1)}, running, {});
