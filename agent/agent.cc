@@ -847,7 +847,7 @@ void Agent::Loop() {
       }
       wait = std::min(wait, last_watchdog + half - mono);
     }
-    last_tick_mono_ms_ = absl::ToInt64Milliseconds(MonotonicNow());
+    last_tick_mono_ms_ = absl::ToInt64Milliseconds(mono);
     ticks_++;
     absl::MutexLock lock(&mu_);
     auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || wake_; };

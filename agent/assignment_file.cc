@@ -1,6 +1,5 @@
 #include "agent/assignment_file.h"
 
-#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -10,6 +9,7 @@
 #include "common/config_node.h"
 #include "common/hash.h"
 #include "common/status.h"
+#include "common/uri.h"
 
 namespace kiln {
 
@@ -103,17 +103,10 @@ absl::Status ValidateAssignment(const v1::Assignment& a) {
 
 namespace {
 
-// HOST:PORT (an IPv6 host in brackets), the port in 1..65535.
+// HOST:PORT as the router's clients take it (common/uri.h), with a host that is one.
 bool IsHostPort(const std::string& a) {
-  const size_t colon = a.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == a.size()) return false;
-  const std::string port = a.substr(colon + 1);
-  if (port.size() > 5 || !std::all_of(port.begin(), port.end(), ::isdigit)) return false;
-  const int n = std::stoi(port);
-  if (n < 1 || n > 65535) return false;
-  const std::string host = a.substr(0, colon);
-  if (host.front() == '[') return host.size() > 2 && host.back() == ']';
-  return host.find_first_of(" /[]") == std::string::npos;
+  std::string host, port;
+  return SplitHostPort(a, &host, &port).ok() && host.find_first_of(" /[]") == std::string::npos;
 }
 
 }  // namespace

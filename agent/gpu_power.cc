@@ -254,9 +254,7 @@ absl::Status GpuPowerManager::RestoreAll() {
     locked_[index].reset();
   }
   originals_.clear();
-  if (first.ok() && mode_ == PowerMode::kEnforce && !originals_file_.empty()) {
-    SaveOriginals();  // what is left: cards this agent never touched, restored by the next
-  }
+  if (first.ok()) SaveOriginals();  // what is left: cards this agent never touched
   return first;
 }
 

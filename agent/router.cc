@@ -24,6 +24,7 @@
 #include "common/grpc_status.h"
 #include "common/http_client.h"
 #include "common/http_server.h"
+#include "common/oip_parameters.h"
 #include "common/uri.h"
 #include "common/logging.h"
 #include "common/status.h"
@@ -286,8 +287,8 @@ void Attempt(std::shared_ptr<ForwardCall> c) {
       return;
     }
     if (s.ok()) {
-      (*c->response->mutable_parameters())["kiln-version"].set_string_param(version);
-      c->server_ctx->AddInitialMetadata("kiln-version", version);
+      (*c->response->mutable_parameters())[kVersionParameter].set_string_param(version);
+      c->server_ctx->AddInitialMetadata(kVersionParameter, version);
     }
     c->reactor->Finish(s);
   };
@@ -429,7 +430,7 @@ void Reply(const HttpReply& request, int code, std::string body, const std::stri
   r.code = code;
   r.body = std::move(body);
   r.content_type = "application/json";
-  if (!version.empty()) r.headers.emplace_back("kiln-version", version);
+  if (!version.empty()) r.headers.emplace_back(kVersionParameter, version);
   request.Send(std::move(r));
 }
 
@@ -732,7 +733,7 @@ class Router::Impl {
           if (r.ok()) {
             code = r->code;
             // Another node's router says which version served, in its body too.
-            versioned = r->Header("kiln-version") == chosen;
+            versioned = r->Header(kVersionParameter) == chosen;
             text = std::move(r->body);
           } else if (r.status().code() == absl::StatusCode::kUnavailable ||
                      r.status().code() == absl::StatusCode::kInvalidArgument) {
@@ -748,7 +749,7 @@ class Router::Impl {
           if (code == 200 && !call->body.empty() && !versioned) {
             json doc = json::parse(text, nullptr, false);
             if (doc.is_object()) {
-              doc["parameters"]["kiln-version"] = chosen;
+              doc["parameters"][kVersionParameter] = chosen;
               text = doc.dump(-1, ' ', false, json::error_handler_t::replace);
             }
           }

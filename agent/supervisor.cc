@@ -84,6 +84,24 @@ bool FlagSet(const json& e, const char* key) {
   return it != e.end() && it->is_boolean() && it->get<bool>();
 }
 
+// A spec as the state file keeps it, and back (fields a newer agent wrote are skipped).
+json SpecJson(const v1::ReplicaSpec& s) {
+  std::string text;
+  (void)google::protobuf::util::MessageToJsonString(s, &text);
+  return json::parse(text);
+}
+bool SpecFrom(const json& j, v1::ReplicaSpec* s) {
+  google::protobuf::util::JsonParseOptions parse;
+  parse.ignore_unknown_fields = true;  // written by a newer agent: what this one knows
+  return google::protobuf::util::JsonStringToMessage(j.dump(), s, parse).ok();
+}
+
+// The same model, version, GPU and CPU count: what one process keeps for its life.
+bool SameShape(const v1::ReplicaSpec& a, const v1::ReplicaSpec& b) {
+  return a.model() == b.model() && a.version() == b.version() && a.gpu() == b.gpu() &&
+         a.cpus() == b.cpus();
+}
+
 // Logs of replicas that are gone are kept, this many at most (the newest), under logs/removed/:
 // a controller names each placement anew, so keeping every one would fill the disk over
 // rollouts, and dropping them at once would lose what a failed canary said.
@@ -162,9 +180,7 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
       if (s.replica_id() == to) want = &s;
     }
     const v1::ReplicaSpec& have = it->second.spec;
-    if (!want || want->model() != have.model() || want->version() != have.version() ||
-        want->gpu() != have.gpu() || want->cpus() != have.cpus() ||
-        want->repository() != have.repository()) {
+    if (!want || !SameShape(*want, have) || want->repository() != have.repository()) {
       return absl::InvalidArgumentError("rename " + from + " -> " + to +
                                         ": the assignment does not give " + to +
                                         " the same model, version, repository, gpu and cpus");
@@ -183,9 +199,7 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
     // out again below, as a new replica's, since another may have been given them meanwhile.
     bool kept = false;
     for (const auto& s : a.replicas()) {
-      if (!r.removing && s.replica_id() == id_after(id) && s.model() == r.spec.model() &&
-          s.version() == r.spec.version() && s.gpu() == r.spec.gpu() &&
-          s.cpus() == r.spec.cpus()) {
+      if (!r.removing && s.replica_id() == id_after(id) && SameShape(s, r.spec)) {
         kept = true;
       }
     }
@@ -228,9 +242,7 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
       auto it = replicas_.find(s.replica_id());
       if (it != replicas_.end()) existing = &it->second;
     }
-    if (existing && !existing->removing &&
-        (existing->spec.model() != s.model() || existing->spec.version() != s.version() ||
-         existing->spec.gpu() != s.gpu() || existing->spec.cpus() != s.cpus())) {
+    if (existing && !existing->removing && !SameShape(existing->spec, s)) {
       // The repository may change under a running replica (a controller's deployment points
       // at a new one for a new version while the old version's replicas run on): the process
       // keeps what it loaded, and a restart reads the new one.
@@ -274,9 +286,7 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
       r.phase = Phase::kPending;
       r.due = clock_->Now();
       auto w = recovered_waiting_.find(s.replica_id());
-      if (w != recovered_waiting_.end() && w->second.spec.model() == s.model() &&
-          w->second.spec.version() == s.version() && w->second.spec.gpu() == s.gpu() &&
-          w->second.spec.cpus() == s.cpus()) {
+      if (w != recovered_waiting_.end() && SameShape(w->second.spec, s)) {
         // Waiting out a backoff when the agent stopped: it goes on waiting, crashes counted.
         r.crashes = w->second.crashes;
         r.restarts = w->second.restarts;
@@ -964,8 +974,6 @@ absl::Status Supervisor::WriteStateFile() {
   json doc = {{"replicas", json::array()}};
   for (const auto& [id, r] : replicas_) {
     if (r.pid <= 0) continue;
-    std::string spec;
-    (void)google::protobuf::util::MessageToJsonString(r.spec, &spec);
     doc["replicas"].push_back({{"id", id},
                                {"pid", r.pid},
                                {"socket", r.socket},
@@ -977,7 +985,7 @@ absl::Status Supervisor::WriteStateFile() {
                                {"restarts", r.restarts},
                                {"crashes", CrashesJson(r.crashes)},
                                {"last_used_unix_ms", absl::ToUnixMillis(r.last_used)},
-                               {"spec", json::parse(spec)}});
+                               {"spec", SpecJson(r.spec)}});
     // A drain under way outlives the agent: the next one goes on with it, to the same
     // deadline (an agent restart neither doubles it nor takes the replica back).
     if (r.removing && r.phase == Phase::kStopping) {
@@ -988,10 +996,8 @@ absl::Status Supervisor::WriteStateFile() {
   doc["waiting"] = json::array();
   auto waiting = [&](const std::string& id, const v1::ReplicaSpec& s, const CrashHistory& crashes,
                      int restarts, bool crash_loop, absl::Time due) {
-    std::string spec;
-    (void)google::protobuf::util::MessageToJsonString(s, &spec);
     doc["waiting"].push_back({{"id", id},
-                              {"spec", json::parse(spec)},
+                              {"spec", SpecJson(s)},
                               {"crashes", CrashesJson(crashes)},
                               {"restarts", restarts},
                               {"crash_loop", crash_loop},
@@ -1042,10 +1048,7 @@ absl::Status Supervisor::Recover() {
     const bool ours = launcher_->Alive(pid) &&
                       launcher_->CommandLine(pid).find(launch_socket) != std::string::npos;
     v1::ReplicaSpec spec;
-    google::protobuf::util::JsonParseOptions parse;
-    parse.ignore_unknown_fields = true;  // written by a newer agent: what this one knows
-    const bool spec_ok =
-        google::protobuf::util::JsonStringToMessage(e["spec"].dump(), &spec, parse).ok();
+    const bool spec_ok = SpecFrom(e["spec"], &spec);
     const bool gpu_ok = spec.gpu() < static_cast<int>(topology_.gpus.size());
     if (!spec_ok || !gpu_ok) {
       // Not adoptable, but it may be ours and running: stopped, never left without an owner
@@ -1135,15 +1138,10 @@ absl::Status Supervisor::Recover() {
         continue;
       }
       Waiting w;
-      google::protobuf::util::JsonParseOptions parse;
-      parse.ignore_unknown_fields = true;
-      if (!google::protobuf::util::JsonStringToMessage(e["spec"].dump(), &w.spec, parse).ok()) {
-        continue;
-      }
+      if (!SpecFrom(e["spec"], &w.spec)) continue;
       w.crashes = CrashesFrom(e.contains("crashes") ? e["crashes"] : json());
       w.restarts = IntOr(e, "restarts", 0);
-      w.crash_loop = e.contains("crash_loop") && e["crash_loop"].is_boolean() &&
-                     e["crash_loop"].get<bool>();
+      w.crash_loop = FlagSet(e, "crash_loop");
       w.due = clock_->Now();
       if (e.contains("due_unix_ms") && e["due_unix_ms"].is_number_integer()) {
         w.due = std::max(w.due, absl::FromUnixMillis(e["due_unix_ms"].get<int64_t>()));

@@ -17,9 +17,9 @@
 #include <thread>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
+#include "common/uri.h"
 
 namespace kiln {
 
@@ -36,22 +36,6 @@ std::optional<std::string> HttpClientResponse::Header(std::string_view name) con
 }
 
 namespace {
-
-// host:port, the port 1..65535. An IPv6 host is written in brackets.
-absl::Status SplitAddress(const std::string& address, std::string* host, std::string* port) {
-  const size_t colon = address.rfind(':');
-  int p = 0;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(address.substr(colon + 1), &p) || p < 1 || p > 65535) {
-    return absl::InvalidArgumentError("address '" + address + "': expected host:port");
-  }
-  *host = address.substr(0, colon);
-  if (host->size() > 2 && host->front() == '[' && host->back() == ']') {
-    *host = host->substr(1, host->size() - 2);
-  }
-  *port = std::to_string(p);
-  return absl::OkStatus();
-}
 
 // The peer closed or reset the connection: on a kept-alive one, it may have closed it while
 // idle, before this request reached it.
@@ -74,7 +58,7 @@ class HttpClient::Impl : public std::enable_shared_from_this<HttpClient::Impl> {
 
   void Send(const std::string& address, HttpClientRequest request, Done done) {
     std::string host, port;
-    if (absl::Status s = SplitAddress(address, &host, &port); !s.ok()) {
+    if (absl::Status s = SplitHostPort(address, &host, &port); !s.ok()) {
       done(s);
       return;
     }

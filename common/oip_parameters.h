@@ -9,4 +9,8 @@ namespace kiln {
 // it. The agent's health probe sends it, so that a probe always runs the model.
 inline constexpr char kSkipCacheParameter[] = "kiln-skip-cache";
 
+// The version that served a request: a response parameter, and the node router's gRPC
+// metadata and HTTP header of the same name.
+inline constexpr char kVersionParameter[] = "kiln-version";
+
 }  // namespace kiln

@@ -1,6 +1,27 @@
 #include "common/uri.h"
 
+#include <algorithm>
+#include <cctype>
+
 namespace kiln {
+
+absl::Status SplitHostPort(const std::string& address, std::string* host, std::string* port) {
+  const size_t colon = address.rfind(':');
+  const std::string digits = colon == std::string::npos ? "" : address.substr(colon + 1);
+  const bool numeric = !digits.empty() && digits.size() <= 5 &&
+                       std::all_of(digits.begin(), digits.end(),
+                                   [](unsigned char c) { return std::isdigit(c) != 0; });
+  const int p = numeric ? std::stoi(digits) : 0;
+  if (colon == std::string::npos || colon == 0 || p < 1 || p > 65535) {
+    return absl::InvalidArgumentError("address '" + address + "': expected host:port");
+  }
+  *host = address.substr(0, colon);
+  if (host->size() > 2 && host->front() == '[' && host->back() == ']') {
+    *host = host->substr(1, host->size() - 2);
+  }
+  *port = std::to_string(p);
+  return absl::OkStatus();
+}
 
 std::string PercentDecode(std::string_view text) {
   std::string out;

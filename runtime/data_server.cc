@@ -143,6 +143,17 @@ void DataServer::ReadLoop(std::shared_ptr<Connection> c) {
   const int64_t limit = max_request_bytes_ + 64 * 1024;
   char head[kFrameHeaderBytes];
   std::string body;
+  // Refuses the request of frame `h` before it reaches the engine: a REST one with
+  // `http_status` in the JSON answer, a ModelInfer one with `code`.
+  auto refuse = [&](const FrameHeader& h, int http_status, absl::StatusCode code,
+                    const std::string& why) {
+    host_->CountRefused();
+    if (h.code == kJsonInferFrame) {
+      c->Send(h.tag, 0, EncodeJsonAnswer(JsonError(why), http_status));
+    } else {
+      c->Send(h.tag, static_cast<uint8_t>(code), why);
+    }
+  };
   for (;;) {
     bool eof = false;
     if (!ReadFull(c->fd, head, sizeof(head), &eof)) break;
@@ -157,17 +168,11 @@ void DataServer::ReadLoop(std::shared_ptr<Connection> c) {
         break;
       }
       if (!Discard(c->fd, h.length)) break;
-      host_->CountRefused();
-      const std::string why = "the request's frame of " + std::to_string(h.length) +
-                              " bytes exceeds the payload limit of " +
-                              std::to_string(max_request_bytes_) +
-                              " bytes (--max-request-bytes) and its framing";
-      if (h.code == kJsonInferFrame) {
-        // As the REST port answers a body over the limit: 413, never to be retried.
-        c->Send(h.tag, 0, EncodeJsonAnswer(JsonError(why), 413));
-      } else {
-        c->Send(h.tag, static_cast<uint8_t>(absl::StatusCode::kResourceExhausted), why);
-      }
+      // As the REST port answers a body over the limit: 413, never to be retried.
+      refuse(h, 413, absl::StatusCode::kResourceExhausted,
+             "the request's frame of " + std::to_string(h.length) +
+                 " bytes exceeds the payload limit of " + std::to_string(max_request_bytes_) +
+                 " bytes (--max-request-bytes) and its framing");
       continue;
     }
     body.resize(h.length);
@@ -182,13 +187,8 @@ void DataServer::ReadLoop(std::shared_ptr<Connection> c) {
           ServeJson(c, h.tag, h.deadline_unix_micros, &body);
         }
       } catch (const std::exception& e) {
-        host_->CountRefused();
-        const std::string why = std::string("the request could not be decoded: ") + e.what();
-        if (h.code == kJsonInferFrame) {
-          c->Send(h.tag, 0, EncodeJsonAnswer(JsonError(why), 500));
-        } else {
-          c->Send(h.tag, static_cast<uint8_t>(absl::StatusCode::kInternal), why);
-        }
+        refuse(h, 500, absl::StatusCode::kInternal,
+               std::string("the request could not be decoded: ") + e.what());
       }
       // A large request's buffer is not kept for the small ones after it.
       if (body.capacity() > (1u << 20)) body = std::string();

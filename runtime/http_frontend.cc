@@ -5,6 +5,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "common/http_server.h"
+#include "common/oip_parameters.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "runtime/grpc_frontend.h"
@@ -106,7 +107,7 @@ void ServeRestInfer(ModelHost* host, std::string* body, const std::string& model
     fail(bounded, /*decoding=*/false);
     return;
   }
-  if (add_version) (*params)["kiln-version"] = host->version();
+  if (add_version) (*params)[kVersionParameter] = host->version();
   host->Infer(std::move(*decoded),
               [answer = std::move(answer), params](absl::StatusOr<InferResponse> r) {
                 if (!r.ok()) {

@@ -96,9 +96,10 @@ absl::Status PutElement(const json& v, DataType t, const std::string& name, size
         return absl::OkStatus();
       }
       // JSON has no infinities: a number past the type's largest is a mistake, not one.
-      if (std::fabs(d) > std::numeric_limits<float>::max()) {
+      auto out_of_range = [&] {
         return BadElement(name, i, "a number within " + std::string(DataTypeName(t)) + "'s range");
-      }
+      };
+      if (std::fabs(d) > std::numeric_limits<float>::max()) return out_of_range();
       const float f = static_cast<float>(d);
       if (t == DataType::kFp32) {
         Put<float>(out, i, f);
@@ -106,9 +107,7 @@ absl::Status PutElement(const json& v, DataType t, const std::string& name, size
       }
       const uint16_t h = t == DataType::kFp16 ? FloatToHalf(f) : FloatToBf16(f);
       const uint16_t inf = t == DataType::kFp16 ? 0x7c00 : 0x7f80;
-      if ((h & 0x7fff) == inf) {
-        return BadElement(name, i, "a number within " + std::string(DataTypeName(t)) + "'s range");
-      }
+      if ((h & 0x7fff) == inf) return out_of_range();
       Put<uint16_t>(out, i, h);
       return absl::OkStatus();
     }

@@ -776,20 +776,27 @@ TEST(RuntimeTest, FullQueueIsResourceExhaustedAndTimeoutsExpire) {
 // A gRPC caller's deadline bounds its request's time in the queue, as a `timeout` parameter
 // does: behind a long execution, the request leaves the queue at the deadline (counted as
 // timed out) instead of running afterwards for a caller that gave up.
+// A short request on the slow model with a gRPC deadline `deadline` away, sent while a long one
+// executes (which must succeed): its status.
+grpc::Status InferBehindALongOne(RuntimeProcess* rt, std::chrono::milliseconds deadline) {
+  auto stub = Stub(*rt);
+  auto long_call = std::async(std::launch::async,
+                              [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
+  EXPECT_TRUE(WaitExecuting(rt, 1, 0));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + deadline);
+  inference::ModelInferResponse resp;
+  grpc::Status s = stub->ModelInfer(&ctx, SlowRequest(1), &resp);
+  EXPECT_TRUE(long_call.get().ok());
+  return s;
+}
+
 TEST(RuntimeTest, AGrpcDeadlineBoundsTheQueueWait) {
   auto rt = StartRuntime("slow");
   ASSERT_NE(rt, nullptr);
-  auto stub = Stub(*rt);
   const uint64_t batches_before = Stats(rt.get()).batches();
-  auto long_call = std::async(std::launch::async,
-                              [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
-  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
-  inference::ModelInferResponse resp;
-  grpc::Status s = stub->ModelInfer(&ctx, SlowRequest(1), &resp);
+  grpc::Status s = InferBehindALongOne(rt.get(), std::chrono::milliseconds(100));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
-  EXPECT_TRUE(long_call.get().ok());
   // Bounded poll: the server's own expiry is counted when the reaper answers it.
   v1::RuntimeStats stats;
   for (int i = 0; i < 300; ++i) {
@@ -814,18 +821,10 @@ TEST(RuntimeTest, AGrpcDeadlineKeepsTheModelsDefaultTimeout) {
   }
   auto rt = StartRuntime("slow", "", "serving", {}, dir.string());
   ASSERT_NE(rt, nullptr);
-  auto stub = Stub(*rt);
-  auto long_call = std::async(std::launch::async,
-                              [&]() { return Infer(stub.get(), SlowRequest(kLongWork)); });
-  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  inference::ModelInferResponse resp;
-  grpc::Status s = stub->ModelInfer(&ctx, SlowRequest(1), &resp);
+  grpc::Status s = InferBehindALongOne(rt.get(), std::chrono::seconds(60));
   // The 60 s deadline cannot have passed: the server ended the wait at the model's 100 ms.
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
   EXPECT_NE(s.error_message().find("queue"), std::string::npos) << s.error_message();
-  EXPECT_TRUE(long_call.get().ok());
   EXPECT_EQ(Stats(rt.get()).timed_out(), 1u);
   rt.reset();
   std::filesystem::remove_all(dir);

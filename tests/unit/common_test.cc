@@ -3,6 +3,7 @@
 #include "common/grpc_status.h"
 #include "common/histogram.h"
 #include "common/status.h"
+#include "common/uri.h"
 #include "gtest/gtest.h"
 
 namespace kiln {
@@ -27,6 +28,21 @@ TEST(StatusTest, GrpcMessagesAreBounded) {
   EXPECT_EQ(s.error_message().rfind("unknown input 'nnn", 0), 0u);
   EXPECT_NE(s.error_message().find("(20016 bytes in all)"), std::string::npos);
   EXPECT_EQ(ToGrpcStatus(absl::NotFoundError("short")).error_message(), "short");
+}
+
+// host:port for the HTTP client and the routing tables' endpoints: digits only for the port.
+TEST(UriTest, SplitHostPortTakesHostAndPortAndRefusesTheRest) {
+  std::string host, port;
+  ASSERT_TRUE(SplitHostPort("10.0.0.2:8001", &host, &port).ok());
+  EXPECT_EQ(host, "10.0.0.2");
+  EXPECT_EQ(port, "8001");
+  ASSERT_TRUE(SplitHostPort("[fd00::3]:8000", &host, &port).ok());
+  EXPECT_EQ(host, "fd00::3");
+  EXPECT_EQ(port, "8000");
+  for (const std::string bad : {"h", ":8001", "h:", "h:0", "h:65536", "h:+80", "h: 80", "h:x"}) {
+    absl::Status s = SplitHostPort(bad, &host, &port);
+    EXPECT_EQ(s.message(), "address '" + bad + "': expected host:port") << bad;
+  }
 }
 
 TEST(ClockTest, SimulatedClockMovesOnlyWhenAdvanced) {

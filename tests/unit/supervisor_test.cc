@@ -87,6 +87,18 @@ class SupervisorTest : public ::testing::Test {
     }
     return "";
   }
+  // Bounded: advances the clock in 1 s steps, ticking, until something is launched (at most
+  // 120 s); returns how long that took.
+  absl::Duration AdvanceUntilALaunch() {
+    const size_t before = launcher_.launches().size();
+    absl::Duration waited;
+    for (int s = 0; s < 120 && launcher_.launches().size() == before; ++s) {
+      clock_.Advance(absl::Seconds(1));
+      waited += absl::Seconds(1);
+      sup_->Tick();
+    }
+    return waited;
+  }
   v1::Assignment Assignment(std::vector<v1::ReplicaSpec> specs, int64_t generation = 1) {
     v1::Assignment a;
     a.set_generation(generation);
@@ -167,15 +179,7 @@ TEST_F(SupervisorTest, CrashesRestartWithBackoffAndCrashLoopsAreReported) {
     launcher_.Exit(pid, SIGKILL);
     sup_->Tick();
     EXPECT_EQ(View("a")->pid, 0);
-    size_t before = launcher_.launches().size();
-    // Bounded: advance in 1 s steps until the restart happens.
-    absl::Duration waited;
-    for (int s = 0; s < 120 && launcher_.launches().size() == before; ++s) {
-      clock_.Advance(absl::Seconds(1));
-      waited += absl::Seconds(1);
-      sup_->Tick();
-    }
-    waits.push_back(waited);
+    waits.push_back(AdvanceUntilALaunch());
     if (crash == 5) {
       EXPECT_TRUE(View("a")->crash_loop);
       EXPECT_EQ(View("a")->restarts, 6);
@@ -386,11 +390,7 @@ TEST_F(SupervisorTest, BackoffAndCrashLoopSurviveARestartedSupervisor) {
     launcher_.Exit(View("a")->pid, SIGKILL);
     sup_->Tick();
     if (crash == 5) break;  // the sixth: a crash loop, restarting in 60 s
-    const size_t before = launcher_.launches().size();
-    for (int s = 0; s < 120 && launcher_.launches().size() == before; ++s) {
-      clock_.Advance(absl::Seconds(1));
-      sup_->Tick();
-    }
+    AdvanceUntilALaunch();
   }
   ASSERT_TRUE(View("a")->crash_loop);
   ASSERT_EQ(View("a")->pid, 0);
@@ -458,11 +458,7 @@ TEST_F(SupervisorTest, AGpuThatFlapsDoesNotCutAReplicasBackoff) {
     launcher_.Exit(View("a")->pid, SIGKILL);
     sup_->Tick();
     if (crash == 2) break;
-    const size_t before = launcher_.launches().size();
-    for (int s = 0; s < 10 && launcher_.launches().size() == before; ++s) {
-      clock_.Advance(absl::Seconds(1));
-      sup_->Tick();
-    }
+    AdvanceUntilALaunch();
   }
   ASSERT_EQ(View("a")->phase, "BACKOFF");
   const size_t launches = launcher_.launches().size();
@@ -1229,11 +1225,7 @@ TEST_F(SupervisorTest, ACrashLoopEndsOnceTheReplicaRunsLongEnough) {
   for (int crash = 0; crash < 6; ++crash) {
     launcher_.Exit(View("a")->pid, SIGKILL);
     sup_->Tick();
-    size_t before = launcher_.launches().size();
-    for (int s = 0; s < 120 && launcher_.launches().size() == before; ++s) {
-      clock_.Advance(absl::Seconds(1));
-      sup_->Tick();
-    }
+    AdvanceUntilALaunch();
   }
   ASSERT_TRUE(View("a")->crash_loop);
   runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1");
