@@ -84,7 +84,7 @@ BatchDecision Decide(const std::vector<PendingView>& queue, absl::Time now,
   for (size_t i : live) {
     if (queue[i].priority < queue[leader].priority) leader = i;
   }
-  if (!policy.dynamic) {
+  if (!policy.dynamic || queue[leader].alone) {
     d.batch = {leader};
     return d;
   }
@@ -92,7 +92,7 @@ BatchDecision Decide(const std::vector<PendingView>& queue, absl::Time now,
   // Candidates with the leader's shape, higher priority first, then arrival order.
   std::vector<size_t> cand;
   for (size_t i : live) {
-    if (queue[i].shape_key == queue[leader].shape_key) cand.push_back(i);
+    if (!queue[i].alone && queue[i].shape_key == queue[leader].shape_key) cand.push_back(i);
   }
   std::stable_sort(cand.begin(), cand.end(),
                    [&](size_t a, size_t b) { return queue[a].priority < queue[b].priority; });
@@ -225,9 +225,39 @@ Batcher::Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, 
 Batcher::Item Batcher::TakeAt(size_t i) {
   Item item = std::move(queue_[i]);
   if (views_[i].deadline != absl::InfiniteFuture()) deadlined_--;
+  if (--queued_by_priority_[views_[i].priority] == 0) queued_by_priority_.erase(views_[i].priority);
   queue_.erase(queue_.begin() + static_cast<long>(i));
   views_.erase(views_.begin() + static_cast<long>(i));
   return item;
+}
+
+void Batcher::Push(Item item, bool front) {
+  PendingView v;
+  v.priority = item.priority;
+  v.enqueued = item.enqueued;
+  v.deadline = item.deadline;
+  v.rows = item.rows;
+  v.alone = item.alone;
+  if (!item.alone) {
+    for (const Tensor& t : item.inputs) {
+      v.shape_key += DataTypeName(t.dtype);
+      for (size_t d = 1; d < t.shape.size(); ++d) {
+        v.shape_key += ',';
+        v.shape_key += std::to_string(t.shape[d]);
+      }
+      v.shape_key += ";";
+    }
+  }
+  if (v.deadline != absl::InfiniteFuture()) deadlined_++;
+  queued_by_priority_[v.priority]++;
+  if (front) {
+    views_.push_front(std::move(v));
+    queue_.push_front(std::move(item));
+  } else {
+    views_.push_back(std::move(v));
+    queue_.push_back(std::move(item));
+  }
+  changed_ = true;
 }
 
 void Batcher::Reap() {
@@ -299,27 +329,17 @@ absl::Status Batcher::Enqueue(Item item) {
 queue_it:
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the model is shutting down");
-  if (max_queue_size_ > 0 && static_cast<int64_t>(queue_.size()) >= max_queue_size_) {
-    return absl::ResourceExhaustedError("the request queue is full (max_queue_size " +
-                                        std::to_string(max_queue_size_) + ")");
-  }
-  PendingView v;
-  v.priority = item.priority;
-  v.enqueued = clock_->Now();
-  v.deadline = item.deadline;
-  v.rows = item.rows;
-  for (const Tensor& t : item.inputs) {
-    v.shape_key += DataTypeName(t.dtype);
-    for (size_t d = 1; d < t.shape.size(); ++d) {
-      v.shape_key += ',';
-      v.shape_key += std::to_string(t.shape[d]);
+  if (max_queue_size_ > 0) {
+    auto level = queued_by_priority_.find(item.priority);
+    if (level != queued_by_priority_.end() && level->second >= max_queue_size_) {
+      return absl::ResourceExhaustedError(
+          "the request queue is full (max_queue_size " + std::to_string(max_queue_size_) +
+          " at priority " + std::to_string(item.priority) + ")");
     }
-    v.shape_key += ";";
   }
-  if (v.deadline != absl::InfiniteFuture()) deadlined_++;
-  views_.push_back(std::move(v));
-  queue_.push_back(std::move(item));
-  changed_ = true;
+  item.enqueued = clock_->Now();
+  item.alone = false;
+  Push(std::move(item), /*front=*/false);
   return absl::OkStatus();
 }
 
@@ -362,6 +382,7 @@ void Batcher::Stop() {
     left.swap(queue_);
     views_.clear();
     deadlined_ = 0;
+    queued_by_priority_.clear();
     for (Task* t : tasks_) t->done = true;  // not run
     tasks_.clear();
   }
@@ -420,14 +441,20 @@ void Batcher::Loop() {
       Answer(item, TimedOutInQueue());
     }
     if (!batch.empty()) {
-      Run(std::move(batch));
+      std::vector<Item> again = Run(std::move(batch));
       absl::MutexLock lock(&mu_);
       executing_ = false;
+      // Back at the head of the queue, in the order they ran: they arrived before anything
+      // queued since, and Decide lets any higher priority lead them.
+      for (auto it = again.rbegin(); it != again.rend(); ++it) {
+        it->alone = true;
+        Push(std::move(*it), /*front=*/true);
+      }
     }
   }
 }
 
-void Batcher::Run(std::vector<Item> items) {
+std::vector<Batcher::Item> Batcher::Run(std::vector<Item> items) {
   std::vector<int64_t> rows;
   std::vector<std::vector<Tensor>*> inputs;
   int64_t total = 0;
@@ -448,21 +475,10 @@ void Batcher::Run(std::vector<Item> items) {
         return SplitBatch(*outputs, rows);
       });
   if (observer_) observer_(static_cast<int64_t>(items.size()), total);
-  if (!split.ok() && items.size() > 1) {
-    // One bad request (an out-of-range token, say) must not fail the requests it was batched
-    // with: run each alone so only the bad one gets the error. One whose deadline passed
-    // meanwhile is answered as timed out instead.
-    for (auto& item : items) {
-      if (item.deadline <= clock_->Now()) {
-        Answer(item, TimedOutInQueue());
-        continue;
-      }
-      auto alone = Guarded("the request", [&] { return executor_(item.inputs); });
-      if (observer_) observer_(1, item.rows);
-      Answer(item, std::move(alone));
-    }
-    return;
-  }
+  // One bad request (an out-of-range token, say) must not fail the requests it was batched
+  // with: each is run again alone, so only the bad one gets the error. One whose deadline
+  // passes meanwhile is answered as timed out.
+  if (!split.ok() && items.size() > 1) return items;
   for (size_t r = 0; r < items.size(); ++r) {
     if (split.ok()) {
       Answer(items[r], std::move((*split)[r]));
@@ -470,6 +486,7 @@ void Batcher::Run(std::vector<Item> items) {
       Answer(items[r], split.status());
     }
   }
+  return {};
 }
 
 }  // namespace kiln

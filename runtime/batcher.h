@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -37,6 +38,7 @@ struct PendingView {
   absl::Time deadline = absl::InfiniteFuture();
   int64_t rows = 1;       // the request's own batch size
   std::string shape_key;  // requests batch together only when their keys match
+  bool alone = false;     // runs by itself: its batch failed, and it is being run again alone
 };
 
 struct BatchDecision {
@@ -50,7 +52,7 @@ struct BatchDecision {
 // max_batch_size rows. The batch runs now when it is full, when it reaches a preferred
 // size (the largest reachable), when batching is off, or when its leader has waited
 // max_queue_delay; otherwise the caller waits until wake_at. A lower priority request never
-// leads while a higher one waits.
+// leads while a higher one waits. A request marked `alone` neither joins nor takes others.
 BatchDecision Decide(const std::vector<PendingView>& queue, absl::Time now,
                      const BatchPolicy& policy);
 
@@ -76,6 +78,9 @@ class Batcher {
     int64_t priority = 1;
     absl::Time deadline = absl::InfiniteFuture();
     Done done;
+    // Set by the batcher: when the request was queued, and whether it must run by itself.
+    absl::Time enqueued = absl::InfinitePast();
+    bool alone = false;
   };
 
   // `one_thread`: every execution runs on the executor thread, none inline (see
@@ -86,7 +91,9 @@ class Batcher {
                                                          bool one_thread = false);
   ~Batcher();
 
-  // RESOURCE_EXHAUSTED when the queue is full; UNAVAILABLE after Stop(). On OK, `done` is
+  // RESOURCE_EXHAUSTED when the queue is full (max_queue_size bounds each priority level on its
+  // own, so a flood of low-priority requests never refuses a higher one); UNAVAILABLE after
+  // Stop(). On OK, `done` is
   // called exactly once: from the executor thread, or inline when the request would run
   // alone anyway (no batching or no delay), the model is idle and the batcher was not made
   // with `one_thread`, which saves a thread hop.
@@ -108,7 +115,12 @@ class Batcher {
   void Reap();
   // Removes queue position `i` (both queues and the deadline count); returns its item.
   Item TakeAt(size_t i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Run(std::vector<Item> items);
+  // Queues `item` (with its view) at the back, or at the front when it is run again.
+  void Push(Item item, bool front) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Executes `items` as one batch and answers them. When a batch of several fails, nobody is
+  // answered: the items come back, to be queued again and each run alone, so one bad request
+  // fails only itself, and a higher-priority request arriving meanwhile still goes first.
+  std::vector<Item> Run(std::vector<Item> items);
 
   const BatchPolicy policy_;
   const bool one_thread_;
@@ -131,6 +143,7 @@ class Batcher {
   bool changed_ ABSL_GUARDED_BY(mu_) = false;
   bool executing_ ABSL_GUARDED_BY(mu_) = false;  // one execution at a time, either path
   int64_t deadlined_ ABSL_GUARDED_BY(mu_) = 0;   // queued requests with a deadline
+  std::map<int64_t, int64_t> queued_by_priority_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
   // The executor thread's id, set by the thread itself (read without racing a join).
   std::atomic<std::thread::id> executor_id_{};

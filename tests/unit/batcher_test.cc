@@ -127,6 +127,25 @@ TEST_F(DecideTest, ExpiredRequestsAreReportedAndSkipped) {
   EXPECT_EQ(d.wake_at, clock_.Now() + absl::Microseconds(500));
 }
 
+TEST_F(DecideTest, ARequestRunAgainAloneNeitherJoinsNorTakesOthers) {
+  // Three requests of one shape, the oldest marked to run alone (its batch failed).
+  std::vector<PendingView> q = {At(kDelay), At(kDelay), At(kDelay)};
+  q[0].alone = true;
+  BatchDecision d = Decide(q, clock_.Now(), Policy(8));
+  EXPECT_EQ(d.batch, (std::vector<size_t>{0}));
+  // Led by another, the batch leaves it out.
+  q[0].priority = 2;
+  d = Decide(q, clock_.Now(), Policy(8));
+  EXPECT_EQ(d.batch, (std::vector<size_t>{1, 2}));
+  // And a higher priority leads it even though it is older.
+  q[0].priority = 2;
+  q[1].alone = true;
+  q[1].priority = 3;
+  q[2].priority = 1;
+  d = Decide(q, clock_.Now(), Policy(8));
+  EXPECT_EQ(d.batch, (std::vector<size_t>{2}));
+}
+
 TEST_F(DecideTest, BatchingOffRunsOneRequestAtATime) {
   BatchPolicy p;
   p.dynamic = false;
@@ -187,6 +206,27 @@ ModelConfig BatchingConfig(int64_t max_queue) {
   return c;
 }
 
+// Waits (bounded) until the executor took every queued request; true when it did.
+bool ExecutorTookAll(Batcher& batcher) {
+  for (int i = 0; i < 2000 && batcher.queue_depth() > 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  return batcher.queue_depth() == 0;
+}
+
+// An executor that holds each execution until released, then echoes input x as output y.
+struct HeldEcho {
+  absl::Mutex mu;
+  bool release ABSL_GUARDED_BY(mu) = false;
+  Batcher::Executor Executor() {
+    return [this](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+      absl::MutexLock lock(&mu);
+      mu.Await(absl::Condition(&release));
+      Tensor y = in[0];
+      y.name = "y";
+      return std::vector<Tensor>{y};
+    };
+  }
+};
+
 TEST(BatcherTest, FullQueueIsResourceExhausted) {
   RealClock clock;  // the executor thread waits out a real (1 us) delay
   absl::Mutex mu;
@@ -207,8 +247,7 @@ TEST(BatcherTest, FullQueueIsResourceExhausted) {
   };
   ASSERT_TRUE((*batcher)->Enqueue(item()).ok());
   // Wait (bounded) until the executor took the first one and is blocked in it.
-  for (int i = 0; i < 2000 && (*batcher)->queue_depth() > 0; ++i) absl::SleepFor(absl::Milliseconds(1));
-  ASSERT_EQ((*batcher)->queue_depth(), 0);
+  ASSERT_TRUE(ExecutorTookAll(**batcher));
   ASSERT_TRUE((*batcher)->Enqueue(item()).ok());
   absl::Status full = (*batcher)->Enqueue(item());
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
@@ -224,16 +263,9 @@ TEST(BatcherTest, FullQueueIsResourceExhausted) {
 // it is not answered only when the batch ahead of it ends.
 TEST(BatcherTest, AQueuedRequestTimesOutWhileAnExecutionRuns) {
   RealClock clock;
-  absl::Mutex mu;
-  bool release = false;
-  auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
-    absl::MutexLock lock(&mu);
-    mu.Await(absl::Condition(&release));
-    Tensor y = in[0];
-    y.name = "y";
-    return std::vector<Tensor>{y};
-  };
-  auto batcher = Batcher::Create(BatchingConfig(0), exec, &clock, nullptr);
+  HeldEcho held;
+  absl::Mutex& mu = held.mu;
+  auto batcher = Batcher::Create(BatchingConfig(0), held.Executor(), &clock, nullptr);
   ASSERT_TRUE(batcher.ok());
   std::vector<absl::StatusCode> codes;  // guarded by mu
   auto item = [&](absl::Time deadline) {
@@ -247,8 +279,7 @@ TEST(BatcherTest, AQueuedRequestTimesOutWhileAnExecutionRuns) {
     return it;
   };
   ASSERT_TRUE((*batcher)->Enqueue(item(absl::InfiniteFuture())).ok());
-  for (int i = 0; i < 2000 && (*batcher)->queue_depth() > 0; ++i) absl::SleepFor(absl::Milliseconds(1));
-  ASSERT_EQ((*batcher)->queue_depth(), 0);  // the executor holds the first one
+  ASSERT_TRUE(ExecutorTookAll(**batcher));  // the executor holds the first one
   ASSERT_TRUE((*batcher)->Enqueue(item(clock.Now() + absl::Milliseconds(20))).ok());
   {
     // Answered while the first one is still held (it is released only after this).
@@ -257,7 +288,7 @@ TEST(BatcherTest, AQueuedRequestTimesOutWhileAnExecutionRuns) {
     EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&answered), absl::Seconds(10)));
     ASSERT_EQ(codes.size(), 1u);
     EXPECT_EQ(codes[0], absl::StatusCode::kDeadlineExceeded);
-    release = true;
+    held.release = true;
   }
   (*batcher)->Stop();
   absl::MutexLock lock(&mu);
@@ -299,8 +330,7 @@ TEST(BatcherTest, OneBadRequestDoesNotFailTheOthersInItsBatch) {
   };
   // The executor takes the first request and is held in it; the next three wait together.
   enqueue(0);
-  for (int i = 0; i < 2000 && (*batcher)->queue_depth() > 0; ++i) absl::SleepFor(absl::Milliseconds(1));
-  ASSERT_EQ((*batcher)->queue_depth(), 0);
+  ASSERT_TRUE(ExecutorTookAll(**batcher));
   for (float v : {1.0f, 13.0f, 2.0f}) enqueue(v);
   ASSERT_EQ((*batcher)->queue_depth(), 3);
   {
@@ -315,6 +345,112 @@ TEST(BatcherTest, OneBadRequestDoesNotFailTheOthersInItsBatch) {
   EXPECT_EQ(std::count(codes.begin(), codes.end(), absl::StatusCode::kInternal), 1);
   // The held one, the three together (which failed), then each of them alone.
   EXPECT_EQ(executed, (std::vector<int64_t>{1, 3, 1, 1, 1}));
+}
+
+// A failed batch's requests are run again one at a time, and a higher-priority request that
+// arrives meanwhile runs before the ones still waiting to be re-run.
+TEST(BatcherTest, ARequestRunAgainAfterItsBatchFailedDoesNotHoldBackAHigherPriority) {
+  RealClock clock;
+  absl::Mutex mu;
+  bool release_first = false;   // holds the execution of the value 0
+  bool release_rerun = false;   // holds the lone re-run of the value 1
+  bool rerun_started = false;
+  std::vector<std::vector<float>> executed;  // each execution's values
+  auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+    const float* f = reinterpret_cast<const float*>(in[0].data.data());
+    absl::MutexLock lock(&mu);
+    executed.emplace_back(f, f + in[0].shape[0]);
+    if (f[0] == 0) mu.Await(absl::Condition(&release_first));
+    if (in[0].shape[0] == 1 && f[0] == 1) {
+      rerun_started = true;
+      mu.Await(absl::Condition(&release_rerun));
+    }
+    for (int64_t i = 0; i < in[0].shape[0]; ++i) {
+      if (f[i] == 13) return absl::InternalError("bad token");
+    }
+    Tensor y = in[0];
+    y.name = "y";
+    return std::vector<Tensor>{y};
+  };
+  auto batcher = Batcher::Create(BatchingConfig(0), exec, &clock, nullptr);
+  ASSERT_TRUE(batcher.ok());
+  std::vector<std::pair<float, absl::StatusCode>> answers;
+  auto enqueue = [&](float v, int64_t priority) {
+    Batcher::Item it;
+    it.inputs = {Make("x", {1, 1}, {v})};
+    it.priority = priority;
+    it.done = [&, v](absl::StatusOr<std::vector<Tensor>> r) {
+      absl::MutexLock lock(&mu);
+      answers.emplace_back(v, r.status().code());
+    };
+    ASSERT_TRUE((*batcher)->Enqueue(std::move(it)).ok());
+  };
+  enqueue(0, 2);
+  ASSERT_TRUE(ExecutorTookAll(**batcher));
+  for (float v : {1.0f, 13.0f, 2.0f}) enqueue(v, 2);
+  {
+    absl::MutexLock lock(&mu);
+    release_first = true;
+    // The three fail together, then the first of them is re-run alone and held there.
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&rerun_started), absl::Seconds(10)));
+  }
+  enqueue(5, 1);  // a higher priority, while 13 and 2 still wait to be re-run
+  {
+    absl::MutexLock lock(&mu);
+    release_rerun = true;
+    auto all = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return answers.size() == 5; };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all), absl::Seconds(10)));
+  }
+  (*batcher)->Stop();
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(executed, (std::vector<std::vector<float>>{{0}, {1, 13, 2}, {1}, {5}, {13}, {2}}));
+  const std::vector<std::pair<float, absl::StatusCode>> want = {
+      {0, absl::StatusCode::kOk},
+      {1, absl::StatusCode::kOk},
+      {5, absl::StatusCode::kOk},
+      {13, absl::StatusCode::kInternal},
+      {2, absl::StatusCode::kOk}};
+  EXPECT_EQ(answers, want);
+}
+
+// max_queue_size bounds each priority level on its own: low-priority requests filling their
+// queue never refuse a higher one.
+TEST(BatcherTest, EachPriorityLevelHasItsOwnQueueBound) {
+  RealClock clock;
+  HeldEcho held;
+  auto batcher = Batcher::Create(BatchingConfig(2), held.Executor(), &clock, nullptr);
+  ASSERT_TRUE(batcher.ok());
+  std::atomic<int> ok{0};
+  auto item = [&](int64_t priority) {
+    Batcher::Item it;
+    it.inputs = {Make("x", {1, 1}, {1})};
+    it.priority = priority;
+    it.done = [&](absl::StatusOr<std::vector<Tensor>> r) {
+      if (r.ok()) ok++;
+    };
+    return it;
+  };
+  ASSERT_TRUE((*batcher)->Enqueue(item(2)).ok());
+  ASSERT_TRUE(ExecutorTookAll(**batcher));  // the executor holds the first one
+  ASSERT_TRUE((*batcher)->Enqueue(item(2)).ok());
+  ASSERT_TRUE((*batcher)->Enqueue(item(2)).ok());
+  absl::Status full = (*batcher)->Enqueue(item(2));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.message().find("at priority 2"), std::string::npos) << full;
+  // Priority 1 has a queue of its own, bounded the same.
+  EXPECT_TRUE((*batcher)->Enqueue(item(1)).ok());
+  EXPECT_TRUE((*batcher)->Enqueue(item(1)).ok());
+  EXPECT_EQ((*batcher)->Enqueue(item(1)).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*batcher)->queue_depth(), 4);
+  {
+    absl::MutexLock lock(&held.mu);
+    held.release = true;
+  }
+  // Drained, each level takes requests again.
+  for (int i = 0; i < 5000 && ok.load() < 5; ++i) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(ok.load(), 5);
+  EXPECT_TRUE((*batcher)->Enqueue(item(2)).ok());
+  (*batcher)->Stop();
 }
 
 TEST(BatcherTest, ALoneRequestOnAnIdleModelRunsOnTheCallersThread) {
