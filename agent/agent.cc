@@ -187,6 +187,24 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
   if (o.tick < absl::Milliseconds(10) || o.tick > absl::Seconds(10)) {
     return absl::InvalidArgumentError("--tick-ms: must be in 10..10000");
   }
+  if (o.inference_probe_interval != absl::ZeroDuration() &&
+      (o.inference_probe_interval < absl::Milliseconds(100) ||
+       o.inference_probe_interval > absl::Hours(1))) {
+    return absl::InvalidArgumentError(
+        "--inference-probe-interval-ms: must be 0 (off) or in 100..3600000, got " +
+        std::to_string(absl::ToInt64Milliseconds(o.inference_probe_interval)));
+  }
+  if (o.inference_probe_timeout < absl::Milliseconds(10) ||
+      o.inference_probe_timeout > absl::Minutes(10)) {
+    return absl::InvalidArgumentError(
+        "--inference-probe-timeout-ms: must be in 10..600000, got " +
+        std::to_string(absl::ToInt64Milliseconds(o.inference_probe_timeout)));
+  }
+  if (o.inference_probe_failures < 0 || o.inference_probe_failures > 100) {
+    return absl::InvalidArgumentError(
+        "--inference-probe-failures: must be in 0..100 (0 = never restart), got " +
+        std::to_string(o.inference_probe_failures));
+  }
   return ParsePowerMode(o.gpu_power).status();
 }
 
@@ -258,7 +276,7 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   }
   launcher_ = std::make_unique<RealProcessLauncher>();
   clients_ = std::make_unique<GrpcRuntimeClientFactory>(absl::Seconds(2));
-  prober_ = MakeGrpcInferenceProber(absl::Seconds(2));
+  prober_ = MakeGrpcInferenceProber(options_.inference_probe_timeout);
   SupervisorOptions so;
   so.runtime_binary = options_.runtime_binary;
   so.state_dir = options_.state_dir;
@@ -269,6 +287,8 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   so.runtime_log_level = options_.runtime_log_level;
   so.prestart_per_gpu = options_.prestart_per_gpu;
   so.prestart_cpu = options_.prestart_cpu;
+  so.inference_probe_interval = options_.inference_probe_interval;
+  so.inference_probe_failures = options_.inference_probe_failures;
   // With a controller, replicas on a failing GPU serve until it has moved them elsewhere.
   so.drain_on_unhealthy_gpu = options_.controller.empty();
   PowerMode mode = *ParsePowerMode(options_.gpu_power);
@@ -316,7 +336,7 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
     std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
     monitor_ = std::make_unique<GpuMonitor>(
         gpus_.get(), indexes,
-        GpuMonitor::Persistence{options_.state_dir + "/gpu_health.json", boot_id});
+        GpuMonitor::Persistence{options_.state_dir + "/gpu_health.json", boot_id}, clock_);
     power_ = std::make_unique<GpuPowerManager>(
         gpus_.get(), mode, policy, [](const std::string& s) { Log()->info("power: {}", s); },
         options_.state_dir + "/gpu_power_originals.json");
@@ -781,6 +801,10 @@ void Agent::Loop() {
     if (monitor_ && MonotonicNow() - last_gpu_poll_ >= absl::Seconds(1)) {
       last_gpu_poll_ = MonotonicNow();
       monitor_->Poll();
+      for (const auto& [gpu, xid] : monitor_->TakeApplicationXids()) {
+        supervisor_->ProbeGpuSoon(gpu, "Xid " + std::to_string(xid) + ": " +
+                                           ClassifyXid(xid).description);
+      }
       for (const auto& [gpu, h] : monitor_->health()) {
         std::string why;
         for (const auto& r : h.reasons) why += (why.empty() ? "" : "; ") + r;

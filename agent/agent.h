@@ -57,6 +57,12 @@ struct AgentOptions {
   absl::Duration stop_timeout = absl::Seconds(30);
   // A replica not WARM within this long of its start is killed and restarted (0 = no limit).
   absl::Duration start_timeout = absl::Minutes(10);
+  // A tiny real inference per SERVING replica (--inference-probe-interval-ms, 0 = off), given
+  // --inference-probe-timeout-ms; a failure takes it out of routing, and
+  // --inference-probe-failures in a row (0 = never) get it restarted.
+  absl::Duration inference_probe_interval = absl::Seconds(10);
+  absl::Duration inference_probe_timeout = absl::Seconds(2);
+  int inference_probe_failures = 3;
   bool stop_replicas_on_exit = false;
   std::string runtime_log_level = "info";
   // Pre-started runtimes kept ready per GPU (--prestart-per-gpu) and for CPU replicas

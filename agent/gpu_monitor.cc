@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <utility>
 
 #include "common/filesystem.h"
 #include "common/logging.h"
@@ -13,8 +14,12 @@ namespace {
 bool DrainClass(uint64_t xid) { return ClassifyXid(xid).action == XidAction::kDrainGpu; }
 }  // namespace
 
-GpuMonitor::GpuMonitor(GpuDriver* driver, std::vector<int> gpus, Persistence persistence)
-    : driver_(driver), gpus_(std::move(gpus)), persistence_(std::move(persistence)) {
+GpuMonitor::GpuMonitor(GpuDriver* driver, std::vector<int> gpus, Persistence persistence,
+                       Clock* clock)
+    : driver_(driver),
+      gpus_(std::move(gpus)),
+      persistence_(std::move(persistence)),
+      clock_(clock ? clock : &real_clock_) {
   if (persistence_.state_file.empty()) return;
   if (persistence_.boot_id.empty()) {
     // Without it a reboot could not be told apart: nothing is kept rather than kept forever.
@@ -110,10 +115,17 @@ void GpuMonitor::Poll() {
         changed |= AddDrainXid(e.index, e.xid);
         continue;
       }
+      if (ClassifyXid(e.xid).action == XidAction::kApplication) {
+        new_application_xids_.emplace_back(e.index, e.xid);
+      }
       auto& recent = recent_xids_[e.index];
-      recent.push_back(e.xid);
+      recent.push_back({e.xid, clock_->Now()});
       if (recent.size() > kRecentApplicationXids) recent.pop_front();
     }
+  }
+  const absl::Time now = clock_->Now();
+  for (auto& [gpu, recent] : recent_xids_) {
+    while (!recent.empty() && now - recent.front().at >= kApplicationXidWindow) recent.pop_front();
   }
   for (int gpu : gpus_) {
     if (!restored_.empty()) {
@@ -141,7 +153,7 @@ void GpuMonitor::Poll() {
       in.temperature_c = t->temperature_c;
     }
     in.xids = drain_xids_[gpu];
-    in.xids.insert(in.xids.end(), recent_xids_[gpu].begin(), recent_xids_[gpu].end());
+    for (const SeenXid& x : recent_xids_[gpu]) in.xids.push_back(x.xid);
     GpuHealth h = EvaluateGpuHealth(in);
     int& failures = read_failures_[gpu];
     failures = t.ok() ? 0 : failures + 1;
@@ -165,6 +177,10 @@ void GpuMonitor::Poll() {
 bool GpuMonitor::Healthy(int gpu) const {
   auto it = health_.find(gpu);
   return it == health_.end() || it->second.healthy;
+}
+
+std::vector<std::pair<int, uint64_t>> GpuMonitor::TakeApplicationXids() {
+  return std::exchange(new_application_xids_, {});
 }
 
 }  // namespace kiln

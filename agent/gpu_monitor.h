@@ -5,9 +5,11 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "agent/gpu_driver.h"
+#include "common/clock.h"
 #include "health/gpu_health.h"
 
 namespace kiln {
@@ -27,16 +29,23 @@ class GpuMonitor {
     std::string state_file;  // empty: nothing kept
     std::string boot_id;     // /proc/sys/kernel/random/boot_id
   };
-  GpuMonitor(GpuDriver* driver, std::vector<int> gpus, Persistence persistence = {});
+  // `clock` null: the real one.
+  GpuMonitor(GpuDriver* driver, std::vector<int> gpus, Persistence persistence = {},
+             Clock* clock = nullptr);
 
-  // Application-class Xids kept per GPU (the most recent), so reasons stay bounded.
+  // Application-class Xids kept per GPU (the most recent), so reasons stay bounded; each
+  // keeps the GPU degraded for kApplicationXidWindow after it was seen, then is dropped.
   static constexpr size_t kRecentApplicationXids = 8;
+  static constexpr absl::Duration kApplicationXidWindow = absl::Minutes(10);
   // Failed telemetry reads in a row that make a GPU unhealthy: one failed NVML call (a busy
   // driver) must not drain every replica on the GPU.
   static constexpr int kReadFailuresUnhealthy = 3;
 
   // Drains pending Xid events (without blocking) and reads every GPU's telemetry.
   void Poll();
+  // The application-class Xids seen since the last call, as (gpu, xid), in order: each may
+  // have broken a replica's device context (NVML does not say whose).
+  std::vector<std::pair<int, uint64_t>> TakeApplicationXids();
 
   const std::map<int, GpuHealth>& health() const { return health_; }
   const std::map<int, GpuTelemetry>& telemetry() const { return telemetry_; }
@@ -57,7 +66,14 @@ class GpuMonitor {
   // Drain-class Xids, once per code (kept: a GPU that needed a reset stays unhealthy until it
   // is reset), and the most recent others (at most kRecentApplicationXids).
   std::map<int, std::vector<uint64_t>> drain_xids_;
-  std::map<int, std::deque<uint64_t>> recent_xids_;
+  struct SeenXid {
+    uint64_t xid;
+    absl::Time at;
+  };
+  std::map<int, std::deque<SeenXid>> recent_xids_;
+  std::vector<std::pair<int, uint64_t>> new_application_xids_;
+  RealClock real_clock_;
+  Clock* clock_;
   // Restored from the state file for GPUs not read yet: uuid -> (xids, ecc baseline).
   std::map<std::string, std::pair<std::vector<uint64_t>, std::optional<uint64_t>>> restored_;
   std::map<int, GpuTelemetry> telemetry_;

@@ -1,5 +1,7 @@
 #include "agent/inference_prober.h"
 
+#include <utility>
+
 #include <grpcpp/create_channel.h>
 
 #include "common/grpc_status.h"
@@ -91,6 +93,62 @@ class GrpcInferenceProber : public InferenceProber {
 
 std::unique_ptr<InferenceProber> MakeGrpcInferenceProber(absl::Duration timeout) {
   return std::make_unique<GrpcInferenceProber>(timeout);
+}
+
+ProbeRunner::ProbeRunner(InferenceProber* prober, int threads) : prober_(prober) {
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Work(); });
+}
+
+ProbeRunner::~ProbeRunner() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    jobs_.clear();
+  }
+  for (auto& t : threads_) t.join();
+}
+
+void ProbeRunner::Submit(uint64_t token, std::string address, std::string model) {
+  Job job{token, std::move(address), std::move(model)};
+  if (threads_.empty()) {
+    Run(job);
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  jobs_.push_back(std::move(job));
+}
+
+std::vector<ProbeRunner::Result> ProbeRunner::Take() {
+  absl::MutexLock lock(&mu_);
+  return std::exchange(results_, {});
+}
+
+void ProbeRunner::Run(const Job& job) {
+  absl::Status status;
+  try {
+    status = prober_->Probe(job.address, job.model);
+  } catch (const std::exception& e) {
+    status = absl::InternalError(std::string("the probe failed: ") + e.what());
+  }
+  absl::MutexLock lock(&mu_);
+  results_.push_back({job.token, std::move(status)});
+}
+
+void ProbeRunner::Work() {
+  for (;;) {
+    Job job;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !jobs_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stopping_) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    Run(job);
+  }
 }
 
 }  // namespace kiln

@@ -69,6 +69,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--stop-timeout-ms", stop_timeout_ms, "Drain deadline before a replica is killed")
       ->capture_default_str();
+  int64_t probe_interval_ms = absl::ToInt64Milliseconds(o.inference_probe_interval);
+  int64_t probe_timeout_ms = absl::ToInt64Milliseconds(o.inference_probe_timeout);
+  app.add_option("--inference-probe-interval-ms", probe_interval_ms,
+                 "A tiny real inference per SERVING replica this often; a failure takes it out "
+                 "of routing (0 = off)")
+      ->capture_default_str();
+  app.add_option("--inference-probe-timeout-ms", probe_timeout_ms,
+                 "How long one inference probe may take")
+      ->capture_default_str();
+  app.add_option("--inference-probe-failures", o.inference_probe_failures,
+                 "Failed inference probes in a row that get a replica killed and restarted with "
+                 "backoff (0 = never: it stays out of routing)")
+      ->capture_default_str();
   app.add_flag("--stop-replicas-on-exit", o.stop_replicas_on_exit,
                "Drain and stop every replica when the agent exits (default: they keep running "
                "and the next agent adopts them)");
@@ -97,6 +110,8 @@ int main(int argc, char** argv) {
   o.tick = absl::Milliseconds(tick_ms);
   o.stop_timeout = absl::Milliseconds(stop_timeout_ms);
   o.start_timeout = absl::Milliseconds(start_timeout_ms);
+  o.inference_probe_interval = absl::Milliseconds(probe_interval_ms);
+  o.inference_probe_timeout = absl::Milliseconds(probe_timeout_ms);
 
   // SIGCHLD: a replica's exit wakes the loop.
   if (!kiln::InstallSignalPipe({SIGTERM, SIGINT, SIGHUP, SIGCHLD})) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -28,6 +29,27 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
+
+// The longest control socket path taken: a unix socket path is at most 107 bytes, and the
+// data socket beside it (".data" for ".sock") is no longer.
+constexpr size_t kMaxSocketPath = 99;
+
+// What a replica's control socket under `state_dir` is named after: its id, or where that
+// would make the path too long (ids run to 128 characters), the id's start and a hash of all
+// of it. --state-dir is at most 60 characters, which leaves at least 23 here.
+std::string SocketName(const std::string& state_dir, const std::string& id) {
+  const size_t fixed = (state_dir + "/sockets/" + ".N.sock").size();
+  const size_t room = kMaxSocketPath > fixed ? kMaxSocketPath - fixed : 0;
+  if (id.size() <= room) return id;
+  uint64_t h = 1469598103934665603ULL;  // FNV-1a: the same name on every run
+  for (unsigned char c : id) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  return id.substr(0, room > 17 ? room - 17 : 0) + "-" + hex;
+}
 
 // A replica's data socket beside its control socket: NAME.sock -> NAME.data (no longer).
 std::string DataSocketOf(const std::string& control_socket) {
@@ -135,7 +157,7 @@ Supervisor::Supervisor(SupervisorOptions options, Topology topology, ProcessLaun
       clients_(clients),
       clock_(clock),
       log_(std::move(log)),
-      prober_(prober) {
+      probes_(prober ? std::make_unique<ProbeRunner>(prober, options_.probe_threads) : nullptr) {
   reserved_ = AgentReservedCpus(topology_, options_.reserved_cpus);
   std::error_code ec;
   fs::create_directories(options_.state_dir + "/sockets", ec);
@@ -318,15 +340,16 @@ absl::Status Supervisor::Launch(Replica& r) {
   }
   // Named by the id, unless another replica still listens there (one renamed away from this
   // id keeps its socket).
-  r.socket = options_.state_dir + "/sockets/" + s.replica_id() + ".sock";
+  const std::string name = SocketName(options_.state_dir, s.replica_id());
+  r.socket = options_.state_dir + "/sockets/" + name + ".sock";
   for (int k = 1; std::any_of(replicas_.begin(), replicas_.end(), [&](const auto& other) {
          return &other.second != &r && other.second.socket == r.socket;
        });
        ++k) {
-    r.socket = options_.state_dir + "/sockets/" + s.replica_id() + "." + std::to_string(k) + ".sock";
+    r.socket = options_.state_dir + "/sockets/" + name + "." + std::to_string(k) + ".sock";
   }
   r.log_file = options_.state_dir + "/logs/" + s.replica_id() + ".log";
-  if (r.socket.size() > 99) {
+  if (r.socket.size() > kMaxSocketPath) {
     return absl::InvalidArgumentError("--state-dir: too long for a unix socket path (" + r.socket +
                                       ")");
   }
@@ -377,6 +400,8 @@ absl::Status Supervisor::Launch(Replica& r) {
   r.control_ok = false;
   r.probe = absl::OkStatus();
   r.last_probe = absl::InfinitePast();
+  r.probe_token = 0;  // a result for the previous process is stale
+  r.probe_failures = 0;
   r.last_answer = clock_->Now();
   r.last_used = clock_->Now();
   r.client = clients_->Connect(r.socket);
@@ -494,7 +519,7 @@ absl::Status Supervisor::LaunchPrestarted(PoolKey key, const PoolPlace& place) {
   p.numa_node = key.second;
   p.socket = options_.state_dir + "/sockets/" + name + ".sock";
   p.log_file = options_.state_dir + "/logs/" + name + ".log";
-  if (p.socket.size() > 99) {
+  if (p.socket.size() > kMaxSocketPath) {
     return absl::InvalidArgumentError("--state-dir: too long for a unix socket path (" + p.socket +
                                       ")");
   }
@@ -819,24 +844,21 @@ void Supervisor::Observe(Replica& r) {
          " after " + std::to_string(st->load_time_micros() / 1000) + " ms");
   }
   if (r.phase != Phase::kRunning || r.removing) return;
-  if (prober_ && r.observed == v1::SERVING && r.grpc_port > 0 &&
+  if (probes_ && r.observed == v1::SERVING && r.grpc_port > 0 && r.probe_token == 0 &&
       options_.inference_probe_interval > absl::ZeroDuration() &&
       now - r.last_probe >= options_.inference_probe_interval) {
     r.last_probe = now;
-    absl::Status was = r.probe;
-    r.probe = prober_->Probe(options_.bind_address + ":" + std::to_string(r.grpc_port),
-                             r.spec.model());
-    if (!r.probe.ok() && was.ok()) {
-      log_("replica " + r.spec.replica_id() + ": inference probe failed (" +
-           std::string(r.probe.message()) + "); out of routing");
-    } else if (r.probe.ok() && !was.ok()) {
-      log_("replica " + r.spec.replica_id() + ": inference probe passes again");
-    }
+    r.probe_token = ++probe_seq_;
+    probes_->Submit(r.probe_token, options_.bind_address + ":" + std::to_string(r.grpc_port),
+                    r.spec.model());
   }
   if (r.spec.state() == v1::SERVING && r.observed == v1::WARM) {
     auto p = r.client->Promote();
     if (p.ok()) {
       r.observed = p->state();
+      // One that failed its probe before it was demoted is probed at once, not at its
+      // interval: until a probe passes it stays out of routing.
+      if (!r.probe.ok()) r.last_probe = absl::InfinitePast();
       log_("replica " + r.spec.replica_id() + ": promoted to SERVING");
     } else {
       r.last_error = "promote: " + std::string(p.status().message());
@@ -846,6 +868,7 @@ void Supervisor::Observe(Replica& r) {
     if (d.ok()) {
       r.observed = d->state();
       state_dirty_ = true;  // its last use is fixed now
+      r.probe_token = 0;    // a probe under way may meet it WARM, which says nothing
       log_("replica " + r.spec.replica_id() + ": demoted to WARM");
     } else {
       r.last_error = "demote: " + std::string(d.status().message());
@@ -916,6 +939,7 @@ void Supervisor::Tick() {
     }
     ++it;
   }
+  TakeProbeResults();
   // After the replicas, so that a replica starting this tick takes a ready runtime before
   // the pool counts what it has.
   TickPool();
@@ -923,6 +947,52 @@ void Supervisor::Tick() {
   if (std::exchange(state_dirty_, false)) changed_set = true;
   if (changed_set) SaveState();
   Publish();
+}
+
+void Supervisor::TakeProbeResults() {
+  if (!probes_) return;
+  for (auto& result : probes_->Take()) {
+    auto r = std::find_if(replicas_.begin(), replicas_.end(), [&](const auto& e) {
+      return e.second.probe_token == result.token;
+    });
+    if (r == replicas_.end()) continue;  // its process is gone: stale
+    Replica& rep = r->second;
+    const std::string& id = r->first;
+    rep.probe_token = 0;
+    // Sent while it was SERVING; one demoted (or stopping) since refuses inference, which says
+    // nothing of its health.
+    if (rep.phase != Phase::kRunning || rep.removing || rep.observed != v1::SERVING) continue;
+    const absl::Status was = rep.probe;
+    rep.probe = std::move(result.status);
+    if (rep.probe.ok()) {
+      if (!was.ok()) log_("replica " + id + ": inference probe passes again");
+      rep.probe_failures = 0;
+      continue;
+    }
+    rep.probe_failures++;
+    if (was.ok()) {
+      log_("replica " + id + ": inference probe failed (" + std::string(rep.probe.message()) +
+           "); out of routing");
+    }
+    if (options_.inference_probe_failures > 0 &&
+        rep.probe_failures >= options_.inference_probe_failures && rep.pid > 0) {
+      rep.last_error = "inference probe failed " + std::to_string(rep.probe_failures) +
+                       " times in a row: " + std::string(rep.probe.message());
+      log_("replica " + id + ": " + rep.last_error + "; killing pid " + std::to_string(rep.pid));
+      (void)launcher_->Signal(rep.pid, SIGKILL);  // the exit restarts it, with backoff
+      rep.probe_failures = 0;
+    }
+  }
+}
+
+void Supervisor::ProbeGpuSoon(int gpu, const std::string& reason) {
+  for (auto& [id, r] : replicas_) {
+    if (r.spec.gpu() != gpu || r.removing || r.observed != v1::SERVING) continue;
+    // One under way answers soon anyway; one already due is not logged again (an Xid storm).
+    if (r.probe_token != 0 || r.last_probe == absl::InfinitePast()) continue;
+    r.last_probe = absl::InfinitePast();
+    log_("replica " + id + ": probed now (" + reason + " on gpu " + std::to_string(gpu) + ")");
+  }
 }
 
 bool Supervisor::InAssignedState(const Replica& r) {

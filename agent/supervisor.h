@@ -44,8 +44,13 @@ struct SupervisorOptions {
   // A running replica whose control socket does not answer for this long is killed (and
   // restarted); it leaves routing at the first unanswered probe.
   absl::Duration probe_timeout = absl::Seconds(10);
-  // A tiny real inference per SERVING replica this often; 0 = off.
+  // A tiny real inference per SERVING replica this often; 0 = off. A failed probe takes the
+  // replica out of routing; this many failed in a row get it killed and restarted with
+  // backoff, as a crash (0 = never: it stays out of routing until a probe passes).
   absl::Duration inference_probe_interval = absl::Seconds(10);
+  int inference_probe_failures = 3;
+  // Threads that run the probes, off the agent's loop (0: inline, for tests).
+  int probe_threads = 2;
   // When a GPU goes unhealthy: true, its replicas drain at once (a node on its own); false,
   // they keep serving while they can (a controller moves them make-before-break). Either way
   // none is restarted on that GPU until it is healthy again.
@@ -131,6 +136,10 @@ class Supervisor {
   // An unhealthy GPU takes no new replicas and its replicas are drained (not restarted) until
   // it is healthy again; they stay assigned and are reported with the reason.
   void SetGpuHealth(int gpu, bool healthy, const std::string& reason);
+  // Something on the GPU failed that may have broken a replica's device context (an
+  // application-class Xid; NVML does not say whose): its SERVING replicas are probed on the
+  // next pass instead of at their interval.
+  void ProbeGpuSoon(int gpu, const std::string& reason);
 
   // The replicas as last published. Keep the returned pointer while reading: iterating
   // `*Snapshot()` directly lets the vector be freed mid-loop when a newer one is published.
@@ -192,6 +201,8 @@ class Supervisor {
     bool control_ok = false;
     absl::Time last_probe = absl::InfinitePast();
     absl::Status probe = absl::OkStatus();
+    uint64_t probe_token = 0;  // the probe under way (0: none); a result for another is stale
+    int probe_failures = 0;    // in a row
     std::string last_error;
   };
   // Running in the state its spec asks for, and not being removed.
@@ -261,6 +272,9 @@ class Supervisor {
   // write is logged and tried again on the next tick.
   void SaveState();
   void Publish();
+  // Applies the inference probes that finished: health, and a restart after
+  // inference_probe_failures in a row.
+  void TakeProbeResults();
 
   const SupervisorOptions options_;
   const Topology topology_;
@@ -268,7 +282,8 @@ class Supervisor {
   RuntimeClientFactory* clients_;
   Clock* clock_;
   Log log_;
-  InferenceProber* prober_;
+  std::unique_ptr<ProbeRunner> probes_;  // null without a prober
+  uint64_t probe_seq_ = 0;
   std::vector<int> reserved_;
   std::map<std::string, Replica> replicas_;  // by replica id
   // A replica with no process when the agent stopped (waiting out a backoff, in a crash

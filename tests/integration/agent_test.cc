@@ -37,6 +37,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "kiln/v1/control_plane.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/eventually.h"
 #include "tests/support/raw_http_client.h"
 #include "tests/support/requests.h"
 #include "tests/support/shell.h"
@@ -374,6 +375,26 @@ TEST_F(AgentTest, KilledReplicaIsRestartedAndABadFileKeepsTheOldAssignment) {
 
 // A reload is taken when SIGHUP comes, not at the loop's next tick (the longest allowed, 10 s,
 // here; each reload below is given 3 s): a scale-up waits for no timer.
+// An application Xid on a GPU gets its SERVING replicas probed at once, by a real inference,
+// instead of at their interval (an hour here); the replica passes and stays in routing.
+TEST_F(AgentTest, AnApplicationXidGetsTheGpusReplicasProbedAtOnce) {
+  extra_args_ = {"--inference-probe-interval-ms", "3600000"};
+  WriteAssignment("replicas:\n" + Replica("g0", "SERVING", 0));
+  StartAgent();
+  WaitFor([&](const json& j) { return Find(j, "g0")["state"] == "SERVING" && Find(j, "g0")["healthy"] == true; },
+          "SERVING");
+  web::http::client::http_client c("http://127.0.0.1:" + std::to_string(admin_port_));
+  auto resp = c.request(web::http::methods::POST, "/v1/fake-gpus/0/xid/31").get();
+  ASSERT_EQ(resp.status_code(), 200) << resp.extract_utf8string(true).get();
+  ASSERT_TRUE(kiln::testing::Eventually(
+      [&] { return ReadFile(log_).find("replica g0: probed now (Xid 31: GPU memory page fault on gpu 0)") != std::string::npos; },
+      absl::Seconds(30)))
+      << ReadFile(log_);
+  json j = WaitFor([&](const json& j) { return Find(j, "g0")["healthy"] == true; }, "healthy");
+  EXPECT_EQ(Find(j, "g0")["state"], "SERVING");
+  EXPECT_EQ(ReadFile(log_).find("inference probe failed"), std::string::npos) << ReadFile(log_);
+}
+
 TEST_F(AgentTest, ASighupIsTakenAtOnceWhateverTheTick) {
   tick_ms_ = "10000";
   WriteAssignment("replicas: []\n");
@@ -1145,6 +1166,12 @@ TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
       {{"--router-http-threads", "0"}, "--router-http-threads: must be in 1..64"},
       {{"--router-http-threads", "65"}, "--router-http-threads: must be in 1..64"},
       {{"--start-timeout-ms", "-1"}, "--start-timeout-ms: must be in 0..86400000"},
+      {{"--inference-probe-interval-ms", "50"},
+       "--inference-probe-interval-ms: must be 0 (off) or in 100..3600000, got 50"},
+      {{"--inference-probe-interval-ms", "-1"}, "--inference-probe-interval-ms: must be 0"},
+      {{"--inference-probe-timeout-ms", "0"}, "--inference-probe-timeout-ms: must be in 10..600000"},
+      {{"--inference-probe-failures", "101"}, "--inference-probe-failures: must be in 0..100"},
+      {{"--inference-probe-failures", "-1"}, "--inference-probe-failures: must be in 0..100"},
   };
   for (const auto& c : cases) {
     std::string cmd = std::string(KILN_AGENT_BIN) + " --runtime-binary " + KILN_RUNTIME_BIN +

@@ -123,6 +123,31 @@ TEST(GpuMonitorTest, XidsAndNewEccErrorsMakeAGpuUnhealthy) {
   EXPECT_NE(m.health().at(2).reasons[0].find("1 new uncorrectable"), std::string::npos);
 }
 
+// An application Xid is handed to the loop once (its GPU's replicas are probed) and keeps the
+// GPU degraded for a while, not for ever.
+TEST(GpuMonitorTest, AnApplicationXidIsReportedOnceAndAgesOut) {
+  FakeGpuDriver driver(FakeGpuDriver::MakeGpus(2, 16LL << 30));
+  SimulatedClock clock;
+  GpuMonitor m(&driver, {0, 1}, {}, &clock);
+  m.Poll();
+  EXPECT_TRUE(m.TakeApplicationXids().empty());
+  driver.InjectXid(1, 31);
+  driver.InjectXid(1, 92);  // informational: degraded too, but no replica to probe for it
+  driver.InjectXid(0, 79);  // the GPU's own: unhealthy, handled as such
+  m.Poll();
+  EXPECT_EQ(m.TakeApplicationXids(), (std::vector<std::pair<int, uint64_t>>{{1, 31}}));
+  EXPECT_TRUE(m.TakeApplicationXids().empty());
+  EXPECT_TRUE(m.Healthy(1));
+  EXPECT_TRUE(m.health().at(1).degraded);
+  clock.Advance(GpuMonitor::kApplicationXidWindow - absl::Seconds(1));
+  m.Poll();
+  EXPECT_TRUE(m.health().at(1).degraded);
+  clock.Advance(absl::Seconds(1));
+  m.Poll();
+  EXPECT_FALSE(m.health().at(1).degraded) << m.health().at(1).reasons.size();
+  EXPECT_FALSE(m.Healthy(0));  // a reset-class Xid does not age out
+}
+
 // One failed telemetry read (a busy driver) does not make a GPU unhealthy; three in a row do,
 // and a good read ends it.
 TEST(GpuMonitorTest, AGpuIsUnhealthyOnlyAfterReadsFailThreeTimesInARow) {

@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/eventually.h"
 #include "tests/support/shell.h"
 
 namespace kiln {
@@ -65,9 +66,14 @@ class SupervisorTest : public ::testing::Test {
     options_.runtime_binary = "/usr/bin/kiln-runtime";
     options_.state_dir = dir_.string();
     options_.stop_timeout = absl::Seconds(10);
+    options_.probe_threads = 0;  // probes run inside the tick that sends them
     sup_ = MakeSupervisor();
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override {
+    prober_.Hold(false);  // a probe left held would keep the supervisor's probe thread
+    sup_.reset();
+    fs::remove_all(dir_);
+  }
   std::unique_ptr<Supervisor> MakeSupervisor() {
     return std::make_unique<Supervisor>(options_, TwoNodeTopology(), &launcher_, &runtimes_,
                                         &clock_, [this](const std::string& s) { log_.push_back(s); },
@@ -98,6 +104,19 @@ class SupervisorTest : public ::testing::Test {
       sup_->Tick();
     }
     return waited;
+  }
+  // Replica "a" SERVING at port 6001 under a supervisor with a probe thread, its first probe
+  // sent and held by the prober.
+  void StartWithAHeldProbe() {
+    options_.probe_threads = 1;
+    sup_ = MakeSupervisor();
+    ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+    sup_->Tick();
+    runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6001);
+    prober_.Hold(true);
+    sup_->Tick();
+    ASSERT_TRUE(kiln::testing::Eventually([&] { return prober_.probes("127.0.0.1:6001") == 1; },
+                                          absl::Seconds(10)));
   }
   v1::Assignment Assignment(std::vector<v1::ReplicaSpec> specs, int64_t generation = 1) {
     v1::Assignment a;
@@ -227,6 +246,34 @@ TEST_F(SupervisorTest, AnAssignmentThatDoesNotFitIsRejectedWhole) {
   EXPECT_EQ(launcher_.launches().size(), 1u);
   EXPECT_FALSE(sup_->Apply(Assignment({Spec("a", 0, 4, v1::SERVING, "2")}, 3)).ok());  // same id, new version
   EXPECT_FALSE(sup_->Apply(Assignment({Spec("x", 7, 1, v1::SERVING)}, 3)).ok());      // no GPU 7
+}
+
+// Ids run to 128 characters, more than a unix socket path under --state-dir has room for: a
+// long one's control socket is named by the id's start and a hash of all of it.
+TEST_F(SupervisorTest, ALongIdGetsAControlSocketThatFits) {
+  const size_t room = 99 - (dir_.string() + "/sockets/.N.sock").size();
+  const std::string fits(room, 'x');
+  const std::string long1(128, 'y');
+  const std::string long2 = std::string(127, 'y') + "z";  // the same start
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec(fits, 0, 1, v1::SERVING), Spec(long1, 0, 1, v1::SERVING),
+                                      Spec(long2, 1, 1, v1::SERVING)}))
+                  .ok());
+  sup_->Tick();
+  ASSERT_EQ(launcher_.launches().size(), 3u);
+  EXPECT_EQ(View(fits)->phase, "STARTING");
+  EXPECT_EQ(View(long1)->phase, "STARTING") << View(long1)->last_error;
+  EXPECT_EQ(View(long2)->phase, "STARTING") << View(long2)->last_error;
+  std::set<std::string> sockets;
+  for (const auto& l : launcher_.launches()) {
+    const std::string socket = Arg(l, "--control-socket");
+    EXPECT_LE(socket.size(), 99u) << socket;
+    EXPECT_EQ(socket.rfind(dir_.string() + "/sockets/", 0), 0u) << socket;
+    sockets.insert(socket);
+  }
+  EXPECT_EQ(sockets.size(), 3u);  // each its own
+  EXPECT_TRUE(sockets.count(dir_.string() + "/sockets/" + fits + ".sock"));
+  // The id itself is unchanged: its log file and what its runtime is told.
+  EXPECT_EQ(Arg(launcher_.launches()[1], "--replica-id"), long1);
 }
 
 // A full node told to swap a replica for another (a canary for a stable one): the assignment
@@ -570,6 +617,123 @@ TEST_F(SupervisorTest, ProbeFailuresTakeAReplicaOutOfRoutingAndSilenceGetsItKill
   clock_.Advance(absl::Seconds(10));
   sup_->Tick();
   EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{pid, SIGKILL}}));
+}
+
+TEST_F(SupervisorTest, InferenceProbesFailingThreeTimesInARowRestartTheReplica) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6001);
+  sup_->Tick();
+  const pid_t pid = View("a")->pid;
+  auto probe_after = [&](absl::Status s) {
+    prober_.Set("127.0.0.1:6001", std::move(s));
+    clock_.Advance(absl::Seconds(10));
+    sup_->Tick();
+  };
+  // Two failures, then a pass: the count starts again.
+  probe_after(absl::DeadlineExceededError("probe timed out"));
+  probe_after(absl::DeadlineExceededError("probe timed out"));
+  probe_after(absl::OkStatus());
+  EXPECT_TRUE(View("a")->healthy);
+  probe_after(absl::InternalError("CUDA error: an illegal memory access"));
+  probe_after(absl::InternalError("CUDA error: an illegal memory access"));
+  EXPECT_TRUE(launcher_.signals().empty());  // out of routing, not killed yet
+  EXPECT_FALSE(View("a")->healthy);
+  probe_after(absl::InternalError("CUDA error: an illegal memory access"));
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{pid, SIGKILL}}));
+  EXPECT_NE(View("a")->last_error.find("inference probe failed 3 times in a row"),
+            std::string::npos);
+  // Its exit restarts it (with backoff), healthy again once its new process passes.
+  launcher_.ExitCode(pid, -SIGKILL);
+  sup_->Tick();
+  EXPECT_GT(AdvanceUntilALaunch(), absl::ZeroDuration());
+  ASSERT_EQ(launcher_.launches().size(), 2u);
+  prober_.Set("127.0.0.1:6002", absl::OkStatus());
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6002);
+  sup_->Tick();
+  EXPECT_TRUE(View("a")->healthy);
+  EXPECT_EQ(View("a")->restarts, 1);
+}
+
+TEST_F(SupervisorTest, WithNoRestartsAFailingReplicaOnlyLeavesRouting) {
+  options_.inference_probe_failures = 0;
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6001);
+  prober_.Set("127.0.0.1:6001", absl::InternalError("model execution failed"));
+  for (int i = 0; i < 10; ++i) {
+    clock_.Advance(absl::Seconds(10));
+    sup_->Tick();
+  }
+  EXPECT_EQ(prober_.probes("127.0.0.1:6001"), 10);
+  EXPECT_TRUE(launcher_.signals().empty());
+  EXPECT_FALSE(View("a")->healthy);
+}
+
+// A probe sent while the replica served, answered after it was demoted (WARM refuses
+// inference), says nothing of its health: promoted again, it is routed at once.
+TEST_F(SupervisorTest, AProbeThatMeetsADemotedReplicaIsNotCounted) {
+  ASSERT_NO_FATAL_FAILURE(StartWithAHeldProbe());
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::WARM)}, 2)).ok());
+  sup_->Tick();
+  EXPECT_EQ(runtimes_.Get(Socket("a")).state.state(), v1::WARM);
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)}, 3)).ok());
+  sup_->Tick();
+  EXPECT_EQ(runtimes_.Get(Socket("a")).state.state(), v1::SERVING);
+  // The held probe now answers what it met while the replica was WARM.
+  prober_.Set("127.0.0.1:6001", absl::UnavailableError("the model is WARM"));
+  prober_.Hold(false);
+  ASSERT_TRUE(kiln::testing::Eventually([&] { return prober_.answered("127.0.0.1:6001") == 1; },
+                                        absl::Seconds(10)));
+  for (int i = 0; i < 10; ++i) {  // the answer is taken by one of these
+    sup_->Tick();
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_TRUE(View("a")->healthy) << View("a")->health_reason;
+}
+
+// Probes run off the loop: a replica whose probe hangs does not hold up the loop's other work.
+TEST_F(SupervisorTest, AHungProbeDoesNotHoldUpTheLoop) {
+  ASSERT_NO_FATAL_FAILURE(StartWithAHeldProbe());
+  // While it hangs, a second replica is started and promoted, and "a" is not probed again.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING)},
+                                     2)).ok());
+  sup_->Tick();
+  ASSERT_EQ(launcher_.launches().size(), 2u);
+  runtimes_.Set(Socket("b"), v1::WARM, "enc", "1", 6002);
+  clock_.Advance(absl::Seconds(30));
+  sup_->Tick();
+  EXPECT_EQ(runtimes_.Get(Socket("b")).state.state(), v1::SERVING);
+  EXPECT_EQ(prober_.probes("127.0.0.1:6001"), 1);
+  EXPECT_TRUE(View("a")->healthy);  // no answer yet is not a failure
+  prober_.Set("127.0.0.1:6001", absl::DeadlineExceededError("probe timed out"));
+  prober_.Hold(false);
+  ASSERT_TRUE(kiln::testing::Eventually(
+      [&] {
+        sup_->Tick();
+        return !View("a")->healthy;
+      },
+      absl::Seconds(10)));
+  EXPECT_NE(View("a")->health_reason.find("probe timed out"), std::string::npos);
+}
+
+TEST_F(SupervisorTest, AnApplicationXidGetsTheGpusServingReplicasProbedAtOnce) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6001);
+  runtimes_.Set(Socket("b"), v1::SERVING, "enc", "1", 6002);
+  sup_->Tick();
+  ASSERT_EQ(prober_.probes("127.0.0.1:6001"), 1);
+  clock_.Advance(absl::Seconds(1));
+  sup_->ProbeGpuSoon(0, "Xid 31: GPU memory page fault");
+  sup_->ProbeGpuSoon(0, "Xid 31: GPU memory page fault");  // a storm probes once
+  sup_->Tick();
+  EXPECT_EQ(prober_.probes("127.0.0.1:6001"), 2);
+  EXPECT_EQ(prober_.probes("127.0.0.1:6002"), 1);  // another GPU's waits for its interval
+  EXPECT_EQ(std::count_if(log_.begin(), log_.end(),
+                          [](const std::string& l) { return l.find("probed now") != std::string::npos; }),
+            1);
 }
 
 TEST_F(SupervisorTest, RecoveryIgnoresGarbageAndAdoptsSilentReplicas) {
