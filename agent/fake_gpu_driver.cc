@@ -1,5 +1,7 @@
 #include "agent/fake_gpu_driver.h"
 
+#include <algorithm>
+
 #include <cstdio>
 
 #include "common/config_node.h"
@@ -25,6 +27,7 @@ std::vector<FakeGpuDriver::Gpu> FakeGpuDriver::MakeGpus(int count, int64_t memor
     g.identity.power_limit_default_mw = 700000;
     g.telemetry.memory_total_bytes = memory_bytes;
     g.telemetry.power_limit_mw = 700000;
+    g.telemetry.power_management_limit_mw = 700000;
     g.telemetry.power_draw_mw = 70000;
     g.telemetry.temperature_c = 35;
     g.telemetry.sm_clock_mhz = 345;
@@ -111,7 +114,10 @@ absl::Status FakeGpuDriver::SetPowerLimit(int index, uint32_t milliwatts) {
     return absl::InvalidArgumentError("power limit " + std::to_string(milliwatts) +
                                       " mW is outside the card's bounds");
   }
-  gpus_[index].telemetry.power_limit_mw = milliwatts;
+  Gpu& g = gpus_[index];
+  g.telemetry.power_management_limit_mw = milliwatts;
+  g.telemetry.power_limit_mw =
+      g.external_cap_mw > 0 ? std::min(milliwatts, g.external_cap_mw) : milliwatts;
   calls_.push_back("power_limit " + std::to_string(index) + " " + std::to_string(milliwatts));
   return absl::OkStatus();
 }
@@ -153,6 +159,15 @@ FakeGpuDriver::Gpu FakeGpuDriver::Get(int index) const {
 std::vector<std::string> FakeGpuDriver::calls() const {
   absl::MutexLock lock(&mu_);
   return calls_;
+}
+
+void FakeGpuDriver::SetExternalPowerCap(int index, uint32_t milliwatts) {
+  absl::MutexLock lock(&mu_);
+  if (index < 0 || index >= static_cast<int>(gpus_.size())) return;
+  Gpu& g = gpus_[index];
+  g.external_cap_mw = milliwatts;
+  const uint32_t set = g.telemetry.power_management_limit_mw;
+  g.telemetry.power_limit_mw = milliwatts > 0 ? std::min(set, milliwatts) : set;
 }
 
 }  // namespace kiln

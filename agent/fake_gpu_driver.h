@@ -21,6 +21,9 @@ class FakeGpuDriver : public GpuDriver {
     bool locked_clocks = false;
     uint32_t locked_min_mhz = 0;
     uint32_t locked_max_mhz = 0;
+    // A limit set outside kiln (an out-of-band one, say; 0 = none): the enforced limit is the
+    // lower of it and the card's management limit.
+    uint32_t external_cap_mw = 0;
   };
 
   explicit FakeGpuDriver(std::vector<Gpu> gpus) : gpus_(std::move(gpus)) {}
@@ -46,6 +49,7 @@ class FakeGpuDriver : public GpuDriver {
   // Read(index) fails with `error` until set back to OK.
   void SetReadError(int index, absl::Status error);
   void SetTelemetry(int index, const GpuTelemetry& t);
+  void SetExternalPowerCap(int index, uint32_t milliwatts);
   Gpu Get(int index) const;
   // Every setter call, in order ("power_limit 0 300000").
   std::vector<std::string> calls() const;

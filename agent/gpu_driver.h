@@ -42,7 +42,10 @@ struct GpuTelemetry {
   uint32_t utilization_gpu_pct = 0;
   uint32_t utilization_memory_pct = 0;
   uint32_t power_draw_mw = 0;
-  uint32_t power_limit_mw = 0;  // the enforced limit
+  uint32_t power_limit_mw = 0;  // the enforced limit (every limiter's, the card's own included)
+  // The limit set on the card (nvmlDeviceGetPowerManagementLimit): what kiln sets, and what it
+  // restores. The enforced one may be lower (an out-of-band limit, say). 0: not read.
+  uint32_t power_management_limit_mw = 0;
   uint32_t temperature_c = 0;
   uint32_t sm_clock_mhz = 0;
   uint64_t clock_event_reasons = 0;

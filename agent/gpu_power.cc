@@ -62,6 +62,10 @@ std::string PowerChange::Describe() const {
   return "?";
 }
 
+uint32_t LimitSet(const GpuTelemetry& t) {
+  return t.power_management_limit_mw > 0 ? t.power_management_limit_mw : t.power_limit_mw;
+}
+
 std::vector<PowerChange> PlanPowerChanges(const GpuIdentity& card, const GpuTelemetry& now,
                                           const ClockLock& current_lock, const PowerKnobs& want) {
   std::vector<PowerChange> out;
@@ -80,7 +84,7 @@ std::vector<PowerChange> PlanPowerChanges(const GpuIdentity& card, const GpuTele
     if (card.power_limit_max_mw > 0) {
       limit = std::clamp(limit, card.power_limit_min_mw, card.power_limit_max_mw);
     }
-    if (limit != now.power_limit_mw) out.push_back({PowerChange::kPowerLimit, limit});
+    if (limit != LimitSet(now)) out.push_back({PowerChange::kPowerLimit, limit});
   }
   if (want.locked_sm_clocks) {
     if (current_lock != want.locked_sm_clocks) {
@@ -154,7 +158,7 @@ void GpuPowerManager::SaveOriginals() {
   }
   for (const auto& [index, o] : originals_) {
     gpus[o.identity.uuid] = {{"persistence", o.telemetry.persistence_mode},
-                             {"power_limit_mw", o.telemetry.power_limit_mw},
+                             {"power_limit_mw", LimitSet(o.telemetry)},
                              {"clocks_locked", locked_[index].has_value()}};
   }
   absl::Status s = ReplaceFile(originals_file_, nlohmann::json({{"gpus", gpus}}).dump(2) + "\n");
@@ -173,6 +177,7 @@ absl::StatusOr<std::vector<PowerChange>> GpuPowerManager::Apply(int index, GpuLo
     if (auto it = saved_.find(id.uuid); it != saved_.end()) {
       o.telemetry.persistence_mode = it->second.persistence;
       o.telemetry.power_limit_mw = it->second.power_limit_mw;
+      o.telemetry.power_management_limit_mw = it->second.power_limit_mw;
       if (it->second.clocks_locked) locked_[index] = std::make_pair(0u, 0u);  // reset on restore
       saved_.erase(it);
     }
@@ -218,6 +223,7 @@ absl::StatusOr<std::vector<PowerChange>> GpuPowerManager::Apply(int index, GpuLo
     std::string readback;
     if (c.kind == PowerChange::kPowerLimit) {
       readback = ", enforced limit now " + std::to_string(after.power_limit_mw / 1000) + " W";
+      if (after.power_limit_mw < c.a) readback += " (another limit on the card is lower)";
     } else if (c.kind == PowerChange::kPersistence) {
       readback = std::string(", persistence now ") + (after.persistence_mode ? "on" : "off");
     }
@@ -238,7 +244,7 @@ absl::Status GpuPowerManager::RestoreAll() {
     }
     PowerKnobs back;
     back.persistence = orig.telemetry.persistence_mode;
-    back.power_limit_mw = orig.telemetry.power_limit_mw;
+    back.power_limit_mw = LimitSet(orig.telemetry);
     back.unlock_clocks = true;
     for (const auto& c : PlanPowerChanges(orig.identity, *now, locked_[index], back)) {
       absl::Status s;

@@ -66,6 +66,10 @@ struct PowerChange {
 // The changes that take the card from `now` to `want` (pure). Power limits are clamped to
 // [min, max] of the card; a change already in effect is omitted.
 using ClockLock = std::optional<std::pair<uint32_t, uint32_t>>;
+// The power limit set on the card, as against the lower one it may enforce: the management
+// limit where the driver reads it, else the enforced one.
+uint32_t LimitSet(const GpuTelemetry& t);
+
 std::vector<PowerChange> PlanPowerChanges(const GpuIdentity& card, const GpuTelemetry& now,
                                           const ClockLock& current_lock, const PowerKnobs& want);
 

@@ -65,6 +65,7 @@ struct NvmlApi {
   nvmlReturn_t (*device_get_utilization_rates)(nvmlDevice_t, NvmlUtilization*);
   nvmlReturn_t (*device_get_power_usage)(nvmlDevice_t, unsigned*);
   nvmlReturn_t (*device_get_enforced_power_limit)(nvmlDevice_t, unsigned*);
+  nvmlReturn_t (*device_get_power_management_limit)(nvmlDevice_t, unsigned*);  // may be null
   nvmlReturn_t (*device_get_power_limit_constraints)(nvmlDevice_t, unsigned*, unsigned*);
   nvmlReturn_t (*device_get_power_default_limit)(nvmlDevice_t, unsigned*);
   nvmlReturn_t (*device_get_temperature)(nvmlDevice_t, unsigned, unsigned*);
@@ -153,6 +154,10 @@ class NvmlDriver : public GpuDriver {
     unsigned v = 0;
     if (api_.device_get_power_usage(d, &v) == kNvmlSuccess) t.power_draw_mw = v;
     if (api_.device_get_enforced_power_limit(d, &v) == kNvmlSuccess) t.power_limit_mw = v;
+    if (api_.device_get_power_management_limit &&
+        api_.device_get_power_management_limit(d, &v) == kNvmlSuccess) {
+      t.power_management_limit_mw = v;
+    }
     if (api_.device_get_temperature(d, kNvmlTemperatureGpu, &v) == kNvmlSuccess) {
       t.temperature_c = v;
     }
@@ -277,6 +282,8 @@ absl::StatusOr<std::unique_ptr<GpuDriver>> LoadNvmlDriver(const char* library) {
     dlclose(lib);
     return absl::FailedPreconditionError(std::string(library) + ": missing an NVML symbol kiln needs");
   }
+  // The limit set, as against the one enforced: read where the driver has it.
+  Bind(lib, "nvmlDeviceGetPowerManagementLimit", &a.device_get_power_management_limit, false);
   // The clock-event query was renamed; take whichever this driver has.
   if (!Bind(lib, "nvmlDeviceGetCurrentClocksEventReasons", &a.device_get_clock_reasons, false) ||
       a.device_get_clock_reasons == nullptr) {

@@ -556,6 +556,33 @@ TEST(GpuPowerTest, EnforceAppliesReadsBackAndRestoresOnExit) {
   EXPECT_FALSE(ParsePowerMode("yes").ok());
 }
 
+// A card may enforce a lower limit than the one set on it (an out-of-band limit, say): kiln
+// compares against and restores the limit set, never writes the enforced one back as the
+// card's own.
+TEST(GpuPowerTest, ALowerLimitSetOutsideKilnIsNeitherFoughtNorRestoredAsTheCardsOwn) {
+  FakeGpuDriver driver(FakeGpuDriver::MakeGpus(1, 80LL << 30));
+  driver.SetExternalPowerCap(0, 400000);  // enforced 400 W, set 700 W
+  ASSERT_EQ(driver.Read(0)->power_limit_mw, 400000u);
+  std::vector<std::string> log;
+  GpuPowerManager m(&driver, PowerMode::kEnforce, TestPolicy(),
+                    [&](const std::string& s) { log.push_back(s); });
+  auto plan = m.Apply(0, GpuLoad::kServing);  // wants 700 W: already set
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(plan->empty());
+  ASSERT_TRUE(m.Apply(0, GpuLoad::kWarmOnly).ok());
+  EXPECT_EQ(driver.Read(0)->power_limit_mw, 250000u);
+  ASSERT_TRUE(m.Apply(0, GpuLoad::kServing).ok());
+  EXPECT_NE(log.back().find("enforced limit now 400 W (another limit on the card is lower)"),
+            std::string::npos)
+      << log.back();
+  ASSERT_TRUE(m.Apply(0, GpuLoad::kIdle).ok());
+  ASSERT_TRUE(m.RestoreAll().ok());
+  EXPECT_EQ(driver.Read(0)->power_management_limit_mw, 700000u);  // as set, not 400 W
+  EXPECT_EQ(driver.calls(),
+            (std::vector<std::string>{"power_limit 0 250000", "power_limit 0 700000",
+                                      "power_limit 0 250000", "power_limit 0 700000"}));
+}
+
 // An agent that dies without restoring (killed, crashed) leaves the cards' own settings in its
 // file: the next one restores those, not the caps the first one left.
 TEST(GpuPowerTest, ACardsOwnSettingsOutliveAnAgentThatDiedWithoutRestoring) {
