@@ -195,9 +195,9 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
         std::to_string(absl::ToInt64Milliseconds(o.inference_probe_interval)));
   }
   if (o.inference_probe_timeout < absl::Milliseconds(10) ||
-      o.inference_probe_timeout > absl::Minutes(10)) {
+      o.inference_probe_timeout > absl::Minutes(1)) {
     return absl::InvalidArgumentError(
-        "--inference-probe-timeout-ms: must be in 10..600000, got " +
+        "--inference-probe-timeout-ms: must be in 10..60000, got " +
         std::to_string(absl::ToInt64Milliseconds(o.inference_probe_timeout)));
   }
   if (o.inference_probe_failures < 0 || o.inference_probe_failures > 100) {

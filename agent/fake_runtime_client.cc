@@ -85,6 +85,11 @@ void FakeRuntimeClientFactory::SetDeviceMemory(const std::string& socket, int64_
   runtimes_[socket].state.set_device_memory_bytes(bytes);
 }
 
+void FakeRuntimeClientFactory::SetExecutions(const std::string& socket, uint64_t batches) {
+  absl::MutexLock lock(&mu_);
+  runtimes_[socket].stats.set_batches(batches);
+}
+
 void FakeRuntimeClientFactory::FailNextLoad(const std::string& socket, absl::Status error) {
   absl::MutexLock lock(&mu_);
   runtimes_[socket].load_error = std::move(error);

@@ -31,6 +31,8 @@ class FakeRuntimeClientFactory : public RuntimeClientFactory {
            const std::string& version = "", int grpc_port = 0);
   void SetReachable(const std::string& socket, bool reachable);
   void SetDeviceMemory(const std::string& socket, int64_t bytes);
+  // Its Stats' execution count (RuntimeStats.batches).
+  void SetExecutions(const std::string& socket, uint64_t batches);
   void SetReplicaId(const std::string& socket, const std::string& id);
   void FailNextLoad(const std::string& socket, absl::Status error);
   Runtime Get(const std::string& socket) const;

@@ -1,5 +1,6 @@
 #include "agent/inference_prober.h"
 
+#include <set>
 #include <utility>
 
 #include <grpcpp/create_channel.h>
@@ -24,6 +25,9 @@ class GrpcInferenceProber : public InferenceProber {
   explicit GrpcInferenceProber(absl::Duration timeout) : timeout_(timeout) {}
 
   absl::Status Probe(const std::string& address, const std::string& model) override {
+    // One deadline for the whole probe (metadata and inference), so that it takes at most its
+    // timeout, and CancelAll() can end it sooner.
+    const absl::Time deadline = absl::Now() + timeout_;
     auto stub = inference::GRPCInferenceService::NewStub(
         grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
     inference::ModelInferRequest req;
@@ -36,7 +40,9 @@ class GrpcInferenceProber : public InferenceProber {
     }
     if (req.inputs_size() == 0) {
       grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+      ctx.set_deadline(absl::ToChronoTime(deadline));
+      Live live(this, &ctx);
+      if (!live.ok()) return Cancelled();
       inference::ModelMetadataRequest mreq;
       mreq.set_name(model);
       inference::ModelMetadataResponse meta;
@@ -70,7 +76,9 @@ class GrpcInferenceProber : public InferenceProber {
       requests_[key] = req;
     }
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    Live live(this, &ctx);
+    if (!live.ok()) return Cancelled();
     inference::ModelInferResponse resp;
     grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
     if (s.error_code() == grpc::StatusCode::INVALID_ARGUMENT ||
@@ -83,10 +91,40 @@ class GrpcInferenceProber : public InferenceProber {
     return FromGrpcStatus(s);
   }
 
+  void CancelAll() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    for (grpc::ClientContext* ctx : live_) ctx->TryCancel();
+  }
+
  private:
+  static absl::Status Cancelled() { return absl::CancelledError("the agent is stopping"); }
+
+  // A call under way, which CancelAll() cancels; none starts after it.
+  class Live {
+   public:
+    Live(GrpcInferenceProber* p, grpc::ClientContext* ctx) : p_(p), ctx_(ctx) {
+      absl::MutexLock lock(&p_->mu_);
+      ok_ = !p_->cancelled_;
+      if (ok_) p_->live_.insert(ctx_);
+    }
+    ~Live() {
+      absl::MutexLock lock(&p_->mu_);
+      p_->live_.erase(ctx_);
+    }
+    bool ok() const { return ok_; }
+
+   private:
+    GrpcInferenceProber* p_;
+    grpc::ClientContext* ctx_;
+    bool ok_ = false;
+  };
+
   absl::Duration timeout_;
   absl::Mutex mu_;
   std::map<std::string, inference::ModelInferRequest> requests_ ABSL_GUARDED_BY(mu_);
+  std::set<grpc::ClientContext*> live_ ABSL_GUARDED_BY(mu_);
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace
@@ -105,6 +143,7 @@ ProbeRunner::~ProbeRunner() {
     stopping_ = true;
     jobs_.clear();
   }
+  if (!threads_.empty()) prober_->CancelAll();  // the probes under way end now
   for (auto& t : threads_) t.join();
 }
 

@@ -18,8 +18,10 @@ namespace kiln {
 class InferenceProber {
  public:
   virtual ~InferenceProber() = default;
-  // OK when `model` at `grpc_address` answers a small all-zero request.
+  // OK when `model` at `grpc_address` answers a small all-zero request. Thread-safe.
   virtual absl::Status Probe(const std::string& grpc_address, const std::string& model) = 0;
+  // Ends the probes under way (CANCELLED), and every later one at once: the agent is stopping.
+  virtual void CancelAll() {}
 };
 
 // Reads the model's metadata once per address, then sends a batch-1 request of zeros with
@@ -37,7 +39,8 @@ class ProbeRunner {
   };
   // `threads` 0: each probe runs inside Submit (deterministic, for tests with a fake prober).
   ProbeRunner(InferenceProber* prober, int threads);
-  // Waits for the probes running (each bounded by its timeout); queued ones are dropped.
+  // Cancels the probes under way (InferenceProber::CancelAll) and waits for their threads;
+  // queued ones are dropped.
   ~ProbeRunner();
   ProbeRunner(const ProbeRunner&) = delete;
   ProbeRunner& operator=(const ProbeRunner&) = delete;

@@ -21,6 +21,7 @@
 #include "agent/assignment_file.h"
 #include "common/filesystem.h"
 #include "common/status.h"
+#include "health/probe_verdict.h"
 #include "nlohmann/json.hpp"
 
 namespace kiln {
@@ -36,9 +37,10 @@ constexpr size_t kMaxSocketPath = 99;
 
 // What a replica's control socket under `state_dir` is named after: its id, or where that
 // would make the path too long (ids run to 128 characters), the id's start and a hash of all
-// of it. --state-dir is at most 60 characters, which leaves at least 23 here.
+// of it. Room is kept for the ".K" (up to 3 digits) of a name another replica still holds.
+// --state-dir is at most 60 characters, which leaves at least 21 here.
 std::string SocketName(const std::string& state_dir, const std::string& id) {
-  const size_t fixed = (state_dir + "/sockets/" + ".N.sock").size();
+  const size_t fixed = (state_dir + "/sockets/" + ".KKK.sock").size();
   const size_t room = kMaxSocketPath > fixed ? kMaxSocketPath - fixed : 0;
   if (id.size() <= room) return id;
   uint64_t h = 1469598103934665603ULL;  // FNV-1a: the same name on every run
@@ -402,6 +404,10 @@ absl::Status Supervisor::Launch(Replica& r) {
   r.last_probe = absl::InfinitePast();
   r.probe_token = 0;  // a result for the previous process is stale
   r.probe_failures = 0;
+  r.probe_busy = false;
+  r.probe_again = false;
+  r.probe_batches = -1;
+  r.kill_reason.clear();
   r.last_answer = clock_->Now();
   r.last_used = clock_->Now();
   r.client = clients_->Connect(r.socket);
@@ -778,8 +784,11 @@ void Supervisor::HandleExit(const ProcessExit& e) {
     r.phase = Phase::kBackoff;
     r.due = d.restart_at;
     r.observed = v1::LIFECYCLE_STATE_UNSPECIFIED;
-    r.last_error = ExitText(e.status);
-    log_("replica " + r.spec.replica_id() + ": " + ExitText(e.status) + "; restart in " +
+    // Killed by the agent: the reason, not only the signal.
+    r.last_error = ExitText(e.status) +
+                   (r.kill_reason.empty() ? "" : " by the agent: " + r.kill_reason);
+    r.kill_reason.clear();
+    log_("replica " + r.spec.replica_id() + ": " + r.last_error + "; restart in " +
          absl::FormatDuration(d.backoff) +
          (d.crash_loop ? " (CrashLoop: " + std::to_string(d.crashes_in_window) +
                              " crashes within the window)"
@@ -796,6 +805,7 @@ void Supervisor::Observe(Replica& r) {
     if (!r.start_timed_out) {
       r.start_timed_out = true;
       r.last_error = "not WARM within " + absl::FormatDuration(options_.start_timeout);
+      r.kill_reason = r.last_error + " of its start";
       log_("replica " + r.spec.replica_id() + ": " + r.last_error + " of its start; killing pid " +
            std::to_string(r.pid));
     }
@@ -819,6 +829,8 @@ void Supervisor::Observe(Replica& r) {
       r.control_ok = false;
       r.last_error = "control socket: " + std::string(st.status().message());
       if (now - r.last_answer >= options_.probe_timeout && r.pid > 0) {
+        r.kill_reason = "its control socket did not answer for " +
+                        absl::FormatDuration(now - r.last_answer);
         log_("replica " + r.spec.replica_id() + ": no answer for " +
              absl::FormatDuration(now - r.last_answer) + "; killing pid " + std::to_string(r.pid));
         (void)launcher_->Signal(r.pid, SIGKILL);  // the exit restarts it
@@ -869,6 +881,7 @@ void Supervisor::Observe(Replica& r) {
       r.observed = d->state();
       state_dirty_ = true;  // its last use is fixed now
       r.probe_token = 0;    // a probe under way may meet it WARM, which says nothing
+      r.probe_failures = 0;  // counted afresh once it serves again
       log_("replica " + r.spec.replica_id() + ": demoted to WARM");
     } else {
       r.last_error = "demote: " + std::string(d.status().message());
@@ -959,26 +972,46 @@ void Supervisor::TakeProbeResults() {
     Replica& rep = r->second;
     const std::string& id = r->first;
     rep.probe_token = 0;
+    if (std::exchange(rep.probe_again, false)) rep.last_probe = absl::InfinitePast();
     // Sent while it was SERVING; one demoted (or stopping) since refuses inference, which says
     // nothing of its health.
     if (rep.phase != Phase::kRunning || rep.removing || rep.observed != v1::SERVING) continue;
+    // Whether the model executed anything since the previous probe's answer.
+    bool executed = false;
+    if (rep.client) {
+      auto stats = rep.client->Stats();
+      const int64_t now_batches = stats.ok() ? static_cast<int64_t>(stats->batches()) : -1;
+      executed = now_batches >= 0 && rep.probe_batches >= 0 && now_batches > rep.probe_batches;
+      rep.probe_batches = now_batches;
+    }
+    const ProbeVerdict verdict = JudgeProbe(result.status, executed);
     const absl::Status was = rep.probe;
-    rep.probe = std::move(result.status);
-    if (rep.probe.ok()) {
+    if (verdict == ProbeVerdict::kHealthy || verdict == ProbeVerdict::kBusy) {
+      if (verdict == ProbeVerdict::kBusy && !rep.probe_busy) {
+        log_("replica " + id + ": inference probe not answered (" +
+             std::string(result.status.message()) +
+             "), but the model is executing: busy, kept in routing");
+      }
+      rep.probe_busy = verdict == ProbeVerdict::kBusy;
+      rep.probe = absl::OkStatus();
       if (!was.ok()) log_("replica " + id + ": inference probe passes again");
       rep.probe_failures = 0;
       continue;
     }
-    rep.probe_failures++;
+    rep.probe_busy = false;
+    rep.probe = std::move(result.status);
     if (was.ok()) {
       log_("replica " + id + ": inference probe failed (" + std::string(rep.probe.message()) +
            "); out of routing");
     }
+    if (verdict != ProbeVerdict::kBroken) continue;  // the probe's own misfit: not counted
+    rep.probe_failures++;
     if (options_.inference_probe_failures > 0 &&
         rep.probe_failures >= options_.inference_probe_failures && rep.pid > 0) {
-      rep.last_error = "inference probe failed " + std::to_string(rep.probe_failures) +
-                       " times in a row: " + std::string(rep.probe.message());
-      log_("replica " + id + ": " + rep.last_error + "; killing pid " + std::to_string(rep.pid));
+      rep.kill_reason = "inference probe failed " + std::to_string(rep.probe_failures) +
+                        " times in a row: " + std::string(rep.probe.message());
+      rep.last_error = rep.kill_reason;
+      log_("replica " + id + ": " + rep.kill_reason + "; killing pid " + std::to_string(rep.pid));
       (void)launcher_->Signal(rep.pid, SIGKILL);  // the exit restarts it, with backoff
       rep.probe_failures = 0;
     }
@@ -986,11 +1019,17 @@ void Supervisor::TakeProbeResults() {
 }
 
 void Supervisor::ProbeGpuSoon(int gpu, const std::string& reason) {
+  const absl::Time now = clock_->Now();
   for (auto& [id, r] : replicas_) {
     if (r.spec.gpu() != gpu || r.removing || r.observed != v1::SERVING) continue;
-    // One under way answers soon anyway; one already due is not logged again (an Xid storm).
-    if (r.probe_token != 0 || r.last_probe == absl::InfinitePast()) continue;
-    r.last_probe = absl::InfinitePast();
+    // Once per storm: a GPU raising the same fault every second is probed at the interval.
+    if (now - r.xid_probe_at < options_.inference_probe_interval) continue;
+    r.xid_probe_at = now;
+    if (r.probe_token != 0) {
+      r.probe_again = true;  // the one under way may have been sent before the fault
+    } else {
+      r.last_probe = absl::InfinitePast();
+    }
     log_("replica " + id + ": probed now (" + reason + " on gpu " + std::to_string(gpu) + ")");
   }
 }

@@ -202,7 +202,16 @@ class Supervisor {
     absl::Time last_probe = absl::InfinitePast();
     absl::Status probe = absl::OkStatus();
     uint64_t probe_token = 0;  // the probe under way (0: none); a result for another is stale
-    int probe_failures = 0;    // in a row
+    int probe_failures = 0;    // in a row, of those that say it is broken (health/probe_verdict.h)
+    // Its executions (RuntimeStats.batches) at the last probe's answer; -1: unknown.
+    int64_t probe_batches = -1;
+    bool probe_busy = false;   // the last probe found it busy (logged once)
+    // An application Xid on its GPU: when it was last probed for one (one probe per storm), and
+    // whether one more is due once the probe under way answers.
+    absl::Time xid_probe_at = absl::InfinitePast();
+    bool probe_again = false;
+    // Why the agent killed it, for its exit's report.
+    std::string kill_reason;
     std::string last_error;
   };
   // Running in the state its spec asks for, and not being removed.

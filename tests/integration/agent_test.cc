@@ -1169,7 +1169,8 @@ TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
       {{"--inference-probe-interval-ms", "50"},
        "--inference-probe-interval-ms: must be 0 (off) or in 100..3600000, got 50"},
       {{"--inference-probe-interval-ms", "-1"}, "--inference-probe-interval-ms: must be 0"},
-      {{"--inference-probe-timeout-ms", "0"}, "--inference-probe-timeout-ms: must be in 10..600000"},
+      {{"--inference-probe-timeout-ms", "0"}, "--inference-probe-timeout-ms: must be in 10..60000"},
+      {{"--inference-probe-timeout-ms", "60001"}, "--inference-probe-timeout-ms: must be in 10..60000"},
       {{"--inference-probe-failures", "101"}, "--inference-probe-failures: must be in 0..100"},
       {{"--inference-probe-failures", "-1"}, "--inference-probe-failures: must be in 0..100"},
   };

@@ -18,9 +18,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/http_server.h"
+#include "tests/support/raw_server.h"
 
 namespace kiln {
 namespace {
+
+using testing::RawServer;
 
 // Sends and waits (bounded) for the answer.
 absl::StatusOr<HttpClientResponse> SendAndWait(HttpClient& client, const std::string& address,
@@ -34,60 +37,6 @@ absl::StatusOr<HttpClientResponse> SendAndWait(HttpClient& client, const std::st
   done.WaitForNotificationWithTimeout(absl::Seconds(30));
   return out;
 }
-
-// A loopback TCP listener (port 0) whose every connection is handed to `serve` on its own
-// thread; joined by the destructor after the listener and the connections are shut.
-class RawServer {
- public:
-  explicit RawServer(std::function<void(int fd)> serve) : serve_(std::move(serve)) {
-    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    EXPECT_EQ(listen(fd_, 16), 0);
-    socklen_t len = sizeof(addr);
-    getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-    port_ = ntohs(addr.sin_port);
-    accept_ = std::thread([this] {
-      for (;;) {
-        int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-        if (c < 0) return;
-        absl::MutexLock lock(&mu_);
-        conns_.push_back(c);
-        threads_.emplace_back([this, c] { serve_(c); });
-      }
-    });
-  }
-  ~RawServer() {
-    shutdown(fd_, SHUT_RDWR);
-    accept_.join();
-    std::vector<std::thread> threads;
-    {
-      absl::MutexLock lock(&mu_);
-      for (int c : conns_) shutdown(c, SHUT_RDWR);
-      threads.swap(threads_);
-    }
-    for (auto& t : threads) t.join();
-    absl::MutexLock lock(&mu_);
-    for (int c : conns_) close(c);
-    close(fd_);
-  }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
-  int accepted() {
-    absl::MutexLock lock(&mu_);
-    return static_cast<int>(conns_.size());
-  }
-
- private:
-  std::function<void(int)> serve_;
-  int fd_ = -1;
-  int port_ = 0;
-  std::thread accept_;
-  absl::Mutex mu_;
-  std::vector<int> conns_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
-};
 
 // Reads one request head (and nothing after it); false when the connection ended first.
 bool ReadHead(int fd) {

@@ -16,6 +16,7 @@
 #include "common/clock.h"
 #include "gtest/gtest.h"
 #include "health/gpu_health.h"
+#include "health/probe_verdict.h"
 #include "health/restart_policy.h"
 #include "warm_pool/pool_plan.h"
 
@@ -98,6 +99,29 @@ TEST(GpuHealthTest, XidClassesAndThrottling) {
   h = EvaluateGpuHealth(xid);
   EXPECT_FALSE(h.healthy);
   EXPECT_NE(h.reasons[1].find("fallen off the bus"), std::string::npos);
+}
+
+TEST(ProbeVerdictTest, OnlyWhatSaysTheReplicaIsBrokenCountsTowardsARestart) {
+  EXPECT_EQ(JudgeProbe(absl::OkStatus(), false), ProbeVerdict::kHealthy);
+  // Out of time or queue room: busy while the model executes, broken when nothing does.
+  for (auto s : {absl::DeadlineExceededError("timed out in the queue"),
+                 absl::ResourceExhaustedError("the request queue is full")}) {
+    EXPECT_EQ(JudgeProbe(s, true), ProbeVerdict::kBusy) << s;
+    EXPECT_EQ(JudgeProbe(s, false), ProbeVerdict::kBroken) << s;
+  }
+  // The model failed, or the replica refused: broken whatever it executed.
+  for (auto s : {absl::InternalError("CUDA error"), absl::UnavailableError("connection refused"),
+                 absl::UnknownError("?"), absl::DataLossError("?"), absl::AbortedError("?"),
+                 absl::CancelledError("?")}) {
+    EXPECT_EQ(JudgeProbe(s, true), ProbeVerdict::kBroken) << s;
+  }
+  // The probe itself does not fit what serves there.
+  for (auto s : {absl::InvalidArgumentError("input 'x': expected shape"),
+                 absl::NotFoundError("unknown model"), absl::FailedPreconditionError("?"),
+                 absl::UnimplementedError("?")}) {
+    EXPECT_EQ(JudgeProbe(s, false), ProbeVerdict::kUnfit) << s;
+  }
+  EXPECT_STREQ(ProbeVerdictName(ProbeVerdict::kBusy), "busy");
 }
 
 TEST(GpuMonitorTest, XidsAndNewEccErrorsMakeAGpuUnhealthy) {

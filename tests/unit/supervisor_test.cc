@@ -251,7 +251,7 @@ TEST_F(SupervisorTest, AnAssignmentThatDoesNotFitIsRejectedWhole) {
 // Ids run to 128 characters, more than a unix socket path under --state-dir has room for: a
 // long one's control socket is named by the id's start and a hash of all of it.
 TEST_F(SupervisorTest, ALongIdGetsAControlSocketThatFits) {
-  const size_t room = 99 - (dir_.string() + "/sockets/.N.sock").size();
+  const size_t room = 99 - (dir_.string() + "/sockets/.KKK.sock").size();
   const std::string fits(room, 'x');
   const std::string long1(128, 'y');
   const std::string long2 = std::string(127, 'y') + "z";  // the same start
@@ -655,6 +655,67 @@ TEST_F(SupervisorTest, InferenceProbesFailingThreeTimesInARowRestartTheReplica) 
   EXPECT_EQ(View("a")->restarts, 1);
 }
 
+// A probe that times out in the queue, or finds it full, while the model goes on executing
+// says the replica is busy, not broken: it stays routed and is never killed for it. One that
+// does not fit the model (INVALID_ARGUMENT) takes it out of routing but is not counted.
+TEST_F(SupervisorTest, ABusyReplicaIsNeitherUnroutedNorKilledAndAMisfitProbeIsNotCounted) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6001);
+  sup_->Tick();
+  uint64_t executions = 100;
+  auto probe_after = [&](absl::Status s, bool executing) {
+    prober_.Set("127.0.0.1:6001", std::move(s));
+    clock_.Advance(absl::Seconds(10));
+    if (executing) runtimes_.SetExecutions(Socket("a"), executions += 50);
+    sup_->Tick();
+  };
+  for (int i = 0; i < 5; ++i) {
+    probe_after(absl::DeadlineExceededError("the request timed out in the queue"), true);
+    probe_after(absl::ResourceExhaustedError("the request queue is full"), true);
+  }
+  EXPECT_TRUE(launcher_.signals().empty());
+  EXPECT_TRUE(View("a")->healthy) << View("a")->health_reason;
+  EXPECT_EQ(std::count_if(log_.begin(), log_.end(),
+                          [](const std::string& l) { return l.find("busy, kept in routing") != std::string::npos; }),
+            1);
+  for (int i = 0; i < 5; ++i) probe_after(absl::InvalidArgumentError("input 'x': expected shape"), true);
+  EXPECT_TRUE(launcher_.signals().empty());
+  EXPECT_FALSE(View("a")->healthy);
+  // The same timeouts with nothing executing: the model hangs. Three in a row kill it, and
+  // its exit says why.
+  const pid_t pid = View("a")->pid;
+  for (int i = 0; i < 3; ++i) probe_after(absl::DeadlineExceededError("the request timed out in the queue"), false);
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{pid, SIGKILL}}));
+  launcher_.ExitCode(pid, -SIGKILL);
+  sup_->Tick();
+  EXPECT_NE(View("a")->last_error.find("by the agent: inference probe failed 3 times in a row"),
+            std::string::npos)
+      << View("a")->last_error;
+}
+
+// A demotion starts the count afresh: two failures before it and one after it are not three
+// in a row.
+TEST_F(SupervisorTest, ADemotionStartsTheProbeFailureCountAfresh) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6001);
+  sup_->Tick();
+  prober_.Set("127.0.0.1:6001", absl::InternalError("CUDA error"));
+  for (int i = 0; i < 2; ++i) {
+    clock_.Advance(absl::Seconds(10));
+    sup_->Tick();
+  }
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::WARM)}, 2)).ok());
+  sup_->Tick();
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)}, 3)).ok());
+  sup_->Tick();  // promoted, and probed at once (it failed before)
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  EXPECT_EQ(prober_.probes("127.0.0.1:6001"), 4);  // 1 + 2 before, 1 after
+  EXPECT_TRUE(launcher_.signals().empty());
+}
+
 TEST_F(SupervisorTest, WithNoRestartsAFailingReplicaOnlyLeavesRouting) {
   options_.inference_probe_failures = 0;
   sup_ = MakeSupervisor();
@@ -727,13 +788,33 @@ TEST_F(SupervisorTest, AnApplicationXidGetsTheGpusServingReplicasProbedAtOnce) {
   ASSERT_EQ(prober_.probes("127.0.0.1:6001"), 1);
   clock_.Advance(absl::Seconds(1));
   sup_->ProbeGpuSoon(0, "Xid 31: GPU memory page fault");
-  sup_->ProbeGpuSoon(0, "Xid 31: GPU memory page fault");  // a storm probes once
   sup_->Tick();
   EXPECT_EQ(prober_.probes("127.0.0.1:6001"), 2);
   EXPECT_EQ(prober_.probes("127.0.0.1:6002"), 1);  // another GPU's waits for its interval
+  // A storm (the same fault every second) probes at the interval, not every second.
+  for (int i = 0; i < 8; ++i) {
+    clock_.Advance(absl::Seconds(1));
+    sup_->ProbeGpuSoon(0, "Xid 31: GPU memory page fault");
+    sup_->Tick();
+  }
+  EXPECT_EQ(prober_.probes("127.0.0.1:6001"), 2);
   EXPECT_EQ(std::count_if(log_.begin(), log_.end(),
                           [](const std::string& l) { return l.find("probed now") != std::string::npos; }),
             1);
+}
+
+// A fault raised while a probe is under way (it may have been sent before the fault) gets one
+// more probe as soon as that one answers.
+TEST_F(SupervisorTest, AnXidDuringAProbeGetsOneMoreProbe) {
+  ASSERT_NO_FATAL_FAILURE(StartWithAHeldProbe());
+  sup_->ProbeGpuSoon(0, "Xid 13: graphics engine exception");
+  prober_.Hold(false);
+  ASSERT_TRUE(kiln::testing::Eventually(
+      [&] {
+        sup_->Tick();
+        return prober_.probes("127.0.0.1:6001") == 2;
+      },
+      absl::Seconds(10)));
 }
 
 TEST_F(SupervisorTest, RecoveryIgnoresGarbageAndAdoptsSilentReplicas) {
