@@ -155,6 +155,21 @@ absl::StatusOr<Router::Choice> Router::Choose(const std::string& model, const st
   return Choice{route.endpoints[*idx], chosen};
 }
 
+void Router::ExcludeNode(const std::string& model, const RouterTable::Endpoint& failed,
+                         std::set<std::string>* exclude) const {
+  absl::MutexLock lock(&mu_);
+  if (!table_) return;
+  auto it = table_->routes.find(model);
+  if (it == table_->routes.end()) return;
+  for (const auto& e : it->second.endpoints) {
+    if (e.local) continue;
+    if ((!failed.grpc_address.empty() && e.grpc_address == failed.grpc_address) ||
+        (!failed.http_address.empty() && e.http_address == failed.http_address)) {
+      exclude->insert(e.id);
+    }
+  }
+}
+
 std::pair<std::string, std::string> Router::StickyKey(const std::string& model) const {
   absl::MutexLock lock(&mu_);
   if (!table_) return {};
@@ -254,36 +269,45 @@ struct ForwardCall {
   int attempts = 0;
 };
 
-void Attempt(std::shared_ptr<ForwardCall> c) {
+// Sends the call to a replica chosen now. `previous`: the first try's failure, when this is
+// the retry (answered instead, should there be no other replica).
+void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc::Status::OK) {
   auto choice = c->router->Choose(c->request->model_name(), c->request->model_version(), c->sticky,
                                   c->sticky_given, c->exclude, c->forwarded);
   if (!choice.ok()) {
-    c->reactor->Finish(ToGrpcStatus(choice.status()));
+    c->reactor->Finish(previous.ok() ? ToGrpcStatus(choice.status()) : previous);
     return;
   }
+  if (!previous.ok()) c->router->CountRetry();
   c->attempts++;
-  c->client_ctx = std::make_unique<grpc::ClientContext>();
+  // The caller's deadline and cancellation carry over to the call sent on, so that a call
+  // the router's server gives up on (the caller's, or its stop's, cancellation) ends there
+  // too rather than holding the server's shutdown.
+  c->client_ctx = grpc::ClientContext::FromCallbackServerContext(*c->server_ctx);
   // The caller's deadline, when it set one (gRPC's "none" is the far future).
   const auto deadline = c->server_ctx->deadline();
   const bool has_deadline =
       deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365);
-  if (has_deadline) c->client_ctx->set_deadline(deadline);
   std::string id = choice->endpoint.id;
   std::string version = choice->version;
+  const RouterTable::Endpoint endpoint = choice->endpoint;
   c->router->Begin(id);
-  auto finished = [c, id, version](const grpc::Status& s) {
+  auto finished = [c, id, version, endpoint](const grpc::Status& s) {
     c->router->End(id);
     // The replica went away under the call: refused (UNAVAILABLE), or cancelled by its
     // server shutting down at the end of a drain (CANCELLED while our client did not
-    // cancel). Inference has no side effects, so one retry elsewhere is safe.
+    // cancel). Inference has no side effects, so one retry elsewhere is safe, unless the
+    // caller gave up or the router is stopping.
     const bool replica_gone =
         s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-        (s.error_code() == grpc::StatusCode::CANCELLED && !c->server_ctx->IsCancelled());
-    if (replica_gone && c->attempts == 1) {
+        s.error_code() == grpc::StatusCode::CANCELLED;
+    if (replica_gone && c->attempts == 1 && !c->server_ctx->IsCancelled() &&
+        !c->router->stopping()) {
       c->exclude.insert(id);
-      c->router->CountRetry();
+      // Another node that did not answer: none of its endpoints (other versions) either.
+      if (!endpoint.local) c->router->ExcludeNode(c->request->model_name(), endpoint, &c->exclude);
       c->response->Clear();
-      Attempt(c);
+      Attempt(c, s);
       return;
     }
     if (s.ok()) {
@@ -520,9 +544,17 @@ class Router::Impl {
 
   void Stop() {
     // First stop taking connections (they queue on a handed-over socket for the next agent),
-    // then drain what was accepted.
+    // then drain what was accepted: REST and gRPC at once, each with its 5 s grace.
     stop_accepting_ = true;
     if (accept_thread_.joinable()) accept_thread_.join();
+    std::thread grpc_stop;
+    if (grpc_server_) {
+      // GOAWAY: clients move new calls to a new connection; calls in flight get 5 s, and are
+      // then cancelled, with what they sent on (ForwardCall's propagated context).
+      grpc_stop = std::thread([this] {
+        grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      });
+    }
     if (http_server_) {
       // REST calls still out (to data sockets or over HTTP) when the grace is nearly over, or
       // made after that, are answered 503 here while their connections are open; their
@@ -540,11 +572,8 @@ class Router::Impl {
     CloseRest();
     // HTTP forwards still out (their callbacks use this object) fail, and are waited for.
     http_client_->Stop();
-    if (grpc_server_) {
-      // GOAWAY: clients move new calls to a new connection; calls in flight get 5 s.
-      grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-      grpc_server_.reset();
-    }
+    if (grpc_stop.joinable()) grpc_stop.join();
+    grpc_server_.reset();
     if (listen_fd_ >= 0) {
       close(listen_fd_);
       listen_fd_ = -1;
@@ -656,17 +685,27 @@ class Router::Impl {
     bool forwarded = false;
     std::set<std::string> exclude = {};  // endpoints tried already
     int attempt = 0;
+    RouterTable::Endpoint last;  // the endpoint of the try under way
   };
 
   // Forwards to the chosen replica; on 503 or a connection failure, once more elsewhere.
-  void Forward(std::shared_ptr<RestCall> call) {
+  // `previous`: the first try's answer, when this is the retry (given back instead, should
+  // there be no other replica).
+  void Forward(std::shared_ptr<RestCall> call,
+               std::optional<std::pair<int, std::string>> previous = std::nullopt) {
     auto choice = router_->Choose(call->model, call->version, call->sticky.key,
                                   call->sticky.given, call->exclude, call->forwarded);
     if (!choice.ok()) {
-      Reply(call->reply, HttpStatusFromCode(choice.status().code()),
-            JsonError(std::string(choice.status().message())));
+      if (previous) {
+        Reply(call->reply, previous->first, std::move(previous->second));
+      } else {
+        Reply(call->reply, HttpStatusFromCode(choice.status().code()),
+              JsonError(std::string(choice.status().message())));
+      }
       return;
     }
+    if (previous) router_->CountRetry();
+    call->last = choice->endpoint;
     if (!call->body.empty() && !choice->endpoint.data_socket.empty()) {
       // A local replica: its data socket, without a second HTTP hop, unless it is a runtime
       // older than this router (then over HTTP, below).
@@ -688,11 +727,11 @@ class Router::Impl {
   // served when it succeeded.
   void Answer(std::shared_ptr<RestCall> call, const std::string& id, const std::string& chosen,
               int code, std::string text) {
-    if (code == 503 && call->attempt == 0) {
+    if (code == 503 && call->attempt == 0 && !router_->stopping()) {
       call->exclude.insert(id);
+      if (!call->last.local) router_->ExcludeNode(call->model, call->last, &call->exclude);
       call->attempt = 1;
-      router_->CountRetry();
-      Forward(std::move(call));
+      Forward(std::move(call), std::make_pair(code, std::move(text)));
       return;
     }
     Reply(call->reply, code, std::move(text), code == 200 ? chosen : "");
@@ -875,6 +914,7 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(Options options,
 Router::~Router() { Stop(); }
 
 void Router::Stop() {
+  stopping_ = true;  // no retries from now on
   // Calls in flight on data sockets get the servers' grace to finish; then whatever is left
   // fails (UNAVAILABLE), so that no server waits on a replica that never answers.
   absl::Notification stopped;

@@ -100,6 +100,12 @@ class Router {
                                 const std::string& sticky_value, bool sticky_given,
                                 const std::set<std::string>& exclude,
                                 bool local_only = false) const;
+  // Adds to `exclude` every endpoint of `model` on the other node `failed` is on (its other
+  // versions): a retry after that node did not answer goes to another.
+  void ExcludeNode(const std::string& model, const RouterTable::Endpoint& failed,
+                   std::set<std::string>* exclude) const;
+  // Stop() has begun: no call is retried.
+  bool stopping() const { return stopping_.load(); }
   // The sticky key configured for `model` ("" when none): {header, parameter}.
   std::pair<std::string, std::string> StickyKey(const std::string& model) const;
   bool Ready(const std::string& model, const std::string& version) const;
@@ -140,6 +146,7 @@ class Router {
   std::map<std::string, std::unique_ptr<inference::GRPCInferenceService::Stub>> stubs_
       ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> retries_{0};
+  std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> forwarded_data_socket_{0};
   std::atomic<uint64_t> forwarded_grpc_{0};
   std::atomic<uint64_t> forwarded_rest_data_socket_{0};

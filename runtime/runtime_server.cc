@@ -152,6 +152,11 @@ absl::Status RuntimeServer::StartListening() {
   b.AddListeningPort(options_.bind_address + ":" + std::to_string(options_.grpc_port),
                      grpc::InsecureServerCredentials(), &grpc_port);
   b.RegisterService(grpc_service_.get());
+  // Clients that keep their connections alive with pings (the node's router pings every 2 s)
+  // may do so while a long inference sends nothing back; by gRPC's default a third such ping
+  // within 5 minutes ends the connection (GOAWAY too_many_pings) and the call with it. A
+  // client pinging faster than every second still earns strikes (a ping flood).
+  b.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
   // Oversized messages are refused by gRPC before they are buffered.
   b.SetMaxReceiveMessageSize(static_cast<int>(
       std::min<int64_t>(options_.max_request_bytes + 64 * 1024, INT32_MAX)));

@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/eventually.h"
 #include "tests/support/raw_http_client.h"
 
 namespace kiln {
@@ -63,18 +64,60 @@ std::unique_ptr<Router> StartRouter(std::vector<RouterTable::Endpoint> endpoints
   return std::move(*router);
 }
 
+// A routing table: model "encoder", versions 1 and 2 weighted 50/50, to `endpoints`.
+std::shared_ptr<RouterTable> HalfAndHalf(std::vector<RouterTable::Endpoint> endpoints,
+                                         const std::string& sticky_parameter = "") {
+  auto table = std::make_shared<RouterTable>();
+  RouterTable::Route& route = table->routes["encoder"];
+  route.model = "encoder";
+  route.versions = {{"1", 50}, {"2", 50}};
+  route.sticky_parameter = sticky_parameter;
+  route.endpoints = std::move(endpoints);
+  return table;
+}
+
 // A client of `router`'s gRPC port.
 std::unique_ptr<inference::GRPCInferenceService::Stub> RouterStub(const Router& router) {
   return inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
       "127.0.0.1:" + std::to_string(router.grpc_port()), grpc::InsecureChannelCredentials()));
 }
 
-// `replica` served on a loopback port, written to `port`.
+// A bare ModelInfer of model "encoder" through `stub`, with a 10 s deadline.
+grpc::Status InferEncoder(inference::GRPCInferenceService::Stub* stub) {
+  inference::ModelInferRequest req;
+  req.set_model_name("encoder");
+  inference::ModelInferResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return stub->ModelInfer(&ctx, req, &resp);
+}
+
+// `replica` served on a loopback port, written to `port`. Like a runtime's or a router's, its
+// server takes the router's keepalive pings (every 2 s) during a long call.
 std::unique_ptr<grpc::Server> Serve(grpc::Service* replica, int* port) {
   grpc::ServerBuilder b;
+  b.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
   b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
   b.RegisterService(replica);
   return b.BuildAndStart();
+}
+
+// `replica` served on a loopback port behind a router whose one endpoint, `id`, is that port
+// (a local replica's without a data socket, or another node's router's), and a client of the
+// router.
+struct BehindRouter {
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<Router> router;
+  std::unique_ptr<inference::GRPCInferenceService::Stub> stub;
+};
+BehindRouter ServeBehindRouter(grpc::Service* replica, const std::string& id, bool local) {
+  BehindRouter b;
+  int port = 0;
+  b.server = Serve(replica, &port);
+  EXPECT_GT(port, 0);
+  b.router = StartRouter({{id, "1", "127.0.0.1:" + std::to_string(port), "", local, ""}});
+  if (b.router) b.stub = RouterStub(*b.router);
+  return b;
 }
 
 // A local replica's data socket (common/data_frames.h) answering each request as `answer`
@@ -512,12 +555,8 @@ class HeldMetadataReplica : public inference::GRPCInferenceService::Service {
 // answers other calls, and each held call gets the replica's answer once it comes.
 TEST(RouterTest, ModelMetadataWaitsForTheReplicaWithoutHoldingTheRouter) {
   HeldMetadataReplica replica;
-  int port = 0;
-  auto server = Serve(&replica, &port);
-  ASSERT_GT(port, 0);
-  auto router = StartRouter({{"m.0", "1", "127.0.0.1:" + std::to_string(port), "", true, ""}});
+  auto [server, router, stub] = ServeBehindRouter(&replica, "m.0", true);
   ASSERT_NE(router, nullptr);
-  auto stub = RouterStub(*router);
   constexpr int kHeld = 48;
   struct Call {
     grpc::ClientContext ctx;
@@ -687,12 +726,7 @@ TEST(RouterRetryTest, ACallCancelledByTheReplicaIsRetriedElsewhere) {
   ASSERT_NE(router, nullptr);
   auto stub = RouterStub(*router);
   for (int i = 0; i < 20; ++i) {
-    inference::ModelInferRequest req;
-    req.set_model_name("encoder");
-    inference::ModelInferResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
+    grpc::Status s = InferEncoder(stub.get());
     ASSERT_TRUE(s.ok()) << i << ": " << s.error_message();
   }
   EXPECT_GT(cancelling.calls_.load(), 0);  // it was tried, and its cancellations retried
@@ -700,6 +734,94 @@ TEST(RouterRetryTest, ACallCancelledByTheReplicaIsRetriedElsewhere) {
   EXPECT_EQ(good.calls_.load(), 20);
   router->Stop();
   for (auto& s : servers) s->Shutdown();
+}
+
+// A replica's inference server whose ModelInfer holds every call until released.
+class HeldInferReplica : public inference::GRPCInferenceService::Service {
+ public:
+  grpc::Status ModelInfer(grpc::ServerContext* ctx, const inference::ModelInferRequest*,
+                          inference::ModelInferResponse* resp) override {
+    arrived_.Notify();
+    for (int i = 0; i < 3000 && !release_.HasBeenNotified(); ++i) {
+      if (ctx->IsCancelled()) {
+        cancelled_ = true;
+        return grpc::Status::CANCELLED;
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    resp->add_outputs()->set_name("embedding");
+    return grpc::Status::OK;
+  }
+  absl::Notification arrived_;
+  absl::Notification release_;
+  std::atomic<bool> cancelled_{false};  // its caller cancelled the call
+};
+
+// A gRPC call sent on to another node that never answers, from a caller with no deadline:
+// the router's stop cancels it when its grace is over, and the call sent on with it (it
+// carries the caller's cancellation), so that no forward's callback outlives the router; it
+// is not retried.
+TEST(RouterStopTest, StopsWithAGrpcForwardToAnotherNodeInFlight) {
+  HeldInferReplica other_node;
+  auto [server, router, stub] = ServeBehindRouter(&other_node, "b/1", false);
+  ASSERT_NE(router, nullptr);
+  grpc::Status status;
+  absl::Notification done;
+  grpc::ClientContext ctx;  // no deadline
+  inference::ModelInferRequest req;
+  req.set_model_name("encoder");
+  inference::ModelInferResponse resp;
+  stub->async()->ModelInfer(&ctx, &req, &resp, [&](grpc::Status s) {
+    status = s;
+    done.Notify();
+  });
+  ASSERT_TRUE(other_node.arrived_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  router->Stop();
+  // The call sent on was cancelled with the caller's: nothing of it runs on after the router.
+  EXPECT_TRUE(kiln::testing::Eventually([&] { return other_node.cancelled_.load(); },
+                                        absl::Seconds(10)));
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_FALSE(status.ok());
+  EXPECT_EQ(router->retries(), 0u);
+  other_node.release_.Notify();
+  server->Shutdown();
+}
+
+// Another node that does not answer is left out of the retry altogether, not only the
+// endpoint (version) that was tried: its other versions' endpoints are on the same router.
+TEST(RouterRetryTest, ARetryAfterANodeFailedGoesToAnotherNode) {
+  OneAnswerReplica good(grpc::Status::OK);
+  int port = 0;
+  auto server = Serve(&good, &port);
+  ASSERT_GT(port, 0);
+  auto router = StartRouter({});
+  ASSERT_NE(router, nullptr);
+  const std::string dead = "127.0.0.1:1";  // node B: nobody listens
+  router->SetTable(HalfAndHalf({{"B/1", "1", dead, "", false, ""},
+                                {"B/2", "2", dead, "", false, ""},
+                                {"C/1", "1", "127.0.0.1:" + std::to_string(port), "", false, ""}}));
+  auto stub = RouterStub(*router);
+  for (int i = 0; i < 40; ++i) {
+    grpc::Status s = InferEncoder(stub.get());
+    ASSERT_TRUE(s.ok()) << i << ": " << s.error_message();
+  }
+  EXPECT_EQ(good.calls_.load(), 40);
+  router->Stop();
+  server->Shutdown();
+}
+
+// With no other replica to retry on, the caller gets the first try's failure, and no retry is
+// counted.
+TEST(RouterRetryTest, WithNowhereElseTheFirstFailureIsAnsweredAndNoRetryCounted) {
+  OneAnswerReplica gone(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the replica is draining"));
+  auto [server, router, stub] = ServeBehindRouter(&gone, "a.0", true);
+  ASSERT_NE(router, nullptr);
+  grpc::Status s = InferEncoder(stub.get());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(s.error_message(), "the replica is draining");
+  EXPECT_EQ(router->retries(), 0u);
+  router->Stop();
+  server->Shutdown();
 }
 
 // A REST forward over HTTP still waiting on its replica when the router stops: the client is
@@ -924,14 +1046,9 @@ TEST(RouterStickyTest, AParameterKeyHoldsItsVersionOverBothProtocols) {
   ASSERT_TRUE(rest1.server && rest2.server);
   auto router = StartRouter({});
   ASSERT_NE(router, nullptr);
-  auto table = std::make_shared<RouterTable>();
-  RouterTable::Route& route = table->routes["encoder"];
-  route.model = "encoder";
-  route.versions = {{"1", 50}, {"2", 50}};
-  route.sticky_parameter = "user";
-  route.endpoints = {{"r1", "1", "127.0.0.1:1", rest1.address(), true, TempSocket("sp1")},
-                     {"r2", "2", "127.0.0.1:1", rest2.address(), true, TempSocket("sp2")}};
-  router->SetTable(table);
+  router->SetTable(HalfAndHalf({{"r1", "1", "127.0.0.1:1", rest1.address(), true, TempSocket("sp1")},
+                                {"r2", "2", "127.0.0.1:1", rest2.address(), true, TempSocket("sp2")}},
+                               "user"));
   auto stub = RouterStub(*router);
   std::set<std::string> seen;
   for (int k = 0; k < 24; ++k) {

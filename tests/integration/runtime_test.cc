@@ -691,6 +691,25 @@ TEST(RuntimeTest, DrainFinishesInFlightWorkAndRefusesNew) {
   EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << rt->Log();
 }
 
+// A client that keeps its connection alive with pings every 1.5 s (as the node's router does,
+// every 2 s) is not cut off during a long inference, which sends nothing back meanwhile: by
+// gRPC's default server policy the third such ping ends the connection, and the call.
+TEST(RuntimeTest, AKeepaliveClientKeepsALongCall) {
+  auto rt = StartRuntime("slow");
+  ASSERT_NE(rt, nullptr);
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 1500);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateCustomChannel(
+      "127.0.0.1:" + std::to_string(rt->grpc_port()), grpc::InsecureChannelCredentials(), args));
+  inference::ModelInferResponse resp;
+  // About 8 s of CPU: five or more pings while the model runs.
+  grpc::Status s = Infer(stub.get(), SlowRequest(8 * kLongWork), &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.outputs(0).contents().fp32_contents(0), 3.0f);
+}
+
 TEST(RuntimeTest, SigtermDrainsThenExitsCleanly) {
   auto rt = StartRuntime("slow");
   ASSERT_NE(rt, nullptr);
