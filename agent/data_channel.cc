@@ -22,6 +22,8 @@ namespace {
 
 // Past this an answer is not one (protobuf parses less than 2 GiB): the connection is dropped.
 constexpr uint32_t kMaxAnswerBytes = (1u << 31) - 1;
+// A reader keeps its answer buffer between frames up to this capacity.
+constexpr size_t kKeptAnswerBuffer = size_t{1} << 20;
 
 // The kernel's wall clock, the one the deadline timer fires by (absl::Now() may estimate it
 // from the TSC, a microsecond or more behind: a timer seen to fire "early" must not look like
@@ -264,7 +266,10 @@ int64_t DataChannel::Expire(const std::shared_ptr<Connection>& c) {
 void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
   if (spin_window_micros_ > 0) ::prctl(PR_SET_TIMERSLACK, 1UL);  // timed wake-ups on time
   char head[kFrameHeaderBytes];
-  std::string body;
+  size_t head_got = 0;  // of the frame being read: its header's bytes so far,
+  FrameHeader h{};      // the header once whole,
+  std::string body;     // and its body,
+  size_t body_got = 0;  // so far
   std::string why = "the replica closed the connection";
   for (;;) {
     // Deadlines wake it through the timer (armed here at the nearest).
@@ -318,39 +323,81 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
       c->waiting_until = 0;
     }
     if (!(fds[0].revents & (POLLIN | POLLHUP | POLLERR))) continue;  // a deadline, or woken
-    if (!ReadFull(c->fd, head, sizeof(head))) break;
-    FrameHeader h = DecodeFrameHeader(head);
-    if (h.length > kMaxAnswerBytes) {
-      why = "an answer of " + std::to_string(h.length) + " bytes is over the limit";
-      break;
+    // Whatever has arrived, frame by frame, without blocking: a frame not whole yet is kept for
+    // a later pass, so that a replica stopping mid-frame (frozen, say) does not stop the other
+    // calls' deadlines, which the top of the loop keeps.
+    const bool spun = from_spin && (fds[0].revents & POLLIN);
+    bool closed = false;
+    for (;;) {
+      const bool in_head = head_got < sizeof(head);
+      char* dst = in_head ? head + head_got : body.data() + body_got;
+      const size_t want = in_head ? sizeof(head) - head_got : body.size() - body_got;
+      const ssize_t r = ::recv(c->fd, dst, want, MSG_DONTWAIT);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;  // the rest comes later
+      if (r <= 0) {
+        closed = true;  // the replica closed the connection (or it failed)
+        break;
+      }
+      if (in_head) {
+        head_got += static_cast<size_t>(r);
+        if (head_got < sizeof(head)) continue;
+        h = DecodeFrameHeader(head);
+        if (h.length > kMaxAnswerBytes) {
+          why = "an answer of " + std::to_string(h.length) + " bytes is over the limit";
+          closed = true;
+          break;
+        }
+        body.resize(h.length);
+        body_got = 0;
+        if (h.length > 0) continue;  // its body next
+      } else {
+        body_got += static_cast<size_t>(r);
+        if (body_got < body.size()) continue;
+      }
+      head_got = 0;  // a whole frame: the next one starts
+      Deliver(c, h, &body, spun);
+      // A large answer's buffer is not kept for the connection's life.
+      if (body.capacity() > kKeptAnswerBuffer) std::string().swap(body);
     }
-    body.resize(h.length);
-    if (h.length > 0 && !ReadFull(c->fd, body.data(), body.size())) break;
-    Pending p;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = c->pending.find(h.tag);
-      if (it == c->pending.end()) continue;  // past its deadline already: nobody waits
-      p = std::move(it->second);
-      c->pending.erase(it);
-    }
-    // Answers only: a quick refusal (a REST error is one too) says nothing of how long an
-    // answer takes.
-    if (h.code == 0 && (p.code != kJsonInferFrame || JsonAnswerIsOk(body))) {
-      c->typical_micros = NextTypical(c->typical_micros, MonoMicros() - p.sent_micros);
-    }
-    if (from_spin && (fds[0].revents & POLLIN)) spin_answers_++;
-    if (h.code == 0) {
-      p.done(grpc::Status(), &body);
-    } else {
-      p.done(grpc::Status(h.code <= 16 ? static_cast<grpc::StatusCode>(h.code)
-                                       : grpc::StatusCode::UNKNOWN,
-                          body),
-             nullptr);
-    }
+    if (closed) break;
+  }
+  // The connection ended: by the replica, unless this side ended it (stopping, or a replica
+  // that stopped reading what it was sent).
+  if (c->sender && c->sender->broken()) {
+    why = "the router gave up sending to it: " + c->sender->why_broken();
+  } else {
+    absl::MutexLock lock(&mu_);
+    if (closing_) why = "the router closed the connection (it is stopping)";
   }
   Broke(c, why);
   c->finished = true;
+}
+
+void DataChannel::Deliver(const std::shared_ptr<Connection>& c, const FrameHeader& h,
+                          std::string* body, bool spun) {
+  Pending p;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = c->pending.find(h.tag);
+    if (it == c->pending.end()) return;  // past its deadline already: nobody waits
+    p = std::move(it->second);
+    c->pending.erase(it);
+  }
+  // Answers only: a quick refusal (a REST error is one too) says nothing of how long an
+  // answer takes.
+  if (h.code == 0 && (p.code != kJsonInferFrame || JsonAnswerIsOk(*body))) {
+    c->typical_micros = NextTypical(c->typical_micros, MonoMicros() - p.sent_micros);
+  }
+  if (spun) spin_answers_++;
+  if (h.code == 0) {
+    p.done(grpc::Status(), body);
+  } else {
+    p.done(grpc::Status(h.code <= 16 ? static_cast<grpc::StatusCode>(h.code)
+                                     : grpc::StatusCode::UNKNOWN,
+                        *body),
+           nullptr);
+  }
 }
 
 void DataChannel::Broke(const std::shared_ptr<Connection>& c, const std::string& why) {

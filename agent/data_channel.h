@@ -12,6 +12,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/busy_poll.h"
+#include "common/data_frames.h"
 #include "common/frame_sender.h"
 #include "grpcpp/support/status.h"
 #include "inference/grpc_service.pb.h"
@@ -93,6 +94,10 @@ class DataChannel {
   void ReadLoop(std::shared_ptr<Connection> c);
   // Fails and forgets the connection's calls (its reader saw it end).
   void Broke(const std::shared_ptr<Connection>& c, const std::string& why);
+  // Hands a whole answer frame to the call it answers (none: it was past its deadline).
+  // `spun`: the reader found it while spinning.
+  void Deliver(const std::shared_ptr<Connection>& c, const FrameHeader& h, std::string* body,
+               bool spun);
   // Fails the calls whose deadline passed, and arms the timer at the next; returns it (0 =
   // none).
   int64_t Expire(const std::shared_ptr<Connection>& c);

@@ -80,15 +80,24 @@ void Router::SetTable(std::shared_ptr<const RouterTable> table) {
     absl::MutexLock lock(&mu_);
     table_ = std::move(table);
     std::set<std::string> sockets;
+    std::set<std::string> addresses;
     if (table_) {
       for (const auto& [model, route] : table_->routes) {
         for (const auto& e : route.endpoints) {
           if (!e.data_socket.empty()) sockets.insert(e.data_socket);
+          addresses.insert(e.grpc_address);
         }
       }
     }
+    // gRPC channels to addresses no longer routed to (a restarted replica's old port, a node
+    // gone): dropped here; a call still out on one keeps it until it ends.
+    for (auto it = stubs_.begin(); it != stubs_.end();) {
+      it = addresses.count(it->first) ? std::next(it) : stubs_.erase(it);
+    }
+    // Only a channel no call is on, and nobody holds (a caller between ChannelFor and its
+    // Call is on its way to one).
     for (auto it = channels_.begin(); it != channels_.end();) {
-      if (!sockets.count(it->first) && it->second->Idle()) {
+      if (!sockets.count(it->first) && it->second.use_count() == 1 && it->second->Idle()) {
         retired_.push_back(std::move(it->second));
         it = channels_.erase(it);
       } else {
@@ -99,7 +108,7 @@ void Router::SetTable(std::shared_ptr<const RouterTable> table) {
     // one for a moment (a retry) must never be left with its last reference, whose
     // destructor would wait on that channel's readers (which might be waiting on it).
     for (auto it = retired_.begin(); it != retired_.end();) {
-      if (it->use_count() == 1) {
+      if (it->use_count() == 1 && (*it)->Idle()) {
         gone.push_back(std::move(*it));
         it = retired_.erase(it);
       } else {
@@ -211,7 +220,7 @@ std::shared_ptr<DataChannel> Router::ChannelFor(const std::string& path) {
   return channel;
 }
 
-inference::GRPCInferenceService::Stub* Router::StubFor(const std::string& address) {
+std::shared_ptr<inference::GRPCInferenceService::Stub> Router::StubFor(const std::string& address) {
   absl::MutexLock lock(&mu_);
   auto& stub = stubs_[address];
   if (!stub) {
@@ -231,7 +240,7 @@ inference::GRPCInferenceService::Stub* Router::StubFor(const std::string& addres
     stub = inference::GRPCInferenceService::NewStub(
         grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
   }
-  return stub.get();
+  return stub;
 }
 
 namespace {
@@ -246,6 +255,8 @@ std::string ParamText(const inference::InferParameter& p) {
       return std::to_string(p.uint64_param());
     case inference::InferParameter::kBoolParam:
       return p.bool_param() ? "true" : "false";
+    case inference::InferParameter::kDoubleParam:
+      return json(p.double_param()).dump();  // as a REST body's number is read
     default:
       return "";
   }
@@ -266,6 +277,7 @@ struct ForwardCall {
   std::unique_ptr<inference::ModelInferRequest> pinned;
   std::set<std::string> exclude;
   std::unique_ptr<grpc::ClientContext> client_ctx;
+  std::shared_ptr<inference::GRPCInferenceService::Stub> stub;
   int attempts = 0;
 };
 
@@ -345,8 +357,8 @@ void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc
       request = c->pinned.get();
     }
   }
-  auto* stub = c->router->StubFor(choice->endpoint.grpc_address);
-  stub->async()->ModelInfer(c->client_ctx.get(), request, c->response,
+  c->stub = c->router->StubFor(choice->endpoint.grpc_address);  // kept while the call is out
+  c->stub->async()->ModelInfer(c->client_ctx.get(), request, c->response,
                             [finished](grpc::Status s) { finished(s); });
 }
 
@@ -395,6 +407,7 @@ class RouterGrpcService final : public inference::GRPCInferenceService::Callback
     struct Pending {
       grpc::ClientContext cc;
       inference::ModelMetadataRequest pinned;
+      std::shared_ptr<inference::GRPCInferenceService::Stub> stub;  // kept while it is out
     };
     auto pending = std::make_shared<Pending>();
     pending->cc.set_deadline(
@@ -406,10 +419,10 @@ class RouterGrpcService final : public inference::GRPCInferenceService::Callback
       pending->pinned.set_version(choice->version);
     }
     auto* reactor = ctx->DefaultReactor();
-    router_->StubFor(choice->endpoint.grpc_address)
-        ->async()
-        ->ModelMetadata(&pending->cc, &pending->pinned, resp,
-                        [pending, reactor](grpc::Status s) { reactor->Finish(s); });
+    pending->stub = router_->StubFor(choice->endpoint.grpc_address);
+    pending->stub->async()->ModelMetadata(
+        &pending->cc, &pending->pinned, resp,
+        [pending, reactor](grpc::Status s) { reactor->Finish(s); });
     return reactor;
   }
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx,
@@ -598,7 +611,8 @@ class Router::Impl {
   void Route(HttpRequest& request, const HttpReply& reply) {
     const std::string& path = request.path;
     std::vector<std::string> parts = absl::StrSplit(path, '/', absl::SkipEmpty());
-    if (parts.size() == 3 && parts[0] == "v2" && parts[1] == "health") {
+    if (parts.size() == 3 && parts[0] == "v2" && parts[1] == "health" &&
+        (parts[2] == "live" || parts[2] == "ready")) {
       bool ok = parts[2] == "live" || router_->Ready("", "");
       Reply(reply, ok ? 200 : 503, json{{parts[2], ok}}.dump());
       return;
@@ -613,7 +627,10 @@ class Router::Impl {
       }
       if (parts.size() == next + 1 && parts[next] == "ready") {
         bool ok = router_->Ready(model, version);
-        Reply(reply, ok ? 200 : 503, json{{"name", model}, {"ready", ok}}.dump());
+        // The name as the path gave it, which need not be UTF-8.
+        Reply(reply, ok ? 200 : 503,
+              json{{"name", model}, {"ready", ok}}.dump(-1, ' ', false,
+                                                         json::error_handler_t::replace));
         return;
       }
       if (parts.size() == next + 1 && parts[next] == "infer" && request.method == "POST") {

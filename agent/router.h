@@ -113,7 +113,13 @@ class Router {
   // Outstanding-request accounting around each forwarded call.
   void Begin(const std::string& endpoint_id);
   void End(const std::string& endpoint_id);
-  inference::GRPCInferenceService::Stub* StubFor(const std::string& address);
+  // The gRPC client for `address`, shared by the calls to it; one the table no longer routes
+  // to is dropped by SetTable (a call out on it keeps it).
+  std::shared_ptr<inference::GRPCInferenceService::Stub> StubFor(const std::string& address);
+  size_t stubs() const {
+    absl::MutexLock lock(&mu_);
+    return stubs_.size();
+  }
   // The channel to a local replica's data socket (kept while calls are in flight on it);
   // null once the router is stopping.
   std::shared_ptr<DataChannel> ChannelFor(const std::string& path);
@@ -143,7 +149,7 @@ class Router {
   mutable absl::Mutex mu_;
   std::shared_ptr<const RouterTable> table_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> outstanding_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::unique_ptr<inference::GRPCInferenceService::Stub>> stubs_
+  std::map<std::string, std::shared_ptr<inference::GRPCInferenceService::Stub>> stubs_
       ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> retries_{0};
   std::atomic<bool> stopping_{false};

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <string>
+#include <utility>
 
 namespace kiln {
 
@@ -29,12 +31,13 @@ bool FrameSender::Send(std::string frame) {
   // Nothing ahead of it: written now, as far as the socket takes it. (Frames ahead of it mean
   // the writer thread owns the socket's writes until the backlog is empty.)
   if (backlog_.size() == 1 && !Drain()) {
-    Break();
+    Break("sending to it failed");
     return false;
   }
   if (backlog_.empty()) return true;
   if (backlog_bytes_ > max_backlog_bytes_) {
-    Break();
+    Break(std::to_string(backlog_bytes_) + " bytes waited for it to read them, over the limit of " +
+          std::to_string(max_backlog_bytes_));
     return false;
   }
   if (!writer_.joinable()) writer_ = std::thread([this] { WriteLoop(); });
@@ -51,8 +54,14 @@ bool FrameSender::broken() {
   return broken_;
 }
 
-void FrameSender::Break() {
+std::string FrameSender::why_broken() {
+  absl::MutexLock lock(&mu_);
+  return why_;
+}
+
+void FrameSender::Break(std::string why) {
   broken_ = true;
+  why_ = std::move(why);
   backlog_.clear();
   backlog_bytes_ = 0;
   front_sent_ = 0;
@@ -93,7 +102,7 @@ void FrameSender::WriteLoop() {
     mu_.Await(absl::Condition(&work));
     if (broken_ || stopping_) return;
     if (!Drain()) {
-      Break();
+      Break("sending to it failed");
       return;
     }
     if (backlog_.empty()) continue;
@@ -106,7 +115,7 @@ void FrameSender::WriteLoop() {
     } while (n < 0 && errno == EINTR);
     mu_.Lock();
     if (n == 0 && !stopping_) {
-      Break();  // the peer read nothing for the whole stall
+      Break("it read nothing for " + absl::FormatDuration(stall_));
       return;
     }
   }

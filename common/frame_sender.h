@@ -34,9 +34,11 @@ class FrameSender {
   // Frames (or parts of one) waiting for the socket. For tests and metrics.
   size_t backlog_bytes();
   bool broken();
+  // Why the sender broke the connection ("" while it has not).
+  std::string why_broken();
 
  private:
-  void Break() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Break(std::string why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes from the front of the backlog what the socket takes now. False on an error.
   bool Drain() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteLoop();
@@ -49,6 +51,7 @@ class FrameSender {
   size_t front_sent_ ABSL_GUARDED_BY(mu_) = 0;  // bytes of backlog_.front() already written
   size_t backlog_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  std::string why_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread writer_;  // started under mu_, joined by the destructor
 };

@@ -122,7 +122,8 @@ BehindRouter ServeBehindRouter(grpc::Service* replica, const std::string& id, bo
 
 // A local replica's data socket (common/data_frames.h) answering each request as `answer`
 // says: (code, body) for a frame carrying `request`, close the connection when it returns
-// code -1, or never answer that one for -2. Records the deadlines it was sent. REST frames
+// code -1, never answer that one for -2, or for -3 send a header announcing a body 1 MiB
+// longer than `body` and then only `body` (an answer cut off mid-frame, the connection open). Records the deadlines it was sent. REST frames
 // (kJsonInferFrame) go to the JSON answer when one is set, and are refused as an older
 // runtime refuses them when not.
 class FakeDataSocket {
@@ -210,6 +211,12 @@ class FakeDataSocket {
         }
         auto [code, out] = answer;
         if (code == -2) continue;
+        if (code == -3) {
+          std::string frame = EncodeFrame(h.tag, 0, 0, out + std::string(1 << 20, 'x'));
+          frame.resize(kFrameHeaderBytes + out.size());
+          if (!WriteFull(fd, frame.data(), frame.size())) break;
+          continue;
+        }
         if (code < 0) break;
         std::string frame = EncodeFrame(h.tag, static_cast<uint8_t>(code), 0, out);
         if (!WriteFull(fd, frame.data(), frame.size())) break;
@@ -357,6 +364,32 @@ TEST(RouterDataSocketTest, EachDeadlineEndsItsCallInTurn) {
   EXPECT_EQ(silent->requests(), 2);
 }
 
+// A replica that stops in the middle of an answer (frozen, say) with the connection open: the
+// other calls on the connection still end at their deadlines; the reader does not wait for the
+// rest of that frame.
+TEST(RouterDataSocketTest, AnAnswerCutOffMidFrameHoldsNoOtherCallsDeadline) {
+  std::string path = TempSocket("cut");
+  FakeDataSocket replica(path, [](const inference::ModelInferRequest& req) {
+    if (req.id() == "cut") return std::make_pair(-3, std::string("only this"));
+    return std::make_pair(-2, std::string());  // the others are never answered
+  });
+  DataChannel channel(path);
+  CallOutcome cut, other;
+  inference::ModelInferRequest cut_req = EncoderRequest();
+  cut_req.set_id("cut");
+  channel.Call(cut_req, 0, &cut.response, cut.Callback());
+  // It answers (the cut frame) as soon as it has read the request.
+  ASSERT_TRUE(kiln::testing::Eventually([&] { return replica.requests() == 1; }, absl::Seconds(10)));
+  const int64_t deadline = absl::ToUnixMicros(absl::Now() + absl::Milliseconds(200));
+  channel.Call(EncoderRequest(), deadline, &other.response, other.Callback());
+  ASSERT_TRUE(other.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(other.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_FALSE(cut.done.HasBeenNotified());
+  channel.FailAll();
+  ASSERT_TRUE(cut.done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(cut.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
 // A replica that never answers: a call past its deadline fails DEADLINE_EXCEEDED (the router
 // does not keep it forever), and a stopping router fails the ones without a deadline.
 TEST(RouterDataSocketTest, CallsEndAtTheirDeadlineOrWhenTheChannelCloses) {
@@ -375,6 +408,10 @@ TEST(RouterDataSocketTest, CallsEndAtTheirDeadlineOrWhenTheChannelCloses) {
   channel.FailAll();
   ASSERT_TRUE(forever.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
   EXPECT_EQ(forever.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  // The router ended it, not the replica, and says so.
+  EXPECT_NE(forever.status.error_message().find("the router closed the connection (it is stopping)"),
+            std::string::npos)
+      << forever.status.error_message();
   EXPECT_TRUE(channel.Idle());
   // And after FailAll every new call fails at once.
   grpc::Status after;
@@ -509,6 +546,30 @@ TEST(RouterDataSocketTest, AReplicaWithAFullBacklogIsUnavailableAtOnce) {
 
 // A burst of first calls on a new channel makes one connection, not one each (which would
 // fill the replica's backlog and refuse calls to a healthy replica).
+// A caller that took a replica's channel (ChannelFor) just as the replica left the routing
+// table: the channel is neither retired before its call is on it nor destroyed under it.
+TEST(RouterDataSocketTest, AChannelLeavingTheTableKeepsTheCallJustMadeOnIt) {
+  std::string path = TempSocket("ret");
+  auto silent = SilentReplica(path);
+  auto router = StartRouter({{"a.0", "1", "127.0.0.1:1", "", true, path}});
+  ASSERT_NE(router, nullptr);
+  std::shared_ptr<DataChannel> channel = router->ChannelFor(path);
+  ASSERT_NE(channel, nullptr);
+  auto without = std::make_shared<RouterTable>();
+  router->SetTable(without);  // the replica left the table
+  CallOutcome call;
+  channel->Call(EncoderRequest(), 0, &call.response, call.Callback());
+  channel.reset();
+  router->SetTable(without);
+  router->SetTable(without);
+  ASSERT_TRUE(kiln::testing::Eventually([&] { return silent->requests() == 1; }, absl::Seconds(10)));
+  router->SetTable(without);
+  EXPECT_FALSE(call.done.HasBeenNotified()) << call.status.error_message();
+  router->Stop();  // it fails now, as the router stops
+  ASSERT_TRUE(call.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(call.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
 TEST(RouterDataSocketTest, ABurstOfFirstCallsSharesOneConnection) {
   std::string path = TempSocket("u");
   FakeDataSocket replica(path, [](const inference::ModelInferRequest&) {
@@ -591,6 +652,27 @@ TEST(RouterTest, ModelMetadataWaitsForTheReplicaWithoutHoldingTheRouter) {
     ASSERT_TRUE(c->done.WaitForNotificationWithTimeout(absl::Seconds(30)));
     EXPECT_TRUE(c->status.ok()) << c->status.error_message();
     EXPECT_EQ(c->resp.name(), "encoder");
+  }
+  router->Stop();
+  server->Shutdown();
+}
+
+// The router keeps a gRPC client per address it routes to, not per address it ever routed to
+// (a replica restarted on a new port, a node gone): one no longer in the table is dropped.
+TEST(RouterTest, GrpcClientsOfAddressesNoLongerRoutedAreDropped) {
+  OneAnswerReplica replica(grpc::Status::OK);
+  int port = 0;
+  auto server = Serve(&replica, &port);
+  ASSERT_GT(port, 0);
+  auto router = StartRouter({});
+  ASSERT_NE(router, nullptr);
+  auto stub = RouterStub(*router);
+  // The same replica under two spellings of its address, as if it had moved each time.
+  for (const std::string host : {"127.0.0.1", "localhost", "127.0.0.1", "localhost"}) {
+    router->SetTable(HalfAndHalf({{"a/1", "1", host + ":" + std::to_string(port), "", false, ""},
+                                  {"a/2", "2", host + ":" + std::to_string(port), "", false, ""}}));
+    ASSERT_TRUE(InferEncoder(stub.get()).ok()) << host;
+    EXPECT_EQ(router->stubs(), 1u) << host;
   }
   router->Stop();
   server->Shutdown();
@@ -1081,6 +1163,37 @@ TEST(RouterStickyTest, AParameterKeyHoldsItsVersionOverBothProtocols) {
     EXPECT_EQ(nlohmann::json::parse(r.body)["parameters"]["kiln-version"], first) << "key " << k;
   }
   EXPECT_EQ(seen, (std::set<std::string>{"1", "2"}));
+  // A number that is not whole: gRPC's double_param and a REST body's number are one key.
+  std::set<std::string> seen_doubles;
+  for (int k = 0; k < 24; ++k) {
+    const double key = k + 0.5;
+    inference::ModelInferRequest req = EncoderRequest();
+    (*req.mutable_parameters())["user"].set_double_param(key);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    inference::ModelInferResponse resp;
+    ASSERT_TRUE(stub->ModelInfer(&ctx, req, &resp).ok());
+    const std::string v = resp.parameters().at("kiln-version").string_param();
+    seen_doubles.insert(v);
+    testing::RawHttpClient c(router->http_port());
+    ASSERT_TRUE(c.Send(testing::Post(
+        "/v2/models/encoder/infer",
+        R"({"parameters":{"user":)" + nlohmann::json(key).dump() +
+            R"(},"inputs":[{"name":"x","datatype":"INT64","shape":[1],"data":[1]}]})")));
+    auto r = c.Read();
+    ASSERT_EQ(r.code, 200) << r.body;
+    EXPECT_EQ(nlohmann::json::parse(r.body)["parameters"]["kiln-version"], v) << "key " << key;
+  }
+  EXPECT_EQ(seen_doubles, (std::set<std::string>{"1", "2"}));
+  // The health and readiness paths: only live and ready, and a model name that is not UTF-8
+  // is answered, not a server error.
+  for (const auto& [path, code] : std::vector<std::pair<std::string, int>>{
+           {"/v2/health/live", 200}, {"/v2/health/ready", 200}, {"/v2/health/other", 404},
+           {"/v2/models/%FF%FE/ready", 503}, {"/v2/models/encoder/ready", 200}}) {
+    testing::RawHttpClient c(router->http_port());
+    ASSERT_TRUE(c.Send(testing::Get(path)));
+    EXPECT_EQ(c.Read().code, code) << path;
+  }
   router->Stop();
 }
 
