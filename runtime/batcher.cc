@@ -301,7 +301,7 @@ void Batcher::Reap() {
 Batcher::~Batcher() { Stop(); }
 
 absl::Status Batcher::Enqueue(Item item) {
-  const bool alone = !one_thread_ &&
+  const bool alone = !one_thread_ && item.may_run_inline &&
                      (!policy_.dynamic || (policy_.max_queue_delay == absl::ZeroDuration() &&
                                            policy_.preferred_batch_sizes.empty()));
   {

@@ -78,6 +78,8 @@ class Batcher {
     int64_t priority = 1;
     absl::Time deadline = absl::InfiniteFuture();
     Done done;
+    // False: never run on the caller's thread (Enqueue's fast path), always queued.
+    bool may_run_inline = true;
     // Set by the batcher: when the request was queued, and whether it must run by itself.
     absl::Time enqueued = absl::InfinitePast();
     bool alone = false;
@@ -95,8 +97,8 @@ class Batcher {
   // own, so a flood of low-priority requests never refuses a higher one); UNAVAILABLE after
   // Stop(). On OK, `done` is
   // called exactly once: from the executor thread, or inline when the request would run
-  // alone anyway (no batching or no delay), the model is idle and the batcher was not made
-  // with `one_thread`, which saves a thread hop.
+  // alone anyway (no batching or no delay), the model is idle, the batcher was not made
+  // with `one_thread` and the item allows it, which saves a thread hop.
   absl::Status Enqueue(Item item);
   int64_t queue_depth() const;
   // Runs `fn` on the executor thread, between executions, and waits for it; UNAVAILABLE

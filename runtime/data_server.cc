@@ -221,6 +221,7 @@ void DataServer::Serve(const std::shared_ptr<Connection>& c, uint64_t tag,
     fail(decoded.status());
     return;
   }
+  decoded->shared_reader = true;  // this thread reads the connection's next requests
   // The router's caller's deadline bounds the request's timeout.
   if (absl::Status bounded = NoteCallerDeadline(deadline_unix_micros, &*decoded);
       !bounded.ok()) {

@@ -108,6 +108,7 @@ void ServeRestInfer(ModelHost* host, std::string* body, const std::string& model
     return;
   }
   if (add_version) (*params)[kVersionParameter] = host->version();
+  decoded->shared_reader = true;  // read by the REST server's (or data socket's) thread
   host->Infer(std::move(*decoded),
               [answer = std::move(answer), params](absl::StatusOr<InferResponse> r) {
                 if (!r.ok()) {

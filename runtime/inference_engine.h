@@ -37,6 +37,10 @@ struct InferRequest {
   // Neither answered from the response cache nor stored in it (parameter kiln-skip-cache):
   // the agent's health probe, which must run the model.
   bool skip_cache = false;
+  // It was read by a thread that reads other callers' requests too (the data socket's reader,
+  // the REST server's): with priority levels it is queued rather than run on that thread, so
+  // that a higher-priority request read after it is not held back by it.
+  bool shared_reader = false;
 };
 
 struct InferResponse {

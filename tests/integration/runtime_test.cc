@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <future>
@@ -1228,6 +1229,51 @@ TEST(RuntimeTest, TheDataSocketServesTheReferenceOutputsAndRefusesBadFrames) {
   auto exited = rt->WaitExit(absl::Seconds(30));
   ASSERT_TRUE(exited.ok()) << exited.status();
   EXPECT_FALSE(std::filesystem::exists(path));
+  std::filesystem::remove_all(dir);
+}
+
+// The data socket's one reader reads every request of the router's connection: a request it
+// read first (a lower priority) is queued, not run on that thread, so a higher-priority one
+// read after it still goes first (the model: the slow one with no batching delay, 2 levels).
+TEST(RuntimeTest, OnTheDataSocketAHigherPriorityIsNotHeldBehindALowerOneReadFirst) {
+  auto dir = std::filesystem::temp_directory_path() / ("kiln_prio_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "slow");
+  std::filesystem::copy(kRepo + "/slow", dir / "slow", std::filesystem::copy_options::recursive);
+  {
+    std::ifstream in(dir / "slow/config.yaml");
+    std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string delay = "max_queue_delay_microseconds: 100";
+    ASSERT_NE(cfg.find(delay), std::string::npos) << cfg;
+    cfg.replace(cfg.find(delay), delay.size(), "max_queue_delay_microseconds: 0");
+    std::ofstream(dir / "slow/config.yaml") << cfg;
+  }
+  const std::string path = (dir / "r.data").string();
+  auto rt = StartRuntime("slow", "", "serving", {"--data-socket", path, "--threads", "1"},
+                         dir.string());
+  ASSERT_NE(rt, nullptr);
+  auto fd = ConnectUnix(path);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  auto request = [](int64_t work, int64_t priority) {
+    inference::ModelInferRequest r = SlowRequest(work);
+    (*r.mutable_parameters())["priority"].set_int64_param(priority);
+    return r.SerializeAsString();
+  };
+  ASSERT_TRUE(SendFrame(*fd, 1, 0, 0, request(kLongWork, 2)));
+  ASSERT_TRUE(WaitExecuting(rt.get(), 1, 0));
+  ASSERT_TRUE(SendFrame(*fd, 2, 0, 0, request(1, 2)));
+  ASSERT_TRUE(SendFrame(*fd, 3, 0, 0, request(1, 1)));
+  // Both read and queued while the first one runs.
+  EXPECT_TRUE(WaitExecuting(rt.get(), 3, 2));
+  std::vector<uint64_t> order;
+  for (int i = 0; i < 3; ++i) {
+    DataAnswer a = ReadAnswer(*fd);
+    EXPECT_EQ(a.code, 0) << a.body;
+    order.push_back(a.tag);
+  }
+  EXPECT_EQ(order, (std::vector<uint64_t>{1, 3, 2}));
+  ::close(*fd);
+  rt.reset();
   std::filesystem::remove_all(dir);
 }
 
