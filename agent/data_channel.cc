@@ -12,6 +12,7 @@
 #include <chrono>
 #include <ctime>
 #include <limits>
+#include <utility>
 
 #include "absl/time/clock.h"
 #include "common/data_frames.h"
@@ -24,6 +25,9 @@ namespace {
 constexpr uint32_t kMaxAnswerBytes = (1u << 31) - 1;
 // A reader keeps its answer buffer between frames up to this capacity.
 constexpr size_t kKeptAnswerBuffer = size_t{1} << 20;
+// Frames a reader takes in one pass before it looks at the deadlines again.
+constexpr int kFramesPerPass = 64;
+constexpr char kReplicaClosed[] = "the replica closed the connection";
 
 // The kernel's wall clock, the one the deadline timer fires by (absl::Now() may estimate it
 // from the TSC, a microsecond or more behind: a timer seen to fire "early" must not look like
@@ -270,7 +274,7 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
   FrameHeader h{};      // the header once whole,
   std::string body;     // and its body,
   size_t body_got = 0;  // so far
-  std::string why = "the replica closed the connection";
+  std::string why = kReplicaClosed;
   for (;;) {
     // Deadlines wake it through the timer (armed here at the nearest).
     const int64_t next = Expire(c);
@@ -326,9 +330,11 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
     // Whatever has arrived, frame by frame, without blocking: a frame not whole yet is kept for
     // a later pass, so that a replica stopping mid-frame (frozen, say) does not stop the other
     // calls' deadlines, which the top of the loop keeps.
-    const bool spun = from_spin && (fds[0].revents & POLLIN);
+    // Answers that keep coming do not hold off the deadlines: at most kFramesPerPass frames,
+    // then the deadlines (the socket is still readable, so poll returns at once).
+    bool spun = from_spin && (fds[0].revents & POLLIN);  // the pass's first answer only
     bool closed = false;
-    for (;;) {
+    for (int frames = 0; frames < kFramesPerPass;) {
       const bool in_head = head_got < sizeof(head);
       char* dst = in_head ? head + head_got : body.data() + body_got;
       const size_t want = in_head ? sizeof(head) - head_got : body.size() - body_got;
@@ -356,19 +362,23 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
         if (body_got < body.size()) continue;
       }
       head_got = 0;  // a whole frame: the next one starts
-      Deliver(c, h, &body, spun);
+      frames++;
+      Deliver(c, h, &body, std::exchange(spun, false));
       // A large answer's buffer is not kept for the connection's life.
       if (body.capacity() > kKeptAnswerBuffer) std::string().swap(body);
     }
     if (closed) break;
   }
   // The connection ended: by the replica, unless this side ended it (stopping, or a replica
-  // that stopped reading what it was sent).
-  if (c->sender && c->sender->broken()) {
-    why = "the router gave up sending to it: " + c->sender->why_broken();
-  } else {
+  // that stopped reading what it was sent). A reason found while reading stands.
+  if (why == kReplicaClosed) {
+    const std::string given_up = c->sender ? c->sender->why_given_up() : "";
     absl::MutexLock lock(&mu_);
-    if (closing_) why = "the router closed the connection (it is stopping)";
+    if (!given_up.empty()) {
+      why = "the router gave up sending to it: " + given_up;
+    } else if (closing_) {
+      why = "the router closed the connection (it is stopping)";
+    }
   }
   Broke(c, why);
   c->finished = true;

@@ -76,6 +76,7 @@ Router::Router(Options options)
 
 void Router::SetTable(std::shared_ptr<const RouterTable> table) {
   std::vector<std::shared_ptr<DataChannel>> gone;  // destroyed below, outside the lock
+  std::vector<std::shared_ptr<inference::GRPCInferenceService::Stub>> stubs_gone;  // likewise
   {
     absl::MutexLock lock(&mu_);
     table_ = std::move(table);
@@ -92,7 +93,12 @@ void Router::SetTable(std::shared_ptr<const RouterTable> table) {
     // gRPC channels to addresses no longer routed to (a restarted replica's old port, a node
     // gone): dropped here; a call still out on one keeps it until it ends.
     for (auto it = stubs_.begin(); it != stubs_.end();) {
-      it = addresses.count(it->first) ? std::next(it) : stubs_.erase(it);
+      if (addresses.count(it->first)) {
+        ++it;
+      } else {
+        stubs_gone.push_back(std::move(it->second));  // a channel's teardown: not under mu_
+        it = stubs_.erase(it);
+      }
     }
     // Only a channel no call is on, and nobody holds (a caller between ChannelFor and its
     // Call is on its way to one).
@@ -117,6 +123,7 @@ void Router::SetTable(std::shared_ptr<const RouterTable> table) {
     }
   }
   gone.clear();  // outside the lock: a channel's reader may be finishing a call that takes it
+  stubs_gone.clear();
 }
 
 absl::StatusOr<Router::Choice> Router::Choose(const std::string& model, const std::string& version,
@@ -279,7 +286,51 @@ struct ForwardCall {
   std::unique_ptr<grpc::ClientContext> client_ctx;
   std::shared_ptr<inference::GRPCInferenceService::Stub> stub;
   int attempts = 0;
+
+  // The caller gave up (or the router's server did, at the end of its stop grace): the try
+  // under way over gRPC is cancelled, and none is made after.
+  void CallerGone() {
+    absl::MutexLock lock(&mu);
+    caller_gone = true;
+    if (live) live->TryCancel();
+  }
+  // Makes the try's context the one CallerGone cancels; false if the caller is gone already.
+  bool Track(grpc::ClientContext* ctx) {
+    absl::MutexLock lock(&mu);
+    live = ctx;
+    return !caller_gone;
+  }
+  // The try ended; true if the caller is gone.
+  bool Untrack() {
+    absl::MutexLock lock(&mu);
+    live = nullptr;
+    return caller_gone;
+  }
+
+  absl::Mutex mu;
+  bool caller_gone ABSL_GUARDED_BY(mu) = false;
+  grpc::ClientContext* live ABSL_GUARDED_BY(mu) = nullptr;
 };
+
+// The server side of one forwarded ModelInfer: sees the caller's cancellation (OnCancel), which
+// ends the call sent on with it, and owns itself until gRPC is done with it.
+class ForwardReactor : public grpc::ServerUnaryReactor {
+ public:
+  explicit ForwardReactor(std::shared_ptr<ForwardCall> c) : c_(std::move(c)) {}
+  void OnCancel() override { c_->CallerGone(); }
+  void OnDone() override { delete this; }
+
+ private:
+  std::shared_ptr<ForwardCall> c_;
+};
+
+// A replica that went away under a call (refused it, or cancelled it as its server stopped)
+// is UNAVAILABLE to the caller, the code clients retry, never CANCELLED, which they take as
+// their own doing.
+grpc::Status AsReplicaGone(const grpc::Status& s) {
+  if (s.error_code() != grpc::StatusCode::CANCELLED) return s;
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the replica went away: " + s.error_message());
+}
 
 // Sends the call to a replica chosen now. `previous`: the first try's failure, when this is
 // the retry (answered instead, should there be no other replica).
@@ -292,41 +343,48 @@ void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc
   }
   if (!previous.ok()) c->router->CountRetry();
   c->attempts++;
-  // The caller's deadline and cancellation carry over to the call sent on, so that a call
-  // the router's server gives up on (the caller's, or its stop's, cancellation) ends there
-  // too rather than holding the server's shutdown.
-  c->client_ctx = grpc::ClientContext::FromCallbackServerContext(*c->server_ctx);
+  c->client_ctx = std::make_unique<grpc::ClientContext>();
   // The caller's deadline, when it set one (gRPC's "none" is the far future).
   const auto deadline = c->server_ctx->deadline();
   const bool has_deadline =
       deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365);
+  if (has_deadline) c->client_ctx->set_deadline(deadline);
+  // Its cancellation too (ForwardReactor::OnCancel), so that a call the router's server gives
+  // up on ends where it was sent rather than holding the server's shutdown.
+  if (!c->Track(c->client_ctx.get())) {
+    c->reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the caller cancelled the call"));
+    return;
+  }
   std::string id = choice->endpoint.id;
   std::string version = choice->version;
   const RouterTable::Endpoint endpoint = choice->endpoint;
   c->router->Begin(id);
   auto finished = [c, id, version, endpoint](const grpc::Status& s) {
     c->router->End(id);
+    const bool caller_gone = c->Untrack();
+    if (caller_gone) {
+      c->reactor->Finish(s);  // goes nowhere
+      return;
+    }
     // The replica went away under the call: refused (UNAVAILABLE), or cancelled by its
-    // server shutting down at the end of a drain (CANCELLED while our client did not
-    // cancel). Inference has no side effects, so one retry elsewhere is safe, unless the
-    // caller gave up or the router is stopping.
-    const bool replica_gone =
-        s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-        s.error_code() == grpc::StatusCode::CANCELLED;
-    if (replica_gone && c->attempts == 1 && !c->server_ctx->IsCancelled() &&
-        !c->router->stopping()) {
+    // server shutting down at the end of a drain (CANCELLED while the caller was not).
+    // Inference has no side effects, so one retry elsewhere is safe, unless the router is
+    // stopping.
+    const bool replica_gone = s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                              s.error_code() == grpc::StatusCode::CANCELLED;
+    if (replica_gone && c->attempts == 1 && !c->router->stopping()) {
       c->exclude.insert(id);
       // Another node that did not answer: none of its endpoints (other versions) either.
       if (!endpoint.local) c->router->ExcludeNode(c->request->model_name(), endpoint, &c->exclude);
       c->response->Clear();
-      Attempt(c, s);
+      Attempt(c, AsReplicaGone(s));
       return;
     }
     if (s.ok()) {
       (*c->response->mutable_parameters())[kVersionParameter].set_string_param(version);
       c->server_ctx->AddInitialMetadata(kVersionParameter, version);
     }
-    c->reactor->Finish(s);
+    c->reactor->Finish(replica_gone ? AsReplicaGone(s) : s);
   };
   if (!choice->endpoint.data_socket.empty()) {
     // A local replica: its data socket, without a second gRPC hop. (The callback must not hold
@@ -433,7 +491,8 @@ class RouterGrpcService final : public inference::GRPCInferenceService::Callback
     c->server_ctx = ctx;
     c->request = req;
     c->response = resp;
-    c->reactor = ctx->DefaultReactor();
+    auto* reactor = new ForwardReactor(c);  // deletes itself when gRPC is done with it
+    c->reactor = reactor;
     c->forwarded = Forwarded(ctx);
     auto [header, param] = router_->StickyKey(req->model_name());
     if (!header.empty()) {

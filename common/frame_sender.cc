@@ -31,13 +31,14 @@ bool FrameSender::Send(std::string frame) {
   // Nothing ahead of it: written now, as far as the socket takes it. (Frames ahead of it mean
   // the writer thread owns the socket's writes until the backlog is empty.)
   if (backlog_.size() == 1 && !Drain()) {
-    Break("sending to it failed");
+    Break("sending to it failed", /*chosen=*/false);
     return false;
   }
   if (backlog_.empty()) return true;
   if (backlog_bytes_ > max_backlog_bytes_) {
     Break(std::to_string(backlog_bytes_) + " bytes waited for it to read them, over the limit of " +
-          std::to_string(max_backlog_bytes_));
+              std::to_string(max_backlog_bytes_),
+          /*chosen=*/true);
     return false;
   }
   if (!writer_.joinable()) writer_ = std::thread([this] { WriteLoop(); });
@@ -54,14 +55,15 @@ bool FrameSender::broken() {
   return broken_;
 }
 
-std::string FrameSender::why_broken() {
+std::string FrameSender::why_given_up() {
   absl::MutexLock lock(&mu_);
-  return why_;
+  return chosen_ ? why_ : "";
 }
 
-void FrameSender::Break(std::string why) {
+void FrameSender::Break(std::string why, bool chosen) {
   broken_ = true;
   why_ = std::move(why);
+  chosen_ = chosen;
   backlog_.clear();
   backlog_bytes_ = 0;
   front_sent_ = 0;
@@ -102,7 +104,7 @@ void FrameSender::WriteLoop() {
     mu_.Await(absl::Condition(&work));
     if (broken_ || stopping_) return;
     if (!Drain()) {
-      Break("sending to it failed");
+      Break("sending to it failed", /*chosen=*/false);
       return;
     }
     if (backlog_.empty()) continue;
@@ -115,7 +117,7 @@ void FrameSender::WriteLoop() {
     } while (n < 0 && errno == EINTR);
     mu_.Lock();
     if (n == 0 && !stopping_) {
-      Break("it read nothing for " + absl::FormatDuration(stall_));
+      Break("it read nothing for " + absl::FormatDuration(stall_), /*chosen=*/true);
       return;
     }
   }

@@ -34,11 +34,13 @@ class FrameSender {
   // Frames (or parts of one) waiting for the socket. For tests and metrics.
   size_t backlog_bytes();
   bool broken();
-  // Why the sender broke the connection ("" while it has not).
-  std::string why_broken();
+  // Why the sender gave up on the peer and broke the connection (it read nothing for the
+  // stall, or the backlog went over its limit); "" when it did not (a send that failed because
+  // the peer closed is the peer's doing).
+  std::string why_given_up();
 
  private:
-  void Break(std::string why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Break(std::string why, bool chosen) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes from the front of the backlog what the socket takes now. False on an error.
   bool Drain() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteLoop();
@@ -52,6 +54,7 @@ class FrameSender {
   size_t backlog_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
   std::string why_ ABSL_GUARDED_BY(mu_);
+  bool chosen_ ABSL_GUARDED_BY(mu_) = false;  // broken by its own choice, not a failed send
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread writer_;  // started under mu_, joined by the destructor
 };

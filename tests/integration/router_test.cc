@@ -906,6 +906,58 @@ TEST(RouterRetryTest, WithNowhereElseTheFirstFailureIsAnsweredAndNoRetryCounted)
   server->Shutdown();
 }
 
+// A caller that cancels its call: the call sent on is cancelled with it, and it is not sent
+// anywhere else (a retry would run the model for nobody).
+TEST(RouterRetryTest, ACallerThatCancelsIsNotRetried) {
+  HeldInferReplica held;
+  OneAnswerReplica other(grpc::Status::OK);
+  int held_port = 0, other_port = 0;
+  auto held_server = Serve(&held, &held_port);
+  auto other_server = Serve(&other, &other_port);
+  ASSERT_GT(held_port, 0);
+  ASSERT_GT(other_port, 0);
+  // Equal but for their ids: "a/1" is chosen first.
+  auto router = StartRouter({{"a/1", "1", "127.0.0.1:" + std::to_string(held_port), "", false, ""},
+                             {"z/1", "1", "127.0.0.1:" + std::to_string(other_port), "", false, ""}});
+  ASSERT_NE(router, nullptr);
+  auto stub = RouterStub(*router);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  inference::ModelInferRequest req;
+  req.set_model_name("encoder");
+  inference::ModelInferResponse resp;
+  absl::Notification done;
+  grpc::Status status;
+  stub->async()->ModelInfer(&ctx, &req, &resp, [&](grpc::Status s) {
+    status = s;
+    done.Notify();
+  });
+  ASSERT_TRUE(held.arrived_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ctx.TryCancel();
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(kiln::testing::Eventually([&] { return held.cancelled_.load(); }, absl::Seconds(10)));
+  EXPECT_EQ(other.calls_.load(), 0);
+  EXPECT_EQ(router->retries(), 0u);
+  router->Stop();
+  held.release_.Notify();
+  held_server->Shutdown();
+  other_server->Shutdown();
+}
+
+// A replica that cancels a call as its server stops, with nowhere else to retry: the caller
+// gets UNAVAILABLE (what clients retry), not CANCELLED (what they take as their own doing).
+TEST(RouterRetryTest, AReplicaThatWentAwayIsUnavailableToTheCaller) {
+  OneAnswerReplica stopping(grpc::Status(grpc::StatusCode::CANCELLED, "server shutdown"));
+  auto [server, router, stub] = ServeBehindRouter(&stopping, "b/1", false);
+  ASSERT_NE(router, nullptr);
+  grpc::Status s = InferEncoder(stub.get());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_EQ(s.error_message(), "the replica went away: server shutdown");
+  router->Stop();
+  server->Shutdown();
+}
+
 // A REST forward over HTTP still waiting on its replica when the router stops: the client is
 // answered 503 before the REST server closes its connection, and Stop fails the forward and
 // waits for its callback (which uses the router). Before, the continuation could run on the

@@ -76,7 +76,7 @@ TEST_F(FrameSenderTest, APeerThatReadsNothingForTheStallBreaksTheConnection) {
   FrameSender s(fds_[0], absl::Milliseconds(1), 64 << 20);
   for (int i = 0; i < 50; ++i) s.Send(Frame(i, 1000));
   ASSERT_TRUE(testing::Eventually([&] { return s.broken(); }, absl::Seconds(10)));
-  EXPECT_EQ(s.why_broken(), "it read nothing for 1ms");
+  EXPECT_EQ(s.why_given_up(), "it read nothing for 1ms");
   EXPECT_EQ(s.backlog_bytes(), 0u);        // what waited is dropped
   EXPECT_FALSE(s.Send(Frame(99, 1)));      // and nothing more goes
   // The peer sees whole frames, then the end (shut down): never a cut frame read as whole.
@@ -93,9 +93,9 @@ TEST_F(FrameSenderTest, ABacklogOverItsLimitBreaksTheConnection) {
   for (int i = 0; i < 200 && !refused; ++i) refused = !s.Send(Frame(i, 1000));
   EXPECT_TRUE(refused);
   EXPECT_TRUE(s.broken());
-  EXPECT_NE(s.why_broken().find("bytes waited for it to read them, over the limit of 65536"),
+  EXPECT_NE(s.why_given_up().find("bytes waited for it to read them, over the limit of 65536"),
             std::string::npos)
-      << s.why_broken();
+      << s.why_given_up();
   EXPECT_EQ(s.backlog_bytes(), 0u);
 }
 
