@@ -54,15 +54,23 @@ class GrpcRuntimeClient : public RuntimeClient {
   absl::StatusOr<Resp> Call(grpc::Status (v1::RuntimeControl::Stub::*method)(
       grpc::ClientContext*, const Req&, Resp*)) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+    // A runtime that let a call time out (stopped, wedged) is given a short time from then on,
+    // until it answers again: the agent's loop asks every replica in turn, and must not wait
+    // out the whole timeout for it on every pass until it is declared silent.
+    ctx.set_deadline(absl::ToChronoTime(
+        absl::Now() + (silent_ ? std::min(timeout_, kSilentTimeout) : timeout_)));
     Resp resp;
     grpc::Status s = (stub_.get()->*method)(&ctx, Req(), &resp);
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) silent_ = true;
     if (!s.ok()) return FromGrpcStatus(s);
+    silent_ = false;
     return resp;
   }
 
+  static constexpr absl::Duration kSilentTimeout = absl::Milliseconds(200);
   std::unique_ptr<v1::RuntimeControl::Stub> stub_;
   absl::Duration timeout_;
+  bool silent_ = false;  // the last call timed out (the client is used from one thread)
 };
 
 }  // namespace

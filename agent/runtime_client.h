@@ -29,7 +29,8 @@ class RuntimeClientFactory {
   virtual std::unique_ptr<RuntimeClient> Connect(const std::string& socket_path) = 0;
 };
 
-// gRPC over the unix socket; every call has `timeout`.
+// gRPC over the unix socket; every call has `timeout`, or 200 ms once a call timed out, until
+// the runtime answers again.
 class GrpcRuntimeClientFactory : public RuntimeClientFactory {
  public:
   explicit GrpcRuntimeClientFactory(absl::Duration timeout = absl::Seconds(2)) : timeout_(timeout) {}
