@@ -107,23 +107,22 @@ void GpuMonitor::Save() {
 
 void GpuMonitor::Poll() {
   bool changed = false;
+  const absl::Time now = clock_->Now();
   auto events = driver_->WaitEvents(absl::ZeroDuration());
   if (events.ok()) {
     for (const auto& e : *events) {
-      if (DrainClass(e.xid)) {
+      const XidAction action = ClassifyXid(e.xid).action;
+      if (action == XidAction::kDrainGpu) {
         // Once per code: a storm of them says no more than the first.
         changed |= AddDrainXid(e.index, e.xid);
         continue;
       }
-      if (ClassifyXid(e.xid).action == XidAction::kApplication) {
-        new_application_xids_.emplace_back(e.index, e.xid);
-      }
+      if (action == XidAction::kApplication) new_application_xids_.emplace_back(e.index, e.xid);
       auto& recent = recent_xids_[e.index];
-      recent.push_back({e.xid, clock_->Now()});
+      recent.push_back({e.xid, now});
       if (recent.size() > kRecentApplicationXids) recent.pop_front();
     }
   }
-  const absl::Time now = clock_->Now();
   for (auto& [gpu, recent] : recent_xids_) {
     while (!recent.empty() && now - recent.front().at >= kApplicationXidWindow) recent.pop_front();
   }

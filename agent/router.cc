@@ -355,11 +355,12 @@ void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc
     c->reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the caller cancelled the call"));
     return;
   }
-  std::string id = choice->endpoint.id;
-  std::string version = choice->version;
   const RouterTable::Endpoint endpoint = choice->endpoint;
+  const std::string& id = endpoint.id;
+  std::string version = choice->version;
   c->router->Begin(id);
-  auto finished = [c, id, version, endpoint](const grpc::Status& s) {
+  auto finished = [c, version, endpoint](const grpc::Status& s) {
+    const std::string& id = endpoint.id;
     c->router->End(id);
     const bool caller_gone = c->Untrack();
     if (caller_gone) {
@@ -622,7 +623,7 @@ class Router::Impl {
     std::thread grpc_stop;
     if (grpc_server_) {
       // GOAWAY: clients move new calls to a new connection; calls in flight get 5 s, and are
-      // then cancelled, with what they sent on (ForwardCall's propagated context).
+      // then cancelled, with what they sent on (ForwardReactor::OnCancel).
       grpc_stop = std::thread([this] {
         grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
       });
