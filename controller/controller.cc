@@ -134,6 +134,7 @@ Controller::~Controller() { Stop(); }
 
 void Controller::Start() {
   leading_ = true;
+  started_ = clock_->Now();  // before the loop's thread reads it
   loop_ = std::thread([this]() {
     // The last passes (by the controller's clock): the longest is how long a pass started now
     // may run (the longest, not a typical one: a lease that ends inside a pass waits for two),
@@ -467,17 +468,33 @@ grpc::Status Controller::Registered(const std::shared_ptr<Stream>& stream, const
   return grpc::Status::OK;
 }
 
-void Controller::Acked(const std::shared_ptr<Stream>& stream, const v1::AgentMessage& m) {
+void Controller::Acked(const std::shared_ptr<Stream>& stream, v1::AgentMessage m) {
   if (m.has_nack()) {
+    // A reason goes into events and status conditions (the API caps their size): kept short.
+    std::string* reason = m.mutable_nack()->mutable_reason();
+    if (reason->size() > kMaxNackReason) {
+      size_t cut = kMaxNackReason;
+      while (cut > 0 && (static_cast<unsigned char>((*reason)[cut]) & 0xC0) == 0x80) --cut;
+      reason->resize(cut);
+      reason->append("...");
+    }
     GetLogger("controller")
         ->warn("node {} refused generation {}: {}", stream->node(), m.nack().generation(),
                m.nack().reason());
   }
   // Kept for the next pass (or read of the nodes): the stream's thread never waits for the
   // controller's lock, which a pass holds for long at 10,000 nodes (Acks waiting for it held
-  // every stream's reads, so reports came late and nodes went NotReady).
+  // every stream's reads, so reports came late and nodes went NotReady). Bounded: an agent
+  // that floods them between two passes loses the rest, said once a pass.
   absl::MutexLock lock(&reports_mu_);
-  acks_.push_back({stream, m});
+  if (acks_.size() >= kMaxQueuedAcks) {
+    if (acks_dropped_++ == 0) {
+      GetLogger("controller")->warn("more than {} Acks and Nacks before a pass; the rest dropped",
+                                    kMaxQueuedAcks);
+    }
+    return;
+  }
+  acks_.push_back({stream, std::move(m)});
 }
 
 size_t Controller::QueuedAcksForTest() {
@@ -490,6 +507,7 @@ void Controller::TakeAcks() {
   {
     absl::MutexLock lock(&reports_mu_);
     acks.swap(acks_);
+    acks_dropped_ = 0;
   }
   for (const auto& [stream, m] : acks) {  // in the order they came
     // Only the node's current stream speaks for it: a node that registered again since (an
@@ -618,19 +636,39 @@ void Controller::Tick() {
   deps.reserve(objects->size());
   std::vector<PlacementDemand> demands;
   demands.reserve(objects->size());
+  std::set<std::string> stored;  // every deployment's name, valid or not
   for (auto& o : *objects) {
+    stored.insert(o.name);
     // Parsed again only when its stored text changed (parsing every deployment on every
     // pass was a third of a pass at 1,000 deployments).
     auto cached = decoded_.find(o.name);
-    if (cached == decoded_.end() || cached->second.spec != o.spec) {
-      auto parsed = DecodeFromStore(o.name, o.spec);
-      if (!parsed.ok()) {
-        log->error("{}", parsed.status().ToString());
-        decoded_.erase(o.name);
-        continue;
-      }
-      cached = decoded_.insert_or_assign(o.name, Decoded{o.spec, std::move(*parsed)}).first;
+    // Another object of the same name (deleted and made again): what the old one ran is not it.
+    if (cached != decoded_.end() && cached->second.uid != o.uid) {
+      decoded_.erase(cached);
+      cached = decoded_.end();
     }
+    auto bad = invalid_.find(o.name);
+    if (bad != invalid_.end() && bad->second.spec != o.spec) {
+      invalid_.erase(bad);
+      bad = invalid_.end();
+    }
+    if (bad == invalid_.end() && (cached == decoded_.end() || cached->second.spec != o.spec)) {
+      auto parsed = DecodeFromStore(o.name, o.spec);
+      if (parsed.ok()) {
+        cached = decoded_
+                     .insert_or_assign(o.name,
+                                       Decoded{o.spec, std::move(*parsed), o.generation, o.uid})
+                     .first;
+      } else {
+        // A spec the store took and kiln refuses (a looser schema, a newer kiln's checks) is no
+        // deletion: the deployment goes on as last applied, with the reason in its status.
+        // Said once per text, not every pass.
+        log->error("{}; {}", parsed.status().ToString(),
+                   cached != decoded_.end() ? "it runs as last applied" : "it is not run");
+        invalid_[o.name] = {o.spec, std::string(parsed.status().message())};
+      }
+    }
+    if (cached == decoded_.end()) continue;  // never valid: nothing to run
     const ModelDeployment* d = &cached->second.d;
     PlacementDemand pd;
     pd.deployment = d->name;
@@ -651,6 +689,7 @@ void Controller::Tick() {
   std::set<std::string> live;  // the deployments there are now: what is kept for others goes
   for (const auto& dep : deps) live.insert(dep.d.name);
   std::erase_if(decoded_, [&live](const auto& e) { return !live.count(e.first); });
+  std::erase_if(invalid_, [&stored](const auto& e) { return !stored.count(e.first); });
 
   std::vector<std::pair<std::string, nlohmann::json>> statuses;
   // Events for operators (Kubernetes Events on that store), recorded once the lock is released.
@@ -920,7 +959,15 @@ void Controller::Tick() {
       const RolloutState& st = known->second;
       RolloutAction action = RolloutAction::kNone;
       if (auto pa = pending_actions_.find(d.name); pa != pending_actions_.end()) {
-        action = pa->second;
+        // For the rollout it was asked of: one superseded since (another version applied)
+        // is not promoted, aborted or paused by an action meant for the one before.
+        if (pa->second.canary == st.canary_version && pa->second.canary == spec.model.version) {
+          action = pa->second.action;
+        } else {
+          log->info("rollout {}: the action asked of version {} dropped: the rollout is now of "
+                    "version {}",
+                    d.name, pa->second.canary, spec.model.version);
+        }
         pending_actions_.erase(pa);
       }
       RolloutPlan plan = PlanRollout(spec, st, stats[st.stable_version],
@@ -1255,8 +1302,17 @@ void Controller::Tick() {
                               {"message", unplaced}});
       }
       if (auto refused = refused_by.find(dep.d.name); refused != refused_by.end()) {
+        // Every refusing node, up to what a condition's message may hold.
         std::string why;
-        for (const auto& r : refused->second) why += (why.empty() ? "" : "; ") + r;
+        size_t said = 0;
+        for (const auto& r : refused->second) {
+          if (why.size() + r.size() > kMaxConditionMessage) break;
+          why += (why.empty() ? "" : "; ") + r;
+          ++said;
+        }
+        if (said < refused->second.size()) {
+          why += "; and " + std::to_string(refused->second.size() - said) + " more node(s)";
+        }
         conditions.push_back({{"type", "AssignmentsApplied"},
                               {"status", "False"},
                               {"reason", "Refused"},
@@ -1268,8 +1324,19 @@ void Controller::Tick() {
         stored.status = dep.object.status;
         stored.before = ParseConditions(stored.status);
       }
-      StampConditions(conditions, stored.before, now_text, dep.object.generation);
-      nlohmann::json st = {{"observedGeneration", dep.object.generation},
+      // Refused as stored: what runs is the generation last applied.
+      int64_t observed = dep.object.generation;
+      if (auto bad = invalid_.find(dep.d.name); bad != invalid_.end()) {
+        conditions.push_back({{"type", "SpecValid"},
+                              {"status", "False"},
+                              {"reason", "InvalidSpec"},
+                              {"message", bad->second.reason + "; running generation " +
+                                              std::to_string(decoded_.at(dep.d.name).generation) +
+                                              " as last applied"}});
+        observed = decoded_.at(dep.d.name).generation;
+      }
+      StampConditions(conditions, stored.before, now_text, observed);
+      nlohmann::json st = {{"observedGeneration", observed},
                            {"selector", std::string(kDeploymentLabel) + "=" + dep.d.name},
                            {"desiredReplicas", desired},
                            {"replicas", assigned},
@@ -1333,7 +1400,7 @@ absl::Status Controller::RequestRolloutAction(const std::string& name, const std
     return absl::FailedPreconditionError("deployment '" + name + "' has no rollout in progress (" +
                                          it->second.phase + ": " + it->second.message + ")");
   }
-  pending_actions_[name] = *a;
+  pending_actions_[name] = {*a, it->second.canary_version};
   GetLogger("controller")->info("rollout {}: {} requested", name, action);
   return absl::OkStatus();
 }

@@ -122,6 +122,12 @@ class Controller
   // A stored status's conditions: type -> (status, lastTransitionTime).
   using ConditionsBefore = std::map<std::string, std::pair<std::string, std::string>>;
 
+  // A Nack's reason is cut to this many bytes; a deployment's AssignmentsApplied message lists
+  // refusing nodes up to this many (the API caps a condition's message at 32768).
+  static constexpr size_t kMaxNackReason = 1024;
+  static constexpr size_t kMaxConditionMessage = 8192;
+  // Acks and Nacks kept between two passes; more are dropped.
+  static constexpr size_t kMaxQueuedAcks = 100000;
  private:
   // One agent's stream (controller.cc). The controller's loop never writes to it: it leaves
   // the latest Assignment and RoutingTable (each whole state, so a newer one replaces one not
@@ -150,7 +156,7 @@ class Controller
   // The stream's side: a Register (first or again), an Ack or Nack, its end.
   grpc::Status Registered(const std::shared_ptr<Stream>& stream, const v1::Register& r,
                           bool first);
-  void Acked(const std::shared_ptr<Stream>& stream, const v1::AgentMessage& m);
+  void Acked(const std::shared_ptr<Stream>& stream, v1::AgentMessage m);
   void Ended(const std::string& node, const Stream* stream);
   // Moves each stream's newest NodeStatus into the registry, after the Acks and Nacks that came
   // (TakeAcks).
@@ -164,7 +170,9 @@ class Controller
   const ControllerOptions options_;
   Store* store_;
   Clock* clock_;
-  const absl::Time started_;
+  // When it began to lead (Start; construction for a loop driven by hand): it observes from
+  // here, so a follower that wins the lease an hour after it started still waits for agents.
+  absl::Time started_;
   // For /metrics: each pass of the loop (seconds, by the controller's clock), rollbacks, and
   // the deployments the last pass read.
   Histogram tick_seconds_{Histogram::ExponentialBounds(0.001, 2, 13)};
@@ -206,6 +214,7 @@ class Controller
   // Acks and Nacks as they came (the node's stream, message), taken in order by the next pass.
   std::vector<std::pair<std::shared_ptr<Stream>, v1::AgentMessage>> acks_
       ABSL_GUARDED_BY(reports_mu_);
+  size_t acks_dropped_ ABSL_GUARDED_BY(reports_mu_) = 0;  // since the last pass took them
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Routing (routing.h): per deployment, what its route was built from and each group's
   // route; per group, its table, a count of its changes, and its message serialized once for
@@ -257,8 +266,16 @@ class Controller
   struct Decoded {
     std::string spec;
     ModelDeployment d;
+    int64_t generation = 0;  // the stored object's, when this spec was read
+    std::string uid;         // the stored object's
   };
   std::map<std::string, Decoded> decoded_;
+  // Stored specs kiln refuses (name -> the text, and why); the last valid one (decoded_) runs.
+  struct Invalid {
+    std::string spec;
+    std::string reason;
+  };
+  std::map<std::string, Invalid> invalid_;
   std::map<std::string, AutoscaleHistory> autoscale_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> autoscaled_to_ ABSL_GUARDED_BY(mu_);
   // Per deployment: its stable version's SERVING count last tick, and the replicas its
@@ -275,7 +292,12 @@ class Controller
   // Rollout state per deployment; seeded from the stored status after a restart.
   std::map<std::string, RolloutState> rollouts_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> rollout_uids_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, RolloutAction> pending_actions_ ABSL_GUARDED_BY(mu_);
+  // Rollout actions asked for, with the canary version they were asked of.
+  struct PendingAction {
+    RolloutAction action = RolloutAction::kNone;
+    std::string canary;
+  };
+  std::map<std::string, PendingAction> pending_actions_ ABSL_GUARDED_BY(mu_);
   // Nodes that refused an assignment since the last pass (node -> the reason): each deployment
   // with replicas in it gets an AssignmentRefused event.
   std::map<std::string, std::string> new_nacks_ ABSL_GUARDED_BY(mu_);

@@ -235,15 +235,23 @@ int Apply(Client& c, const std::string& path) {
     Reply current, r;
     std::string verb;
     // Read, then write against what was read; again (a few times) when the controller wrote
-    // the status in between (409 Conflict says nothing about the spec here).
+    // the status in between (409 Conflict says nothing about the spec here). A file read
+    // back with `get -o yaml` and edited names the resourceVersion (and generation) it was read
+    // at: when the spec changed since (another generation, or no generation to tell), it is
+    // written against that resourceVersion, once, so that the Conflict is the answer rather
+    // than someone else's change silently undone.
+    const bool pinned = d.resource_version != 0;
+    bool strict = false;
     for (int attempt = 0; attempt < 5; ++attempt) {
       current = c.Call(http::methods::GET, path_one);
       if (current.code == 404) {
         r = c.Call(http::methods::POST, kiln::kDeploymentsPath, doc.dump());
         verb = "created";
       } else if (current.code == 200) {
+        const json& meta = current.body["metadata"];
+        strict = pinned && (d.generation == 0 || meta.value("generation", int64_t{0}) != d.generation);
         doc["metadata"]["resourceVersion"] =
-            current.body["metadata"].value("resourceVersion", "0");
+            strict ? std::to_string(d.resource_version) : meta.value("resourceVersion", "0");
         r = c.Call(http::methods::PUT, path_one, doc.dump());
         verb = r.code == 200 && r.body["metadata"].value("resourceVersion", "") ==
                                     current.body["metadata"].value("resourceVersion", "")
@@ -252,7 +260,7 @@ int Apply(Client& c, const std::string& path) {
       } else {
         break;
       }
-      if (r.code != 409) break;
+      if (r.code != 409 || strict) break;
     }
     if (current.code != 404 && current.code != 200) {
       rc = ServerError(current, c);

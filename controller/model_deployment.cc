@@ -82,8 +82,8 @@ absl::StatusOr<ModelDeployment> FromNode(const ConfigNode& root) {
   ModelDeployment d;
   KILN_ASSIGN_OR_RETURN(ConfigNode meta, root.Child("metadata"));
   KILN_RETURN_IF_ERROR(meta.ExpectMap());
-  // The server-set fields may come back from a client that edits what it read; only
-  // resourceVersion is used (for optimistic concurrency), the others are ignored.
+  // The server-set fields may come back from a client that edits what it read; resourceVersion
+  // and generation are kept (for optimistic concurrency), the others are ignored.
   KILN_RETURN_IF_ERROR(meta.CheckKeys({"name", "labels", "annotations", "resourceVersion", "uid",
                                        "generation", "creationTimestamp"}));
   if (auto rv = meta.OptionalChild("resourceVersion")) {
@@ -93,6 +93,10 @@ absl::StatusOr<ModelDeployment> FromNode(const ConfigNode& root) {
       return rv->Error("must be a resourceVersion this server returned, got '" + text + "'");
     }
     d.resource_version = std::stoll(text);
+  }
+  if (auto g = meta.OptionalChild("generation")) {
+    KILN_ASSIGN_OR_RETURN(d.generation, g->AsInt());
+    if (d.generation < 0) return g->Error("must be >= 0");
   }
   KILN_ASSIGN_OR_RETURN(ConfigNode name, meta.Child("name"));
   KILN_ASSIGN_OR_RETURN(d.name, name.AsString());
@@ -260,6 +264,10 @@ absl::Status ValidateModelDeployment(const ModelDeployment& d) {
   }
   const ModelDeploymentSpec& s = d.spec;
   if (s.model.name.empty()) return Bad("spec.model.name", "must not be empty");
+  if (s.model.name.size() > 253) {
+    return Bad("spec.model.name",
+               "at most 253 characters, got " + Num(static_cast<int64_t>(s.model.name.size())));
+  }
   if (s.model.version.empty() || s.model.version.size() > 64 ||
       !std::all_of(s.model.version.begin(), s.model.version.end(), [](char c) {
         return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
@@ -292,7 +300,11 @@ absl::Status ValidateModelDeployment(const ModelDeployment& d) {
   }
   if (s.autoscale) {
     const Autoscale& a = *s.autoscale;
-    if (a.min < 0 || a.min > 10000) return Bad("spec.autoscale.min", "must be in 0..10000, got " + Num(a.min));
+    // Not 0: at 0 nothing serves, so no load is reported that could bring it back up.
+    if (a.min < 1 || a.min > 10000) {
+      return Bad("spec.autoscale.min", "must be in 1..10000 (autoscaling to 0 is not supported: "
+                                       "nothing would scale it up again), got " + Num(a.min));
+    }
     if (a.max < 1 || a.max > 10000 || a.max < a.min) {
       return Bad("spec.autoscale.max", "must be in max(1, min)..10000, got " + Num(a.max));
     }
@@ -325,6 +337,10 @@ absl::Status ValidateModelDeployment(const ModelDeployment& d) {
   if (rt.max_batch_size < 0 || rt.max_batch_size > 1048576) {
     return Bad("spec.runtime.maxBatchSize", "must be in 0..1048576, got " + Num(rt.max_batch_size));
   }
+  if (rt.preferred_batch_sizes.size() > 64) {
+    return Bad("spec.runtime.preferredBatchSizes",
+               "at most 64, got " + Num(static_cast<int64_t>(rt.preferred_batch_sizes.size())));
+  }
   for (size_t i = 0; i < rt.preferred_batch_sizes.size(); ++i) {
     int64_t p = rt.preferred_batch_sizes[i];
     std::string f = "spec.runtime.preferredBatchSizes[" + Num(static_cast<int64_t>(i)) + "]";
@@ -345,6 +361,9 @@ absl::Status ValidateModelDeployment(const ModelDeployment& d) {
   const RolloutSpec& r = s.rollout;
   if (r.strategy != "Canary" && r.strategy != "BlueGreen" && r.strategy != "ABTest") {
     return Bad("spec.rollout.strategy", "must be Canary, BlueGreen or ABTest, got '" + r.strategy + "'");
+  }
+  if (r.steps.size() > 100) {
+    return Bad("spec.rollout.steps", "at most 100, got " + Num(static_cast<int64_t>(r.steps.size())));
   }
   for (size_t i = 0; i < r.steps.size(); ++i) {
     std::string f = "spec.rollout.steps[" + Num(static_cast<int64_t>(i)) + "]";
@@ -379,8 +398,13 @@ absl::Status ValidateModelDeployment(const ModelDeployment& d) {
     return Bad("spec.rollout.analysis.maxLatencyP99Ratio", "must be >= 1");
   }
   if (a.min_requests < 0) return Bad("spec.rollout.analysis.minRequests", "must be >= 0");
-  if (r.max_surge < 0) return Bad("spec.rollout.maxSurge", "must be >= 0");
-  if (r.max_unavailable < 0) return Bad("spec.rollout.maxUnavailable", "must be >= 0");
+  // As many as a deployment may have (replicas), so that counts plus them stay far from overflow.
+  if (r.max_surge < 0 || r.max_surge > 10000) {
+    return Bad("spec.rollout.maxSurge", "must be in 0..10000, got " + Num(r.max_surge));
+  }
+  if (r.max_unavailable < 0 || r.max_unavailable > 10000) {
+    return Bad("spec.rollout.maxUnavailable", "must be in 0..10000, got " + Num(r.max_unavailable));
+  }
   if (r.max_surge == 0 && r.max_unavailable == 0) {
     return Bad("spec.rollout.maxSurge",
                "maxSurge and maxUnavailable cannot both be 0 (no replica could ever move)");

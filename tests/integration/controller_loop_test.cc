@@ -260,6 +260,110 @@ class ControllerLoopTest : public ::testing::Test {
   std::unique_ptr<grpc::ClientReaderWriter<v1::AgentMessage, v1::ControllerMessage>> stream_;
 };
 
+// A controller observes from when it starts to lead, not from when it was made: a follower that
+// wins the lease an hour after it started still lets the agents re-register before it acts.
+TEST_F(ControllerLoopTest, ObservingCountsFromTheStartToLead) {
+  CreateEncoder("enc", "  replicas: 1\n");
+  ControllerOptions co = Options();
+  co.observe_for = absl::Seconds(10);
+  co.tick = absl::Hours(1);  // the loop's own passes wait: this test runs them by hand
+  Controller follower(co, store_.get(), &clock_);
+  clock_.Advance(absl::Hours(1));  // a follower for an hour
+  follower.Start();
+  auto status = [&] {
+    auto o = store_->Get(kModelDeploymentKind, "enc");
+    return o.ok() ? o->status : std::string();
+  };
+  follower.Tick();
+  EXPECT_EQ(status().find("observedGeneration"), std::string::npos) << status();
+  clock_.Advance(absl::Seconds(10));
+  follower.Tick();
+  EXPECT_NE(status().find("observedGeneration"), std::string::npos) << status();
+  follower.Stop();
+}
+
+// A stored spec kiln refuses (the store's schema looser than kiln's checks, or a newer kiln's)
+// is not a deletion: the deployment keeps running as last applied, and its status says why
+// (SpecValid False) and which generation runs. A valid spec after it is taken at once.
+TEST_F(ControllerLoopTest, ARefusedStoredSpecKeepsTheLastAppliedOneRunning) {
+  CreateEncoder("enc", "  replicas: 2\n");
+  ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
+  Connect();
+  WaitRegistered();
+  ASSERT_EQ(TickAndRead().replicas_size(), 2);
+  auto sent_generation = [&] {
+    auto nodes = nlohmann::json::parse(controller_->NodesJson());
+    return nodes["items"][0]["sentGeneration"].get<int64_t>();
+  };
+  const int64_t sent = sent_generation();
+  auto stored = store_->Get(kModelDeploymentKind, "enc");
+  ASSERT_TRUE(stored.ok());
+  nlohmann::json doc = nlohmann::json::parse(stored->spec);
+  doc["spec"]["replicas"] = -3;
+  ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", doc.dump(), 0).ok());
+  const int64_t bad_generation = store_->Get(kModelDeploymentKind, "enc")->generation;
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  controller_->Tick();
+  auto status = nlohmann::json::parse(store_->Get(kModelDeploymentKind, "enc")->status);
+  EXPECT_EQ(status["desiredReplicas"], 2) << status.dump();
+  EXPECT_EQ(status["observedGeneration"], stored->generation) << status.dump();
+  bool said = false;
+  for (const auto& c : status["conditions"]) {
+    if (c["type"] == "SpecValid") {
+      said = c["status"] == "False" && c["reason"] == "InvalidSpec" &&
+             c["message"].get<std::string>().find("replicas") != std::string::npos;
+    }
+  }
+  EXPECT_TRUE(said) << status.dump();
+  EXPECT_EQ(sent_generation(), sent);  // nothing new sent: its replicas stay
+  // Fixed: taken at once, the condition gone.
+  doc["spec"]["replicas"] = 1;
+  ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", doc.dump(), 0).ok());
+  clock_.Advance(absl::Seconds(1));
+  const v1::Assignment fixed = TickAndRead();
+  int serving = 0;
+  for (const auto& r : fixed.replicas()) serving += r.state() == v1::SERVING;
+  EXPECT_EQ(serving, 1);  // the other left WARM for a while, as any scale-down
+  status = nlohmann::json::parse(store_->Get(kModelDeploymentKind, "enc")->status);
+  EXPECT_GT(status["observedGeneration"].get<int64_t>(), bad_generation);
+  EXPECT_EQ(status.dump().find("SpecValid"), std::string::npos) << status.dump();
+}
+
+// A rollout action is for the rollout it was asked of: `promote` of version 2's canary, with
+// version 3 applied before the next pass, does not promote version 3 unjudged.
+TEST_F(ControllerLoopTest, AnActionForASupersededRolloutIsDropped) {
+  CreateEncoder("enc", "  replicas: 1\n  rollout: {steps: [{weight: 10}, {weight: 50}]}\n");
+  controller_->Tick();
+  auto to_version = [&](const std::string& v) {
+    auto o = store_->Get(kModelDeploymentKind, "enc");
+    ASSERT_TRUE(o.ok());
+    nlohmann::json doc = nlohmann::json::parse(o->spec);
+    doc["spec"]["model"]["version"] = v;
+    doc["spec"]["model"]["uri"] = "file:///m/encoder/" + v + "/model.pt";
+    ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", doc.dump(), 0).ok());
+  };
+  auto rollout = [&] {
+    return nlohmann::json::parse(store_->Get(kModelDeploymentKind, "enc")->status)["rollout"];
+  };
+  to_version("2");
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  ASSERT_EQ(rollout()["canaryVersion"], "2") << rollout().dump();
+  ASSERT_TRUE(controller_->RequestRolloutAction("enc", "promote").ok());
+  to_version("3");
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  EXPECT_EQ(rollout()["canaryVersion"], "3") << rollout().dump();
+  EXPECT_EQ(rollout()["stableVersion"], "1") << rollout().dump();
+  EXPECT_FALSE(rollout().contains("promoting")) << rollout().dump();
+  // Asked of version 3, it is taken.
+  ASSERT_TRUE(controller_->RequestRolloutAction("enc", "promote").ok());
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  EXPECT_EQ(rollout().value("promoting", false), true) << rollout().dump();
+}
+
 TEST_F(ControllerLoopTest, CountersAloneAreWrittenAtMostEveryTenSeconds) {
   const ModelDeployment d = CreateEncoder("enc", "  replicas: 1\n");
   Connect();
@@ -534,6 +638,39 @@ TEST_F(ControllerLoopTest, ARefusedAssignmentShowsInTheDeploymentsStatus) {
   clock_.Advance(absl::Seconds(1));
   controller_->Tick();
   EXPECT_FALSE(condition().is_object());
+}
+
+// A Nack's reason from the wire is cut short (at a character's edge): the status that carries it
+// is still written, and stays valid UTF-8.
+TEST_F(ControllerLoopTest, AHugeNackReasonIsCutShort) {
+  CreateEncoder("enc", "  replicas: 1\n");
+  ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
+  Connect();
+  WaitRegistered();
+  const v1::Assignment assigned = TickAndRead();
+  std::string reason = "x";
+  while (reason.size() < 40000) reason += "\u00e9";  // two bytes each, after one: odd edges
+  v1::AgentMessage nack;
+  nack.mutable_nack()->set_kind(v1::Ack::ASSIGNMENT);
+  nack.mutable_nack()->set_generation(assigned.generation());
+  nack.mutable_nack()->set_reason(reason);
+  ASSERT_TRUE(stream_->Write(nack));
+  for (int i = 0; i < 400 && controller_->QueuedAcksForTest() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // bounded
+  }
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  auto status = nlohmann::json::parse(store_->Get(kModelDeploymentKind, "enc")->status, nullptr,
+                                      /*allow_exceptions=*/false);
+  ASSERT_TRUE(status.is_object());
+  std::string message;
+  for (const auto& c : status["conditions"]) {
+    if (c["type"] == "AssignmentsApplied") message = c["message"];
+  }
+  ASSERT_FALSE(message.empty()) << status.dump();
+  EXPECT_LE(message.size(), Controller::kMaxNackReason + 16) << message.size();
+  EXPECT_EQ(message.substr(message.size() - 3), "...");
+  EXPECT_EQ(message.rfind("n1: x\u00e9", 0), 0u);
 }
 
 // An agent Nacks its assignment and restarts before the next pass: the Nack came on the

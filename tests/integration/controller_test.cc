@@ -301,6 +301,31 @@ TEST_F(ControllerTest, GetDeploymentsAsYamlAndWide) {
   EXPECT_EQ(r.out, "modeldeployment.serving.kiln.dev/embedder unchanged\n") << ReadFile(exported);
   r = Shell(Ctl("get deploy embedder -o json"));
   EXPECT_NE(r.out.find("\"generation\": 1"), std::string::npos) << r.out;
+
+  // Someone scales it after the export: the exported file, edited and applied, is a Conflict,
+  // not a silent undo of their change. Exported again, the edit applies.
+  r = Shell(Ctl("scale embedder --replicas 3"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  std::string edited = ReadFile(exported);
+  const size_t at = edited.find(" replicas: 2\n");
+  ASSERT_NE(at, std::string::npos) << edited;
+  edited.replace(at, 13, " replicas: 4\n");
+  r = Shell(Ctl("apply -f " + Write("edited.yaml", edited)));
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("Conflict"), std::string::npos) << r.out;
+  r = Shell(Ctl("get deploy embedder -o json"));
+  EXPECT_NE(r.out.find("\"replicas\": 3"), std::string::npos) << r.out;
+  r = Shell(Ctl("get deploy embedder -o yaml"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  edited = r.out;
+  const size_t at3 = edited.find(" replicas: 3\n");
+  ASSERT_NE(at3, std::string::npos) << edited;
+  edited.replace(at3, 13, " replicas: 4\n");
+  r = Shell(Ctl("apply -f " + Write("edited.yaml", edited)));
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(r.out, "modeldeployment.serving.kiln.dev/embedder configured\n");
+  r = Shell(Ctl("get deploy embedder -o json"));
+  EXPECT_NE(r.out.find("\"replicas\": 4"), std::string::npos) << r.out;
 }
 
 TEST_F(ControllerTest, InvalidSpecsAndBadUsageAreClearErrors) {

@@ -75,6 +75,19 @@ TEST(CrdSchemaTest, EveryExampleIsAcceptedByTheSchemaAndTheController) {
   EXPECT_GE(seen, 2);
 }
 
+// An AOTInductor package (model.pt2) is taken by both, as a TorchScript file (model.pt) is.
+TEST(CrdSchemaTest, AnAotInductorDeploymentIsAcceptedByBoth) {
+  CrdSchema schema = LoadSchema();
+  const std::string text =
+      "apiVersion: serving.kiln.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: m}\n"
+      "spec:\n  model: {name: m, version: \"1\", uri: \"file:///r/m/1/model.pt2\", format: aotinductor}\n";
+  auto docs = YamlDocumentsToJson(text, "case");
+  ASSERT_TRUE(docs.ok());
+  auto errs = schema.Validate(docs->at(0));
+  EXPECT_TRUE(errs.empty()) << Joined(errs);
+  EXPECT_TRUE(ParseModelDeployment(text, "case").ok()) << ParseModelDeployment(text, "case").status();
+}
+
 TEST(CrdSchemaTest, TheCanonicalSpecAndTheStatusTheControllerWritesAreValid) {
   CrdSchema schema = LoadSchema();
   // Every field the controller stores, filled in.
@@ -139,6 +152,7 @@ TEST(CrdSchemaTest, BrokenSpecsAreRefusedByBothNamingTheField) {
       {"  model: {name: m, version: \"1\", uri: \"file:///r/m/1/model.pt\", format: onnx}\n", "spec.model.format"},
       {"  model: {name: m, version: \"1\", uri: \"file:///r/m/1/model.pt\", sha256: abc}\n", "spec.model.sha256"},
       {model + "  autoscale: {min: 1}\n", "spec.autoscale.max"},
+      {model + "  autoscale: {min: 0, max: 3}\n", "spec.autoscale.min"},
       {model + "  autoscale: {max: 3, targetInFlight: 0}\n", "spec.autoscale.targetInFlight"},
       {model + "  warmPool: 1001\n", "spec.warmPool"},
       {model + "  resources: {gpus: 2, gpuMemory: 1Gi}\n", "spec.resources.gpus"},
@@ -156,6 +170,10 @@ TEST(CrdSchemaTest, BrokenSpecsAreRefusedByBothNamingTheField) {
       {model + "  rollout: {analysis: {maxLatencyP99Ratio: 0.5}}\n", "spec.rollout.analysis.maxLatencyP99Ratio"},
       {model + "  rollout: {stickyKey: \"cookie:x\"}\n", "spec.rollout.stickyKey"},
       {model + "  rollout: {maxSurge: -1}\n", "spec.rollout.maxSurge"},
+      {model + "  rollout: {maxSurge: 10001}\n", "spec.rollout.maxSurge"},
+      {model + "  rollout: {maxUnavailable: 9223372036854775807}\n", "spec.rollout.maxUnavailable"},
+      {model + "  rollout: {steps: [{weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}, {weight: 1}]}\n", "spec.rollout.steps"},
+      {"  model: {name: m, version: \"1\", uri: \"file:///r/m/1/model.pt3\"}\n", "spec.model.uri"},
       {model + "  rollout: {scaleDownDelay: soon}\n", "spec.rollout.scaleDownDelay"},
   };
   for (const auto& c : cases) {
