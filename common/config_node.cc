@@ -87,6 +87,11 @@ std::optional<ConfigNode> ConfigNode::OptionalChild(const std::string& key) cons
   return ConfigNode(node_[key], ChildPath(key));
 }
 
+std::optional<ConfigNode> ConfigNode::SectionChild(const std::string& key) const {
+  if (!node_.IsMap() || !node_[key].IsDefined()) return std::nullopt;
+  return ConfigNode(node_[key], ChildPath(key));
+}
+
 absl::StatusOr<std::vector<ConfigNode>> ConfigNode::Items() const {
   if (!node_.IsSequence()) return Error("must be a list");
   std::vector<ConfigNode> out;

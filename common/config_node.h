@@ -35,6 +35,9 @@ class ConfigNode {
 
   absl::StatusOr<ConfigNode> Child(const std::string& key) const;  // required
   std::optional<ConfigNode> OptionalChild(const std::string& key) const;
+  // As OptionalChild, but a key given with no value (`key:` or `key: ~`) is there, as a null
+  // node: for sections whose presence alone turns something on.
+  std::optional<ConfigNode> SectionChild(const std::string& key) const;
   absl::StatusOr<std::vector<ConfigNode>> Items() const;  // a sequence's elements
   absl::StatusOr<std::vector<std::pair<std::string, ConfigNode>>> Entries() const;  // a map's
 

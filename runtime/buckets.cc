@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/status.h"
+
 namespace kiln {
 
 absl::StatusOr<int64_t> BucketLength(const SequenceBucketsConfig& buckets, int64_t length,
@@ -97,9 +99,27 @@ int64_t Span(const std::vector<int64_t>& shape, size_t from, size_t to) {
 
 }  // namespace
 
-absl::Status PadToBucket(const ModelConfig& config, int64_t bucket, std::vector<Tensor>* inputs) {
+absl::Status PadToBucket(const ModelConfig& config, int64_t bucket, std::vector<Tensor>* inputs,
+                         int64_t max_bytes) {
   if (!config.sequence_buckets) return absl::OkStatus();
   const bool batched = config.max_batch_size > 0;
+  // What the padded inputs will hold, counted first (overflow-safe through ElementCount).
+  int64_t total = 0;
+  for (size_t i = 0; i < inputs->size(); ++i) {
+    const Tensor& t = (*inputs)[i];
+    std::vector<int64_t> padded = t.shape;
+    const int axis = i < config.inputs.size() ? SequenceAxis(config.inputs[i], batched) : -1;
+    if (axis >= 0 && axis < static_cast<int>(padded.size())) padded[axis] = std::max(padded[axis], bucket);
+    KILN_ASSIGN_OR_RETURN(int64_t n, ElementCount(padded, "input '" + t.name + "'"));
+    const int64_t bytes = n * static_cast<int64_t>(DataTypeSize(t.dtype));  // ElementCount keeps x8 in range
+    if (bytes > max_bytes - total) {
+      return absl::InvalidArgumentError(
+          "padded to its sequence bucket of " + std::to_string(bucket) +
+          ", the request would hold more than the payload limit of " + std::to_string(max_bytes) +
+          " bytes");
+    }
+    total += bytes;
+  }
   for (size_t i = 0; i < config.inputs.size() && i < inputs->size(); ++i) {
     int axis = SequenceAxis(config.inputs[i], batched);
     if (axis < 0) continue;

@@ -10,6 +10,7 @@
 // request's own length before the reply.
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -36,8 +37,11 @@ absl::StatusOr<int64_t> RequestSequenceLength(const ModelConfig& config,
                                               const std::vector<Tensor>& inputs);
 
 // Pads every input with a sequence axis from its length to `bucket` along that axis with the
-// input's pad value. Inputs already `bucket` long are left untouched.
-absl::Status PadToBucket(const ModelConfig& config, int64_t bucket, std::vector<Tensor>* inputs);
+// input's pad value. Inputs already `bucket` long are left untouched. Padded, the inputs may
+// hold at most `max_bytes` together (the payload limit: a short request in a long bucket can
+// grow by thousands of times); past it INVALID_ARGUMENT, before anything is allocated.
+absl::Status PadToBucket(const ModelConfig& config, int64_t bucket, std::vector<Tensor>* inputs,
+                         int64_t max_bytes = std::numeric_limits<int64_t>::max());
 
 // Trims every output with a sequence axis back to `length` along that axis. An output whose
 // axis is already `length` long is left untouched; one shorter than `length` is an error (the

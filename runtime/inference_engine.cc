@@ -218,7 +218,11 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
     auto len = RequestSequenceLength(config_, request.inputs);
     if (!len.ok()) {
       valid = len.status();
-    } else if (*len >= 0) {
+    } else if (*len == 0) {
+      // All padding: pooled outputs of nothing (NaN), not an answer.
+      valid = absl::InvalidArgumentError(
+          "sequence length must be at least 1, got 0 (the model pads to sequence buckets)");
+    } else if (*len > 0) {
       seq_len = *len;
       std::string first;
       for (size_t i = 0; i < config_.inputs.size(); ++i) {
@@ -278,7 +282,12 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
   }
 
   if (bucket >= 0) {
-    absl::Status padded = PadToBucket(config_, bucket, &request.inputs);
+    absl::Status padded;
+    try {
+      padded = PadToBucket(config_, bucket, &request.inputs, payload_limit_.load());
+    } catch (const std::exception& e) {  // an allocation failing: answered, and left
+      padded = absl::ResourceExhaustedError(std::string("padding the request: ") + e.what());
+    }
     if (!padded.ok()) {
       fail(padded);
       return;

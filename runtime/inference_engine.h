@@ -95,6 +95,9 @@ class InferenceEngine {
   }
   int64_t device_memory_bytes() const { return backend_->DeviceMemoryBytes(); }
 
+  // The most a request may hold once padded to its sequence bucket (the frontends' payload
+  // limit; 64 MiB until set).
+  void SetPayloadLimit(int64_t bytes) { payload_limit_ = bytes; }
   // Validates and queues `request`; `done` runs exactly once (maybe on this thread).
   void Infer(InferRequest request, Done done);
   // A request a frontend refused before it could be decoded (bad body, wrong byte size, a
@@ -137,6 +140,7 @@ class InferenceEngine {
 
   const ModelConfig config_;
   const std::string version_;
+  std::atomic<int64_t> payload_limit_{64LL * 1024 * 1024};
   std::unique_ptr<Backend> backend_;
   Lifecycle* lifecycle_;
   Clock* clock_;

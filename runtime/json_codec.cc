@@ -99,7 +99,11 @@ absl::Status PutElement(const json& v, DataType t, const std::string& name, size
       auto out_of_range = [&] {
         return BadElement(name, i, "a number within " + std::string(DataTypeName(t)) + "'s range");
       };
-      if (std::fabs(d) > std::numeric_limits<float>::max()) return out_of_range();
+      // Judged as rounded to float: -3.4028235e38, the shortest text for FP32's lowest, is a
+      // little past it as a double and rounds to it. From half an ulp past FLT_MAX on a value
+      // rounds to infinity (and converting it would be undefined).
+      static const double kRoundsToInf = std::ldexp(2.0 - std::ldexp(1.0, -24), 127);
+      if (!(std::fabs(d) < kRoundsToInf)) return out_of_range();
       const float f = static_cast<float>(d);
       if (t == DataType::kFp32) {
         Put<float>(out, i, f);

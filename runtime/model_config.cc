@@ -9,6 +9,7 @@
 
 #include "common/config_node.h"
 #include "common/status.h"
+#include "runtime/tensor.h"
 
 namespace kiln {
 
@@ -158,6 +159,14 @@ absl::Status ValidateTensorList(const std::vector<TensorSpec>& list, const std::
                                           ShapeString(t.dims));
       }
     }
+    // A tensor no request could carry (too many dimensions, or too many elements at its
+    // smallest) fails the load, not every request after it.
+    std::vector<int64_t> smallest;
+    if (max_batch_size > 0) smallest.push_back(max_batch_size);
+    for (int64_t d : t.dims) smallest.push_back(d == -1 ? 1 : d);
+    KILN_RETURN_IF_ERROR(CheckTensorRank(
+        smallest.size(), path + ".dims" + (max_batch_size > 0 ? " with the batch dimension" : "")));
+    KILN_RETURN_IF_ERROR(ElementCount(smallest, path + ".dims (at max_batch_size)").status());
   }
   return absl::OkStatus();
 }
@@ -333,9 +342,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
     KILN_ASSIGN_OR_RETURN(c.max_batch_size, root.GetInt("max_batch_size", 0));
     KILN_ASSIGN_OR_RETURN(c.inputs, ParseTensorList(root, "input"));
     KILN_ASSIGN_OR_RETURN(c.outputs, ParseTensorList(root, "output"));
-    if (root.Has("dynamic_batching")) {  // `dynamic_batching: {}` turns it on with defaults
-      KILN_ASSIGN_OR_RETURN(ConfigNode db, root.Child("dynamic_batching"));
-      KILN_ASSIGN_OR_RETURN(c.dynamic_batching, ParseDynamicBatching(db));
+    // `dynamic_batching: {}` (or the key alone) turns it on with defaults.
+    if (auto db = root.SectionChild("dynamic_batching")) {
+      KILN_ASSIGN_OR_RETURN(c.dynamic_batching, ParseDynamicBatching(*db));
     }
     if (auto rc = root.OptionalChild("response_cache")) {
       KILN_RETURN_IF_ERROR(rc->CheckKeys({"enable", "max_bytes"}));
@@ -364,7 +373,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
         return absl::InvalidArgumentError("instance.precision: must be fp32, fp16 or bf16, got '" +
                                           p + "'");
       }
-      if (auto g = inst->OptionalChild("cuda_graphs")) {
+      if (auto g = inst->SectionChild("cuda_graphs")) {
         KILN_ASSIGN_OR_RETURN(c.instance.cuda_graphs, ParseCudaGraphs(*g, c.max_batch_size));
       }
     }

@@ -194,6 +194,7 @@ absl::Status RuntimeServer::Load() {
   absl::Time t1 = clock_->Now();
   KILN_ASSIGN_OR_RETURN(engine_, InferenceEngine::Create(model_.config, model_.version,
                                                          std::move(backend), &lifecycle_, clock_));
+  engine_->SetPayloadLimit(options_.max_request_bytes);
   KILN_RETURN_IF_ERROR(engine_->Warmup());
   absl::Time t2 = clock_->Now();
   host_.SetEngine(engine_.get());
@@ -277,6 +278,9 @@ absl::Status RuntimeServer::Promote() {
 }
 
 absl::Status RuntimeServer::Demote() {
+  // After a Promote under way (its warm-up), not between its look and its move: a Demote
+  // answered WARM is not undone by the Promote finishing.
+  absl::MutexLock promoting(&promote_mu_);
   RuntimeState s = lifecycle_.state();
   if (s == RuntimeState::kWarm) return absl::OkStatus();
   if (s != RuntimeState::kServing) {

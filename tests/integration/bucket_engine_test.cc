@@ -290,6 +290,30 @@ TEST_F(BucketEngineTest, InputsWithDifferentLengthsNameBothInputs) {
   EXPECT_TRUE(backend_->calls().empty());
 }
 
+// A sequence of no tokens would be all padding (pooled outputs of nothing): refused, and a
+// padded request past the payload limit too, before either reaches the model.
+TEST_F(BucketEngineTest, AnEmptySequenceAndOnePaddedPastTheLimitAreRefused) {
+  auto empty = engine_->InferSync(Request({{}}, {{}}));
+  ASSERT_FALSE(empty.ok());
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(empty.status().message().find("sequence length must be at least 1"), std::string::npos)
+      << empty.status();
+  // Two rows of 3 tokens pad to bucket 4: 2 x 4 x 8 bytes per input, 128 in all.
+  engine_->SetPayloadLimit(127);
+  auto padded = engine_->InferSync(Request({{1, 2, 3}, {1, 2, 3}}, {{1, 1, 1}, {1, 1, 1}}));
+  ASSERT_FALSE(padded.ok());
+  EXPECT_EQ(padded.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(padded.status().message().find("payload limit of 127 bytes"), std::string::npos)
+      << padded.status();
+  EXPECT_TRUE(backend_->calls().empty());
+  EXPECT_EQ(engine_->in_flight(), 0);
+  engine_->SetPayloadLimit(128);
+  std::vector<std::future<absl::StatusOr<InferResponse>>> futures;
+  futures.push_back(Send(Request({{1, 2, 3}, {1, 2, 3}}, {{1, 1, 1}, {1, 1, 1}})));
+  auto replies = Flush(std::move(futures));
+  ASSERT_TRUE(replies[0].ok()) << replies[0].status();
+}
+
 TEST_F(BucketEngineTest, WarmupRunsTheSampleAtItsBucket) {
   // The config's sample is 2 rows of length 3 (zeros): warmed at bucket 4.
   ASSERT_TRUE(engine_->Warmup().ok());

@@ -197,6 +197,25 @@ TEST(PadToBucketTest, LongerThanTheBucketIsAnError) {
   EXPECT_NE(s.message().find("'ids'"), std::string::npos) << s;
 }
 
+// A short request in a long bucket grows by the bucket's length over its own: past the payload
+// limit it is refused before anything is allocated, and left as it was.
+TEST(PadToBucketTest, PaddedPastThePayloadLimitIsRefused) {
+  ModelConfig c = TokenConfig();
+  // Padded: ids 2x8 and mask 2x8 INT64 (128 bytes each), scale 2x1 FP32 (8): 264 bytes.
+  std::vector<Tensor> in = {Ids("ids", 2, 3), Ids("mask", 2, 3), Scale(2)};
+  const std::vector<Tensor> before = in;
+  absl::Status s = PadToBucket(c, 8, &in, 263);
+  ASSERT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("sequence bucket of 8, the request would hold more than the payload "
+                             "limit of 263 bytes"),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(in[0].shape, before[0].shape);
+  EXPECT_EQ(in[0].data, before[0].data);
+  ASSERT_TRUE(PadToBucket(c, 8, &in, 264).ok());
+  EXPECT_EQ(in[0].shape, (std::vector<int64_t>{2, 8}));
+}
+
 TEST(PadToBucketTest, WithoutBucketsNothingChanges) {
   ModelConfig c = TokenConfig();
   c.sequence_buckets.reset();

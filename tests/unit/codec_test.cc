@@ -165,6 +165,25 @@ TEST(JsonDecodeTest, NestedAndFlatData) {
   EXPECT_EQ(r->outputs, (std::vector<std::string>{"y"}));
 }
 
+// FP32's extremes as clients print them (the shortest text that rounds to them) are its
+// extremes; half an ulp past the largest rounds to infinity and is refused.
+TEST(JsonDecodeTest, Fp32ExtremesInTheirShortestTextAreTaken) {
+  auto r = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"x","shape":[3],"datatype":"FP32","data":[-3.4028235e38,3.4028235e38,3.4028235677973362e38]}]})",
+      "m", "", kLimit, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  float v[3];
+  std::memcpy(v, r->inputs[0].data.data(), sizeof(v));
+  EXPECT_EQ(v[0], std::numeric_limits<float>::lowest());
+  EXPECT_EQ(v[1], std::numeric_limits<float>::max());
+  EXPECT_EQ(v[2], std::numeric_limits<float>::max());
+  auto past = DecodeJsonInferRequest(
+      R"({"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[-3.4028235677973366e38]}]})",
+      "m", "", kLimit, nullptr);
+  ASSERT_FALSE(past.ok());
+  EXPECT_NE(past.status().message().find("within FP32's range"), std::string::npos) << past.status();
+}
+
 // Data after their input's datatype and shape are decoded while the body is read; data
 // before them afterwards, from the document. Both give the same tensors and the same errors.
 TEST(JsonDecodeTest, DataBeforeOrAfterTheirDatatypeAndShapeDecodeTheSame) {

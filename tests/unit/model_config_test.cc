@@ -94,6 +94,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"{name: mask, datatype: INT64, dims: [-1]}", "{name: ids, datatype: INT64, dims: [-1]}", "input[1].name"},
         BadCase{"{name: emb, datatype: FP32, dims: [16]}", "{name: emb, datatype: FP32, dims: [0]}", "output[0].dims"},
         BadCase{"{name: emb, datatype: FP32, dims: [16]}", "{name: emb, datatype: FP32}", "output[0].dims"},
+        BadCase{"{name: emb, datatype: FP32, dims: [16]}", "{name: emb, datatype: FP32, dims: [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]}",
+                "output[0].dims with the batch dimension has 33 dimensions, more than the 32 allowed"},
+        BadCase{"{name: emb, datatype: FP32, dims: [16]}", "{name: emb, datatype: FP32, dims: [-1, 4611686018427387904]}",
+                "output[0].dims (at max_batch_size): shape [8,1,4611686018427387904] is too large"},
         BadCase{"{name: emb, datatype: FP32, dims: [16]}", "{name: emb, datatype: FP32, dims: [16], colour: red}", "output[0].colour: unknown field"},
         BadCase{"output:\n  - {name: emb, datatype: FP32, dims: [16]}\n", "", "output: required"},
         BadCase{"preferred_batch_size: [4, 8]", "preferred_batch_size: [4, 9]", "dynamic_batching.preferred_batch_size[1]"},
@@ -177,6 +181,27 @@ TEST(ModelConfigTest, EmptyCudaGraphsTurnsThemOnWithDefaults) {
   EXPECT_TRUE(g.batch_sizes.empty());
   EXPECT_EQ(g.max_tokens, 0);
   EXPECT_EQ(g.warmup_iterations, 3);
+}
+
+// A section given with no value (`dynamic_batching:` or `~`) is there, as `{}` is: on with
+// defaults, never silently off.
+TEST(ModelConfigTest, ASectionWithNoValueTurnsItOnWithDefaults) {
+  for (const std::string empty : {"", " ~", " null"}) {
+    const std::string base =
+        "name: m\nbackend: torchscript\nmax_batch_size: 4\n"
+        "input: [{name: x, datatype: FP32, dims: [3]}]\n"
+        "output: [{name: y, datatype: FP32, dims: [3]}]\n";
+    auto c = ParseModelConfig(base + "dynamic_batching:" + empty + "\n", "config.yaml");
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE(c->dynamic_batching.has_value()) << "'" << empty << "'";
+    EXPECT_EQ(c->dynamic_batching->priority_levels, 1);
+    auto g = ParseModelConfig(
+        Replace(kBucketed, "{batch_sizes: [1, 2, 8], max_tokens: 64, warmup_iterations: 2}",
+                empty.empty() ? "~" : empty),
+        "config.yaml");
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_TRUE(g->instance.cuda_graphs.enable) << "'" << empty << "'";
+  }
 }
 
 TEST(ModelConfigTest, CudaGraphsEnableFalseParsesOff) {
