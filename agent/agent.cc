@@ -33,6 +33,8 @@
 
 namespace kiln {
 
+namespace fs = std::filesystem;
+
 namespace {
 
 // The time on the monotonic clock, from an arbitrary start.
@@ -158,6 +160,13 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
   }
   if (o.start_timeout < absl::ZeroDuration() || o.start_timeout > absl::Hours(24)) {
     return absl::InvalidArgumentError("--start-timeout-ms: must be in 0..86400000");
+  }
+  if (o.stop_timeout < absl::ZeroDuration() || o.stop_timeout > absl::Hours(1)) {
+    return absl::InvalidArgumentError("--stop-timeout-ms: must be in 0..3600000, got " +
+                                      std::to_string(absl::ToInt64Milliseconds(o.stop_timeout)));
+  }
+  if (absl::Status s = CheckLogLevel(o.runtime_log_level); !s.ok()) {
+    return absl::InvalidArgumentError("--runtime-log-level: " + std::string(s.message()));
   }
   if (o.router_busy_poll_us < 0 || o.router_busy_poll_us > 100000) {
     return absl::InvalidArgumentError("--router-busy-poll-us: must be in 0..100000");
@@ -451,10 +460,34 @@ absl::Status Agent::ApplyFromController(const v1::Assignment& a) {
   KILN_RETURN_IF_ERROR(ValidateAssignment(a));
   return RunOnLoop([this, a]() -> absl::Status {
     if (a.generation() == generation_ && generation_ != 0) return absl::OkStatus();  // no-op
-    KILN_RETURN_IF_ERROR(supervisor_->Apply(a));
+    // Generations only grow (the controller's start above what nodes report): an older one is
+    // a message overtaken by a newer one, never to be applied over it.
+    if (a.generation() < generation_) {
+      return absl::FailedPreconditionError(
+          "generation " + std::to_string(a.generation()) + " is older than the one applied (" +
+          std::to_string(generation_) + "); not applied");
+    }
+    // Saved before it is applied, and Acked only once saved: an agent restarted at any moment
+    // serves what the controller was told it serves (or, mid-apply, the one before).
+    const std::string path = options_.state_dir + "/assignment.pb";
+    std::error_code ec;
+    const bool had = fs::exists(path, ec);
+    std::string previous;
+    if (had) {
+      std::ifstream in(path, std::ios::binary);
+      previous.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+    if (absl::Status p = Persist("assignment.pb", a); !p.ok()) {
+      return absl::UnavailableError("not applied: it cannot be saved (" + std::string(p.message()) +
+                                    ")");
+    }
+    if (absl::Status s = supervisor_->Apply(a); !s.ok()) {
+      absl::Status back = had ? ReplaceFile(path, previous) : absl::OkStatus();
+      if (!had) fs::remove(path, ec);
+      if (!back.ok()) Log()->error("{}", std::string(back.message()));
+      return s;
+    }
     generation_ = a.generation();
-    absl::Status p = Persist("assignment.pb", a);
-    if (!p.ok()) Log()->error("{}", std::string(p.message()));
     Log()->info("controller assignment generation {} applied: {} replica(s)", a.generation(),
                 a.replicas_size());
     return absl::OkStatus();

@@ -84,6 +84,13 @@ absl::Status ValidateAssignment(const v1::Assignment& a) {
     if (!ids.insert(r.replica_id()).second) {
       return absl::InvalidArgumentError(p + ".id: '" + r.replica_id() + "' is used twice");
     }
+    // The agent's pre-started runtimes are prestart-N: their control sockets and logs are
+    // named so, and a replica of that name would share them.
+    if (r.replica_id().size() > 9 && r.replica_id().rfind("prestart-", 0) == 0 &&
+        r.replica_id().find_first_not_of("0123456789", 9) == std::string::npos) {
+      return absl::InvalidArgumentError(p + ".id: '" + r.replica_id() +
+                                        "' is reserved for the agent's pre-started runtimes");
+    }
     if (r.repository().empty() || r.repository()[0] != '/') {
       return absl::InvalidArgumentError(p + ".repository: must be an absolute path, got '" +
                                         r.repository() + "'");

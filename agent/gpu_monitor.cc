@@ -59,7 +59,11 @@ void GpuMonitor::Restore() {
     log->warn("{}: not a GPU health file; starting afresh", persistence_.state_file);
     return;
   }
-  if (doc.value("boot_id", "") != persistence_.boot_id) {
+  if (!doc.contains("boot_id") || !doc["boot_id"].is_string()) {
+    log->warn("{}: boot_id: not a string; starting afresh", persistence_.state_file);
+    return;
+  }
+  if (doc["boot_id"].get<std::string>() != persistence_.boot_id) {
     log->info("{}: from an earlier boot; the GPUs were reset since, starting afresh",
               persistence_.state_file);
     return;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 
 #include "common/filesystem.h"
 #include "common/status.h"
@@ -132,14 +133,27 @@ GpuPowerManager::GpuPowerManager(GpuDriver* driver, PowerMode mode, PowerPolicy 
   }
   absl::MutexLock lock(&mu_);
   for (const auto& [uuid, g] : doc["gpus"].items()) {
-    if (!g.is_object() || !g.contains("power_limit_mw") ||
-        !g["power_limit_mw"].is_number_unsigned()) {
+    // An entry kiln did not write is left out, saying which field is wrong: its card keeps
+    // whatever it holds now.
+    std::string bad;
+    if (!g.is_object()) {
+      bad = "not an object";
+    } else if (!g.contains("power_limit_mw") || !g["power_limit_mw"].is_number_unsigned() ||
+               g["power_limit_mw"].get<uint64_t>() > std::numeric_limits<uint32_t>::max()) {
+      bad = "power_limit_mw: not a limit in milliwatts";
+    } else {
+      for (const char* flag : {"persistence", "clocks_locked"}) {
+        if (g.contains(flag) && !g[flag].is_boolean()) bad = std::string(flag) + ": not true or false";
+      }
+    }
+    if (!bad.empty()) {
+      log_(originals_file_ + ": gpus." + uuid + ": " + bad + "; that GPU's entry ignored");
       continue;
     }
     Saved s;
     s.power_limit_mw = g["power_limit_mw"].get<uint32_t>();
-    s.persistence = g.value("persistence", false);
-    s.clocks_locked = g.value("clocks_locked", false);
+    s.persistence = g.contains("persistence") && g["persistence"].get<bool>();
+    s.clocks_locked = g.contains("clocks_locked") && g["clocks_locked"].get<bool>();
     saved_[uuid] = s;
   }
   if (!saved_.empty()) {

@@ -674,7 +674,8 @@ class Router::Impl {
     if (parts.size() == 3 && parts[0] == "v2" && parts[1] == "health" &&
         (parts[2] == "live" || parts[2] == "ready")) {
       bool ok = parts[2] == "live" || router_->Ready("", "");
-      Reply(reply, ok ? 200 : 503, json{{parts[2], ok}}.dump());
+      // 200 for true, a 4xx for false, as the protocol says (and the runtime answers).
+      Reply(reply, ok ? 200 : 400, json{{parts[2], ok}}.dump());
       return;
     }
     if (parts.size() >= 3 && parts[0] == "v2" && parts[1] == "models") {
@@ -688,7 +689,7 @@ class Router::Impl {
       if (parts.size() == next + 1 && parts[next] == "ready") {
         bool ok = router_->Ready(model, version);
         // The name as the path gave it, which need not be UTF-8.
-        Reply(reply, ok ? 200 : 503,
+        Reply(reply, ok ? 200 : 400,
               json{{"name", model}, {"ready", ok}}.dump(-1, ' ', false,
                                                          json::error_handler_t::replace));
         return;
@@ -883,7 +884,6 @@ class Router::Impl {
     const std::string id = choice.endpoint.id;
     const std::string chosen = choice.version;
     router_->Begin(id);
-    router_->CountRestForward(/*data_socket=*/true);
     // The call's body is kept for a retry.
     std::string frame = EncodeJsonInferBody(call->body, call->model, call->version);
     // Given up after as long as an HTTP forward waits (the client's timeout, below). The frame
@@ -899,6 +899,11 @@ class Router::Impl {
           CloseRestCall(*key);
           int code = 0;
           std::string text;
+          // Counted once it is known which way it went: a refused frame goes over HTTP, and is
+          // counted there (a counter never goes back).
+          const bool refused = s.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
+                               absl::StartsWith(s.error_message(), "frame code ");
+          if (!refused) router_->CountRestForward(/*data_socket=*/true);
           if (s.ok()) {
             text = std::move(*answer);
             if (absl::Status d = DecodeJsonAnswer(&text, &code); !d.ok()) {
@@ -906,8 +911,7 @@ class Router::Impl {
                     JsonError("the replica's answer: " + std::string(d.message())));
               return;
             }
-          } else if (s.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
-                     absl::StartsWith(s.error_message(), "frame code ")) {
+          } else if (refused) {
             // A runtime older than this router: over HTTP from now on (not a retry), to the
             // same replica. (Not through Forward: choosing again could hand this reader its
             // own channel, whose last reference it might then drop and so join itself.)

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -93,6 +94,19 @@ bool MoveLog(const std::string& from, const std::string& to) {
 // State-file fields: a non-empty string, else `fallback` (an older file lacks it); an integer,
 // else `fallback`; a boolean, else false. A field of the wrong type counts as absent (a
 // hand-edited or damaged file).
+// A command line (NUL-separated, as /proc/PID/cmdline) that names `socket`, non-empty, as its
+// --control-socket: the runtime kiln started on it.
+bool OnControlSocket(const std::string& cmdline, const std::string& socket) {
+  return !socket.empty() &&
+         cmdline.find(std::string("--control-socket\0", 17) + socket + '\0') != std::string::npos;
+}
+
+// A process id in a state file: a positive pid_t.
+bool IsPid(const json& e, const char* key) {
+  return e.contains(key) && e[key].is_number_integer() && e[key].get<int64_t>() > 0 &&
+         e[key].get<int64_t>() <= std::numeric_limits<pid_t>::max();
+}
+
 std::string TextOr(const json& e, const char* key, const std::string& fallback = "") {
   auto it = e.find(key);
   return it != e.end() && it->is_string() && !it->get<std::string>().empty()
@@ -323,8 +337,17 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
       }
       replicas_.emplace(s.replica_id(), std::move(r));
     } else {
-      it->second.spec.set_state(s.state());  // promote/demote happens in Tick
-      *it->second.spec.mutable_runtime() = s.runtime();
+      v1::ReplicaSpec& kept = it->second.spec;
+      kept.set_state(s.state());  // promote/demote happens in Tick
+      *kept.mutable_runtime() = s.runtime();
+      // What the running process does not hold: its next start reads them (and the state
+      // file keeps them for an agent restarted before that).
+      if (kept.repository() != s.repository() ||
+          kept.gpu_memory_bytes() != s.gpu_memory_bytes()) {
+        kept.set_repository(s.repository());
+        kept.set_gpu_memory_bytes(s.gpu_memory_bytes());
+        state_dirty_ = true;
+      }
     }
   }
   recovered_waiting_.clear();  // what the first assignment after Recover did not want is gone
@@ -425,9 +448,23 @@ absl::Status Supervisor::Launch(Replica& r) {
 
 void Supervisor::SaveState() {
   absl::Status s = WriteStateFile();
+  state_write_ = s;
   if (s.ok()) return;
-  log_("state file: " + std::string(s.message()) + " (tried again next tick)");
+  log_("state file: " + std::string(s.message()) + " (tried again next tick; no process is "
+       "started until it is written)");
   state_dirty_ = true;
+}
+
+absl::Status Supervisor::StateWritable() {
+  if (state_write_.ok()) return absl::OkStatus();
+  state_write_ = WriteStateFile();
+  if (state_write_.ok()) {
+    log_("state file: written again");
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(
+      "waits: the state file cannot be written (" + std::string(state_write_.message()) +
+      "), and a process it does not list would be lost to a restarted agent");
 }
 
 std::map<Supervisor::PoolKey, Supervisor::PoolPlace> Supervisor::Pools() const {
@@ -644,6 +681,7 @@ void Supervisor::TickPool() {
     PoolSlot& slot = pool_slots_[key];
     const int target = PoolTarget(pools, key);
     for (int n = static_cast<int>(have[key].size()); n < target && now >= slot.due; ++n) {
+      if (!StateWritable().ok()) return;  // as for replicas (Tick)
       absl::Status s = LaunchPrestarted(key, place);
       if (!s.ok()) {
         RestartDecision d = OnCrash(slot.crashes, now, options_.restart);
@@ -932,6 +970,11 @@ void Supervisor::Tick() {
                      unhealthy_gpus_[r.spec.gpu()];
     } else if ((r.phase == Phase::kPending || r.phase == Phase::kBackoff) && now >= r.due &&
                !WaitsForCpus(r)) {
+      if (absl::Status w = StateWritable(); !w.ok()) {
+        r.last_error = std::string(w.message());  // not a failed start: no backoff
+        ++it;
+        continue;
+      }
       absl::Status s = Launch(r);
       changed_set = true;
       if (!s.ok()) {
@@ -1145,28 +1188,48 @@ absl::Status Supervisor::Recover() {
     return absl::OkStatus();
   }
   for (const auto& e : doc["replicas"]) {
-    if (!e.is_object() || !e.contains("pid") || !e["pid"].is_number_integer() ||
-        !e.contains("socket") || !e["socket"].is_string() || !e.contains("spec")) {
+    // Without a pid and a control socket nothing can be told about the process: an entry
+    // missing either is passed over, saying which.
+    std::string bad;
+    if (!e.is_object()) {
+      bad = "not an object";
+    } else if (!IsPid(e, "pid")) {
+      bad = "pid: not a process id";
+    } else if (!e.contains("socket") || !e["socket"].is_string() ||
+               e["socket"].get<std::string>().empty()) {
+      bad = "socket: not a control socket's path";
+    } else if (e.contains("launch_socket") &&
+               (!e["launch_socket"].is_string() || e["launch_socket"].get<std::string>().empty())) {
+      bad = "launch_socket: not a control socket's path";
+    } else if (!e.contains("spec")) {
+      bad = "spec: missing";
+    }
+    if (!bad.empty()) {
+      log_(path + ": a replica entry passed over (" + bad + ")");
       continue;
     }
-    pid_t pid = e["pid"].get<pid_t>();
+    pid_t pid = static_cast<pid_t>(e["pid"].get<int64_t>());
     std::string socket = e["socket"].get<std::string>();
     // The pid must still be our runtime: its command line names its control socket (a
-    // pre-started runtime's own, when it was handed this replica).
+    // pre-started runtime's own, when it was handed this replica), as a whole argument.
     const std::string launch_socket = TextOr(e, "launch_socket", socket);
-    const bool ours = launcher_->Alive(pid) &&
-                      launcher_->CommandLine(pid).find(launch_socket) != std::string::npos;
+    const bool ours = launcher_->Alive(pid) && OnControlSocket(launcher_->CommandLine(pid), launch_socket);
     v1::ReplicaSpec spec;
     const bool spec_ok = SpecFrom(e["spec"], &spec);
     const bool gpu_ok = spec.gpu() < static_cast<int>(topology_.gpus.size());
-    if (!spec_ok || !gpu_ok) {
+    // Two entries for one id (a file not kiln's): the first is adopted, the second is not.
+    const auto first = spec_ok ? replicas_.find(spec.replica_id()) : replicas_.end();
+    const bool twice = first != replicas_.end();
+    if (twice && first->second.pid == pid) continue;  // the same process listed again
+    if (!spec_ok || !gpu_ok || twice) {
       // Not adoptable, but it may be ours and running: stopped, never left without an owner
       // (the assignment starts the replica again where it can).
       if (ours) (void)launcher_->Signal(pid, SIGKILL);
       log_("state file: replica entry for pid " + std::to_string(pid) + " not adoptable (" +
-           (spec_ok ? "gpu " + std::to_string(spec.gpu()) + " does not exist on this node (" +
-                          std::to_string(topology_.gpus.size()) + " GPUs)"
-                    : std::string("its spec cannot be read")) +
+           (!spec_ok ? std::string("its spec cannot be read")
+            : twice  ? "a second entry for replica " + spec.replica_id()
+                     : "gpu " + std::to_string(spec.gpu()) + " does not exist on this node (" +
+                          std::to_string(topology_.gpus.size()) + " GPUs)") +
            ")" + (ours ? "; stopped it" : ""));
       continue;
     }
@@ -1280,13 +1343,14 @@ void Supervisor::RecoverPrestarted(const json& doc) {
   if (!doc.contains("prestarted") || !doc["prestarted"].is_array()) return;
   const auto pools = Pools();
   for (const auto& e : doc["prestarted"]) {
-    if (!e.is_object() || !e.contains("pid") || !e["pid"].is_number_integer() ||
-        !e.contains("socket") || !e["socket"].is_string() || !e.contains("name") ||
-        !e["name"].is_string() || !e.contains("gpu") || !e["gpu"].is_number_integer()) {
+    if (!e.is_object() || !IsPid(e, "pid") || !e.contains("socket") || !e["socket"].is_string() ||
+        !e.contains("name") || !e["name"].is_string() || !e.contains("gpu") ||
+        !e["gpu"].is_number_integer()) {
+      log_("state file: a pre-started runtime's entry passed over (not one kiln wrote)");
       continue;
     }
     const std::string name = e["name"].get<std::string>();
-    const pid_t pid = e["pid"].get<pid_t>();
+    const pid_t pid = static_cast<pid_t>(e["pid"].get<int64_t>());
     Prestarted p;
     p.gpu = e["gpu"].get<int>();
     p.numa_node = IntOr(e, "numa_node", -1);
@@ -1303,7 +1367,7 @@ void Supervisor::RecoverPrestarted(const json& doc) {
     // binary (an upgrade moved it) is not kept, but stopped: left alone it would hold its CPUs
     // and device context for ever.
     const std::string cmdline = launcher_->CommandLine(pid);
-    const bool ours = launcher_->Alive(pid) && cmdline.find(p.socket) != std::string::npos &&
+    const bool ours = launcher_->Alive(pid) && OnControlSocket(cmdline, p.socket) &&
                       cmdline.find(std::string(1, '\0') + "--prestart" + std::string(1, '\0')) !=
                           std::string::npos;
     if (!ours) continue;

@@ -312,6 +312,10 @@ class Supervisor {
   int64_t prestart_seq_ = 0;
   bool pool_stopped_ = false;
   bool state_dirty_ = false;  // the state file is rewritten on the next Tick
+  absl::Status state_write_;  // the state file's last write
+  // OK once the state file is written (a failed write is tried again here); else why no
+  // process may be started now.
+  absl::Status StateWritable();
   absl::Duration load_time_this_tick_;  // Loads block the loop: a budget per Tick
   std::atomic<int64_t> applied_generation_{0};
 

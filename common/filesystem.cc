@@ -1,6 +1,11 @@
 #include "common/filesystem.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -9,16 +14,36 @@ namespace kiln {
 
 absl::Status ReplaceFile(const std::string& path, const std::string& contents) {
   const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return absl::PermissionDeniedError(tmp + ": cannot be written");
-    out << contents;
-    out.flush();
-    if (!out) return absl::DataLossError(tmp + ": write failed");
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return absl::PermissionDeniedError(tmp + ": cannot be written: " + std::strerror(errno));
+  size_t done = 0;
+  while (done < contents.size()) {
+    const ssize_t n = write(fd, contents.data() + done, contents.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = n < 0 ? std::strerror(errno) : "nothing written";
+      close(fd);
+      return absl::DataLossError(tmp + ": write failed: " + why);
+    }
+    done += static_cast<size_t>(n);
   }
+  // On disk before it takes the old file's name, and the rename on disk before this returns:
+  // a power loss leaves the old file or the new one, never an empty one.
+  if (fsync(fd) != 0) {
+    const std::string why = std::strerror(errno);
+    close(fd);
+    return absl::DataLossError(tmp + ": fsync failed: " + why);
+  }
+  close(fd);
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) return absl::DataLossError(path + ": rename failed: " + ec.message());
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  const int dfd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    (void)fsync(dfd);  // best effort: the file itself is whole either way
+    close(dfd);
+  }
   return absl::OkStatus();
 }
 

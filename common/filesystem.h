@@ -20,8 +20,9 @@ class Filesystem {
   virtual bool Exists(const std::string& path) const = 0;
 };
 
-// Replaces `path` with `contents` through `path`.tmp renamed over it: a reader, or a crash,
-// finds the old file or the new one, never part of one.
+// Replaces `path` with `contents` through `path`.tmp, synced to disk and renamed over it (the
+// directory synced after): a reader, a crash or a power loss finds the old file or the new
+// one, never part of one.
 absl::Status ReplaceFile(const std::string& path, const std::string& contents);
 
 // Reads the real filesystem, with every path prefixed by `root` ("" = the real root).

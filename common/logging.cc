@@ -18,13 +18,18 @@ std::shared_ptr<spdlog::logger> GetLogger(const std::string& name) {
   }
 }
 
-absl::Status SetLogLevel(const std::string& level) {
-  auto parsed = spdlog::level::from_str(level);
-  if (parsed == spdlog::level::off && level != "off") {
+absl::Status CheckLogLevel(const std::string& level) {
+  if (spdlog::level::from_str(level) == spdlog::level::off && level != "off") {
     return absl::InvalidArgumentError("log level '" + level +
                                       "': expected trace, debug, info, warn, error, critical "
                                       "or off");
   }
+  return absl::OkStatus();
+}
+
+absl::Status SetLogLevel(const std::string& level) {
+  if (absl::Status s = CheckLogLevel(level); !s.ok()) return s;
+  auto parsed = spdlog::level::from_str(level);
   spdlog::set_level(parsed);
   spdlog::apply_all([parsed](std::shared_ptr<spdlog::logger> l) { l->set_level(parsed); });
   return absl::OkStatus();

@@ -13,6 +13,8 @@ namespace kiln {
 std::shared_ptr<spdlog::logger> GetLogger(const std::string& name);
 
 // Sets the level of every kiln logger: trace, debug, info, warn, error, critical, off.
+// An error naming the level unless it is one SetLogLevel takes.
+absl::Status CheckLogLevel(const std::string& level);
 absl::Status SetLogLevel(const std::string& level);
 
 }  // namespace kiln

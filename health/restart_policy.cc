@@ -8,6 +8,9 @@ RestartDecision OnCrash(CrashHistory& h, absl::Time now, const RestartPolicy& p)
   if (h.last_start != absl::InfinitePast() && now - h.last_start >= p.healthy_reset) {
     h.consecutive = 0;
   }
+  // Until the next start: crashes with no start between them (launches that failed) are one
+  // run of failures, not a healthy stretch each.
+  h.last_start = absl::InfinitePast();
   h.consecutive++;
   h.crashes.push_back(now);
   while (!h.crashes.empty() && now - h.crashes.front() > p.crash_loop_window) h.crashes.pop_front();

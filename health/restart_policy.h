@@ -34,7 +34,9 @@ struct RestartDecision {
 };
 
 // Records a crash at `now` and decides when to restart: 1 s doubling to 60 s, reset after
-// ten healthy minutes; more than five crashes in ten minutes is a crash loop.
+// ten healthy minutes (from a start to the crash after it: a start that fails does not call
+// OnStart, and the failures after a long run keep doubling); more than five crashes in ten
+// minutes is a crash loop.
 RestartDecision OnCrash(CrashHistory& history, absl::Time now, const RestartPolicy& policy);
 
 // Records a (re)start at `now`.

@@ -184,12 +184,13 @@ class HttpFrontend::Impl {
       if (method != "GET") return MethodNotAllowed(request, method);
       if (parts[2] == "live") {
         bool live = host_->Live();
-        Reply(request, live ? 200 : 503, json{{"live", live}}.dump());
+        // The protocol's health answers: 200 for true, a 4xx for false (400, as Triton's).
+        Reply(request, live ? 200 : 400, json{{"live", live}}.dump());
         return;
       }
       if (parts[2] == "ready") {
         bool ready = host_->ModelReady(host_->config().name, "");
-        Reply(request, ready ? 200 : 503, json{{"ready", ready}}.dump());
+        Reply(request, ready ? 200 : 400, json{{"ready", ready}}.dump());
         return;
       }
     }
@@ -216,7 +217,7 @@ class HttpFrontend::Impl {
           return;
         }
         bool ready = host_->ModelReady(model, version);
-        Reply(request, ready ? 200 : 503, json{{"name", model}, {"ready", ready}}.dump());
+        Reply(request, ready ? 200 : 400, json{{"name", model}, {"ready", ready}}.dump());
         return;
       }
       if (parts.size() == next + 1 && parts[next] == "infer") {

@@ -1071,10 +1071,39 @@ TEST_F(AgentTest, ControllerAssignsAgentAcksReportsAndServesThroughOutages) {
   bad.mutable_assignment()->set_generation(2);
   bad.mutable_assignment()->mutable_replicas(0)->set_version("two");
   ASSERT_TRUE(controller->Send(bad));
-  ASSERT_TRUE(controller->WaitFor([](FakeController& c) {
-    return !c.nacks_.empty() && c.nacks_.back().generation() == 2 &&
-           c.nacks_.back().reason().find("replicas[0].version") != std::string::npos;
-  }));
+  // The last Nack is of `generation`, its reason holding `text`.
+  auto nacked = [](int64_t generation, std::string text) {
+    return [generation, text](FakeController& c) {
+      return !c.nacks_.empty() && c.nacks_.back().generation() == generation &&
+             c.nacks_.back().reason().find(text) != std::string::npos;
+    };
+  };
+  ASSERT_TRUE(controller->WaitFor(nacked(2, "replicas[0].version")));
+  // One that cannot be saved (the disk refuses the file) is not applied and not Acked: a
+  // restart would not find it. Once it can be saved it is; an older one after it is refused.
+  fs::create_directories(dir_ + "/s/assignment.pb.tmp");
+  v1::ControllerMessage unsaved = m;
+  unsaved.mutable_assignment()->set_generation(3);
+  ASSERT_TRUE(controller->Send(unsaved));
+  ASSERT_TRUE(controller->WaitFor(nacked(3, "cannot be saved"))) << ReadFile(log_);
+  fs::remove_all(dir_ + "/s/assignment.pb.tmp");
+  unsaved.mutable_assignment()->set_generation(4);
+  ASSERT_TRUE(controller->Send(unsaved));
+  v1::ControllerMessage older = m;
+  older.mutable_assignment()->set_generation(3);
+  ASSERT_TRUE(controller->Send(older));
+  ASSERT_TRUE(controller->WaitFor(nacked(3, "older than the one applied (4)"))) << ReadFile(log_);
+  {
+    bool acked3 = false, acked4 = false;
+    ASSERT_TRUE(controller->WaitFor([&](FakeController& c) {
+      for (const auto& ack : c.acks_) {
+        acked3 |= ack.kind() == v1::Ack::ASSIGNMENT && ack.generation() == 3;
+        acked4 |= ack.kind() == v1::Ack::ASSIGNMENT && ack.generation() == 4;
+      }
+      return acked4;
+    }));
+    EXPECT_FALSE(acked3);
+  }
   // The controller goes away: the node keeps serving what it had.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
   server.reset();
@@ -1173,6 +1202,9 @@ TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
       {{"--inference-probe-timeout-ms", "60001"}, "--inference-probe-timeout-ms: must be in 10..60000"},
       {{"--inference-probe-failures", "101"}, "--inference-probe-failures: must be in 0..100"},
       {{"--inference-probe-failures", "-1"}, "--inference-probe-failures: must be in 0..100"},
+      {{"--stop-timeout-ms", "-5"}, "--stop-timeout-ms: must be in 0..3600000, got -5"},
+      {{"--stop-timeout-ms", "3600001"}, "--stop-timeout-ms: must be in 0..3600000"},
+      {{"--runtime-log-level", "verbose"}, "--runtime-log-level: log level 'verbose'"},
   };
   for (const auto& c : cases) {
     std::string cmd = std::string(KILN_AGENT_BIN) + " --runtime-binary " + KILN_RUNTIME_BIN +

@@ -1241,7 +1241,7 @@ TEST(RouterStickyTest, AParameterKeyHoldsItsVersionOverBothProtocols) {
   // is answered, not a server error.
   for (const auto& [path, code] : std::vector<std::pair<std::string, int>>{
            {"/v2/health/live", 200}, {"/v2/health/ready", 200}, {"/v2/health/other", 404},
-           {"/v2/models/%FF%FE/ready", 503}, {"/v2/models/encoder/ready", 200}}) {
+           {"/v2/models/%FF%FE/ready", 400}, {"/v2/models/encoder/ready", 200}}) {
     testing::RawHttpClient c(router->http_port());
     ASSERT_TRUE(c.Send(testing::Get(path)));
     EXPECT_EQ(c.Read().code, code) << path;
@@ -1392,7 +1392,7 @@ TEST(RouterRestDataSocketTest, AnOlderReplicaIsSentRestOverHttp) {
     EXPECT_EQ(doc["parameters"]["kiln-version"], "1");
   }
   EXPECT_EQ(old.json_requests(), 1);
-  EXPECT_EQ(router->forwarded_rest_data_socket(), 1u);
+  EXPECT_EQ(router->forwarded_rest_data_socket(), 0u);  // the refused one went over HTTP
   EXPECT_EQ(router->forwarded_rest_http(), 3u);
   EXPECT_EQ(router->retries(), 0u);
   // gRPC still goes to its data socket.

@@ -624,7 +624,8 @@ TEST(RuntimeTest, WarmRefusesInferencePromoteServes) {
     ASSERT_TRUE(stub->ModelReady(&ctx, req, &r).ok());
     EXPECT_FALSE(r.ready());
   }
-  EXPECT_EQ(Http(rt->http_port(), "GET", "/v2/health/ready").code, 503);
+  EXPECT_EQ(Http(rt->http_port(), "GET", "/v2/health/ready").code, 400);  // the protocol's 4xx
+  EXPECT_EQ(Http(rt->http_port(), "GET", "/v2/models/encoder/ready").code, 400);
   json c = References("2")[3];
   EXPECT_EQ(Infer(stub.get(), GrpcEncoderRequest(c, true)).error_code(),
             grpc::StatusCode::UNAVAILABLE);

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 
+#include "absl/strings/str_join.h"
 #include "agent/agent.h"
 #include "agent/busy_poll.h"
 #include "agent/fake_gpu_driver.h"
@@ -18,6 +19,7 @@
 #include "health/gpu_health.h"
 #include "health/probe_verdict.h"
 #include "health/restart_policy.h"
+#include "nlohmann/json.hpp"
 #include "warm_pool/pool_plan.h"
 
 namespace kiln {
@@ -40,6 +42,23 @@ TEST(RestartPolicyTest, BackoffDoublesToTheCapAndResetsAfterHealthyTime) {
   OnStart(h, clock.Now());
   clock.Advance(absl::Minutes(10));  // healthy for ten minutes
   EXPECT_EQ(OnCrash(h, clock.Now(), p).backoff, absl::Seconds(1));
+}
+
+// After a long healthy run, relaunches that fail (no start between them: the binary gone
+// during an upgrade, fork refused) back off 1, 2, 4 s, not 1 s each.
+TEST(RestartPolicyTest, FailedLaunchesAfterALongRunStillDoubleTheBackoff) {
+  SimulatedClock clock;
+  RestartPolicy p;
+  CrashHistory h;
+  OnStart(h, clock.Now());
+  clock.Advance(absl::Hours(2));
+  std::vector<int64_t> seconds;
+  for (int i = 0; i < 4; ++i) {
+    RestartDecision d = OnCrash(h, clock.Now(), p);  // the crash, then each failed launch
+    seconds.push_back(absl::ToInt64Seconds(d.backoff));
+    clock.Advance(d.backoff);
+  }
+  EXPECT_EQ(seconds, (std::vector<int64_t>{1, 2, 4, 8}));
 }
 
 TEST(RestartPolicyTest, MoreThanFiveCrashesInTenMinutesIsACrashLoop) {
@@ -195,6 +214,19 @@ TEST(GpuMonitorTest, AGpuIsUnhealthyOnlyAfterReadsFailThreeTimesInARow) {
   m.Poll();
   m.Poll();
   EXPECT_TRUE(m.Healthy(0));  // counted afresh
+}
+
+// A health file whose boot id is not a string is not the agent's: it starts afresh, not with an
+// exception at start-up.
+TEST(GpuMonitorTest, AHealthFileWithABadBootIdIsIgnored) {
+  const std::string file = ::testing::TempDir() + "/gpu_health_bad_" + std::to_string(getpid()) + ".json";
+  FakeGpuDriver driver(FakeGpuDriver::MakeGpus(1, 16LL << 30));
+  const std::string uuid = driver.Identify(0)->uuid;
+  std::ofstream(file) << nlohmann::json({{"boot_id", 7}, {"gpus", {{uuid, {{"xids", {79}}}}}}}).dump();
+  GpuMonitor m(&driver, {0}, {file, "7"});
+  m.Poll();
+  EXPECT_TRUE(m.Healthy(0));  // the Xid 79 it holds is not taken
+  std::remove(file.c_str());
 }
 
 // What needs a GPU reset outlives the agent on the same boot (a restarted agent keeps such a
@@ -629,6 +661,32 @@ TEST(GpuPowerTest, ACardsOwnSettingsOutliveAnAgentThatDiedWithoutRestoring) {
   ASSERT_TRUE(third.Apply(1, GpuLoad::kServing).ok());
   ASSERT_TRUE(third.RestoreAll().ok());
   EXPECT_EQ(driver.Read(1)->power_limit_mw, 700000u);
+  std::remove(file.c_str());
+}
+
+// An originals file with fields of the wrong type (hand-edited, or not kiln's) does not stop the
+// agent: each bad entry is left out, its field named.
+TEST(GpuPowerTest, AnOriginalsFileWithBadFieldsIsReadEntryByEntry) {
+  const std::string file = ::testing::TempDir() + "/kiln_power_bad_" + std::to_string(getpid()) + ".json";
+  FakeGpuDriver driver(FakeGpuDriver::MakeGpus(3, 80LL << 30));
+  const std::string u0 = driver.Identify(0)->uuid, u1 = driver.Identify(1)->uuid,
+                    u2 = driver.Identify(2)->uuid;
+  nlohmann::json doc = {{"gpus",
+                         {{u0, {{"power_limit_mw", 500000}, {"persistence", "yes"}}},
+                          {u1, {{"power_limit_mw", 1ULL << 40}}},
+                          {u2, {{"power_limit_mw", 600000}, {"clocks_locked", false}}}}}};
+  std::ofstream(file) << doc.dump();
+  std::vector<std::string> said;
+  GpuPowerManager m(&driver, PowerMode::kEnforce, TestPolicy(),
+                    [&](const std::string& line) { said.push_back(line); }, file);
+  const std::string all = absl::StrJoin(said, "\n");
+  EXPECT_NE(all.find("gpus." + u0 + ": persistence: not true or false"), std::string::npos) << all;
+  EXPECT_NE(all.find("gpus." + u1 + ": power_limit_mw"), std::string::npos) << all;
+  EXPECT_NE(all.find("1 GPU(s) still hold settings"), std::string::npos) << all;
+  // The good entry is kept: GPU 2's own limit is taken to be 600 W and restored as such.
+  ASSERT_TRUE(m.Apply(2, GpuLoad::kWarmOnly).ok());
+  ASSERT_TRUE(m.RestoreAll().ok());
+  EXPECT_EQ(driver.Read(2)->power_limit_mw, 600000u);
   std::remove(file.c_str());
 }
 

@@ -79,6 +79,8 @@ TEST(AssignmentFileTest, BadFieldsAreNamed) {
        "warmPools[1]: the same replicas as warmPools[0]"},
       {"replicas: [{id: pool-x, model: e, version: '1', repository: /m}]", "replicas[0].id: 'pool-x' starts with 'pool-'"},
       {"replicas: [{model: pool, version: '1', repository: /m}]", "replicas[0].id: 'pool-1-0'"},
+      {"replicas: [{id: prestart-3, model: e, version: '1', repository: /m}]",
+       "replicas[0].id: 'prestart-3' is reserved for the agent's pre-started runtimes"},
       {"routes: [{model: e, versions: [{version: '1', weight: 0}]}]", "every weight is 0"},
       {"routes: [{model: e, versions: []}]", "routes[0].versions"},
       {"routes: [{model: e, versions: [{version: '1'}], stickyKey: cookie:x}]", "routes[0].stickyKey"},

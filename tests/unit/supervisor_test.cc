@@ -3,6 +3,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -117,6 +118,19 @@ class SupervisorTest : public ::testing::Test {
     sup_->Tick();
     ASSERT_TRUE(kiln::testing::Eventually([&] { return prober_.probes("127.0.0.1:6001") == 1; },
                                           absl::Seconds(10)));
+  }
+  // Replicas a (GPU 0) and b (on `b_gpu`) SERVING, then the supervisor gone: the state file it
+  // left, and their pids.
+  nlohmann::json TwoServingThenGone(int b_gpu, pid_t* a, pid_t* b) {
+    EXPECT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", b_gpu, 1, v1::SERVING)})).ok());
+    sup_->Tick();
+    *a = View("a")->pid;
+    *b = View("b")->pid;
+    runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 7001);
+    runtimes_.Set(Socket("b"), v1::SERVING, "enc", "1", 7002);
+    sup_->Tick();
+    sup_.reset();
+    return nlohmann::json::parse(kiln::testing::ReadFile(dir_.string() + "/replicas.json"));
   }
   v1::Assignment Assignment(std::vector<v1::ReplicaSpec> specs, int64_t generation = 1) {
     v1::Assignment a;
@@ -369,6 +383,52 @@ TEST_F(SupervisorTest, AFailedStateFileWriteIsTriedAgain) {
   ASSERT_TRUE(doc.is_object());
   ASSERT_EQ(doc["replicas"].size(), 1u);
   EXPECT_EQ(doc["replicas"][0]["pid"], a);
+}
+
+// A new repository for a running replica (a file edited, a deployment moved) is kept: the
+// process goes on with what it loaded, its next start reads the new one, and so does an agent
+// restarted before that.
+TEST_F(SupervisorTest, ARunningReplicasNewRepositoryIsTakenAtItsNextStart) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t a = View("a")->pid;
+  v1::ReplicaSpec moved = Spec("a", 0, 1, v1::SERVING);
+  moved.set_repository("/models-b");
+  ASSERT_TRUE(sup_->Apply(Assignment({moved}, 2)).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("a")->pid, a);  // not restarted for it
+  EXPECT_NE(kiln::testing::ReadFile(dir_.string() + "/replicas.json").find("/models-b"),
+            std::string::npos);
+  launcher_.Exit(a, SIGKILL);
+  AdvanceUntilALaunch();
+  ASSERT_EQ(launcher_.launches().size(), 2u);
+  const std::vector<std::string> argv = launcher_.launches().back().argv;
+  auto flag = std::find(argv.begin(), argv.end(), "--model-repository");
+  ASSERT_NE(flag, argv.end());
+  EXPECT_EQ(*(flag + 1), "/models-b");
+}
+
+// While the state file cannot be written no process is started: a restarted agent would not
+// know it, and would start a second one beside it. Waiting so is not a failed start (no
+// backoff); once the file is written the rest start.
+TEST_F(SupervisorTest, NothingStartsWhileTheStateFileCannotBeWritten) {
+  fs::create_directories(dir_ / "replicas.json.tmp");
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  ASSERT_EQ(launcher_.launches().size(), 1u);  // the first, whose write then failed
+  const std::string waiting = View("a")->pid > 0 ? "b" : "a";
+  EXPECT_EQ(View(waiting)->pid, 0);
+  EXPECT_NE(View(waiting)->last_error.find("the state file cannot be written"), std::string::npos)
+      << View(waiting)->last_error;
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), 1u);
+  EXPECT_EQ(View(waiting)->restarts, 0);
+  fs::remove_all(dir_ / "replicas.json.tmp");
+  sup_->Tick();
+  EXPECT_EQ(launcher_.launches().size(), 2u);  // at once: no backoff was run
+  json doc = json::parse(kiln::testing::ReadFile(dir_.string() + "/replicas.json"), nullptr, false);
+  ASSERT_TRUE(doc.is_object());
+  EXPECT_EQ(doc["replicas"].size(), 2u);
 }
 
 // A process at a replica's socket that names another replica is not adopted as this one (a
@@ -747,10 +807,17 @@ TEST_F(SupervisorTest, AProbeThatMeetsADemotedReplicaIsNotCounted) {
   prober_.Hold(false);
   ASSERT_TRUE(kiln::testing::Eventually([&] { return prober_.answered("127.0.0.1:6001") == 1; },
                                         absl::Seconds(10)));
-  for (int i = 0; i < 10; ++i) {  // the answer is taken by one of these
-    sup_->Tick();
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  // The runner has one thread: once it has started the next probe, the first one's answer is
+  // waiting to be taken, and the next Tick takes it.
+  prober_.Hold(true);
+  clock_.Advance(absl::Seconds(10));
+  ASSERT_TRUE(kiln::testing::Eventually(
+      [&] {
+        sup_->Tick();
+        return prober_.probes("127.0.0.1:6001") == 2;
+      },
+      absl::Seconds(10)));
+  sup_->Tick();
   EXPECT_TRUE(View("a")->healthy) << View("a")->health_reason;
 }
 
@@ -1521,15 +1588,9 @@ TEST_F(SupervisorTest, ADrainOutlivesAnAgentRestart) {
 // of the wrong type count as absent; an entry whose spec cannot be read is not adopted, and its
 // process, when it is ours, is stopped rather than left running with no owner.
 TEST_F(SupervisorTest, RecoveryReadsNewerEntriesAndStopsWhatItCannotAdopt) {
-  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", -1, 1, v1::SERVING)})).ok());
-  sup_->Tick();
-  const pid_t a = View("a")->pid, b = View("b")->pid;
-  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 7001);
-  runtimes_.Set(Socket("b"), v1::SERVING, "enc", "1", 7002);
-  sup_->Tick();
-  sup_.reset();
+  pid_t a = 0, b = 0;
+  nlohmann::json doc = TwoServingThenGone(-1, &a, &b);
   const std::string path = dir_.string() + "/replicas.json";
-  nlohmann::json doc = nlohmann::json::parse(kiln::testing::ReadFile(path));
   for (auto& e : doc["replicas"]) {
     if (e["pid"] == a) {
       e["spec"]["fieldOfANewerAgent"] = 3;
@@ -1548,6 +1609,34 @@ TEST_F(SupervisorTest, RecoveryReadsNewerEntriesAndStopsWhatItCannotAdopt) {
   EXPECT_TRUE(View("a")->adopted);
   EXPECT_EQ(View("b"), nullptr);
   EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{b, SIGKILL}}));
+}
+
+// A state file not as kiln wrote it: an entry without a control socket or with a pid out of
+// range is passed over (an empty socket would match any process's command line), and a second
+// entry for an adopted id is not adopted: its process, if ours, is stopped, never left unowned.
+TEST_F(SupervisorTest, RecoveryPassesOverEntriesThatCannotBeTiedToTheirProcess) {
+  pid_t a = 0, b = 0;
+  nlohmann::json doc = TwoServingThenGone(1, &a, &b);
+  const std::string path = dir_.string() + "/replicas.json";
+  nlohmann::json ea, eb;
+  for (const auto& e : doc["replicas"]) (e["pid"] == a ? ea : eb) = e;
+  nlohmann::json no_socket = ea, huge_pid = ea, a_as_b = ea;
+  no_socket["socket"] = "";
+  no_socket.erase("launch_socket");
+  huge_pid["pid"] = int64_t{1} << 40;
+  a_as_b["spec"]["replicaId"] = "b";
+  doc["replicas"] = {no_socket, huge_pid, eb, a_as_b, eb};
+  { std::ofstream(path) << doc.dump(); }
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  EXPECT_EQ(View("a"), nullptr);
+  ASSERT_NE(View("b"), nullptr);
+  EXPECT_EQ(View("b")->pid, b);
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGKILL}}));
+  const std::string said = absl::StrJoin(log_, "\n");
+  EXPECT_NE(said.find("socket: not a control socket's path"), std::string::npos) << said;
+  EXPECT_NE(said.find("pid: not a process id"), std::string::npos) << said;
+  EXPECT_NE(said.find("a second entry for replica b"), std::string::npos) << said;
 }
 
 // A replica on a GPU the node no longer shows (the driver stopped answering after an upgrade,
