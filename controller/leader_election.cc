@@ -1,5 +1,7 @@
 #include "controller/leader_election.h"
 
+#include <algorithm>
+
 #include "common/logging.h"
 #include "controller/model_deployment.h"
 
@@ -27,12 +29,30 @@ LeaderElector::LeaderElector(KubeClient* client, LeaderElectionOptions options, 
 
 bool LeaderElector::Tick() {
   auto log = GetLogger("controller.leader");
-  bool ok = TryAcquireOrRenew();
+  // A renewal counts from before it was sent: the others' lease clocks start when they see it,
+  // which is after it lands, which is after this. And a leader whose deadline has passed does
+  // not try again before stepping down, nor wait past the deadline for an answer.
+  const absl::Time start = clock_->Now();
+  absl::Time deadline = absl::InfiniteFuture();
+  if (leading_) {
+    deadline = last_renew_ + options_.renew_deadline;
+    if (start >= deadline) {
+      log->warn("{} could not renew lease {} for {}: stepping down ({})", options_.identity,
+                options_.lease_name, FormatDurationString(start - last_renew_), last_error_);
+      leading_ = false;
+      return false;
+    }
+  }
+  bool ok = TryAcquireOrRenew(deadline);
   absl::Time now = clock_->Now();
+  if (ok && now >= deadline) {
+    ok = false;  // it landed, but the answer came after this leader had to step down
+    last_error_ = "the renewal was answered after the renew deadline";
+  }
   if (ok) {
     if (!leading_) log->info("{} leads (lease {})", options_.identity, options_.lease_name);
     leading_ = true;
-    last_renew_ = now;
+    last_renew_ = start;
   } else if (leading_ && held_by_other_) {
     log->warn("{} lost lease {} to another holder: stepping down", options_.identity, options_.lease_name);
     leading_ = false;
@@ -48,18 +68,22 @@ std::string LeaderElector::LeasesPath() const {
   return "/apis/coordination.k8s.io/v1/namespaces/" + client_->config().ns + "/leases";
 }
 
-bool LeaderElector::TryAcquireOrRenew() {
+bool LeaderElector::TryAcquireOrRenew(absl::Time deadline) {
   const std::string ns = client_->config().ns;
   const std::string collection = LeasesPath();
   absl::Time now = clock_->Now();
   held_by_other_ = false;
-  const absl::Duration timeout = options_.retry_period;
+  // Each request waits a retry period at most, and never past the renew deadline.
+  auto timeout = [&] {
+    return std::max(absl::Milliseconds(1),
+                    std::min(options_.retry_period, deadline - clock_->Now()));
+  };
   json spec = {{"holderIdentity", options_.identity},
                {"leaseDurationSeconds", absl::ToInt64Seconds(options_.lease_duration)},
                {"acquireTime", FormatRfc3339Micros(now)},
                {"renewTime", FormatRfc3339Micros(now)},
                {"leaseTransitions", 0}};
-  auto got = client_->Call("GET", collection + "/" + options_.lease_name, nullptr, timeout);
+  auto got = client_->Call("GET", collection + "/" + options_.lease_name, nullptr, timeout());
   if (!got.ok()) {
     last_error_ = std::string(got.status().message());
     return false;
@@ -67,7 +91,7 @@ bool LeaderElector::TryAcquireOrRenew() {
   if (got->code == 404) {
     json body = {{"apiVersion", "coordination.k8s.io/v1"}, {"kind", "Lease"},
                  {"metadata", {{"name", options_.lease_name}, {"namespace", ns}}}, {"spec", spec}};
-    auto created = client_->Call("POST", collection, &body, timeout);
+    auto created = client_->Call("POST", collection, &body, timeout());
     if (!created.ok()) {
       last_error_ = std::string(created.status().message());
       return false;
@@ -106,7 +130,7 @@ bool LeaderElector::TryAcquireOrRenew() {
     spec["leaseTransitions"] = old.value("leaseTransitions", int64_t{0}) + 1;
   }
   lease["spec"] = spec;
-  auto put = client_->Call("PUT", collection + "/" + options_.lease_name, &lease, timeout);
+  auto put = client_->Call("PUT", collection + "/" + options_.lease_name, &lease, timeout());
   if (!put.ok()) {
     last_error_ = std::string(put.status().message());
     return false;

@@ -53,7 +53,8 @@ class LeaderElector {
   void Release();
 
  private:
-  bool TryAcquireOrRenew();
+  // One GET and one write, each waiting at most a retry period and not past `deadline`.
+  bool TryAcquireOrRenew(absl::Time deadline);
   std::string LeasesPath() const;  // the namespace's Lease collection
 
   KubeClient* client_;

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -498,6 +499,30 @@ TEST_F(LeaderElectionTest, ALeaderThatCannotRenewStepsDownBeforeItsLeaseEnds) {
   EXPECT_FALSE(b.Tick());
   clock_b_.Advance(absl::Seconds(6));
   EXPECT_TRUE(b.Tick());
+}
+
+// A renewal counts from before it was sent, not from its answer: with each request taking 2 s
+// (the simulated clock moves while it is out), a leader cut off after renewing at 0 steps down
+// by 10 s, the renew deadline, not 10 s after the slow answer came back.
+TEST_F(LeaderElectionTest, TheRenewDeadlineCountsFromWhenTheRenewalWasSent) {
+  LeaderElector a(client_.get(), Options("a"), &clock_a_);
+  api_->SetOnRequest([this] { clock_a_.Advance(absl::Seconds(2)); });
+  const absl::Time sent = clock_a_.Now();
+  ASSERT_TRUE(a.Tick());  // a GET and a create: answered at 4 s
+  api_->SetUnavailable(true);
+  while (a.Tick()) ASSERT_LE(clock_a_.Now() - sent, absl::Seconds(20));
+  EXPECT_LE(clock_a_.Now() - sent, absl::Seconds(10));
+  // Leading again, then stalled past its deadline (no tick): it steps down before it sends
+  // anything, rather than acting on until an answer comes.
+  api_->SetUnavailable(false);
+  api_->SetOnRequest(nullptr);
+  ASSERT_TRUE(a.Tick());  // its own lease: renewed at once
+  std::atomic<int> requests{0};
+  api_->SetOnRequest([&requests] { requests++; });
+  clock_a_.Advance(absl::Seconds(11));
+  EXPECT_FALSE(a.Tick());
+  EXPECT_EQ(requests.load(), 0);
+  api_->SetOnRequest(nullptr);
 }
 
 TEST_F(LeaderElectionTest, ReleasedLeasesAreTakenAtOnceAndBadOptionsRefused) {

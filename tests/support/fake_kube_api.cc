@@ -181,6 +181,11 @@ void FakeKubeApi::Bookmark() {
   changed_.notify_all();
 }
 
+void FakeKubeApi::SetOnRequest(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_request_ = std::move(hook);
+}
+
 void FakeKubeApi::SetUnavailable(bool down) {
   std::lock_guard<std::mutex> lock(mu_);
   unavailable_ = down;
@@ -271,10 +276,13 @@ void FakeKubeApi::Serve(int fd) {
   params[" content-type"] = content_type;  // for Handle (no query key has a space)
   Response r;
   bool down;
+  std::function<void()> hook;
   {
     std::lock_guard<std::mutex> lock(mu_);
     down = unavailable_ || (watches_refused_ && (params["watch"] == "1" || params["watch"] == "true"));
+    hook = on_request_;
   }
+  if (hook) hook();
   if (down) {
     r = {503, StatusBody(503, "ServiceUnavailable", "the server is currently unable to handle the request")};
   } else if (auth != std::string("Bearer ") + kToken) {

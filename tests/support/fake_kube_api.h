@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -39,6 +40,9 @@ class FakeKubeApi {
   void Bookmark();
   // Refuses every request with 503 while set (an API server that is down).
   void SetUnavailable(bool down);
+  // Runs `hook` on the serving thread as each request arrives, before it is answered (a test's
+  // simulated clock moving while a request is out); empty: none.
+  void SetOnRequest(std::function<void()> hook);
   // Drops open watches and answers new ones 503 while set; other requests work (a client
   // whose watch connection cannot get through).
   void SetWatchesRefused(bool refused);
@@ -99,6 +103,7 @@ class FakeKubeApi {
   std::map<int64_t, int> open_by_epoch_;  // streaming watches by the drop epoch they began in
   int64_t bookmark_epoch_ = 0;
   bool unavailable_ = false;
+  std::function<void()> on_request_;  // under mu_
   bool watches_refused_ = false;
   std::map<std::string, std::map<std::string, nlohmann::json>> objects_;  // collection -> name
   std::vector<Event> history_;
