@@ -168,6 +168,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (closed_) return;
     if (state_->stopping() && replies_ > 0) return Close();
     parser_.emplace();
+    head_ = false;  // until this request says otherwise (an error reply to it has a body)
     parser_->header_limit(static_cast<uint32_t>(state_->options.max_header_bytes));
     parser_->body_limit(static_cast<uint64_t>(state_->options.max_body_bytes));
     reading_header_ = true;
@@ -216,6 +217,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (ec == bhttp::error::body_limit) {
       return Fail(413, "the request body exceeds the limit of " +
                            std::to_string(state_->options.max_body_bytes) + " bytes");
+    }
+    if (ec == bhttp::error::buffer_overflow) {
+      return Fail(400, "malformed request: a chunk-size line or the trailer is longer than " +
+                           std::to_string(kReadSlack) + " bytes");
     }
     if (ClientGone(ec) || closed_) return Close();
     if (ec) return Fail(400, "malformed request: " + ec.message());
@@ -316,7 +321,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::shared_ptr<HttpServer::State> state_;  // keeps the io_context for late replies
   beast::tcp_stream stream_;
   net::steady_timer first_request_;  // while stopping: how long a fresh connection may wait
-  beast::flat_buffer buffer_;
+  // Bounded: the parser consumes a body as it comes, but not a chunk-size line (extensions) or a
+  // trailer until its end, which a client could send for ever. Past this the read fails
+  // (buffer_overflow) and the request is refused.
+  beast::flat_buffer buffer_{static_cast<size_t>(state_->options.max_header_bytes) + kReadSlack};
+  static constexpr size_t kReadSlack = 64 * 1024;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::optional<bhttp::response<bhttp::string_body>> response_;
   bool keep_alive_ = true;

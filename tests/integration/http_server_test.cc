@@ -135,6 +135,31 @@ TEST(HttpServer, CutsAChunkedBodyAtTheLimit) {
   EXPECT_NE(r.body.find("exceeds the limit of 100 bytes"), std::string::npos) << r.body;
 }
 
+// A chunk-size line (its extensions) or a trailer that never ends is not buffered for ever:
+// past a bound it is refused, 400.
+TEST(HttpServer, RefusesAChunkSizeLineThatNeverEnds) {
+  auto server = StartServer(Echo, HttpServer::Options());
+  RawClient c(server->port());
+  ASSERT_TRUE(c.Send("POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1;" +
+                     std::string(200 * 1024, 'a')));
+  auto r = c.Read();
+  EXPECT_EQ(r.code, 400);
+  EXPECT_NE(r.body.find("chunk-size line or the trailer"), std::string::npos) << r.body;
+}
+
+// An error reply after a HEAD on the same connection still has its body.
+TEST(HttpServer, AnErrorAfterAHeadHasItsBody) {
+  auto server = StartServer(Echo, HttpServer::Options());
+  RawClient c(server->port());
+  ASSERT_TRUE(c.Send("HEAD / HTTP/1.1\r\nHost: x\r\n\r\n"));
+  ASSERT_FALSE(c.ReadHead().empty());
+  ASSERT_TRUE(c.Send("GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(20000, 'b') +
+                     "\r\n\r\n"));
+  auto r = c.Read();
+  EXPECT_EQ(r.code, 431);
+  EXPECT_NE(r.body.find("header"), std::string::npos) << r.body;
+}
+
 TEST(HttpServer, DisconnectsAClientThatNeverFinishesItsHeader) {
   HttpServer::Options o;
   o.header_timeout = absl::Milliseconds(200);
