@@ -460,13 +460,6 @@ absl::Status Agent::ApplyFromController(const v1::Assignment& a) {
   KILN_RETURN_IF_ERROR(ValidateAssignment(a));
   return RunOnLoop([this, a]() -> absl::Status {
     if (a.generation() == generation_ && generation_ != 0) return absl::OkStatus();  // no-op
-    // Generations only grow (the controller's start above what nodes report): an older one is
-    // a message overtaken by a newer one, never to be applied over it.
-    if (a.generation() < generation_) {
-      return absl::FailedPreconditionError(
-          "generation " + std::to_string(a.generation()) + " is older than the one applied (" +
-          std::to_string(generation_) + "); not applied");
-    }
     // Saved before it is applied, and Acked only once saved: an agent restarted at any moment
     // serves what the controller was told it serves (or, mid-apply, the one before).
     const std::string path = options_.state_dir + "/assignment.pb";

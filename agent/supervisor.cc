@@ -339,13 +339,14 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
     } else {
       v1::ReplicaSpec& kept = it->second.spec;
       kept.set_state(s.state());  // promote/demote happens in Tick
-      *kept.mutable_runtime() = s.runtime();
       // What the running process does not hold: its next start reads them (and the state
       // file keeps them for an agent restarted before that).
       if (kept.repository() != s.repository() ||
-          kept.gpu_memory_bytes() != s.gpu_memory_bytes()) {
+          kept.gpu_memory_bytes() != s.gpu_memory_bytes() ||
+          kept.runtime().SerializeAsString() != s.runtime().SerializeAsString()) {
         kept.set_repository(s.repository());
         kept.set_gpu_memory_bytes(s.gpu_memory_bytes());
+        *kept.mutable_runtime() = s.runtime();
         state_dirty_ = true;
       }
     }
@@ -1198,9 +1199,6 @@ absl::Status Supervisor::Recover() {
     } else if (!e.contains("socket") || !e["socket"].is_string() ||
                e["socket"].get<std::string>().empty()) {
       bad = "socket: not a control socket's path";
-    } else if (e.contains("launch_socket") &&
-               (!e["launch_socket"].is_string() || e["launch_socket"].get<std::string>().empty())) {
-      bad = "launch_socket: not a control socket's path";
     } else if (!e.contains("spec")) {
       bad = "spec: missing";
     }
@@ -1212,7 +1210,7 @@ absl::Status Supervisor::Recover() {
     std::string socket = e["socket"].get<std::string>();
     // The pid must still be our runtime: its command line names its control socket (a
     // pre-started runtime's own, when it was handed this replica), as a whole argument.
-    const std::string launch_socket = TextOr(e, "launch_socket", socket);
+    const std::string launch_socket = TextOr(e, "launch_socket", socket);  // empty: absent
     const bool ours = launcher_->Alive(pid) && OnControlSocket(launcher_->CommandLine(pid), launch_socket);
     v1::ReplicaSpec spec;
     const bool spec_ok = SpecFrom(e["spec"], &spec);

@@ -23,21 +23,30 @@ absl::Status ReplaceFile(const std::string& path, const std::string& contents) {
     if (n <= 0) {
       const std::string why = n < 0 ? std::strerror(errno) : "nothing written";
       close(fd);
+      unlink(tmp.c_str());  // a part of it is nobody's
       return absl::DataLossError(tmp + ": write failed: " + why);
     }
     done += static_cast<size_t>(n);
   }
   // On disk before it takes the old file's name, and the rename on disk before this returns:
   // a power loss leaves the old file or the new one, never an empty one.
-  if (fsync(fd) != 0) {
+  int synced;
+  do {
+    synced = fsync(fd);
+  } while (synced != 0 && errno == EINTR);
+  if (synced != 0) {
     const std::string why = std::strerror(errno);
     close(fd);
+    unlink(tmp.c_str());
     return absl::DataLossError(tmp + ": fsync failed: " + why);
   }
   close(fd);
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
-  if (ec) return absl::DataLossError(path + ": rename failed: " + ec.message());
+  if (ec) {
+    unlink(tmp.c_str());
+    return absl::DataLossError(path + ": rename failed: " + ec.message());
+  }
   const std::string dir = std::filesystem::path(path).parent_path().string();
   const int dfd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {

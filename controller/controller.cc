@@ -115,6 +115,15 @@ std::string ZoneOf(const v1::Register& r) {
 
 }  // namespace
 
+void CutShort(std::string* text, size_t max_bytes) {
+  if (text->size() <= max_bytes) return;
+  size_t cut = max_bytes;
+  // Not inside a UTF-8 sequence: back to the byte that starts one.
+  while (cut > 0 && (static_cast<unsigned char>((*text)[cut]) & 0xC0) == 0x80) --cut;
+  text->resize(cut);
+  text->append("...");
+}
+
 absl::Duration NextPassIn(absl::Duration tick, absl::Duration to_lease, absl::Duration pass) {
   // At the lease's end a millisecond late: it ends at that instant.
   if (to_lease < tick + pass) return std::max(to_lease, absl::ZeroDuration()) + absl::Milliseconds(1);
@@ -471,13 +480,7 @@ grpc::Status Controller::Registered(const std::shared_ptr<Stream>& stream, const
 void Controller::Acked(const std::shared_ptr<Stream>& stream, v1::AgentMessage m) {
   if (m.has_nack()) {
     // A reason goes into events and status conditions (the API caps their size): kept short.
-    std::string* reason = m.mutable_nack()->mutable_reason();
-    if (reason->size() > kMaxNackReason) {
-      size_t cut = kMaxNackReason;
-      while (cut > 0 && (static_cast<unsigned char>((*reason)[cut]) & 0xC0) == 0x80) --cut;
-      reason->resize(cut);
-      reason->append("...");
-    }
+    CutShort(m.mutable_nack()->mutable_reason(), kMaxNackReason);
     GetLogger("controller")
         ->warn("node {} refused generation {}: {}", stream->node(), m.nack().generation(),
                m.nack().reason());
@@ -665,10 +668,16 @@ void Controller::Tick() {
         // Said once per text, not every pass.
         log->error("{}; {}", parsed.status().ToString(),
                    cached != decoded_.end() ? "it runs as last applied" : "it is not run");
-        invalid_[o.name] = {o.spec, std::string(parsed.status().message())};
+        std::string reason(parsed.status().message());
+        CutShort(&reason, kMaxNackReason);  // it may quote the spec: a condition's message is capped
+        invalid_[o.name] = {o.spec, std::move(reason)};
       }
     }
     if (cached == decoded_.end()) continue;  // never valid: nothing to run
+    // The same valid text again at a later generation (changed away and back): that one runs.
+    if (bad == invalid_.end() && cached->second.spec == o.spec) {
+      cached->second.generation = std::max(cached->second.generation, o.generation);
+    }
     const ModelDeployment* d = &cached->second.d;
     PlacementDemand pd;
     pd.deployment = d->name;
@@ -680,8 +689,10 @@ void Controller::Tick() {
     pd.gpus = d->spec.resources.gpus;
     pd.gpu_memory_bytes = d->spec.resources.gpu_memory_bytes;
     pd.cpus = d->spec.resources.cpus;
-    pd.max_surge = d->spec.rollout.max_surge;
-    pd.max_unavailable = d->spec.rollout.max_unavailable;
+    // Past any deployment's size (10000) they mean no limit: bounded so counts plus them
+    // cannot overflow.
+    pd.max_surge = std::min<int64_t>(d->spec.rollout.max_surge, 10000);
+    pd.max_unavailable = std::min<int64_t>(d->spec.rollout.max_unavailable, 10000);
     demands.push_back(pd);
     deps.push_back({std::move(o), *d});
   }
@@ -881,7 +892,7 @@ void Controller::Tick() {
         reports = true;
       }
       auto current = autoscaled_to_.find(d.name);
-      int64_t now_count = d.spec.autoscale->min;
+      int64_t now_count = std::max<int64_t>(1, d.spec.autoscale->min);
       if (current != autoscaled_to_.end()) {
         now_count = current->second;
       } else {

@@ -82,6 +82,9 @@ struct ControllerOptions {
 // than it says: a wake for a node that did report costs one early pass.)
 absl::Duration NextPassIn(absl::Duration tick, absl::Duration to_lease, absl::Duration pass);
 
+// Cuts `text` to at most `max_bytes` (at a UTF-8 character's start) and marks it with "...".
+void CutShort(std::string* text, size_t max_bytes);
+
 class Controller
     : public v1::ControlPlane::WithRawCallbackMethod_Connect<v1::ControlPlane::Service> {
  public:

@@ -244,12 +244,23 @@ int Apply(Client& c, const std::string& path) {
     bool strict = false;
     for (int attempt = 0; attempt < 5; ++attempt) {
       current = c.Call(http::methods::GET, path_one);
-      if (current.code == 404) {
+      if (current.code == 404 && pinned) {
+        // Deleted since the file was read: made again only from a file that does not pin it.
+        std::cerr << "Error from server (Conflict): " << kResource << " \"" << d.name
+                  << "\" was deleted since this file was read (resourceVersion "
+                  << d.resource_version
+                  << "); drop metadata.resourceVersion to create it again\n";
+        rc = 1;
+        break;
+      } else if (current.code == 404) {
         r = c.Call(http::methods::POST, kiln::kDeploymentsPath, doc.dump());
         verb = "created";
       } else if (current.code == 200) {
         const json& meta = current.body["metadata"];
-        strict = pinned && (d.generation == 0 || meta.value("generation", int64_t{0}) != d.generation);
+        // Another object of the same name (deleted and made again), or another spec of it.
+        strict = pinned && (d.generation == 0 ||
+                            meta.value("generation", int64_t{0}) != d.generation ||
+                            (!d.uid.empty() && meta.value("uid", "") != d.uid));
         doc["metadata"]["resourceVersion"] =
             strict ? std::to_string(d.resource_version) : meta.value("resourceVersion", "0");
         r = c.Call(http::methods::PUT, path_one, doc.dump());
@@ -262,6 +273,7 @@ int Apply(Client& c, const std::string& path) {
       }
       if (r.code != 409 || strict) break;
     }
+    if (current.code == 404 && pinned) continue;  // said above
     if (current.code != 404 && current.code != 200) {
       rc = ServerError(current, c);
       continue;

@@ -82,8 +82,8 @@ absl::StatusOr<ModelDeployment> FromNode(const ConfigNode& root) {
   ModelDeployment d;
   KILN_ASSIGN_OR_RETURN(ConfigNode meta, root.Child("metadata"));
   KILN_RETURN_IF_ERROR(meta.ExpectMap());
-  // The server-set fields may come back from a client that edits what it read; resourceVersion
-  // and generation are kept (for optimistic concurrency), the others are ignored.
+  // The server-set fields may come back from a client that edits what it read; resourceVersion,
+  // generation and uid are kept (for optimistic concurrency), the others are ignored.
   KILN_RETURN_IF_ERROR(meta.CheckKeys({"name", "labels", "annotations", "resourceVersion", "uid",
                                        "generation", "creationTimestamp"}));
   if (auto rv = meta.OptionalChild("resourceVersion")) {
@@ -93,6 +93,9 @@ absl::StatusOr<ModelDeployment> FromNode(const ConfigNode& root) {
       return rv->Error("must be a resourceVersion this server returned, got '" + text + "'");
     }
     d.resource_version = std::stoll(text);
+  }
+  if (auto u = meta.OptionalChild("uid")) {
+    KILN_ASSIGN_OR_RETURN(d.uid, u->AsString());
   }
   if (auto g = meta.OptionalChild("generation")) {
     KILN_ASSIGN_OR_RETURN(d.generation, g->AsInt());
@@ -138,7 +141,7 @@ absl::StatusOr<ModelDeployment> FromNode(const ConfigNode& root) {
     KILN_ASSIGN_OR_RETURN(a.max, mx.AsInt());
     KILN_ASSIGN_OR_RETURN(a.target_in_flight, DoubleField(*as, "targetInFlight", 1.0));
     s.autoscale = a;
-    s.replicas = a.min;
+    s.replicas = std::max<int64_t>(1, a.min);  // 0 is taken as 1 (autoscale.cc)
   }
   KILN_ASSIGN_OR_RETURN(s.warm_pool, spec.GetInt("warmPool", 0));
   if (auto r = spec.OptionalChild("resources")) {
@@ -300,11 +303,7 @@ absl::Status ValidateModelDeployment(const ModelDeployment& d) {
   }
   if (s.autoscale) {
     const Autoscale& a = *s.autoscale;
-    // Not 0: at 0 nothing serves, so no load is reported that could bring it back up.
-    if (a.min < 1 || a.min > 10000) {
-      return Bad("spec.autoscale.min", "must be in 1..10000 (autoscaling to 0 is not supported: "
-                                       "nothing would scale it up again), got " + Num(a.min));
-    }
+    if (a.min < 0 || a.min > 10000) return Bad("spec.autoscale.min", "must be in 0..10000, got " + Num(a.min));
     if (a.max < 1 || a.max > 10000 || a.max < a.min) {
       return Bad("spec.autoscale.max", "must be in max(1, min)..10000, got " + Num(a.max));
     }
@@ -398,13 +397,8 @@ absl::Status ValidateModelDeployment(const ModelDeployment& d) {
     return Bad("spec.rollout.analysis.maxLatencyP99Ratio", "must be >= 1");
   }
   if (a.min_requests < 0) return Bad("spec.rollout.analysis.minRequests", "must be >= 0");
-  // As many as a deployment may have (replicas), so that counts plus them stay far from overflow.
-  if (r.max_surge < 0 || r.max_surge > 10000) {
-    return Bad("spec.rollout.maxSurge", "must be in 0..10000, got " + Num(r.max_surge));
-  }
-  if (r.max_unavailable < 0 || r.max_unavailable > 10000) {
-    return Bad("spec.rollout.maxUnavailable", "must be in 0..10000, got " + Num(r.max_unavailable));
-  }
+  if (r.max_surge < 0) return Bad("spec.rollout.maxSurge", "must be >= 0");
+  if (r.max_unavailable < 0) return Bad("spec.rollout.maxUnavailable", "must be >= 0");
   if (r.max_surge == 0 && r.max_unavailable == 0) {
     return Bad("spec.rollout.maxSurge",
                "maxSurge and maxUnavailable cannot both be 0 (no replica could ever move)");

@@ -90,8 +90,10 @@ struct ModelDeployment {
   // metadata.resourceVersion as sent back by a client that read the object first (0 when
   // absent): an update then succeeds only if nobody wrote in between.
   int64_t resource_version = 0;
-  // metadata.generation as read back with it (0 when absent): which spec the client saw.
+  // metadata.generation and metadata.uid as read back with it (0 and "" when absent): which
+  // object, and which spec of it, the client saw.
   int64_t generation = 0;
+  std::string uid;
 };
 
 // Parses one ModelDeployment from YAML or JSON text (JSON is YAML). `source` names the

@@ -326,6 +326,13 @@ TEST_F(ControllerTest, GetDeploymentsAsYamlAndWide) {
   EXPECT_EQ(r.out, "modeldeployment.serving.kiln.dev/embedder configured\n");
   r = Shell(Ctl("get deploy embedder -o json"));
   EXPECT_NE(r.out.find("\"replicas\": 4"), std::string::npos) << r.out;
+  // Deleted since: the pinned file does not make it again.
+  ASSERT_EQ(Shell(Ctl("delete deployment embedder")).rc, 0);
+  r = Shell(Ctl("apply -f " + dir_ + "/edited.yaml"));
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("was deleted since this file was read"), std::string::npos) << r.out;
+  r = Shell(Ctl("get deployments"));
+  EXPECT_NE(r.out.find("No resources found."), std::string::npos) << r.out;
 }
 
 TEST_F(ControllerTest, InvalidSpecsAndBadUsageAreClearErrors) {

@@ -20,8 +20,21 @@ TEST(AutoscaleTest, RawRecommendationIsCeilOfLoadOverTargetWithinBounds) {
   EXPECT_EQ(RawRecommendation(Spec(1, 8, 4), 4), 1);
   EXPECT_EQ(RawRecommendation(Spec(1, 8, 4), 4.5), 2);
   EXPECT_EQ(RawRecommendation(Spec(1, 8, 4), 1000), 8);
-  EXPECT_EQ(RawRecommendation(Spec(0, 8, 4), 0), 0);
+  EXPECT_EQ(RawRecommendation(Spec(0, 8, 4), 0), 1);  // min 0 is 1: nothing could scale up from 0
   EXPECT_EQ(RawRecommendation(Spec(2, 8, 4), -3), 2);
+}
+
+// A min of 0 never takes a deployment to 0 replicas: none would be left to report the load
+// that scales it up again.
+TEST(AutoscaleTest, AMinOfZeroKeepsOneReplica) {
+  AutoscaleHistory h;
+  const absl::Duration window = absl::Minutes(5);
+  auto spec = Spec(0, 4, 4);
+  int64_t n = h.Recommend(spec, 0, true, 2, kT0, window);
+  n = h.Recommend(spec, 0, true, n, kT0 + window + absl::Seconds(1), window);
+  EXPECT_EQ(n, 1);
+  EXPECT_EQ(h.Recommend(spec, 0, false, 0, kT0 + window * 2, window), 1);  // no reports
+  EXPECT_EQ(h.Recommend(spec, 9, true, 1, kT0 + window * 3, window), 3);  // and it scales up
 }
 
 TEST(AutoscaleTest, UpAtOnceDownOnlyAfterTheWindow) {
