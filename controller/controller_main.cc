@@ -6,6 +6,7 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <thread>
@@ -307,7 +308,9 @@ int main(int argc, char** argv) {
           return;
         }
         leading = now_leading;
-        absl::Time until = absl::Now() + le.retry_period;
+        // The next round a retry period on, or at the renew deadline if that comes first: a
+        // leader that could not renew steps down on time, not a sleep later.
+        absl::Time until = std::min(absl::Now() + le.retry_period, elector->StepDownAt());
         while (!stop_electing && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
       }
     });

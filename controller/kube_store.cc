@@ -133,6 +133,7 @@ absl::Status KubernetesStore::ListOnce() {
     ApplyLocked(cache_.count(name) ? WatchEvent::Type::kModified : WatchEvent::Type::kAdded, item);
   }
   rv_ = std::max(rv_, list_rv);
+  watch_rv_ = list_rv;  // the list is whole up to here: a watch goes on from it
   ++lists_;
   return absl::OkStatus();
 }
@@ -177,7 +178,7 @@ void KubernetesStore::Loop() {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
-      from = rv_;
+      from = watch_rv_;
     }
     if (need_list) {
       absl::Status s = ListOnce();
@@ -210,8 +211,13 @@ void KubernetesStore::Loop() {
             return false;
           }
           absl::MutexLock lock(&mu_);
+          // What the watch has delivered, whatever the cache already held (this store's own
+          // writes move rv_, not this: events before them may not have come yet).
+          const int64_t event_rv = ParseRv(obj.is_object() ? obj.value("metadata", json::object())
+                                                           : json::object());
+          watch_rv_ = std::max(watch_rv_, event_rv);
           if (type == "BOOKMARK") {
-            rv_ = std::max(rv_, ParseRv(obj.value("metadata", json::object())));
+            rv_ = std::max(rv_, event_rv);
           } else if (type == "ADDED") {
             ApplyLocked(WatchEvent::Type::kAdded, obj);
           } else if (type == "MODIFIED") {

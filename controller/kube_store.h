@@ -91,6 +91,9 @@ class KubernetesStore : public Store {
   };
   std::map<std::string, Cached> cache_ ABSL_GUARDED_BY(mu_);
   int64_t rv_ ABSL_GUARDED_BY(mu_) = 0;       // the newest version seen (list, event, bookmark)
+  // Where the watch goes on from: the last list's version, or the newest event or bookmark the
+  // watch delivered. Not this store's own writes, which can be newer than events not yet seen.
+  int64_t watch_rv_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<WatchEvent> history_ ABSL_GUARDED_BY(mu_);
   int64_t history_floor_ ABSL_GUARDED_BY(mu_) = 0;  // EventsSince below this: OUT_OF_RANGE
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -46,6 +46,11 @@ class LeaderElector {
   // whether this candidate leads now. Call it every retry period.
   bool Tick();
   bool IsLeader() const { return leading_; }
+  // When a leader that does not renew by then must step down (its next Tick then does so
+  // without a request); InfiniteFuture while following. Wait no longer than this between ticks.
+  absl::Time StepDownAt() const {
+    return leading_ ? last_renew_ + options_.renew_deadline : absl::InfiniteFuture();
+  }
   // The last error talking to the API ("" when the last round reached it).
   const std::string& last_error() const { return last_error_; }
 

@@ -177,6 +177,26 @@ TEST_F(KubeStoreTest, AWatchDroppedMidStreamMissesNothingAndRepeatsNothing) {
   }
 }
 
+// The store's own write between two watches does not move where the next watch starts: another
+// client's change made before it is still delivered.
+TEST_F(KubeStoreTest, OwnWritesBetweenWatchesDoNotSkipOthersChanges) {
+  const std::string md = FakeKubeApi::ModelDeployments("kiln");
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "a", Spec(1)).ok());
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "b", Spec(1)).ok());
+  ASSERT_TRUE(Eventually([&] { return api_->open_watches() == 1; }));
+  api_->SetWatchesRefused(true);  // the store is between streams
+  json b = api_->Get(md, "b");
+  b["spec"]["replicas"] = 5;
+  ASSERT_EQ(Other("PUT", md + "/b", b).code, 200);
+  auto a = store_->Get(kModelDeploymentKind, "a");
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(store_->UpdateStatus(kModelDeploymentKind, "a", R"({"readyReplicas":1})",
+                                   a->resource_version).ok());  // newer than b's change
+  api_->SetWatchesRefused(false);
+  EXPECT_TRUE(Eventually([&] { return ReplicasInCache("b") == 5; }));
+  EXPECT_EQ(store_->lists(), 1);  // by the watch, not a relist
+}
+
 TEST_F(KubeStoreTest, A410GoneRelistsAndCatchesUpWithDeletes) {
   const std::string md = FakeKubeApi::ModelDeployments("kiln");
   ASSERT_TRUE(store_->Create(kModelDeploymentKind, "keep", Spec(1)).ok());
@@ -512,11 +532,14 @@ TEST_F(LeaderElectionTest, TheRenewDeadlineCountsFromWhenTheRenewalWasSent) {
   api_->SetUnavailable(true);
   while (a.Tick()) ASSERT_LE(clock_a_.Now() - sent, absl::Seconds(20));
   EXPECT_LE(clock_a_.Now() - sent, absl::Seconds(10));
+  EXPECT_EQ(a.StepDownAt(), absl::InfiniteFuture());  // following: no deadline
   // Leading again, then stalled past its deadline (no tick): it steps down before it sends
   // anything, rather than acting on until an answer comes.
   api_->SetUnavailable(false);
   api_->SetOnRequest(nullptr);
+  const absl::Time renewed = clock_a_.Now();
   ASSERT_TRUE(a.Tick());  // its own lease: renewed at once
+  EXPECT_EQ(a.StepDownAt(), renewed + absl::Seconds(10));  // the caller wakes by then
   std::atomic<int> requests{0};
   api_->SetOnRequest([&requests] { requests++; });
   clock_a_.Advance(absl::Seconds(11));
