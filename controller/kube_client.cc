@@ -237,6 +237,7 @@ absl::Status KubeClient::Watch(const std::string& path,
       std::string text = resp.extract_utf8string(true).get();
       r.body = json::parse(text, nullptr, false);
       if (r.body.is_discarded()) r.body = nullptr;
+      if (r.code == 410) return absl::OutOfRangeError("watch " + path + ": " + Describe(r));
       return absl::FailedPreconditionError("watch " + path + ": " + Describe(r));
     }
     concurrency::streams::istream stream = resp.body();

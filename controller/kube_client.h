@@ -57,8 +57,9 @@ class KubeClient {
 
   // Streams `path` (a watch URL): `on_event` gets each event object as it arrives and returns
   // false to stop. Returns OK when the server ended the stream or `on_event` stopped it,
-  // UNAVAILABLE when the connection broke, went quiet for `idle_timeout` or was cancelled, an
-  // error for a non-200 answer.
+  // UNAVAILABLE when the connection broke, went quiet for `idle_timeout` or was cancelled,
+  // OUT_OF_RANGE for a 410 Gone answer (the version is too old: list again), FAILED_PRECONDITION
+  // for another non-200 answer.
   absl::Status Watch(const std::string& path,
                      const std::function<bool(const nlohmann::json&)>& on_event,
                      absl::Duration idle_timeout);

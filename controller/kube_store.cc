@@ -199,6 +199,9 @@ void KubernetesStore::Loop() {
       ++watches_;
     }
     bool gone = false;
+    bool errored = false;
+    int64_t delivered = 0;
+    const absl::Time began = absl::Now();
     absl::Status s = client_.Watch(
         path,
         [&](const json& e) {
@@ -208,8 +211,10 @@ void KubernetesStore::Loop() {
             int code = obj.is_object() ? obj.value("code", 0) : 0;
             if (code == 410) gone = true;
             else log->warn("watch error: {}", obj.dump());
+            errored = !gone;
             return false;
           }
+          ++delivered;
           absl::MutexLock lock(&mu_);
           // What the watch has delivered, whatever the cache already held (this store's own
           // writes move rv_, not this: events before them may not have come yet).
@@ -228,13 +233,18 @@ void KubernetesStore::Loop() {
           return !stopping_;
         },
         options_.watch_timeout + absl::Seconds(30));
-    if (gone) {
+    if (gone || absl::IsOutOfRange(s)) {  // as an event, or as the answer's status
       log->info("watch from resourceVersion {}: 410 Gone, listing again", from);
       need_list = true;
       continue;
     }
-    if (!s.ok()) {
-      log->warn("watch broke: {}; watching again from the last version seen", s.ToString());
+    // A broken stream, an error event, or one the server ended at once with nothing in it:
+    // watched again after a pause, never in a tight loop.
+    const bool idle_end = s.ok() && delivered == 0 && absl::Now() - began < absl::Seconds(1);
+    if (!s.ok() || errored || idle_end) {
+      if (!s.ok()) {
+        log->warn("watch broke: {}; watching again from the last version seen", s.ToString());
+      }
       absl::MutexLock lock(&mu_);
       mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.retry);
     }

@@ -197,7 +197,11 @@ TEST_F(KubeStoreTest, OwnWritesBetweenWatchesDoNotSkipOthersChanges) {
   EXPECT_EQ(store_->lists(), 1);  // by the watch, not a relist
 }
 
-TEST_F(KubeStoreTest, A410GoneRelistsAndCatchesUpWithDeletes) {
+class KubeStoreGoneTest : public KubeStoreTest, public ::testing::WithParamInterface<bool> {};
+
+// Whether the API says 410 Gone in the stream (an ERROR event) or as the answer's status.
+TEST_P(KubeStoreGoneTest, A410GoneRelistsAndCatchesUpWithDeletes) {
+  api_->SetGoneAsStatus(GetParam());
   const std::string md = FakeKubeApi::ModelDeployments("kiln");
   ASSERT_TRUE(store_->Create(kModelDeploymentKind, "keep", Spec(1)).ok());
   ASSERT_TRUE(store_->Create(kModelDeploymentKind, "drop", Spec(1)).ok());
@@ -218,6 +222,8 @@ TEST_F(KubeStoreTest, A410GoneRelistsAndCatchesUpWithDeletes) {
            store_->Get(kModelDeploymentKind, "drop").status().code() == absl::StatusCode::kNotFound;
   }));
 }
+
+INSTANTIATE_TEST_SUITE_P(EventOrStatus, KubeStoreGoneTest, ::testing::Bool());
 
 TEST_F(KubeStoreTest, BookmarksMoveTheVersionTheNextWatchStartsFrom) {
   // A write elsewhere (a Lease) moves the server's version without any ModelDeployment event.

@@ -181,6 +181,11 @@ void FakeKubeApi::Bookmark() {
   changed_.notify_all();
 }
 
+void FakeKubeApi::SetGoneAsStatus(bool as_status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  gone_as_status_ = as_status;
+}
+
 void FakeKubeApi::SetOnRequest(std::function<void()> hook) {
   std::lock_guard<std::mutex> lock(mu_);
   on_request_ = std::move(hook);
@@ -330,6 +335,16 @@ void FakeKubeApi::Stream(int fd, const std::string& collection,
   if (auto it = query.find("timeoutSeconds"); it != query.end()) timeout_s = std::stod(it->second);
   bool bookmarks = query.count("allowWatchBookmarks") && query.at("allowWatchBookmarks") == "true";
   auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (gone_as_status_ && from != 0 && from < compacted_) {
+      lock.unlock();
+      const std::string body = StatusBody(410, "Expired", "too old resource version").dump();
+      SendAll(fd, "HTTP/1.1 410 Gone\r\nContent-Type: application/json\r\nContent-Length: " +
+                      std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body);
+      return;
+    }
+  }
   if (!SendAll(fd, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
                    "Connection: close\r\n\r\n")) {
     return;

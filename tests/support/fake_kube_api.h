@@ -40,6 +40,9 @@ class FakeKubeApi {
   void Bookmark();
   // Refuses every request with 503 while set (an API server that is down).
   void SetUnavailable(bool down);
+  // A watch from a compacted version is answered HTTP 410 (as some API servers and proxies do)
+  // instead of a 200 stream holding a 410 ERROR event.
+  void SetGoneAsStatus(bool as_status);
   // Runs `hook` on the serving thread as each request arrives, before it is answered (a test's
   // simulated clock moving while a request is out); empty: none.
   void SetOnRequest(std::function<void()> hook);
@@ -104,6 +107,7 @@ class FakeKubeApi {
   int64_t bookmark_epoch_ = 0;
   bool unavailable_ = false;
   std::function<void()> on_request_;  // under mu_
+  bool gone_as_status_ = false;       // under mu_
   bool watches_refused_ = false;
   std::map<std::string, std::map<std::string, nlohmann::json>> objects_;  // collection -> name
   std::vector<Event> history_;
