@@ -96,7 +96,13 @@ bool ControllerClient::Session() {
     while (stream->Read(&msg)) {
       v1::AgentMessage reply;
       if (msg.has_assignment()) {
-        absl::Status s = hooks_.apply_assignment(msg.assignment());
+        absl::Status s;
+        {
+          absl::MutexLock lock(&apply_mu_);
+          unsaved_.reset();  // replaced by this one
+          s = hooks_.apply_assignment(msg.assignment());
+          if (absl::IsUnavailable(s)) unsaved_ = msg.assignment();
+        }
         if (s.ok()) {
           reply.mutable_ack()->set_generation(msg.assignment().generation());
           reply.mutable_ack()->set_kind(v1::Ack::ASSIGNMENT);
@@ -151,9 +157,24 @@ void ControllerClient::StatusLoop(
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(done), status_period_)) return;
     }
+    // An assignment Nacked as not saved: tried again, and Acked once applied (the Ack of the
+    // generation in force clears the controller's refusal).
+    std::optional<v1::AgentMessage> acked;
+    {
+      absl::MutexLock lock(&apply_mu_);
+      if (unsaved_ && hooks_.apply_assignment(*unsaved_).ok()) {
+        acked.emplace();
+        acked->mutable_ack()->set_generation(unsaved_->generation());
+        acked->mutable_ack()->set_kind(v1::Ack::ASSIGNMENT);
+        hooks_.log("controller " + address_ + ": assignment generation " +
+                   std::to_string(unsaved_->generation()) + " saved and applied after all");
+        unsaved_.reset();
+      }
+    }
     v1::AgentMessage m;
     *m.mutable_status() = hooks_.make_status();
     absl::MutexLock lock(&write_mu_);
+    if (acked && !stream->Write(*acked)) return;
     if (!stream->Write(m)) return;
   }
 }

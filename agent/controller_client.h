@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -29,7 +30,9 @@ class ControllerClient {
   struct Hooks {
     std::function<v1::Register()> make_register;
     std::function<v1::NodeStatus()> make_status;
-    // Apply on the agent's loop; OK -> Ack, error -> Nack with the message.
+    // Apply on the agent's loop; OK -> Ack, error -> Nack with the message. UNAVAILABLE (it
+    // could not be saved) is tried again every status period until it is applied (then
+    // Acked) or a newer one comes: the controller does not send it again by itself.
     std::function<absl::Status(const v1::Assignment&)> apply_assignment;
     std::function<absl::Status(const v1::RoutingTable&)> apply_routing;
     std::function<void(const std::string&)> log;
@@ -64,6 +67,11 @@ class ControllerClient {
   uint64_t connects_ ABSL_GUARDED_BY(mu_) = 0;
   grpc::ClientContext* ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
   absl::Mutex write_mu_;  // one writer at a time on the stream
+  // Held around each apply_assignment: a retry never applies an assignment a newer one
+  // replaced meanwhile.
+  absl::Mutex apply_mu_ ABSL_ACQUIRED_BEFORE(write_mu_);
+  // Nacked as not saved, tried again by the status loop (cleared by any newer assignment).
+  std::optional<v1::Assignment> unsaved_ ABSL_GUARDED_BY(apply_mu_);
   std::thread thread_;
 };
 
