@@ -309,10 +309,26 @@ absl::StatusOr<StoredObject> KubernetesStore::Update(const std::string& kind, co
   if (!env.ok()) return env.status();
   json meta = {{"name", name}, {"namespace", client_.config().ns},
                {"labels", env->value("labels", json::object())}};
-  if (expected_resource_version != 0) meta["resourceVersion"] = std::to_string(expected_resource_version);
   json body = {{"apiVersion", kModelDeploymentApiVersion}, {"kind", kModelDeploymentKind},
                {"metadata", meta}, {"spec", env->value("spec", json::object())}};
-  return FinishWrite(client_.Call("PUT", Collection() + "/" + name, &body), "update " + name);
+  const std::string path = Collection() + "/" + name;
+  if (expected_resource_version != 0) {
+    body["metadata"]["resourceVersion"] = std::to_string(expected_resource_version);
+    return FinishWrite(client_.Call("PUT", path, &body), "update " + name);
+  }
+  // Unconditional (0): the API allows no such update of a custom resource, so it is made
+  // against the version read just before, again if another write came in between.
+  absl::StatusOr<KubeResponse> put = absl::UnavailableError("not tried");
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    auto got = client_.Call("GET", path);
+    if (!got.ok()) return got.status();
+    if (got->code != 200) return FromHttp(*got, "update " + name);
+    body["metadata"]["resourceVersion"] =
+        got->body.value("metadata", json::object()).value("resourceVersion", "0");
+    put = client_.Call("PUT", path, &body);
+    if (!put.ok() || put->code != 409) break;
+  }
+  return FinishWrite(put, "update " + name);
 }
 
 absl::StatusOr<StoredObject> KubernetesStore::UpdateStatus(const std::string& kind, const std::string& name,
@@ -329,12 +345,23 @@ absl::StatusOr<StoredObject> KubernetesStore::UpdateStatus(const std::string& ki
     body = it->second.object;  // the whole object: the server takes only its status
   }
   body["status"] = st;
+  const std::string path = Collection() + "/" + name + "/status";
   if (expected_resource_version != 0) {
     body["metadata"]["resourceVersion"] = std::to_string(expected_resource_version);
-  } else {
-    body["metadata"].erase("resourceVersion");
+    return FinishWrite(client_.Call("PUT", path, &body), "status of " + name);
   }
-  return FinishWrite(client_.Call("PUT", Collection() + "/" + name + "/status", &body), "status of " + name);
+  // Unconditional (0): against the version read just before, as Update does.
+  absl::StatusOr<KubeResponse> put = absl::UnavailableError("not tried");
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    auto got = client_.Call("GET", Collection() + "/" + name);
+    if (!got.ok()) return got.status();
+    if (got->code != 200) return FromHttp(*got, "status of " + name);
+    body["metadata"]["resourceVersion"] =
+        got->body.value("metadata", json::object()).value("resourceVersion", "0");
+    put = client_.Call("PUT", path, &body);
+    if (!put.ok() || put->code != 409) break;
+  }
+  return FinishWrite(put, "status of " + name);
 }
 
 absl::Status KubernetesStore::Delete(const std::string& kind, const std::string& name,

@@ -119,6 +119,25 @@ TEST_F(KubeStoreTest, CreateGetUpdateAndStatusFollowTheApisRules) {
   EXPECT_EQ(store_->Get("Node", "x").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The API allows no unconditional update of a custom resource (the fake refuses one, 422, as
+// the real server does): an update or status write without a version is made against the one
+// read just before.
+TEST_F(KubeStoreTest, AnUnconditionalUpdateIsMadeAgainstTheCurrentVersion) {
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "enc", Spec(1)).ok());
+  json obj = api_->Get(FakeKubeApi::ModelDeployments("kiln"), "enc");
+  obj["spec"]["replicas"] = 3;
+  ASSERT_EQ(Other("PUT", FakeKubeApi::ModelDeployments("kiln") + "/enc", obj).code, 200);
+  auto up = store_->Update(kModelDeploymentKind, "enc", Spec(5), 0);  // over the other's write
+  ASSERT_TRUE(up.ok()) << up.status();
+  EXPECT_EQ(json::parse(up->spec)["spec"]["replicas"], 5);
+  auto st = store_->UpdateStatus(kModelDeploymentKind, "enc", R"({"readyReplicas":4})", 0);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(api_->Get(FakeKubeApi::ModelDeployments("kiln"), "enc")["status"]["readyReplicas"], 4);
+  obj = api_->Get(FakeKubeApi::ModelDeployments("kiln"), "enc");
+  obj["metadata"].erase("resourceVersion");
+  EXPECT_EQ(Other("PUT", FakeKubeApi::ModelDeployments("kiln") + "/enc", obj).code, 422);
+}
+
 TEST_F(KubeStoreTest, TheCrdSchemaRefusesABadSpecNamingTheField) {
   json env = json::parse(Spec(1));
   env["spec"]["replicas"] = 20000;

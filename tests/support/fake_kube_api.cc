@@ -563,7 +563,9 @@ FakeKubeApi::Response FakeKubeApi::Write(const std::string& method, const std::s
   int64_t want = RvOf(body);
   if (want < 0) return {400, StatusBody(400, "BadRequest", "metadata.resourceVersion: Invalid value")};
   bool leases = collection.find("/leases") != std::string::npos;
-  if (want == 0 && leases) {
+  // As the real server: no unconditional update of a Lease or of a custom resource (its scale
+  // subresource excepted, which kubectl scale writes without one).
+  if (want == 0 && (leases || (is_md && sub != "scale"))) {
     return {422, StatusBody(422, "Invalid", "metadata.resourceVersion: Invalid value: 0x0: must be specified for an update")};
   }
   if (want != 0 && want != cur_rv) {
