@@ -316,19 +316,26 @@ absl::StatusOr<StoredObject> KubernetesStore::Update(const std::string& kind, co
     body["metadata"]["resourceVersion"] = std::to_string(expected_resource_version);
     return FinishWrite(client_.Call("PUT", path, &body), "update " + name);
   }
-  // Unconditional (0): the API allows no such update of a custom resource, so it is made
-  // against the version read just before, again if another write came in between.
+  return PutAtCurrentVersion(name, path, &body, "update " + name);
+}
+
+absl::StatusOr<StoredObject> KubernetesStore::PutAtCurrentVersion(const std::string& name,
+                                                                  const std::string& path,
+                                                                  json* body,
+                                                                  const std::string& what) {
+  // The API allows no unconditional update of a custom resource: it is made against the
+  // version read just before, again if another write came in between.
   absl::StatusOr<KubeResponse> put = absl::UnavailableError("not tried");
   for (int attempt = 0; attempt < 5; ++attempt) {
-    auto got = client_.Call("GET", path);
+    auto got = client_.Call("GET", Collection() + "/" + name);
     if (!got.ok()) return got.status();
-    if (got->code != 200) return FromHttp(*got, "update " + name);
-    body["metadata"]["resourceVersion"] =
+    if (got->code != 200) return FromHttp(*got, what);
+    (*body)["metadata"]["resourceVersion"] =
         got->body.value("metadata", json::object()).value("resourceVersion", "0");
-    put = client_.Call("PUT", path, &body);
+    put = client_.Call("PUT", path, body);
     if (!put.ok() || put->code != 409) break;
   }
-  return FinishWrite(put, "update " + name);
+  return FinishWrite(put, what);
 }
 
 absl::StatusOr<StoredObject> KubernetesStore::UpdateStatus(const std::string& kind, const std::string& name,
@@ -350,18 +357,7 @@ absl::StatusOr<StoredObject> KubernetesStore::UpdateStatus(const std::string& ki
     body["metadata"]["resourceVersion"] = std::to_string(expected_resource_version);
     return FinishWrite(client_.Call("PUT", path, &body), "status of " + name);
   }
-  // Unconditional (0): against the version read just before, as Update does.
-  absl::StatusOr<KubeResponse> put = absl::UnavailableError("not tried");
-  for (int attempt = 0; attempt < 5; ++attempt) {
-    auto got = client_.Call("GET", Collection() + "/" + name);
-    if (!got.ok()) return got.status();
-    if (got->code != 200) return FromHttp(*got, "status of " + name);
-    body["metadata"]["resourceVersion"] =
-        got->body.value("metadata", json::object()).value("resourceVersion", "0");
-    put = client_.Call("PUT", path, &body);
-    if (!put.ok() || put->code != 409) break;
-  }
-  return FinishWrite(put, "status of " + name);
+  return PutAtCurrentVersion(name, path, &body, "status of " + name);
 }
 
 absl::Status KubernetesStore::Delete(const std::string& kind, const std::string& name,

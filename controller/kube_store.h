@@ -79,6 +79,9 @@ class KubernetesStore : public Store {
   void EventLoop();
   void PostEvent(const nlohmann::json& body);
   absl::Status CheckKind(const std::string& kind) const;
+  // PUTs `body` to `path` (the object `name` or its status) at the object's current version.
+  absl::StatusOr<StoredObject> PutAtCurrentVersion(const std::string& name, const std::string& path,
+                                                   nlohmann::json* body, const std::string& what);
   absl::StatusOr<StoredObject> FinishWrite(const absl::StatusOr<KubeResponse>& r,
                                            const std::string& what);
 
