@@ -160,6 +160,7 @@ absl::StatusOr<KubeConfig> KubeConfig::FromKubeconfig(const std::string& path,
 struct KubeClient::Impl {
   std::mutex mu;
   pplx::cancellation_token_source watches;
+  bool watches_stopped = false;  // StopWatches: every Watch from now on ends at once
 };
 
 KubeClient::KubeClient(KubeConfig config) : config_(std::move(config)), impl_(std::make_unique<Impl>()) {}
@@ -226,6 +227,7 @@ absl::Status KubeClient::Watch(const std::string& path,
   pplx::cancellation_token token = pplx::cancellation_token::none();
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->watches_stopped) return absl::UnavailableError("watch cancelled: stopping");
     token = impl_->watches.get_token();
   }
   try {
@@ -264,6 +266,12 @@ void KubeClient::CancelWatches() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->watches.cancel();
   impl_->watches = pplx::cancellation_token_source();
+}
+
+void KubeClient::StopWatches() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->watches_stopped = true;
+  impl_->watches.cancel();
 }
 
 std::string KubeClient::Describe(const KubeResponse& r) {

@@ -65,6 +65,9 @@ class KubeClient {
                      absl::Duration idle_timeout);
   // Breaks every Watch in progress (they return UNAVAILABLE); later ones work again.
   void CancelWatches();
+  // Breaks every Watch in progress, and every later one returns UNAVAILABLE at once (a Watch
+  // about to start when it is called does not then run until its timeout).
+  void StopWatches();
 
   // Kubernetes' Status body as an error message ("409 Conflict: the object has been modified").
   static std::string Describe(const KubeResponse& r);

@@ -88,7 +88,7 @@ KubernetesStore::~KubernetesStore() {
     events_stopping_ = true;
     events_deadline_ = absl::Now() + absl::Seconds(3);  // a last try for what is queued
   }
-  client_.CancelWatches();
+  client_.StopWatches();  // also one the loop is about to start
   if (loop_.joinable()) loop_.join();
   if (event_loop_.joinable()) event_loop_.join();
 }

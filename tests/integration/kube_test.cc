@@ -244,6 +244,18 @@ TEST_P(KubeStoreGoneTest, A410GoneRelistsAndCatchesUpWithDeletes) {
 
 INSTANTIATE_TEST_SUITE_P(EventOrStatus, KubeStoreGoneTest, ::testing::Bool());
 
+// After StopWatches a Watch about to start does not run (until its timeout, or an event): the
+// store's stop never waits on one begun in the moment it stopped.
+TEST_F(KubeStoreTest, AWatchAfterStopWatchesEndsAtOnce) {
+  KubeClient c(config_);
+  c.StopWatches();
+  int events = 0;
+  absl::Status s = c.Watch(FakeKubeApi::ModelDeployments("kiln") + "?watch=1&timeoutSeconds=30",
+                           [&](const json&) { return ++events < 100; }, absl::Seconds(30));
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_EQ(events, 0);
+}
+
 TEST_F(KubeStoreTest, BookmarksMoveTheVersionTheNextWatchStartsFrom) {
   // A write elsewhere (a Lease) moves the server's version without any ModelDeployment event.
   json lease = {{"apiVersion", "coordination.k8s.io/v1"}, {"kind", "Lease"},
