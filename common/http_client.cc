@@ -136,6 +136,7 @@ class HttpClient::Impl : public std::enable_shared_from_this<HttpClient::Impl> {
     bool reused = false;  // a kept-alive connection: the peer may have closed it
     bool active = false;  // in impl->active_ (on the client's thread)
     bool finished = false;
+    int interim = 0;  // 1xx heads passed over (at most 8, then taken as the answer)
     std::optional<std::chrono::steady_clock::time_point> deadline;
     bhttp::request<bhttp::string_body> out;
     beast::flat_buffer buffer;
@@ -230,16 +231,27 @@ class HttpClient::Impl : public std::enable_shared_from_this<HttpClient::Impl> {
     }
 
     void Read() {
+      buffer.clear();
+      ReadHead();
+    }
+
+    // A response's head; an interim one (1xx: 100 Continue, 103 Early Hints) is passed over
+    // and the next head read from what follows it.
+    void ReadHead() {
       parser.emplace();
       parser->body_limit(static_cast<uint64_t>(impl->options_.max_response_bytes));
       parser->header_limit(64 * 1024);
-      buffer.clear();
       // The head first: with Boost 1.74, a whole-message read let a declared Content-Length
       // past the body limit (seen in the tests); a head read alone holds it.
       bhttp::async_read_header(*stream, buffer, *parser, [self = shared_from_this()](
                                                              const beast::error_code& ec, size_t) {
         if (ec) {
           self->Failed(ec, "reading the response");
+          return;
+        }
+        const unsigned code = self->parser->get().result_int();
+        if (code >= 100 && code < 200 && code != 101 && ++self->interim <= 8) {
+          self->ReadHead();
           return;
         }
         self->ReadBody();

@@ -186,6 +186,21 @@ TEST(HttpClientTest, AnAnswerEndedByCloseIsWholeAndItsConnectionNotReused) {
   EXPECT_EQ(server.accepted(), 4);
 }
 
+// Interim answers (100 Continue, 103 Early Hints) before the real one are passed over.
+TEST(HttpClientTest, InterimAnswersArePassedOver) {
+  RawServer server([&](int fd) {
+    if (!ReadHead(fd)) return;
+    WriteAll(fd, "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+                 "HTTP/1.1 201 Created\r\nContent-Length: 4\r\nConnection: close\r\n\r\nmade");
+    shutdown(fd, SHUT_RDWR);
+  });
+  HttpClient client({});
+  auto r = SendAndWait(client, server.address(), {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->code, 201);
+  EXPECT_EQ(r->body, "made");
+}
+
 TEST(HttpClientTest, FailuresAreNamed) {
   HttpClient::Options o;
   o.timeout = absl::Seconds(1);
