@@ -25,6 +25,8 @@ namespace {
 constexpr uint32_t kMaxAnswerBytes = (1u << 31) - 1;
 // A reader keeps its answer buffer between frames up to this capacity.
 constexpr size_t kKeptAnswerBuffer = size_t{1} << 20;
+// An answer's body is read into a buffer grown this much at a time as its bytes come.
+constexpr size_t kReadChunk = size_t{1} << 20;
 // Frames a reader takes in one pass before it looks at the deadlines again.
 constexpr int kFramesPerPass = 64;
 constexpr char kReplicaClosed[] = "the replica closed the connection";
@@ -336,6 +338,10 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
     bool closed = false;
     for (int frames = 0; frames < kFramesPerPass;) {
       const bool in_head = head_got < sizeof(head);
+      // The body grows as it arrives (a header alone says nothing of what will come).
+      if (!in_head && body_got == body.size()) {
+        body.resize(std::min<size_t>(h.length, body_got + kReadChunk));
+      }
       char* dst = in_head ? head + head_got : body.data() + body_got;
       const size_t want = in_head ? sizeof(head) - head_got : body.size() - body_got;
       const ssize_t r = ::recv(c->fd, dst, want, MSG_DONTWAIT);
@@ -354,12 +360,12 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
           closed = true;
           break;
         }
-        body.resize(h.length);
+        body.clear();
         body_got = 0;
         if (h.length > 0) continue;  // its body next
       } else {
         body_got += static_cast<size_t>(r);
-        if (body_got < body.size()) continue;
+        if (body_got < h.length) continue;
       }
       head_got = 0;  // a whole frame: the next one starts
       frames++;

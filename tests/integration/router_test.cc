@@ -317,6 +317,40 @@ TEST(RouterDataSocketTest, ALocalReplicaIsReachedThroughItsDataSocket) {
   EXPECT_EQ(router->retries(), 0u);
 }
 
+// An answer larger than the reader's growth step (1 MiB) comes back whole, byte for byte, and
+// a small one after it on the same connection too.
+TEST(RouterDataSocketTest, ALargeAnswerComesBackWhole) {
+  std::string path = TempSocket("L");
+  std::string big(3 * (1 << 20) + 12345, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 131 + (i >> 12));
+  FakeDataSocket replica(path, [&big](const inference::ModelInferRequest& req) {
+    inference::ModelInferResponse r;
+    r.set_model_name("encoder");
+    r.add_outputs()->set_name("big");
+    if (req.id() == "big") r.add_raw_output_contents(big);
+    return std::make_pair(0, r.SerializeAsString());
+  });
+  auto router = StartRouter({{"a.0", "1", "127.0.0.1:1", "", true, path}});
+  ASSERT_NE(router, nullptr);
+  auto stub = RouterStub(*router);
+  for (const std::string id : {"big", "small"}) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    inference::ModelInferRequest req = EncoderRequest();
+    req.set_id(id);
+    inference::ModelInferResponse resp;
+    grpc::Status s = stub->ModelInfer(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    if (id == "big") {
+      ASSERT_EQ(resp.raw_output_contents_size(), 1);
+      EXPECT_TRUE(resp.raw_output_contents(0) == big);
+    } else {
+      EXPECT_EQ(resp.raw_output_contents_size(), 0);
+    }
+  }
+  EXPECT_EQ(replica.requests(), 2);
+}
+
 // The replica's own errors come back as they are, and are not retried elsewhere.
 TEST(RouterDataSocketTest, AReplicaErrorPassesThroughUnretried) {
   std::string path = TempSocket("b");
