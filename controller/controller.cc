@@ -490,13 +490,16 @@ void Controller::Acked(const std::shared_ptr<Stream>& stream, v1::AgentMessage m
   // every stream's reads, so reports came late and nodes went NotReady). Bounded: an agent
   // that floods them between two passes loses the rest, said once a pass.
   absl::MutexLock lock(&reports_mu_);
-  if (acks_.size() >= kMaxQueuedAcks) {
+  size_t& from_this = acks_per_stream_[stream.get()];
+  if (acks_.size() >= kMaxQueuedAcks || from_this >= kMaxQueuedAcksPerStream) {
     if (acks_dropped_++ == 0) {
-      GetLogger("controller")->warn("more than {} Acks and Nacks before a pass; the rest dropped",
-                                    kMaxQueuedAcks);
+      GetLogger("controller")
+          ->warn("more than {} Acks and Nacks before a pass ({} from node {}); the rest dropped",
+                 acks_.size(), from_this, stream->node());
     }
     return;
   }
+  ++from_this;
   acks_.push_back({stream, std::move(m)});
 }
 
@@ -511,6 +514,7 @@ void Controller::TakeAcks() {
     absl::MutexLock lock(&reports_mu_);
     acks.swap(acks_);
     acks_dropped_ = 0;
+    acks_per_stream_.clear();
   }
   for (const auto& [stream, m] : acks) {  // in the order they came
     // Only the node's current stream speaks for it: a node that registered again since (an

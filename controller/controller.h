@@ -129,8 +129,10 @@ class Controller
   // refusing nodes up to this many (the API caps a condition's message at 32768).
   static constexpr size_t kMaxNackReason = 1024;
   static constexpr size_t kMaxConditionMessage = 8192;
-  // Acks and Nacks kept between two passes; more are dropped.
+  // Acks and Nacks kept between two passes, in all and from one stream (one node flooding
+  // them cannot crowd the others out); more are dropped.
   static constexpr size_t kMaxQueuedAcks = 100000;
+  static constexpr size_t kMaxQueuedAcksPerStream = 1000;
  private:
   // One agent's stream (controller.cc). The controller's loop never writes to it: it leaves
   // the latest Assignment and RoutingTable (each whole state, so a newer one replaces one not
@@ -218,6 +220,7 @@ class Controller
   std::vector<std::pair<std::shared_ptr<Stream>, v1::AgentMessage>> acks_
       ABSL_GUARDED_BY(reports_mu_);
   size_t acks_dropped_ ABSL_GUARDED_BY(reports_mu_) = 0;  // since the last pass took them
+  std::map<const Stream*, size_t> acks_per_stream_ ABSL_GUARDED_BY(reports_mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Routing (routing.h): per deployment, what its route was built from and each group's
   // route; per group, its table, a count of its changes, and its message serialized once for

@@ -673,6 +673,30 @@ TEST_F(ControllerLoopTest, AHugeNackReasonIsCutShort) {
   EXPECT_EQ(message.rfind("n1: x\u00e9", 0), 0u);
 }
 
+// One node flooding Nacks between two passes is cut off at its own bound: another node's Nack
+// still gets in.
+TEST_F(ControllerLoopTest, ANodeFloodingNacksDoesNotCrowdOutOthers) {
+  ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));  // no hang
+  Connect();
+  WaitRegistered();
+  Agent other;
+  ConnectAgent(other, "n2");
+  v1::AgentMessage nack;
+  nack.mutable_nack()->set_kind(v1::Ack::ASSIGNMENT);
+  nack.mutable_nack()->set_generation(1);
+  nack.mutable_nack()->set_reason("no");
+  for (size_t i = 0; i < Controller::kMaxQueuedAcksPerStream + 200; ++i) {
+    ASSERT_TRUE(stream_->Write(nack));
+  }
+  ASSERT_TRUE(other.stream->Write(nack));
+  for (int i = 0; i < 400 && controller_->QueuedAcksForTest() < Controller::kMaxQueuedAcksPerStream + 1;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // bounded
+  }
+  EXPECT_EQ(controller_->QueuedAcksForTest(), Controller::kMaxQueuedAcksPerStream + 1);
+  Hangup(other);
+}
+
 // An agent Nacks its assignment and restarts before the next pass: the Nack came on the
 // stream it left, so it says nothing about the new session (which is sent its assignment
 // afresh). Nothing is marked refused.
