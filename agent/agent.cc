@@ -463,20 +463,15 @@ absl::Status Agent::ApplyFromController(const v1::Assignment& a) {
     // Saved before it is applied, and Acked only once saved: an agent restarted at any moment
     // serves what the controller was told it serves (or, mid-apply, the one before).
     const std::string path = options_.state_dir + "/assignment.pb";
-    std::error_code ec;
-    const bool had = fs::exists(path, ec);
-    std::string previous;
-    if (had) {
-      std::ifstream in(path, std::ios::binary);
-      previous.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    }
+    const absl::StatusOr<std::string> previous = RootedFilesystem().ReadFile(path);  // none yet
     if (absl::Status p = Persist("assignment.pb", a); !p.ok()) {
       return absl::UnavailableError("not applied: it cannot be saved (" + std::string(p.message()) +
                                     ")");
     }
     if (absl::Status s = supervisor_->Apply(a); !s.ok()) {
-      absl::Status back = had ? ReplaceFile(path, previous) : absl::OkStatus();
-      if (!had) fs::remove(path, ec);
+      std::error_code ec;
+      absl::Status back = previous.ok() ? ReplaceFile(path, *previous) : absl::OkStatus();
+      if (!previous.ok()) fs::remove(path, ec);
       if (!back.ok()) Log()->error("{}", std::string(back.message()));
       return s;
     }

@@ -91,9 +91,6 @@ bool MoveLog(const std::string& from, const std::string& to) {
   return !ec;
 }
 
-// State-file fields: a non-empty string, else `fallback` (an older file lacks it); an integer,
-// else `fallback`; a boolean, else false. A field of the wrong type counts as absent (a
-// hand-edited or damaged file).
 // A command line (NUL-separated, as /proc/PID/cmdline) that names `socket`, non-empty, as its
 // --control-socket: the runtime kiln started on it.
 bool OnControlSocket(const std::string& cmdline, const std::string& socket) {
@@ -107,6 +104,9 @@ bool IsPid(const json& e, const char* key) {
          e[key].get<int64_t>() <= std::numeric_limits<pid_t>::max();
 }
 
+// State-file fields: a non-empty string, else `fallback` (an older file lacks it); an integer,
+// else `fallback`; a boolean, else false. A field of the wrong type counts as absent (a
+// hand-edited or damaged file).
 std::string TextOr(const json& e, const char* key, const std::string& fallback = "") {
   auto it = e.find(key);
   return it != e.end() && it->is_string() && !it->get<std::string>().empty()
@@ -1196,8 +1196,7 @@ absl::Status Supervisor::Recover() {
       bad = "not an object";
     } else if (!IsPid(e, "pid")) {
       bad = "pid: not a process id";
-    } else if (!e.contains("socket") || !e["socket"].is_string() ||
-               e["socket"].get<std::string>().empty()) {
+    } else if (TextOr(e, "socket").empty()) {
       bad = "socket: not a control socket's path";
     } else if (!e.contains("spec")) {
       bad = "spec: missing";
@@ -1207,7 +1206,7 @@ absl::Status Supervisor::Recover() {
       continue;
     }
     pid_t pid = static_cast<pid_t>(e["pid"].get<int64_t>());
-    std::string socket = e["socket"].get<std::string>();
+    const std::string socket = TextOr(e, "socket");
     // The pid must still be our runtime: its command line names its control socket (a
     // pre-started runtime's own, when it was handed this replica), as a whole argument.
     const std::string launch_socket = TextOr(e, "launch_socket", socket);  // empty: absent

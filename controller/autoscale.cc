@@ -5,23 +5,17 @@
 
 namespace kiln {
 
-namespace {
-// The least an autoscaled deployment runs: its min, but never 0 (at 0 no replica reports the
-// load that would scale it up again).
-int64_t Floor(const Autoscale& spec) { return std::max<int64_t>(1, spec.min); }
-}  // namespace
-
 int64_t RawRecommendation(const Autoscale& spec, double in_flight) {
   double want = spec.target_in_flight > 0 ? std::ceil(std::max(0.0, in_flight) / spec.target_in_flight)
                                           : static_cast<double>(spec.max);
   if (!(want < 1e9)) want = 1e9;
-  return std::clamp(static_cast<int64_t>(want), Floor(spec), std::max(Floor(spec), spec.max));
+  return std::clamp(static_cast<int64_t>(want), spec.floor(), spec.ceiling());
 }
 
 int64_t AutoscaleHistory::Recommend(const Autoscale& spec, double in_flight, bool have_reports,
                                     int64_t current, absl::Time now,
                                     absl::Duration stabilization) {
-  current = std::clamp(current, Floor(spec), std::max(Floor(spec), spec.max));
+  current = std::clamp(current, spec.floor(), spec.ceiling());
   if (!have_reports) return current;
   int64_t raw = RawRecommendation(spec, in_flight);
   // The first look counts the present count as a recommendation: a controller that just

@@ -693,10 +693,8 @@ void Controller::Tick() {
     pd.gpus = d->spec.resources.gpus;
     pd.gpu_memory_bytes = d->spec.resources.gpu_memory_bytes;
     pd.cpus = d->spec.resources.cpus;
-    // Past any deployment's size (10000) they mean no limit: bounded so counts plus them
-    // cannot overflow.
-    pd.max_surge = std::min<int64_t>(d->spec.rollout.max_surge, 10000);
-    pd.max_unavailable = std::min<int64_t>(d->spec.rollout.max_unavailable, 10000);
+    pd.max_surge = d->spec.rollout.surge();
+    pd.max_unavailable = d->spec.rollout.unavailable();
     demands.push_back(pd);
     deps.push_back({std::move(o), *d});
   }
@@ -896,7 +894,7 @@ void Controller::Tick() {
         reports = true;
       }
       auto current = autoscaled_to_.find(d.name);
-      int64_t now_count = std::max<int64_t>(1, d.spec.autoscale->min);
+      int64_t now_count = d.spec.autoscale->floor();
       if (current != autoscaled_to_.end()) {
         now_count = current->second;
       } else {

@@ -141,7 +141,7 @@ absl::StatusOr<ModelDeployment> FromNode(const ConfigNode& root) {
     KILN_ASSIGN_OR_RETURN(a.max, mx.AsInt());
     KILN_ASSIGN_OR_RETURN(a.target_in_flight, DoubleField(*as, "targetInFlight", 1.0));
     s.autoscale = a;
-    s.replicas = std::max<int64_t>(1, a.min);  // 0 is taken as 1 (autoscale.cc)
+    s.replicas = a.floor();
   }
   KILN_ASSIGN_OR_RETURN(s.warm_pool, spec.GetInt("warmPool", 0));
   if (auto r = spec.OptionalChild("resources")) {

@@ -5,6 +5,7 @@
 // `modeldeployments.serving.kiln.dev`. Parsing maps the document onto typed structs and
 // validation names the field and the reason for every error; unknown fields are errors.
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -34,6 +35,10 @@ struct Autoscale {
   int64_t min = 1;
   int64_t max = 1;
   double target_in_flight = 1;
+  // The fewest replicas it runs: min, but never 0 (at 0 no replica would report the load that
+  // scales it up again), and the most: max, never below that.
+  int64_t floor() const { return std::max<int64_t>(1, min); }
+  int64_t ceiling() const { return std::max(floor(), max); }
 };
 
 struct Resources {
@@ -70,6 +75,10 @@ struct RolloutSpec {
   std::string sticky_key;  // header:NAME (ABTest)
   int64_t max_surge = 1;
   int64_t max_unavailable = 0;
+  // As they are used: past any deployment's size (10000 replicas) they mean no limit, and are
+  // taken as 10000 so that counts plus them cannot overflow.
+  int64_t surge() const { return std::min<int64_t>(max_surge, 10000); }
+  int64_t unavailable() const { return std::min<int64_t>(max_unavailable, 10000); }
   absl::Duration scale_down_delay = absl::Seconds(30);  // BlueGreen: old set drained after
 };
 

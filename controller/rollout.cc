@@ -198,7 +198,7 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     const int64_t serving = std::max<int64_t>(0, canary.ready);
     // The old version keeps the count, less one for each new replica that serves.
     const int64_t stable_left =
-        std::max<int64_t>(0, replicas - std::min<int64_t>(spec.rollout.max_unavailable, 10000) - serving);
+        std::max<int64_t>(0, replicas - spec.rollout.unavailable() - serving);
     // The split follows what serves on each side (as it was while nothing does).
     const int64_t stable_serving = std::min<int64_t>(stable.ready, stable_left);
     if (serving + stable_serving > 0) {
@@ -214,7 +214,7 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     // One more at a time (maxSurge): room for one replica is all a promotion needs, and
     // other deployments' WARM replicas are not evicted for the whole set at once.
     p.canary_replicas =
-        std::min<int64_t>(replicas, serving + std::clamp<int64_t>(spec.rollout.max_surge, 1, 10000));
+        std::min<int64_t>(replicas, serving + std::max<int64_t>(1, spec.rollout.surge()));
     p.canary_weight = s.weight;
   };
   auto roll_back = [&](const std::string& why) {

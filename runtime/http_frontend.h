@@ -31,7 +31,7 @@ class HttpFrontend {
   struct Options {
     std::string bind_address = "0.0.0.0";
     int port = 0;  // 0 = pick a free port
-    int64_t max_request_bytes = 64LL * 1024 * 1024;
+    int64_t max_request_bytes = kDefaultMaxRequestBytes;
     int threads = kDefaultThreads;  // reading, JSON decoding and encoding
     std::string server_version;
   };

@@ -69,6 +69,10 @@ struct EngineStats {
 
 // One served model version: request validation, the response cache, the dynamic batcher and
 // the backend, gated by the lifecycle (only SERVING takes inference).
+// The payload limit a runtime starts with (--max-request-bytes): a request's bytes, decoded,
+// and once padded to its sequence bucket.
+inline constexpr int64_t kDefaultMaxRequestBytes = 64LL * 1024 * 1024;
+
 class InferenceEngine {
  public:
   using Done = std::function<void(absl::StatusOr<InferResponse>)>;
@@ -96,7 +100,7 @@ class InferenceEngine {
   int64_t device_memory_bytes() const { return backend_->DeviceMemoryBytes(); }
 
   // The most a request may hold once padded to its sequence bucket (the frontends' payload
-  // limit; 64 MiB until set).
+  // limit; kDefaultMaxRequestBytes until set).
   void SetPayloadLimit(int64_t bytes) { payload_limit_ = bytes; }
   // Validates and queues `request`; `done` runs exactly once (maybe on this thread).
   void Infer(InferRequest request, Done done);
@@ -140,7 +144,7 @@ class InferenceEngine {
 
   const ModelConfig config_;
   const std::string version_;
-  std::atomic<int64_t> payload_limit_{64LL * 1024 * 1024};
+  std::atomic<int64_t> payload_limit_{kDefaultMaxRequestBytes};
   std::unique_ptr<Backend> backend_;
   Lifecycle* lifecycle_;
   Clock* clock_;

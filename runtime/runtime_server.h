@@ -38,7 +38,7 @@ struct RuntimeOptions {
   std::string replica_id;
   int64_t threads = 0;
   int http_threads = HttpFrontend::kDefaultThreads;  // the REST frontend's threads
-  int64_t max_request_bytes = 64LL * 1024 * 1024;
+  int64_t max_request_bytes = kDefaultMaxRequestBytes;
   absl::Duration drain_timeout = absl::Seconds(30);
   std::string server_version = "0.1.0";
   // Run one warm-up inference before a promoted replica is routed: a power-parked device
