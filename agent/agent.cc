@@ -45,6 +45,11 @@ absl::Duration MonotonicNow() {
 // How long each EXTEND_TIMEOUT_USEC gives systemd's start timeout, sent every 5 s until READY.
 constexpr absl::Duration kStartExtension = absl::Seconds(30);
 
+// How long the loop waits for a runtime's control answer before it goes on without it (a
+// healthy runtime answers in well under a millisecond; a Promote that warms a parked GPU up
+// takes longer, and its answer wakes the loop when it comes).
+constexpr absl::Duration kControlInlineWait = absl::Milliseconds(20);
+
 std::shared_ptr<spdlog::logger> Log() { return GetLogger("agent"); }
 
 std::string Escape(const std::string& v) {
@@ -284,7 +289,10 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
                 t.fake_gpus ? " (FAKE)" : "");
   }
   launcher_ = std::make_unique<RealProcessLauncher>();
-  clients_ = std::make_unique<GrpcRuntimeClientFactory>(absl::Seconds(2));
+  // A control call waits a moment for its answer on the loop; past that the loop goes on and
+  // the answer, when it comes, wakes it. One wedged runtime must not hold up the others.
+  clients_ = std::make_unique<GrpcRuntimeClientFactory>(absl::Seconds(2), kControlInlineWait,
+                                                        [this] { Wake(); });
   prober_ = MakeGrpcInferenceProber(options_.inference_probe_timeout);
   SupervisorOptions so;
   so.runtime_binary = options_.runtime_binary;
@@ -345,14 +353,22 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
     std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
     monitor_ = std::make_unique<GpuMonitor>(
         gpus_.get(), indexes,
-        GpuMonitor::Persistence{options_.state_dir + "/gpu_health.json", boot_id}, clock_);
+        GpuMonitor::Persistence{options_.state_dir + "/gpu_health.json", boot_id},
+        /*clock=*/nullptr);  // monotonic: an Xid's age must not follow a stepped wall clock
     power_ = std::make_unique<GpuPowerManager>(
         gpus_.get(), mode, policy, [](const std::string& s) { Log()->info("power: {}", s); },
         options_.state_dir + "/gpu_power_originals.json");
   }
 }
 
-Agent::~Agent() { Stop(); }
+Agent::~Agent() {
+  Stop();
+  // The runtime clients end their calls on the way while Wake()'s mutex still exists: a late
+  // answer wakes the loop.
+  supervisor_.reset();
+  absl::MutexLock lock(&load_mu_);
+  stat_clients_.clear();
+}
 
 absl::Status Agent::Start() {
   AdminHandlers h;

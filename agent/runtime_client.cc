@@ -3,19 +3,110 @@
 #include <grpcpp/create_channel.h>
 
 #include <algorithm>
+#include <array>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/cord.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/grpc_status.h"
 
 namespace kiln {
 
 namespace {
+constexpr char kPendingUrl[] = "type.kiln.dev/answer-pending";
+}  // namespace
+
+absl::Status AnswerPending(const std::string& method) {
+  absl::Status s = absl::UnavailableError(method + ": the runtime's answer is still on its way");
+  s.SetPayload(kPendingUrl, absl::Cord("1"));
+  return s;
+}
+
+bool IsAnswerPending(const absl::Status& status) {
+  return status.GetPayload(kPendingUrl).has_value();
+}
+
+absl::StatusOr<v1::RuntimeState> RuntimeClient::AwaitState() {
+  // Bounded: a pending call ends by its deadline; this only guards against one that never
+  // says so.
+  for (int i = 0; i < 60000; ++i) {
+    auto st = GetState();
+    if (!IsAnswerPending(st.status())) return st;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return absl::DeadlineExceededError("GetState: no answer within 60 s");
+}
+
+namespace {
+
+// One call on its way: it owns what the call uses, and is kept by the call's callback until
+// the call ends, whatever became of the client.
+struct Flight {
+  virtual ~Flight() = default;
+  // Ends the call: records `s`, and tells `on_late` when nobody waits for it now.
+  void Finish(grpc::Status s) {
+    absl::MutexLock lock(&mu);
+    status = std::move(s);
+    done = true;
+    // Under the lock: a client going away marks its flights closed under it, so nothing runs
+    // on_late once the client (and what on_late refers to) may be gone.
+    if (!waited && !closed && on_late) on_late();
+  }
+  // True once the call has ended, waiting up to `wait` for it.
+  bool Wait(absl::Duration wait) {
+    absl::MutexLock lock(&mu);
+    waited = true;
+    mu.AwaitWithTimeout(absl::Condition(
+                            +[](bool* d) { return *d; }, &done),
+                        wait);
+    waited = false;
+    return done;
+  }
+  bool Done() {
+    absl::MutexLock lock(&mu);
+    return done;
+  }
+  void Close() {
+    absl::MutexLock lock(&mu);
+    closed = true;
+  }
+
+  std::shared_ptr<grpc::Channel> channel;  // outlives the call
+  grpc::ClientContext ctx;
+  std::function<void()> on_late;
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  bool waited ABSL_GUARDED_BY(mu) = false;  // a caller waits for it now: no need to tell one
+  bool closed ABSL_GUARDED_BY(mu) = false;  // its client is gone
+  grpc::Status status ABSL_GUARDED_BY(mu);
+};
+
+template <typename Req, typename Resp>
+struct FlightOf : Flight {
+  Req req;
+  Resp resp;
+};
 
 class GrpcRuntimeClient : public RuntimeClient {
  public:
-  GrpcRuntimeClient(const std::string& socket, absl::Duration timeout)
-      : stub_(v1::RuntimeControl::NewStub(
-            grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), Args()))),
-        timeout_(timeout) {}
+  GrpcRuntimeClient(const std::string& socket, absl::Duration timeout, absl::Duration inline_wait,
+                    std::function<void()> on_late)
+      : channel_(grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(),
+                                           Args())),
+        stub_(v1::RuntimeControl::NewStub(channel_)),
+        timeout_(timeout),
+        inline_wait_(inline_wait),
+        on_late_(std::move(on_late)) {}
+
+  ~GrpcRuntimeClient() override {
+    absl::MutexLock lock(&mu_);
+    for (auto& f : flights_) {
+      if (!f) continue;
+      f->Close();
+      f->ctx.TryCancel();  // it ends soon; the flight keeps what it uses until then
+    }
+  }
 
   // A starting runtime creates its socket a moment after the agent first looks: reconnect
   // quickly instead of gRPC's default of seconds.
@@ -27,17 +118,27 @@ class GrpcRuntimeClient : public RuntimeClient {
     return a;
   }
 
-  absl::StatusOr<v1::RuntimeState> GetState() override {
-    return Call<v1::GetStateRequest, v1::RuntimeState>(&v1::RuntimeControl::Stub::GetState);
+  absl::StatusOr<v1::RuntimeState> GetState() override { return GetState(inline_wait_); }
+  absl::StatusOr<v1::RuntimeState> AwaitState() override {
+    return GetState(absl::InfiniteDuration());
   }
   absl::StatusOr<v1::RuntimeState> Promote() override {
-    return Call<v1::PromoteRequest, v1::RuntimeState>(&v1::RuntimeControl::Stub::Promote);
+    return Call<v1::PromoteRequest, v1::RuntimeState>(
+        kPromote, "Promote", inline_wait_, [](auto* a, auto* c, auto* q, auto* r, auto cb) {
+          a->Promote(c, q, r, std::move(cb));
+        });
   }
   absl::StatusOr<v1::RuntimeState> Demote() override {
-    return Call<v1::DemoteRequest, v1::RuntimeState>(&v1::RuntimeControl::Stub::Demote);
+    return Call<v1::DemoteRequest, v1::RuntimeState>(
+        kDemote, "Demote", inline_wait_, [](auto* a, auto* c, auto* q, auto* r, auto cb) {
+          a->Demote(c, q, r, std::move(cb));
+        });
   }
   absl::StatusOr<v1::RuntimeStats> Stats() override {
-    return Call<v1::StatsRequest, v1::RuntimeStats>(&v1::RuntimeControl::Stub::Stats);
+    return Call<v1::StatsRequest, v1::RuntimeStats>(
+        kStats, "Stats", inline_wait_, [](auto* a, auto* c, auto* q, auto* r, auto cb) {
+          a->Stats(c, q, r, std::move(cb));
+        });
   }
   absl::Status Load(const std::vector<std::string>& args) override {
     grpc::ClientContext ctx;
@@ -50,33 +151,76 @@ class GrpcRuntimeClient : public RuntimeClient {
   }
 
  private:
-  template <typename Req, typename Resp>
-  absl::StatusOr<Resp> Call(grpc::Status (v1::RuntimeControl::Stub::*method)(
-      grpc::ClientContext*, const Req&, Resp*)) {
-    grpc::ClientContext ctx;
-    // A runtime that let a call time out (stopped, wedged) is given a short time from then on,
-    // until it answers again: the agent's loop asks every replica in turn, and must not wait
-    // out the whole timeout for it on every pass until it is declared silent.
-    ctx.set_deadline(absl::ToChronoTime(
-        absl::Now() + (silent_ ? std::min(timeout_, kSilentTimeout) : timeout_)));
-    Resp resp;
-    grpc::Status s = (stub_.get()->*method)(&ctx, Req(), &resp);
+  using Stub = v1::RuntimeControl::Stub;
+  enum Method { kGetState, kPromote, kDemote, kStats, kMethods };
+
+  absl::StatusOr<v1::RuntimeState> GetState(absl::Duration wait) {
+    return Call<v1::GetStateRequest, v1::RuntimeState>(
+        kGetState, "GetState", wait, [](auto* a, auto* c, auto* q, auto* r, auto cb) {
+          a->GetState(c, q, r, std::move(cb));
+        });
+  }
+
+  // Starts a call of `method` unless one is on its way, and waits for its answer: up to
+  // `wait` for a call started now, not at all for one already on its way (it was waited for
+  // once), and wholly when `wait` is infinite.
+  template <typename Req, typename Resp, typename Start>
+  absl::StatusOr<Resp> Call(Method method, const char* name, absl::Duration wait, Start start) {
+    std::shared_ptr<FlightOf<Req, Resp>> f;
+    {
+      absl::MutexLock lock(&mu_);
+      f = std::static_pointer_cast<FlightOf<Req, Resp>>(flights_[method]);
+      const bool fresh = f == nullptr;
+      if (fresh) {
+        f = std::make_shared<FlightOf<Req, Resp>>();
+        f->channel = channel_;
+        f->on_late = on_late_;
+        // A runtime that let a call time out (stopped, wedged) is given a short time from
+        // then on, until it answers again.
+        f->ctx.set_deadline(absl::ToChronoTime(
+            absl::Now() + (silent_ ? std::min(timeout_, kSilentTimeout) : timeout_)));
+        flights_[method] = f;
+        start(stub_->async(), &f->ctx, &f->req, &f->resp,
+              [f](grpc::Status s) { f->Finish(std::move(s)); });
+      }
+      if (wait != absl::InfiniteDuration() && (!fresh || silent_)) wait = absl::ZeroDuration();
+    }
+    if (!f->Wait(wait)) return AnswerPending(name);
+    grpc::Status s;
+    {
+      absl::MutexLock fl(&f->mu);
+      s = f->status;
+    }
+    absl::MutexLock lock(&mu_);
+    if (flights_[method] == f) flights_[method].reset();
     if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) silent_ = true;
     if (!s.ok()) return FromGrpcStatus(s);
     silent_ = false;
-    return resp;
+    if (method == kGetState) {
+      // The state answered now says more than an answer of another call that nobody came
+      // back for: such an answer is dropped, and the next call of its method asks afresh.
+      for (auto& other : flights_) {
+        if (other && other != f && other->Done()) other.reset();
+      }
+    }
+    return f->resp;
   }
 
   static constexpr absl::Duration kSilentTimeout = absl::Milliseconds(200);
-  std::unique_ptr<v1::RuntimeControl::Stub> stub_;
-  absl::Duration timeout_;
-  bool silent_ = false;  // the last call timed out (the client is used from one thread)
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<Stub> stub_;
+  const absl::Duration timeout_;
+  const absl::Duration inline_wait_;
+  const std::function<void()> on_late_;
+  absl::Mutex mu_;
+  bool silent_ ABSL_GUARDED_BY(mu_) = false;  // the last call that ended timed out
+  std::array<std::shared_ptr<Flight>, kMethods> flights_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
 
 std::unique_ptr<RuntimeClient> GrpcRuntimeClientFactory::Connect(const std::string& socket_path) {
-  return std::make_unique<GrpcRuntimeClient>(socket_path, timeout_);
+  return std::make_unique<GrpcRuntimeClient>(socket_path, timeout_, inline_wait_, on_late_answer_);
 }
 
 }  // namespace kiln

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -10,7 +11,18 @@
 
 namespace kiln {
 
+// The status a RuntimeClient call answers while its answer is still on its way
+// (IsAnswerPending): the call goes on, and a later call of the same method takes its answer
+// instead of asking again.
+absl::Status AnswerPending(const std::string& method);
+bool IsAnswerPending(const absl::Status& status);
+
 // The agent's side of kiln.v1.RuntimeControl, one per replica's control socket.
+//
+// GetState, Promote, Demote and Stats may answer AnswerPending() when the runtime is slow to
+// answer: the agent's loop asks every replica in turn and must not wait on a wedged one.
+// Promote and Demote are idempotent, so asking again is always safe. A pending answer that
+// a fresh GetState answer overtakes is dropped: the state says more than it.
 class RuntimeClient {
  public:
   virtual ~RuntimeClient() = default;
@@ -19,8 +31,12 @@ class RuntimeClient {
   virtual absl::StatusOr<v1::RuntimeState> Demote() = 0;
   virtual absl::StatusOr<v1::RuntimeStats> Stats() = 0;
   // Hands a pre-started runtime (kiln-runtime --prestart) its replica: `args` are the command
-  // line a cold start would have had. OK once the runtime accepted them.
+  // line a cold start would have had. OK once the runtime accepted them. Waits for the answer.
   virtual absl::Status Load(const std::vector<std::string>& args) = 0;
+
+  // GetState, waiting for the answer (or the call's deadline) instead of answering pending:
+  // for the agent's start-up, which must know before it goes on.
+  virtual absl::StatusOr<v1::RuntimeState> AwaitState();
 };
 
 class RuntimeClientFactory {
@@ -30,14 +46,22 @@ class RuntimeClientFactory {
 };
 
 // gRPC over the unix socket; every call has `timeout`, or 200 ms once a call timed out, until
-// the runtime answers again.
+// the runtime answers again. A call waits up to `inline_wait` for its answer (the whole
+// timeout by default), then answers AnswerPending() and goes on; `on_late_answer` (may be
+// empty; any thread) runs when such a call's answer comes, so that its caller can come back
+// for it. Thread-safe.
 class GrpcRuntimeClientFactory : public RuntimeClientFactory {
  public:
-  explicit GrpcRuntimeClientFactory(absl::Duration timeout = absl::Seconds(2)) : timeout_(timeout) {}
+  explicit GrpcRuntimeClientFactory(absl::Duration timeout = absl::Seconds(2),
+                                    absl::Duration inline_wait = absl::InfiniteDuration(),
+                                    std::function<void()> on_late_answer = nullptr)
+      : timeout_(timeout), inline_wait_(inline_wait), on_late_answer_(std::move(on_late_answer)) {}
   std::unique_ptr<RuntimeClient> Connect(const std::string& socket_path) override;
 
  private:
   absl::Duration timeout_;
+  absl::Duration inline_wait_;
+  std::function<void()> on_late_answer_;
 };
 
 }  // namespace kiln

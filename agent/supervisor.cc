@@ -859,6 +859,10 @@ void Supervisor::Observe(Replica& r) {
          absl::FormatDuration(now - r.crashes.last_start) + "; no longer in a crash loop");
   }
   auto st = r.client->GetState();
+  // Asked, and the runtime is slow to answer: its answer is taken on a later pass (it wakes
+  // the loop), and the loop goes on to the other replicas meanwhile. A call that runs out of
+  // time answers DEADLINE_EXCEEDED then, and counts as silence below.
+  if (IsAnswerPending(st.status())) return;
   if (!st.ok()) {
     if (r.phase == Phase::kRunning) {
       if (r.control_ok) {
@@ -905,6 +909,7 @@ void Supervisor::Observe(Replica& r) {
   }
   if (r.spec.state() == v1::SERVING && r.observed == v1::WARM) {
     auto p = r.client->Promote();
+    if (IsAnswerPending(p.status())) return;  // asked; the next pass takes its answer
     if (p.ok()) {
       r.observed = p->state();
       // One that failed its probe before it was demoted is probed at once, not at its
@@ -916,6 +921,7 @@ void Supervisor::Observe(Replica& r) {
     }
   } else if (r.spec.state() == v1::WARM && r.observed == v1::SERVING) {
     auto d = r.client->Demote();
+    if (IsAnswerPending(d.status())) return;  // as for Promote
     if (d.ok()) {
       r.observed = d->state();
       state_dirty_ = true;  // its last use is fixed now
@@ -1235,7 +1241,7 @@ absl::Status Supervisor::Recover() {
     const std::string launched_as = TextOr(e, "launched_as", spec.replica_id());
     auto client = clients_->Connect(socket);
     absl::StatusOr<v1::RuntimeState> st =
-        ours ? client->GetState() : absl::StatusOr<v1::RuntimeState>(absl::NotFoundError("gone"));
+        ours ? client->AwaitState() : absl::StatusOr<v1::RuntimeState>(absl::NotFoundError("gone"));
     // A runtime that names its replica must name the one it was given (an older one names none).
     const bool other_replica =
         st.ok() && !st->replica_id().empty() && st->replica_id() != launched_as;
@@ -1371,7 +1377,7 @@ void Supervisor::RecoverPrestarted(const json& doc) {
     const bool same_binary =
         cmdline.rfind(options_.runtime_binary + std::string(1, '\0'), 0) == 0;
     p.client = clients_->Connect(p.socket);
-    auto st = p.client->GetState();
+    auto st = p.client->AwaitState();
     const bool waiting = st.ok() && st->state() == v1::LOADING && st->model_name().empty();
     // Still the pool it was started for: a GPU that is the same physical one (indexes can
     // change across reboots and hardware changes).

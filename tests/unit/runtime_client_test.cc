@@ -2,76 +2,40 @@
 // unix socket that stops answering, as a stopped or wedged runtime does.
 #include "agent/runtime_client.h"
 
-#include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
-#include <filesystem>
+#include <atomic>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/support/eventually.h"
+#include "tests/support/held_runtime_control.h"
 
 namespace kiln {
 namespace {
 
-// GetState answers at once while `answering`, else holds each call until the caller gives up;
-// it records how much time each call had left when it came.
-class Runtime final : public v1::RuntimeControl::Service {
- public:
-  grpc::Status GetState(grpc::ServerContext* ctx, const v1::GetStateRequest*,
-                        v1::RuntimeState* resp) override {
-    {
-      absl::MutexLock lock(&mu_);
-      time_left_.push_back(absl::FromChrono(ctx->deadline()) - absl::Now());
-    }
-    // Polled (bounded): a cancellation is nothing a condition can wait on.
-    for (int i = 0; i < 6000 && !answering() && !ctx->IsCancelled(); ++i) {
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    resp->set_state(v1::SERVING);
-    return grpc::Status::OK;
-  }
-  bool answering() {
-    absl::MutexLock lock(&mu_);
-    return answering_;
-  }
-  void Answer(bool answering) {
-    absl::MutexLock lock(&mu_);
-    answering_ = answering;
-  }
-  std::vector<absl::Duration> time_left() {
-    absl::MutexLock lock(&mu_);
-    return time_left_;
-  }
+using kiln::testing::Eventually;
+using kiln::testing::HeldRuntimeControl;
 
- private:
-  absl::Mutex mu_;
-  bool answering_ ABSL_GUARDED_BY(mu_) = true;
-  std::vector<absl::Duration> time_left_ ABSL_GUARDED_BY(mu_);
-};
+std::string SocketPath(const std::string& tag) {
+  return ::testing::TempDir() + "/kiln_rc_" + tag + "_" + std::to_string(getpid()) + ".sock";
+}
 
 // Once a call timed out, the next ones get a short time, until the runtime answers again; then
 // the whole timeout again.
 TEST(GrpcRuntimeClientTest, ARuntimeThatLetACallTimeOutIsGivenLessTimeUntilItAnswers) {
-  const std::string path = ::testing::TempDir() + "/kiln_rc_" + std::to_string(getpid()) + ".sock";
-  std::filesystem::remove(path);
-  Runtime runtime;
-  grpc::ServerBuilder b;
-  b.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
-  b.RegisterService(&runtime);
-  auto server = b.BuildAndStart();
-  ASSERT_NE(server, nullptr);
+  HeldRuntimeControl runtime(SocketPath("short"));
+  ASSERT_NE(runtime.server(), nullptr);
   GrpcRuntimeClientFactory factory(absl::Seconds(1));
-  auto client = factory.Connect(path);
+  auto client = factory.Connect(SocketPath("short"));
   ASSERT_TRUE(client->GetState().ok());
-  runtime.Answer(false);  // stopped
+  runtime.Hold("GetState", true);  // stopped
   EXPECT_EQ(client->GetState().status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(client->GetState().status().code(), absl::StatusCode::kDeadlineExceeded);
-  runtime.Answer(true);
+  runtime.Hold("GetState", false);
   ASSERT_TRUE(client->GetState().ok());
   ASSERT_TRUE(client->GetState().ok());
-  std::vector<absl::Duration> left = runtime.time_left();
+  std::vector<absl::Duration> left = runtime.calls("GetState");
   ASSERT_EQ(left.size(), 5u);
   // The whole timeout (1 s), the whole timeout (the first to time out), then 200 ms twice (the
   // second silent call, and the one that found it answering again), then the whole timeout.
@@ -81,8 +45,100 @@ TEST(GrpcRuntimeClientTest, ARuntimeThatLetACallTimeOutIsGivenLessTimeUntilItAns
   EXPECT_LT(left[2], absl::Milliseconds(300));
   EXPECT_LT(left[3], absl::Milliseconds(300));
   EXPECT_GT(left[4], absl::Milliseconds(600));
-  server->Shutdown();
-  std::filesystem::remove(path);
+}
+
+// With an inline wait, a slow answer does not hold its caller: the call answers pending, stays
+// the one call on its way (asking again does not pile calls up on a wedged runtime), tells
+// the caller when its answer comes, and that answer is what the next call takes.
+TEST(GrpcRuntimeClientTest, ASlowAnswerIsPendingAndTakenByTheNextCall) {
+  HeldRuntimeControl runtime(SocketPath("pend"));
+  ASSERT_NE(runtime.server(), nullptr);
+  std::atomic<int> late{0};
+  GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
+  auto client = factory.Connect(SocketPath("pend"));
+  ASSERT_TRUE(client->GetState().ok());  // connected
+  runtime.Hold("GetState", true);
+  absl::StatusOr<v1::RuntimeState> st = client->GetState();
+  EXPECT_TRUE(IsAnswerPending(st.status())) << st.status();
+  ASSERT_TRUE(Eventually([&] { return runtime.held_now("GetState") == 1; }, absl::Seconds(10)));
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(IsAnswerPending(client->GetState().status()));
+  EXPECT_EQ(runtime.calls("GetState").size(), 2u);  // the first, and the one on its way
+  EXPECT_EQ(late.load(), 0);
+  runtime.Hold("GetState", false);
+  ASSERT_TRUE(Eventually([&] { return late.load() == 1; }, absl::Seconds(10)));
+  st = client->GetState();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->state(), v1::SERVING);
+  EXPECT_EQ(runtime.calls("GetState").size(), 2u);  // the answer came from the call on its way
+  ASSERT_TRUE(client->GetState().ok());
+  EXPECT_EQ(runtime.calls("GetState").size(), 3u);  // then a new one
+  EXPECT_EQ(late.load(), 1);  // answers waited for are not told
+}
+
+// A Promote whose answer nobody came back for is dropped once a fresh state is answered: a
+// later Promote asks the runtime again instead of taking an old answer.
+TEST(GrpcRuntimeClientTest, AnAnswerOvertakenByAFreshStateIsDropped) {
+  HeldRuntimeControl runtime(SocketPath("drop"), v1::WARM);
+  ASSERT_NE(runtime.server(), nullptr);
+  std::atomic<int> late{0};
+  GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
+  auto client = factory.Connect(SocketPath("drop"));
+  ASSERT_TRUE(client->GetState().ok());
+  runtime.Hold("Promote", true);
+  EXPECT_TRUE(IsAnswerPending(client->Promote().status()));
+  runtime.Hold("Promote", false);
+  ASSERT_TRUE(Eventually([&] { return late.load() == 1; }, absl::Seconds(10)));
+  auto st = client->GetState();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->state(), v1::SERVING);
+  ASSERT_EQ(runtime.calls("Promote").size(), 1u);
+  auto p = client->Promote();
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(runtime.calls("Promote").size(), 2u);
+}
+
+// A pending call that runs out of time ends DEADLINE_EXCEEDED, and the client then gives the
+// silent runtime the short timeout, without waiting for it inline.
+TEST(GrpcRuntimeClientTest, APendingCallPastItsDeadlineEndsDeadlineExceeded) {
+  HeldRuntimeControl runtime(SocketPath("dead"));
+  ASSERT_NE(runtime.server(), nullptr);
+  GrpcRuntimeClientFactory factory(absl::Seconds(1), absl::Milliseconds(10));
+  auto client = factory.Connect(SocketPath("dead"));
+  ASSERT_TRUE(client->GetState().ok());
+  runtime.Hold("GetState", true);
+  absl::StatusOr<v1::RuntimeState> st = client->GetState();
+  EXPECT_TRUE(IsAnswerPending(st.status()));
+  ASSERT_TRUE(Eventually(
+      [&] { return !IsAnswerPending((st = client->GetState()).status()); }, absl::Seconds(10)));
+  EXPECT_EQ(st.status().code(), absl::StatusCode::kDeadlineExceeded) << st.status();
+  EXPECT_TRUE(IsAnswerPending(client->GetState().status()));
+  ASSERT_TRUE(Eventually([&] { return runtime.calls("GetState").size() == 3u; },
+                         absl::Seconds(10)));
+  EXPECT_GT(runtime.calls("GetState")[1], absl::Milliseconds(600));
+  EXPECT_LT(runtime.calls("GetState")[2], absl::Milliseconds(300));
+  // AwaitState waits a call out (the one on its way may still end DEADLINE_EXCEEDED).
+  runtime.Hold("GetState", false);
+  EXPECT_TRUE(Eventually([&] { return client->AwaitState().ok(); }, absl::Seconds(10)));
+}
+
+// A client destroyed with a call on its way ends the call, and its answer tells nobody (what
+// the callback refers to may be gone with the client).
+TEST(GrpcRuntimeClientTest, AClientGoneWithACallOnItsWayTellsNobody) {
+  HeldRuntimeControl runtime(SocketPath("gone"));
+  ASSERT_NE(runtime.server(), nullptr);
+  std::atomic<int> late{0};
+  GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
+  auto client = factory.Connect(SocketPath("gone"));
+  ASSERT_TRUE(client->GetState().ok());
+  runtime.Hold("GetState", true);
+  EXPECT_TRUE(IsAnswerPending(client->GetState().status()));
+  ASSERT_TRUE(Eventually([&] { return runtime.held_now("GetState") == 1; }, absl::Seconds(10)));
+  client.reset();
+  // Cancelled: the runtime's handler sees it and lets the call go.
+  ASSERT_TRUE(Eventually([&] { return runtime.held_now("GetState") == 0; }, absl::Seconds(10)));
+  runtime.Hold("GetState", false);
+  absl::SleepFor(absl::Milliseconds(50));  // a late callback would have run by now
+  EXPECT_EQ(late.load(), 0);
 }
 
 }  // namespace

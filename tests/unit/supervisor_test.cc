@@ -4,11 +4,13 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "agent/fake_runtime_client.h"
 #include "agent/router.h"
@@ -16,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/eventually.h"
+#include "tests/support/held_runtime_control.h"
 #include "tests/support/shell.h"
 
 namespace kiln {
@@ -186,6 +189,55 @@ TEST_F(SupervisorTest, StartsReplicasPinnedAndPromotesToTheirState) {
   sup_->Tick();
   EXPECT_EQ(runtimes_.Get(Socket("b")).promotes, 1);
   EXPECT_EQ(launcher_.launches().size(), 2u);
+}
+
+// The agent's loop does not wait on a wedged runtime: with the agent's real control client,
+// a GetState the runtime holds leaves Tick at once (the call's own timeout is a minute here),
+// the replica stays in routing (one unanswered call is no verdict), and the answer is taken
+// on a later pass once it comes.
+TEST_F(SupervisorTest, ATickDoesNotWaitForAWedgedRuntime) {
+  std::atomic<int> late{0};
+  GrpcRuntimeClientFactory clients(absl::Minutes(1), absl::Milliseconds(10), [&] { ++late; });
+  sup_ = std::make_unique<Supervisor>(options_, TwoNodeTopology(), &launcher_, &clients, &clock_,
+                                      [this](const std::string& s) { log_.push_back(s); },
+                                      &prober_);
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();  // launched
+  kiln::testing::HeldRuntimeControl runtime(Socket("a"), v1::WARM);
+  ASSERT_NE(runtime.server(), nullptr);
+  // Bounded: the channel connects once the socket is there; then WARM, then promoted.
+  ASSERT_TRUE(kiln::testing::Eventually(
+      [&] {
+        sup_->Tick();
+        const ReplicaView* v = View("a");
+        return v && v->state == v1::SERVING && v->healthy;
+      },
+      absl::Seconds(10)));
+  EXPECT_EQ(runtime.calls("Promote").size(), 1u);
+
+  runtime.Hold("GetState", true);
+  std::atomic<bool> ticked{false};
+  std::thread pass([&] {
+    sup_->Tick();
+    ticked = true;
+  });
+  const bool came_back = kiln::testing::Eventually([&] { return ticked.load(); },
+                                                   absl::Seconds(10));
+  const int held = runtime.held_now("GetState");
+  runtime.Hold("GetState", false);  // lets a pass that waited go on
+  pass.join();
+  ASSERT_TRUE(came_back) << "the pass waited for the runtime's answer";
+  EXPECT_EQ(held, 1);  // it came back while the runtime still held the call
+  EXPECT_TRUE(View("a")->healthy);
+  EXPECT_EQ(View("a")->state, v1::SERVING);
+  for (const auto& line : log_) EXPECT_EQ(line.find("not answering"), std::string::npos) << line;
+  // The answer comes, says so, and the next pass takes it.
+  ASSERT_TRUE(kiln::testing::Eventually([&] { return late.load() >= 1; }, absl::Seconds(10)));
+  const size_t asked = runtime.calls("GetState").size();
+  sup_->Tick();
+  EXPECT_EQ(runtime.calls("GetState").size(), asked);  // taken, not asked again
+  EXPECT_TRUE(View("a")->healthy);
+  sup_.reset();  // its clients tell `late`
 }
 
 TEST_F(SupervisorTest, TheDeviceMemoryARuntimeReportsIsKeptPerReplica) {

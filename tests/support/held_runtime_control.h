@@ -1,0 +1,112 @@
+#pragma once
+
+// A kiln.v1.RuntimeControl service on a unix socket for tests of the agent's client: each
+// method answers at once, or holds its calls (a wedged runtime) until released or cancelled.
+#include <grpcpp/grpcpp.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "kiln/v1/runtime_control.grpc.pb.h"
+
+namespace kiln::testing {
+
+class HeldRuntimeControl final : public v1::RuntimeControl::Service {
+ public:
+  // Serves on `path` (replaced); null server() when it could not.
+  explicit HeldRuntimeControl(std::string path, v1::LifecycleState state = v1::SERVING)
+      : path_(std::move(path)), state_(state) {
+    std::filesystem::remove(path_);
+    grpc::ServerBuilder b;
+    b.AddListeningPort("unix:" + path_, grpc::InsecureServerCredentials());
+    b.RegisterService(this);
+    server_ = b.BuildAndStart();
+  }
+  ~HeldRuntimeControl() override {
+    Hold("", false);
+    if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    std::filesystem::remove(path_);
+  }
+  grpc::Server* server() { return server_.get(); }
+
+  // Holds (or stops holding) calls of `method` ("GetState", "Promote", ...; "" = all).
+  void Hold(const std::string& method, bool hold) {
+    absl::MutexLock lock(&mu_);
+    if (method.empty()) {
+      held_.clear();
+    } else {
+      held_[method] = hold;
+    }
+  }
+  // Calls of `method` that came, and how much time each had left when it came.
+  std::vector<absl::Duration> calls(const std::string& method) {
+    absl::MutexLock lock(&mu_);
+    return calls_[method];
+  }
+  // Calls of `method` on their way (held).
+  int held_now(const std::string& method) {
+    absl::MutexLock lock(&mu_);
+    return holding_[method];
+  }
+  v1::LifecycleState state() {
+    absl::MutexLock lock(&mu_);
+    return state_;
+  }
+
+  grpc::Status GetState(grpc::ServerContext* ctx, const v1::GetStateRequest*,
+                        v1::RuntimeState* resp) override {
+    Come("GetState", ctx);
+    resp->set_state(state());
+    return grpc::Status::OK;
+  }
+  grpc::Status Promote(grpc::ServerContext* ctx, const v1::PromoteRequest*,
+                       v1::RuntimeState* resp) override {
+    return Move("Promote", ctx, v1::SERVING, resp);
+  }
+  grpc::Status Demote(grpc::ServerContext* ctx, const v1::DemoteRequest*,
+                      v1::RuntimeState* resp) override {
+    return Move("Demote", ctx, v1::WARM, resp);
+  }
+
+ private:
+  grpc::Status Move(const std::string& method, grpc::ServerContext* ctx, v1::LifecycleState to,
+                    v1::RuntimeState* resp) {
+    Come(method, ctx);
+    absl::MutexLock lock(&mu_);
+    state_ = to;
+    resp->set_state(state_);
+    return grpc::Status::OK;
+  }
+
+  // Records the call, then holds it while its method is held (bounded: 30 s, or until the
+  // caller gives up: a cancellation is nothing a condition can wait on, so it is polled).
+  void Come(const std::string& method, grpc::ServerContext* ctx) {
+    absl::MutexLock lock(&mu_);
+    calls_[method].push_back(absl::FromChrono(ctx->deadline()) - absl::Now());
+    ++holding_[method];
+    const absl::Time until = absl::Now() + absl::Seconds(30);
+    auto released = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = held_.find(method);
+      return it == held_.end() || !it->second;
+    };
+    while (!released() && !ctx->IsCancelled() && absl::Now() < until) {
+      mu_.AwaitWithTimeout(absl::Condition(&released), absl::Milliseconds(5));
+    }
+    --holding_[method];
+  }
+
+  const std::string path_;
+  absl::Mutex mu_;
+  v1::LifecycleState state_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, bool> held_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<absl::Duration>> calls_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> holding_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<grpc::Server> server_;
+};
+
+}  // namespace kiln::testing
