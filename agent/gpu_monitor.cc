@@ -19,7 +19,7 @@ GpuMonitor::GpuMonitor(GpuDriver* driver, std::vector<int> gpus, Persistence per
     : driver_(driver),
       gpus_(std::move(gpus)),
       persistence_(std::move(persistence)),
-      clock_(clock ? clock : &real_clock_) {
+      clock_(clock ? clock : &steady_clock_) {
   if (persistence_.state_file.empty()) return;
   if (persistence_.boot_id.empty()) {
     // Without it a reboot could not be told apart: nothing is kept rather than kept forever.

@@ -29,7 +29,7 @@ class GpuMonitor {
     std::string state_file;  // empty: nothing kept
     std::string boot_id;     // /proc/sys/kernel/random/boot_id
   };
-  // `clock` null: the real one.
+  // `clock` null: the monotonic one (its times are ages kept in memory only).
   GpuMonitor(GpuDriver* driver, std::vector<int> gpus, Persistence persistence = {},
              Clock* clock = nullptr);
 
@@ -72,7 +72,7 @@ class GpuMonitor {
   };
   std::map<int, std::deque<SeenXid>> recent_xids_;
   std::vector<std::pair<int, uint64_t>> new_application_xids_;
-  RealClock real_clock_;
+  MonotonicClock steady_clock_;
   Clock* clock_;
   // Restored from the state file for GPUs not read yet: uuid -> (xids, ecc baseline).
   std::map<std::string, std::pair<std::vector<uint64_t>, std::optional<uint64_t>>> restored_;

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <chrono>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -17,6 +19,16 @@ class Clock {
 class RealClock : public Clock {
  public:
   absl::Time Now() override { return absl::Now(); }
+};
+
+// Steady time (CLOCK_MONOTONIC) from an arbitrary start, for ages and windows kept in memory
+// only: a wall clock stepped by NTP or by hand does not stretch or cut them. Never for times
+// written down or shown.
+class MonotonicClock : public Clock {
+ public:
+  absl::Time Now() override {
+    return absl::UnixEpoch() + absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
+  }
 };
 
 // Time moves only when the test says so.

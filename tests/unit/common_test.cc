@@ -53,6 +53,24 @@ TEST(ClockTest, SimulatedClockMovesOnlyWhenAdvanced) {
   EXPECT_EQ(c.Now(), t + absl::Milliseconds(5));
 }
 
+// The monotonic clock is CLOCK_MONOTONIC's: it agrees with steady_clock (not the wall clock)
+// and never goes back.
+TEST(ClockTest, MonotonicClockFollowsTheSteadyClock) {
+  MonotonicClock c;
+  const absl::Time before = absl::UnixEpoch() +
+                            absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
+  absl::Time last = c.Now();
+  EXPECT_GE(last, before);
+  for (int i = 0; i < 1000; ++i) {
+    const absl::Time t = c.Now();
+    EXPECT_GE(t, last);
+    last = t;
+  }
+  const absl::Time after = absl::UnixEpoch() +
+                           absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
+  EXPECT_LE(last, after);
+}
+
 TEST(ConfigNodeTest, NamesTheFieldInErrors) {
   auto root = ConfigNode::Parse("a: {b: notanumber, c: [1, 2, x]}", "f.yaml");
   ASSERT_TRUE(root.ok());
