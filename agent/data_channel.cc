@@ -277,7 +277,14 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
   std::string body;     // and its body,
   size_t body_got = 0;  // so far
   std::string why = kReplicaClosed;
+  const int64_t stall_limit = answer_stall_micros_.load();  // mid-answer
+  int64_t last_bytes = 0;  // when the frame being read last grew (monotonic micros)
   for (;;) {
+    if (head_got > 0 && MonoMicros() - last_bytes >= stall_limit) {
+      why = "it stopped in the middle of an answer for " +
+            absl::FormatDuration(absl::Microseconds(stall_limit));
+      break;
+    }
     // Deadlines wake it through the timer (armed here at the nearest).
     const int64_t next = Expire(c);
     pollfd fds[3] = {{c->fd, POLLIN, 0}, {c->wake_read, POLLIN, 0}, {c->timer_fd, POLLIN, 0}};
@@ -308,7 +315,10 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
       if (n == 0) continue;  // not in the window: planned again (no window now), then asleep
       from_spin = true;
     } else {
-      n = PollFor(fds, -1);
+      // Mid-frame, no longer than the stall limit leaves.
+      n = PollFor(fds, head_got > 0 ? std::max<int64_t>(last_bytes + stall_limit - MonoMicros(), 0)
+                                    : -1);
+      if (n == 0) continue;
     }
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -351,6 +361,7 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
         closed = true;  // the replica closed the connection (or it failed)
         break;
       }
+      last_bytes = MonoMicros();
       if (in_head) {
         head_got += static_cast<size_t>(r);
         if (head_got < sizeof(head)) continue;

@@ -11,6 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "agent/busy_poll.h"
 #include "common/data_frames.h"
 #include "common/frame_sender.h"
@@ -56,6 +57,15 @@ class DataChannel {
 
   // Fails every call in flight (UNAVAILABLE) and every later one: the router is stopping.
   void FailAll();
+
+  // How long a replica may stop in the middle of an answer before its connection is closed,
+  // so that a call without a deadline does not wait on a half-sent frame for ever (its calls
+  // fail UNAVAILABLE and are retried elsewhere). Tests shorten it; each connection's reader
+  // reads it when it starts.
+  static constexpr absl::Duration kDefaultAnswerStall = absl::Seconds(10);
+  void set_answer_stall_limit(absl::Duration d) {
+    answer_stall_micros_ = absl::ToInt64Microseconds(d);
+  }
 
   const std::string& path() const { return path_; }
   // Connections made to the replica so far (one, unless they ended).
@@ -106,6 +116,7 @@ class DataChannel {
 
   const std::string path_;
   const int64_t spin_window_micros_ = 0;
+  std::atomic<int64_t> answer_stall_micros_{absl::ToInt64Microseconds(kDefaultAnswerStall)};
   const std::shared_ptr<SpinSlots> slots_;
   std::atomic<uint64_t> spins_{0};
   std::atomic<uint64_t> spin_answers_{0};

@@ -424,6 +424,26 @@ TEST(RouterDataSocketTest, AnAnswerCutOffMidFrameHoldsNoOtherCallsDeadline) {
   EXPECT_EQ(cut.status.error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
+// A replica stopped in the middle of an answer for longer than the stall limit has its
+// connection closed: a call without a deadline on it fails UNAVAILABLE (retried elsewhere by
+// the router) instead of waiting for the rest of the frame for ever.
+TEST(RouterDataSocketTest, AReplicaStoppedMidAnswerPastTheStallLimitLosesItsConnection) {
+  std::string path = TempSocket("stall");
+  FakeDataSocket replica(path, [](const inference::ModelInferRequest&) {
+    return std::make_pair(-3, std::string("only this"));
+  });
+  DataChannel channel(path);
+  channel.set_answer_stall_limit(absl::Milliseconds(300));
+  CallOutcome cut;
+  channel.Call(EncoderRequest(), /*deadline_unix_micros=*/0, &cut.response, cut.Callback());
+  ASSERT_TRUE(cut.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(cut.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(cut.status.error_message().find("stopped in the middle of an answer"),
+            std::string::npos)
+      << cut.status.error_message();
+  EXPECT_EQ(replica.requests(), 1);
+}
+
 // A replica that never answers: a call past its deadline fails DEADLINE_EXCEEDED (the router
 // does not keep it forever), and a stopping router fails the ones without a deadline.
 TEST(RouterDataSocketTest, CallsEndAtTheirDeadlineOrWhenTheChannelCloses) {
