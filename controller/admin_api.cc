@@ -213,11 +213,12 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
           "action: the body must be {\"action\": \"pause|resume|abort|promote\"}"));
     }
     if (auto o = store_->Get(kModelDeploymentKind, name); !o.ok()) return ErrorResponse(o.status());
-    // No rollout in progress: 409.
+    // No rollout in progress, or the action dropped or replaced: 409. OK once the action is
+    // taken and written down in the deployment's status.
     absl::Status s = AsConflict(rollout_action_(name, j["action"].get<std::string>()));
     if (!s.ok()) return ErrorResponse(s);
-    return Json(202, {{"kind", "Status"}, {"status", "Success"},
-                      {"message", j["action"].get<std::string>() + " requested"}});
+    return Json(200, {{"kind", "Status"}, {"status", "Success"},
+                      {"message", j["action"].get<std::string>() + " applied"}});
   }
   if (sub == "events") {
     if (r.method != "GET") {

@@ -705,6 +705,8 @@ void Controller::Tick() {
   std::erase_if(invalid_, [&stored](const auto& e) { return !stored.count(e.first); });
 
   std::vector<std::pair<std::string, nlohmann::json>> statuses;
+  // Actions taken, waiting for their deployment's status to be written (deployment -> tickets).
+  std::map<std::string, std::vector<uint64_t>> unwritten;
   // Events for operators (Kubernetes Events on that store), recorded once the lock is released.
   struct PendingEvent {
     std::string name, type, reason, message;
@@ -976,10 +978,16 @@ void Controller::Tick() {
         // is not promoted, aborted or paused by an action meant for the one before.
         if (pa->second.canary == st.canary_version && pa->second.canary == spec.model.version) {
           action = pa->second.action;
+          // Answered once the status that records it is written (below).
+          actions_unwritten_[d.name].push_back(pa->second.ticket);
         } else {
           log->info("rollout {}: the action asked of version {} dropped: the rollout is now of "
                     "version {}",
                     d.name, pa->second.canary, spec.model.version);
+          EndAction(pa->second.ticket,
+                    absl::FailedPreconditionError(
+                        "dropped: it was asked of version " + pa->second.canary +
+                        "'s rollout, and the rollout is now of version " + spec.model.version));
         }
         pending_actions_.erase(pa);
       }
@@ -1363,6 +1371,7 @@ void Controller::Tick() {
       }
       statuses.emplace_back(dep.object.name, st);
     }
+    unwritten.swap(actions_unwritten_);
   }
   for (const auto& e : events) {
     store_->RecordEvent(kModelDeploymentKind, e.name, e.type, e.reason, e.message);
@@ -1372,11 +1381,23 @@ void Controller::Tick() {
     const auto& dep = deps[i];
     auto& [name, st] = statuses[i];
     std::string text = st.dump();
-    if (text == dep.object.status) continue;
+    // The rollout actions this status records are written down once it is (or already was).
+    auto ended = [&, name = name]() {
+      auto taken = unwritten.find(name);
+      if (taken == unwritten.end()) return;
+      absl::MutexLock lock(&mu_);
+      for (uint64_t t : taken->second) EndAction(t, absl::OkStatus());
+      unwritten.erase(taken);
+    };
+    if (text == dep.object.status) {
+      ended();
+      continue;
+    }
     std::string without = WithoutCounters(std::move(st)).dump();
     auto written = status_written_.find(name);
     if (written != status_written_.end() && written->second.without_counters == without &&
         now - written->second.at < options_.status_counters_every) {
+      ended();  // all but the counters is written as it is now
       continue;  // only the counters moved, and they were written a moment ago
     }
     absl::Status s =
@@ -1384,15 +1405,31 @@ void Controller::Tick() {
             .status();
     if (s.ok()) {
       status_written_[name] = {std::move(without), now};
+      ended();
     } else if (s.code() != absl::StatusCode::kAborted) {
       log->warn("status of {}: {}", name, s.ToString());
+    }
+  }
+  if (!unwritten.empty()) {
+    // Not written this pass (a conflict, the store down, a deployment gone): the next pass's
+    // status carries them. A deployment gone has nobody to write for: its actions end.
+    absl::MutexLock lock(&mu_);
+    for (auto& [name, tickets] : unwritten) {
+      const bool live = std::any_of(deps.begin(), deps.end(),
+                                    [&](const auto& d) { return d.object.name == name; });
+      if (!live) {
+        for (uint64_t t : tickets) EndAction(t, absl::NotFoundError("deployment '" + name + "' is gone"));
+        continue;
+      }
+      auto& again = actions_unwritten_[name];
+      again.insert(again.end(), tickets.begin(), tickets.end());
     }
   }
   std::erase_if(status_written_, [&live](const auto& e) { return !live.count(e.first); });
   std::erase_if(stored_conditions_, [&live](const auto& e) { return !live.count(e.first); });
 }
 
-absl::Status Controller::RequestRolloutAction(const std::string& name, const std::string& action) {
+absl::StatusOr<uint64_t> Controller::RequestRolloutAction(const std::string& name, const std::string& action) {
   auto a = ParseRolloutAction(action);
   if (!a.ok()) return a.status();
   if (!leading_) {
@@ -1413,9 +1450,39 @@ absl::Status Controller::RequestRolloutAction(const std::string& name, const std
     return absl::FailedPreconditionError("deployment '" + name + "' has no rollout in progress (" +
                                          it->second.phase + ": " + it->second.message + ")");
   }
-  pending_actions_[name] = {*a, it->second.canary_version};
+  const uint64_t ticket = ++action_tickets_;
+  if (auto before = pending_actions_.find(name); before != pending_actions_.end()) {
+    EndAction(before->second.ticket,
+              absl::AbortedError("replaced by a later action (" + action +
+                                 ") before the controller took it"));
+  }
+  pending_actions_[name] = {*a, it->second.canary_version, ticket};
   GetLogger("controller")->info("rollout {}: {} requested", name, action);
-  return absl::OkStatus();
+  return ticket;
+}
+
+void Controller::EndAction(uint64_t ticket, absl::Status result) {
+  constexpr size_t kKeptActionResults = 1024;
+  action_results_[ticket] = std::move(result);
+  while (action_results_.size() > kKeptActionResults) action_results_.erase(action_results_.begin());
+}
+
+absl::Status Controller::AwaitRolloutAction(uint64_t ticket, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto ended = [this, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || action_results_.count(ticket) > 0;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&ended), timeout);
+  auto it = action_results_.find(ticket);
+  if (it == action_results_.end()) {
+    if (stopping_) return absl::UnavailableError("the controller is stopping");
+    return absl::DeadlineExceededError(
+        "the action is not written to the deployment's status yet (it may still be): look at "
+        "`kilnctl rollout status`");
+  }
+  absl::Status result = std::move(it->second);
+  action_results_.erase(it);
+  return result;
 }
 
 void Controller::Retire(const std::string& node, const NodeRecord& record, const std::string& why,

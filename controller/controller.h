@@ -109,9 +109,16 @@ class Controller
   // deployments, replicas assigned, nodes refusing their assignment, deployments short of
   // replicas, replicas moving, rollbacks, and how long each pass of the decision loop takes.
   std::string MetricsText();
-  // pause | resume | abort | promote the deployment's rollout on the next tick. NOT_FOUND for
-  // an unknown deployment, FAILED_PRECONDITION when no rollout is in progress.
-  absl::Status RequestRolloutAction(const std::string& name, const std::string& action);
+  // pause | resume | abort | promote the deployment's rollout on the next tick; the ticket is
+  // for AwaitRolloutAction. NOT_FOUND for an unknown deployment, FAILED_PRECONDITION when no
+  // rollout is in progress.
+  absl::StatusOr<uint64_t> RequestRolloutAction(const std::string& name, const std::string& action);
+  // Waits up to `timeout` for the action of `ticket` to be taken by a pass and written down in
+  // its deployment's status, so that it outlives a controller killed right after: OK then.
+  // FAILED_PRECONDITION when the pass dropped it (the rollout it was asked of was superseded),
+  // ABORTED when a later action replaced it before a pass took it, DEADLINE_EXCEEDED when it is
+  // not written yet (it still may be), UNAVAILABLE when the controller stops.
+  absl::Status AwaitRolloutAction(uint64_t ticket, absl::Duration timeout);
   // Forgets a node now (an operator removing a dead node, like `kubectl delete node`): its
   // replicas are placed elsewhere on the next pass without waiting out the lease. NOT_FOUND for
   // an unknown node, FAILED_PRECONDITION while its agent is connected and reporting,
@@ -302,8 +309,16 @@ class Controller
   struct PendingAction {
     RolloutAction action = RolloutAction::kNone;
     std::string canary;
+    uint64_t ticket = 0;
   };
   std::map<std::string, PendingAction> pending_actions_ ABSL_GUARDED_BY(mu_);
+  uint64_t action_tickets_ ABSL_GUARDED_BY(mu_) = 0;
+  // Actions a pass took whose deployment's status is not written yet (deployment -> tickets).
+  std::map<std::string, std::vector<uint64_t>> actions_unwritten_ ABSL_GUARDED_BY(mu_);
+  // Actions ended (ticket -> how), until their waiter takes the answer; the oldest are
+  // forgotten past kKeptActionResults (a waiter that gave up takes none).
+  std::map<uint64_t, absl::Status> action_results_ ABSL_GUARDED_BY(mu_);
+  void EndAction(uint64_t ticket, absl::Status result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Nodes that refused an assignment since the last pass (node -> the reason): each deployment
   // with replicas in it gets an AssignmentRefused event.
   std::map<std::string, std::string> new_nacks_ ABSL_GUARDED_BY(mu_);

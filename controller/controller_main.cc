@@ -320,7 +320,11 @@ int main(int argc, char** argv) {
   api.SetMetricsSource([&controller]() { return controller.MetricsText(); });
   api.SetNodeRemover([&controller](const std::string& name) { return controller.ForgetNode(name); });
   api.SetRolloutActions([&controller](const std::string& name, const std::string& action) {
-    return controller.RequestRolloutAction(name, action);
+    // Answered once the action is written down in the deployment's status: a controller
+    // killed after the answer has not lost it.
+    auto ticket = controller.RequestRolloutAction(name, action);
+    if (!ticket.ok()) return ticket.status();
+    return controller.AwaitRolloutAction(*ticket, absl::Seconds(10));
   });
   auto server = kiln::StartAdminHttpServer(bind, port, &api);
   if (!server.ok()) {

@@ -522,8 +522,10 @@ int main(int argc, char** argv) {
     Reply r = c.Call(http::methods::POST,
                      std::string(kiln::kDeploymentsPath) + "/" + rollout_name + "/rollout",
                      body.dump());
-    if (r.code != 202) return ServerError(r, c);
-    std::cout << kResource << "/" << rollout_name << " " << action << " requested\n";
+    // 200: taken and written down; 202: accepted (a controller before that answer).
+    if (r.code != 200 && r.code != 202) return ServerError(r, c);
+    std::cout << kResource << "/" << rollout_name << " " << action
+              << (r.code == 200 ? " applied\n" : " requested\n");
     return 0;
   }
   if (rollout_status->parsed()) {

@@ -350,18 +350,33 @@ TEST_F(ControllerLoopTest, AnActionForASupersededRolloutIsDropped) {
   clock_.Advance(absl::Seconds(1));
   controller_->Tick();
   ASSERT_EQ(rollout()["canaryVersion"], "2") << rollout().dump();
-  ASSERT_TRUE(controller_->RequestRolloutAction("enc", "promote").ok());
+  auto dropped = controller_->RequestRolloutAction("enc", "promote");
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
   to_version("3");
   clock_.Advance(absl::Seconds(1));
   controller_->Tick();
   EXPECT_EQ(rollout()["canaryVersion"], "3") << rollout().dump();
   EXPECT_EQ(rollout()["stableVersion"], "1") << rollout().dump();
   EXPECT_FALSE(rollout().contains("promoting")) << rollout().dump();
-  // Asked of version 3, it is taken.
-  ASSERT_TRUE(controller_->RequestRolloutAction("enc", "promote").ok());
+  // Its asker hears why.
+  absl::Status heard = controller_->AwaitRolloutAction(*dropped, absl::ZeroDuration());
+  EXPECT_EQ(heard.code(), absl::StatusCode::kFailedPrecondition) << heard;
+  EXPECT_NE(heard.message().find("now of version 3"), std::string::npos) << heard;
+  // Asked of version 3, it is taken; its asker hears only once the status that records it
+  // is written.
+  auto replaced = controller_->RequestRolloutAction("enc", "pause");
+  ASSERT_TRUE(replaced.ok());
+  auto taken = controller_->RequestRolloutAction("enc", "promote");
+  ASSERT_TRUE(taken.ok());
+  heard = controller_->AwaitRolloutAction(*replaced, absl::ZeroDuration());
+  EXPECT_EQ(heard.code(), absl::StatusCode::kAborted) << heard;
+  heard = controller_->AwaitRolloutAction(*taken, absl::ZeroDuration());
+  EXPECT_EQ(heard.code(), absl::StatusCode::kDeadlineExceeded) << heard;
   clock_.Advance(absl::Seconds(1));
   controller_->Tick();
   EXPECT_EQ(rollout().value("promoting", false), true) << rollout().dump();
+  heard = controller_->AwaitRolloutAction(*taken, absl::ZeroDuration());
+  EXPECT_TRUE(heard.ok()) << heard;
 }
 
 TEST_F(ControllerLoopTest, CountersAloneAreWrittenAtMostEveryTenSeconds) {
