@@ -667,6 +667,13 @@ void Controller::Tick() {
                                        Decoded{o.spec, std::move(*parsed), o.generation, o.uid})
                      .first;
       } else {
+        // Refused, and nothing of it run since this controller started (it was refused while
+        // the controller was down, or before a restart): the spec its status says ran last.
+        if (cached == decoded_.end()) {
+          if (auto last = LastAppliedOf(o); last.has_value()) {
+            cached = decoded_.insert_or_assign(o.name, std::move(*last)).first;
+          }
+        }
         // A spec the store took and kiln refuses (a looser schema, a newer kiln's checks) is no
         // deletion: the deployment goes on as last applied, with the reason in its status.
         // Said once per text, not every pass.
@@ -1356,6 +1363,8 @@ void Controller::Tick() {
                                               " as last applied"}});
         observed = decoded_.at(dep.d.name).generation;
       }
+      // What runs, as stored: a spec refused later, even across a restart, runs as this.
+      const Decoded& runs = decoded_.at(dep.d.name);
       StampConditions(conditions, stored.before, now_text, observed);
       nlohmann::json st = {{"observedGeneration", observed},
                            {"selector", std::string(kDeploymentLabel) + "=" + dep.d.name},
@@ -1365,7 +1374,8 @@ void Controller::Tick() {
                            {"warmReplicas", warm},
                            {"conditions", conditions},
                            {"rollout", plan.state.ToJson()},
-                           {"versions", VersionsJson(plan, version_stats[dep.d.name])}};
+                           {"versions", VersionsJson(plan, version_stats[dep.d.name])},
+                           {"lastApplied", {{"generation", runs.generation}, {"stored", runs.spec}}}};
       if (nlohmann::json lingering = LingerJson(dep.d.name); !lingering.is_null()) {
         st["scaleDownWarm"] = std::move(lingering);
       }
@@ -1427,6 +1437,22 @@ void Controller::Tick() {
   }
   std::erase_if(status_written_, [&live](const auto& e) { return !live.count(e.first); });
   std::erase_if(stored_conditions_, [&live](const auto& e) { return !live.count(e.first); });
+}
+
+std::optional<Controller::Decoded> Controller::LastAppliedOf(const StoredObject& o) {
+  auto status = nlohmann::json::parse(o.status, nullptr, /*allow_exceptions=*/false);
+  if (!status.is_object()) return std::nullopt;
+  auto last = status.find("lastApplied");
+  if (last == status.end() || !last->is_object()) return std::nullopt;
+  auto stored = last->find("stored");
+  auto generation = last->find("generation");
+  if (stored == last->end() || !stored->is_string() || generation == last->end() ||
+      !generation->is_number_integer()) {
+    return std::nullopt;
+  }
+  auto parsed = DecodeFromStore(o.name, stored->get<std::string>());
+  if (!parsed.ok()) return std::nullopt;
+  return Decoded{stored->get<std::string>(), std::move(*parsed), generation->get<int64_t>(), o.uid};
 }
 
 absl::StatusOr<uint64_t> Controller::RequestRolloutAction(const std::string& name, const std::string& action) {

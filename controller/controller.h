@@ -283,6 +283,9 @@ class Controller
     std::string uid;         // the stored object's
   };
   std::map<std::string, Decoded> decoded_;
+  // The spec `o`'s status says ran last (status.lastApplied), decoded; none when it has none
+  // or kiln refuses that one too.
+  static std::optional<Decoded> LastAppliedOf(const StoredObject& o);
   // Stored specs kiln refuses (name -> the text, and why); the last valid one (decoded_) runs.
   struct Invalid {
     std::string spec;

@@ -330,6 +330,58 @@ TEST_F(ControllerLoopTest, ARefusedStoredSpecKeepsTheLastAppliedOneRunning) {
   EXPECT_EQ(status.dump().find("SpecValid"), std::string::npos) << status.dump();
 }
 
+// The spec that runs is kept in the status, so a spec refused by a controller that was not
+// running when it was stored (a restart, or a bad edit while it was down) still runs as last
+// applied, and says so; the deployment is not dropped.
+TEST_F(ControllerLoopTest, ARefusedSpecFoundAfterARestartRunsAsLastApplied) {
+  CreateEncoder("enc", "  replicas: 2\n");
+  controller_->Tick();
+  auto stored = store_->Get(kModelDeploymentKind, "enc");
+  ASSERT_TRUE(stored.ok());
+  auto status = nlohmann::json::parse(stored->status);
+  ASSERT_EQ(status["lastApplied"]["generation"], stored->generation) << status.dump();
+  EXPECT_EQ(status["lastApplied"]["stored"], stored->spec) << status.dump();
+  // The controller stops; meanwhile a spec kiln refuses is stored.
+  server_->Shutdown();
+  controller_.reset();
+  nlohmann::json doc = nlohmann::json::parse(stored->spec);
+  doc["spec"]["replicas"] = -3;
+  ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", doc.dump(), 0).ok());
+  controller_ = std::make_unique<Controller>(Options(), store_.get(), &clock_);
+  stub_ = Serve(controller_.get(), &server_);
+  ASSERT_TRUE(stub_);
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  status = nlohmann::json::parse(store_->Get(kModelDeploymentKind, "enc")->status);
+  EXPECT_EQ(status["desiredReplicas"], 2) << status.dump();
+  EXPECT_EQ(status["observedGeneration"], stored->generation) << status.dump();
+  EXPECT_EQ(status["lastApplied"]["stored"], stored->spec) << status.dump();
+  bool said = false;
+  for (const auto& c : status["conditions"]) {
+    if (c["type"] == "SpecValid") {
+      said = c["status"] == "False" && c["reason"] == "InvalidSpec" &&
+             c["message"].get<std::string>().find("as last applied") != std::string::npos;
+    }
+  }
+  EXPECT_TRUE(said) << status.dump();
+  EXPECT_NE(controller_->MetricsText().find("\nkiln_controller_deployments 1\n"), std::string::npos)
+      << controller_->MetricsText();
+  // A last applied spec that is itself refused (a hand-edited status) runs nothing.
+  server_->Shutdown();
+  controller_.reset();
+  auto now = store_->Get(kModelDeploymentKind, "enc");
+  ASSERT_TRUE(now.ok());
+  status["lastApplied"]["stored"] = doc.dump();
+  ASSERT_TRUE(store_->UpdateStatus(kModelDeploymentKind, "enc", status.dump(), now->resource_version).ok());
+  controller_ = std::make_unique<Controller>(Options(), store_.get(), &clock_);
+  stub_ = Serve(controller_.get(), &server_);
+  ASSERT_TRUE(stub_);
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  EXPECT_NE(controller_->MetricsText().find("\nkiln_controller_deployments 0\n"), std::string::npos)
+      << controller_->MetricsText();
+}
+
 // A rollout action is for the rollout it was asked of: `promote` of version 2's canary, with
 // version 3 applied before the next pass, does not promote version 3 unjudged.
 TEST_F(ControllerLoopTest, AnActionForASupersededRolloutIsDropped) {
