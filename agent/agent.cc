@@ -293,6 +293,7 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   // the answer, when it comes, wakes it. One wedged runtime must not hold up the others.
   clients_ = std::make_unique<GrpcRuntimeClientFactory>(absl::Seconds(2), kControlInlineWait,
                                                         [this] { Wake(); });
+  stat_client_factory_ = std::make_unique<GrpcRuntimeClientFactory>(absl::Seconds(2));
   prober_ = MakeGrpcInferenceProber(options_.inference_probe_timeout);
   SupervisorOptions so;
   so.runtime_binary = options_.runtime_binary;
@@ -570,7 +571,7 @@ absl::StatusOr<v1::RuntimeStats> Agent::ReplicaStats(const std::string& socket) 
   {
     absl::MutexLock lock(&load_mu_);
     auto& c = stat_clients_[socket];
-    if (!c) c = clients_->Connect(socket);
+    if (!c) c = stat_client_factory_->Connect(socket);
     client = c;
   }
   return client->Stats();

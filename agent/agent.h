@@ -156,7 +156,10 @@ class Agent {
   const Topology topology_;
   std::unique_ptr<GpuDriver> gpus_;
   std::unique_ptr<ProcessLauncher> launcher_;
-  std::unique_ptr<RuntimeClientFactory> clients_;
+  std::unique_ptr<RuntimeClientFactory> clients_;  // the loop's: never waits long
+  // The status and metrics threads' (stat_clients_): these wait for each answer (bounded by
+  // the call's timeout), so that a slow replica's numbers are fresh, not left out.
+  std::unique_ptr<RuntimeClientFactory> stat_client_factory_;
   std::unique_ptr<InferenceProber> prober_;
   std::unique_ptr<Supervisor> supervisor_;
   std::unique_ptr<GpuPowerManager> power_;
@@ -201,7 +204,7 @@ class Agent {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Work was posted (a reload, a task): the loop runs now instead of at its next tick.
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
-  void Wake();
+  void Wake() ABSL_LOCKS_EXCLUDED(mu_);
   std::thread loop_;
 };
 

@@ -277,10 +277,11 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
   std::string body;     // and its body,
   size_t body_got = 0;  // so far
   std::string why = kReplicaClosed;
-  const int64_t stall_limit = answer_stall_micros_.load();  // mid-answer
+  const int64_t stall_limit = answer_stall_micros_.load();  // mid-answer; 0 = none
+  const bool stall_limited = stall_limit > 0;
   int64_t last_bytes = 0;  // when the frame being read last grew (monotonic micros)
   for (;;) {
-    if (head_got > 0 && MonoMicros() - last_bytes >= stall_limit) {
+    if (stall_limited && head_got > 0 && MonoMicros() - last_bytes >= stall_limit) {
       why = "it stopped in the middle of an answer for " +
             absl::FormatDuration(absl::Microseconds(stall_limit));
       break;
@@ -316,8 +317,9 @@ void DataChannel::ReadLoop(std::shared_ptr<Connection> c) {
       from_spin = true;
     } else {
       // Mid-frame, no longer than the stall limit leaves.
-      n = PollFor(fds, head_got > 0 ? std::max<int64_t>(last_bytes + stall_limit - MonoMicros(), 0)
-                                    : -1);
+      n = PollFor(fds, stall_limited && head_got > 0
+                           ? std::max<int64_t>(last_bytes + stall_limit - MonoMicros(), 0)
+                           : -1);
       if (n == 0) continue;
     }
     if (n < 0) {

@@ -61,10 +61,12 @@ class DataChannel {
   // How long a replica may stop in the middle of an answer before its connection is closed,
   // so that a call without a deadline does not wait on a half-sent frame for ever (its calls
   // fail UNAVAILABLE and are retried elsewhere). Tests shorten it; each connection's reader
-  // reads it when it starts.
+  // reads it when it starts. Zero, negative or infinite: no limit.
   static constexpr absl::Duration kDefaultAnswerStall = absl::Seconds(10);
   void set_answer_stall_limit(absl::Duration d) {
-    answer_stall_micros_ = absl::ToInt64Microseconds(d);
+    answer_stall_micros_ = d <= absl::ZeroDuration() || d == absl::InfiniteDuration()
+                               ? 0
+                               : absl::ToInt64Microseconds(d);
   }
 
   const std::string& path() const { return path_; }

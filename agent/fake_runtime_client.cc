@@ -25,6 +25,7 @@ class FakeRuntimeClient : public RuntimeClient {
     absl::MutexLock lock(&f_->mu_);
     auto* r = Find();
     if (!r) return absl::UnavailableError("no runtime at " + socket_);
+    if (r->stats_pending) return AnswerPending("Stats");
     return r->stats;
   }
   absl::Status Load(const std::vector<std::string>& args) override {
@@ -88,6 +89,11 @@ void FakeRuntimeClientFactory::SetDeviceMemory(const std::string& socket, int64_
 void FakeRuntimeClientFactory::SetExecutions(const std::string& socket, uint64_t batches) {
   absl::MutexLock lock(&mu_);
   runtimes_[socket].stats.set_batches(batches);
+}
+
+void FakeRuntimeClientFactory::SetStatsPending(const std::string& socket, bool pending) {
+  absl::MutexLock lock(&mu_);
+  runtimes_[socket].stats_pending = pending;
 }
 
 void FakeRuntimeClientFactory::FailNextLoad(const std::string& socket, absl::Status error) {

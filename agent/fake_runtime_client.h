@@ -17,6 +17,7 @@ class FakeRuntimeClientFactory : public RuntimeClientFactory {
     v1::RuntimeState state;
     v1::RuntimeStats stats;
     bool reachable = true;
+    bool stats_pending = false;  // Stats answers AnswerPending() (a slow runtime)
     int promotes = 0;
     int demotes = 0;
     // Load: every accepted call's arguments; `load_error` refuses the next one.
@@ -33,6 +34,8 @@ class FakeRuntimeClientFactory : public RuntimeClientFactory {
   void SetDeviceMemory(const std::string& socket, int64_t bytes);
   // Its Stats' execution count (RuntimeStats.batches).
   void SetExecutions(const std::string& socket, uint64_t batches);
+  // Its Stats answer pending (still on its way) until set back.
+  void SetStatsPending(const std::string& socket, bool pending);
   void SetReplicaId(const std::string& socket, const std::string& id);
   void FailNextLoad(const std::string& socket, absl::Status error);
   Runtime Get(const std::string& socket) const;

@@ -49,6 +49,7 @@ struct Flight {
     absl::MutexLock lock(&mu);
     status = std::move(s);
     done = true;
+    done_at = absl::Now();
     // Under the lock: a client going away marks its flights closed under it, so nothing runs
     // on_late once the client (and what on_late refers to) may be gone.
     if (!waited && !closed && on_late) on_late();
@@ -63,9 +64,15 @@ struct Flight {
     waited = false;
     return done;
   }
-  bool Done() {
+  // Ended with an OK answer.
+  bool AnsweredOk() {
     absl::MutexLock lock(&mu);
-    return done;
+    return done && status.ok();
+  }
+  // Ended before `t`.
+  bool EndedBefore(absl::Time t) {
+    absl::MutexLock lock(&mu);
+    return done && done_at < t;
   }
   void Close() {
     absl::MutexLock lock(&mu);
@@ -77,7 +84,9 @@ struct Flight {
   std::function<void()> on_late;
   absl::Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
-  bool waited ABSL_GUARDED_BY(mu) = false;  // a caller waits for it now: no need to tell one
+  // A caller waits for it now (or is about to): no need to tell one.
+  bool waited ABSL_GUARDED_BY(mu) = false;
+  absl::Time done_at ABSL_GUARDED_BY(mu);
   bool closed ABSL_GUARDED_BY(mu) = false;  // its client is gone
   grpc::Status status ABSL_GUARDED_BY(mu);
 };
@@ -169,12 +178,21 @@ class GrpcRuntimeClient : public RuntimeClient {
     std::shared_ptr<FlightOf<Req, Resp>> f;
     {
       absl::MutexLock lock(&mu_);
+      // An answer nobody came back for within kStale is old news: asked afresh.
+      if (flights_[method] && flights_[method]->EndedBefore(absl::Now() - kStale)) {
+        flights_[method].reset();
+      }
       f = std::static_pointer_cast<FlightOf<Req, Resp>>(flights_[method]);
       const bool fresh = f == nullptr;
       if (fresh) {
         f = std::make_shared<FlightOf<Req, Resp>>();
         f->channel = channel_;
         f->on_late = on_late_;
+        // Waited for from the start: an answer that comes before the wait begins wakes nobody.
+        if (wait != absl::ZeroDuration() && !silent_) {
+          absl::MutexLock fl(&f->mu);
+          f->waited = true;
+        }
         // A runtime that let a call time out (stopped, wedged) is given a short time from
         // then on, until it answers again.
         f->ctx.set_deadline(absl::ToChronoTime(
@@ -197,16 +215,18 @@ class GrpcRuntimeClient : public RuntimeClient {
     if (!s.ok()) return FromGrpcStatus(s);
     silent_ = false;
     if (method == kGetState) {
-      // The state answered now says more than an answer of another call that nobody came
-      // back for: such an answer is dropped, and the next call of its method asks afresh.
-      for (auto& other : flights_) {
-        if (other && other != f && other->Done()) other.reset();
+      // The state answered now says more than a Promote's or Demote's OK answer that nobody
+      // came back for: such an answer is dropped, and the next call asks afresh. (A failed
+      // one is kept for its caller to hear; Stats says what no state does.)
+      for (Method m : {kPromote, kDemote}) {
+        if (flights_[m] && flights_[m]->AnsweredOk()) flights_[m].reset();
       }
     }
     return f->resp;
   }
 
   static constexpr absl::Duration kSilentTimeout = absl::Milliseconds(200);
+  static constexpr absl::Duration kStale = absl::Seconds(1);
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<Stub> stub_;
   const absl::Duration timeout_;

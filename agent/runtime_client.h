@@ -21,8 +21,9 @@ bool IsAnswerPending(const absl::Status& status);
 //
 // GetState, Promote, Demote and Stats may answer AnswerPending() when the runtime is slow to
 // answer: the agent's loop asks every replica in turn and must not wait on a wedged one.
-// Promote and Demote are idempotent, so asking again is always safe. A pending answer that
-// a fresh GetState answer overtakes is dropped: the state says more than it.
+// Promote and Demote are idempotent, so asking again is always safe. An OK Promote or Demote
+// answer nobody came back for is dropped once a fresh GetState is answered (the state says
+// more than it), and any answer nobody came back for within a second is dropped too.
 class RuntimeClient {
  public:
   virtual ~RuntimeClient() = default;
@@ -48,8 +49,9 @@ class RuntimeClientFactory {
 // gRPC over the unix socket; every call has `timeout`, or 200 ms once a call timed out, until
 // the runtime answers again. A call waits up to `inline_wait` for its answer (the whole
 // timeout by default), then answers AnswerPending() and goes on; `on_late_answer` (may be
-// empty; any thread) runs when such a call's answer comes, so that its caller can come back
-// for it. Thread-safe.
+// empty) runs when such a call's answer comes, so that its caller can come back for it. It
+// runs on a gRPC thread under the call's own lock: it must not block, nor call the client.
+// Thread-safe.
 class GrpcRuntimeClientFactory : public RuntimeClientFactory {
  public:
   explicit GrpcRuntimeClientFactory(absl::Duration timeout = absl::Seconds(2),

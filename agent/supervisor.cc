@@ -645,6 +645,10 @@ void Supervisor::TickPool() {
       continue;
     }
     auto st = p.client->GetState();
+    if (IsAnswerPending(st.status())) {  // slow, not silent: its answer comes on a later pass
+      ++it;
+      continue;
+    }
     if (st.ok() && st->state() == v1::LOADING && st->model_name().empty()) {
       p.ready = true;
       log_("pre-started runtime " + it->first + ": ready after " +
@@ -1014,26 +1018,43 @@ void Supervisor::Tick() {
 
 void Supervisor::TakeProbeResults() {
   if (!probes_) return;
-  for (auto& result : probes_->Take()) {
+  // The results held back by a pass whose Stats call was still on its way come first.
+  std::vector<ProbeRunner::Result> results = std::move(probes_waiting_for_stats_);
+  probes_waiting_for_stats_.clear();
+  for (auto& result : probes_->Take()) results.push_back(std::move(result));
+  for (auto& result : results) {
     auto r = std::find_if(replicas_.begin(), replicas_.end(), [&](const auto& e) {
       return e.second.probe_token == result.token;
     });
     if (r == replicas_.end()) continue;  // its process is gone: stale
     Replica& rep = r->second;
     const std::string& id = r->first;
-    rep.probe_token = 0;
-    if (std::exchange(rep.probe_again, false)) rep.last_probe = absl::InfinitePast();
+    // The probe is over (judged, or of no account): the next one may be sent.
+    auto over = [&rep] {
+      rep.probe_token = 0;
+      if (std::exchange(rep.probe_again, false)) rep.last_probe = absl::InfinitePast();
+    };
     // Sent while it was SERVING; one demoted (or stopping) since refuses inference, which says
     // nothing of its health.
-    if (rep.phase != Phase::kRunning || rep.removing || rep.observed != v1::SERVING) continue;
+    if (rep.phase != Phase::kRunning || rep.removing || rep.observed != v1::SERVING) {
+      over();
+      continue;
+    }
     // Whether the model executed anything since the previous probe's answer.
     bool executed = false;
     if (rep.client) {
       auto stats = rep.client->Stats();
+      if (IsAnswerPending(stats.status())) {
+        // A slow runtime is the one whose failed probe may only mean busy: judged once its
+        // Stats answer comes (it wakes the loop), not as broken for want of it.
+        probes_waiting_for_stats_.push_back(std::move(result));
+        continue;
+      }
       const int64_t now_batches = stats.ok() ? static_cast<int64_t>(stats->batches()) : -1;
       executed = now_batches >= 0 && rep.probe_batches >= 0 && now_batches > rep.probe_batches;
       rep.probe_batches = now_batches;
     }
+    over();
     const ProbeVerdict verdict = JudgeProbe(result.status, executed);
     const absl::Status was = rep.probe;
     if (verdict == ProbeVerdict::kHealthy || verdict == ProbeVerdict::kBusy) {

@@ -292,6 +292,8 @@ class Supervisor {
   Clock* clock_;
   Log log_;
   std::unique_ptr<ProbeRunner> probes_;  // null without a prober
+  // Probe results whose replica's Stats answer was still on its way: judged on a later pass.
+  std::vector<ProbeRunner::Result> probes_waiting_for_stats_;
   uint64_t probe_seq_ = 0;
   std::vector<int> reserved_;
   std::map<std::string, Replica> replicas_;  // by replica id

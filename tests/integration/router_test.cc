@@ -444,6 +444,25 @@ TEST(RouterDataSocketTest, AReplicaStoppedMidAnswerPastTheStallLimitLosesItsConn
   EXPECT_EQ(replica.requests(), 1);
 }
 
+// The stall limit is for a frame begun and not finished: a connection idle between answers
+// for longer than it is kept.
+TEST(RouterDataSocketTest, AnIdleConnectionOutlivesTheStallLimit) {
+  std::string path = TempSocket("idle");
+  FakeDataSocket replica(path, [](const inference::ModelInferRequest&) {
+    return std::make_pair(0, OutputNamed("y"));
+  });
+  DataChannel channel(path);
+  channel.set_answer_stall_limit(absl::Milliseconds(50));
+  for (int i = 0; i < 2; ++i) {
+    CallOutcome call;
+    channel.Call(EncoderRequest(), 0, &call.response, call.Callback());
+    ASSERT_TRUE(call.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    EXPECT_TRUE(call.status.ok()) << call.status.error_message();
+    if (i == 0) absl::SleepFor(absl::Milliseconds(200));  // idle, four limits long
+  }
+  EXPECT_EQ(channel.connections_made(), 1);
+}
+
 // A replica that never answers: a call past its deadline fails DEADLINE_EXCEEDED (the router
 // does not keep it forever), and a stopping router fails the ones without a deadline.
 TEST(RouterDataSocketTest, CallsEndAtTheirDeadlineOrWhenTheChannelCloses) {

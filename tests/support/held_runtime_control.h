@@ -43,6 +43,11 @@ class HeldRuntimeControl final : public v1::RuntimeControl::Service {
       held_[method] = hold;
     }
   }
+  // Promote/Demote answer `s` (until set back to OK), leaving the state as it is.
+  void Refuse(const std::string& method, grpc::Status s) {
+    absl::MutexLock lock(&mu_);
+    refusals_[method] = std::move(s);
+  }
   // Calls of `method` that came, and how much time each had left when it came.
   std::vector<absl::Duration> calls(const std::string& method) {
     absl::MutexLock lock(&mu_);
@@ -78,6 +83,7 @@ class HeldRuntimeControl final : public v1::RuntimeControl::Service {
                     v1::RuntimeState* resp) {
     Come(method, ctx);
     absl::MutexLock lock(&mu_);
+    if (auto r = refusals_.find(method); r != refusals_.end() && !r->second.ok()) return r->second;
     state_ = to;
     resp->set_state(state_);
     return grpc::Status::OK;
@@ -106,6 +112,7 @@ class HeldRuntimeControl final : public v1::RuntimeControl::Service {
   std::map<std::string, bool> held_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<absl::Duration>> calls_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> holding_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, grpc::Status> refusals_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<grpc::Server> server_;
 };
 

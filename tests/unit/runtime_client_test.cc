@@ -56,7 +56,7 @@ TEST(GrpcRuntimeClientTest, ASlowAnswerIsPendingAndTakenByTheNextCall) {
   std::atomic<int> late{0};
   GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
   auto client = factory.Connect(SocketPath("pend"));
-  ASSERT_TRUE(client->GetState().ok());  // connected
+  ASSERT_TRUE(client->AwaitState().ok());  // connected
   runtime.Hold("GetState", true);
   absl::StatusOr<v1::RuntimeState> st = client->GetState();
   EXPECT_TRUE(IsAnswerPending(st.status())) << st.status();
@@ -70,7 +70,7 @@ TEST(GrpcRuntimeClientTest, ASlowAnswerIsPendingAndTakenByTheNextCall) {
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->state(), v1::SERVING);
   EXPECT_EQ(runtime.calls("GetState").size(), 2u);  // the answer came from the call on its way
-  ASSERT_TRUE(client->GetState().ok());
+  ASSERT_TRUE(client->AwaitState().ok());
   EXPECT_EQ(runtime.calls("GetState").size(), 3u);  // then a new one
   EXPECT_EQ(late.load(), 1);  // answers waited for are not told
 }
@@ -83,18 +83,60 @@ TEST(GrpcRuntimeClientTest, AnAnswerOvertakenByAFreshStateIsDropped) {
   std::atomic<int> late{0};
   GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
   auto client = factory.Connect(SocketPath("drop"));
-  ASSERT_TRUE(client->GetState().ok());
+  ASSERT_TRUE(client->AwaitState().ok());
   runtime.Hold("Promote", true);
   EXPECT_TRUE(IsAnswerPending(client->Promote().status()));
   runtime.Hold("Promote", false);
   ASSERT_TRUE(Eventually([&] { return late.load() == 1; }, absl::Seconds(10)));
-  auto st = client->GetState();
+  auto st = client->AwaitState();
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->state(), v1::SERVING);
   ASSERT_EQ(runtime.calls("Promote").size(), 1u);
-  auto p = client->Promote();
+  absl::StatusOr<v1::RuntimeState> p;
+  ASSERT_TRUE(Eventually([&] { return !IsAnswerPending((p = client->Promote()).status()); },
+                         absl::Seconds(10)));
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(runtime.calls("Promote").size(), 2u);
+}
+
+// A failed Promote is kept for its caller to hear, fresh state or not: the next Promote
+// takes the error instead of asking again (without a word, for ever).
+TEST(GrpcRuntimeClientTest, AFailedAnswerIsKeptForItsCaller) {
+  HeldRuntimeControl runtime(SocketPath("fail"), v1::WARM);
+  ASSERT_NE(runtime.server(), nullptr);
+  std::atomic<int> late{0};
+  GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
+  auto client = factory.Connect(SocketPath("fail"));
+  ASSERT_TRUE(client->AwaitState().ok());
+  runtime.Hold("Promote", true);
+  runtime.Refuse("Promote", grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "warm-up failed"));
+  EXPECT_TRUE(IsAnswerPending(client->Promote().status()));
+  runtime.Hold("Promote", false);
+  ASSERT_TRUE(Eventually([&] { return late.load() == 1; }, absl::Seconds(10)));
+  ASSERT_TRUE(client->AwaitState().ok());
+  auto p = client->Promote();
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition) << p.status();
+  EXPECT_EQ(runtime.calls("Promote").size(), 1u);
+}
+
+// An answer nobody came back for within a second is old news: the next call asks afresh.
+TEST(GrpcRuntimeClientTest, AnAnswerNobodyCameBackForWithinASecondIsDropped) {
+  HeldRuntimeControl runtime(SocketPath("stale"), v1::WARM);
+  ASSERT_NE(runtime.server(), nullptr);
+  std::atomic<int> late{0};
+  GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
+  auto client = factory.Connect(SocketPath("stale"));
+  ASSERT_TRUE(client->AwaitState().ok());
+  runtime.Hold("Demote", true);
+  EXPECT_TRUE(IsAnswerPending(client->Demote().status()));
+  runtime.Hold("Demote", false);
+  ASSERT_TRUE(Eventually([&] { return late.load() == 1; }, absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(1500));  // what is under test: a second after the answer
+  absl::StatusOr<v1::RuntimeState> d;
+  ASSERT_TRUE(Eventually([&] { return !IsAnswerPending((d = client->Demote()).status()); },
+                         absl::Seconds(10)));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(runtime.calls("Demote").size(), 2u);
 }
 
 // A pending call that runs out of time ends DEADLINE_EXCEEDED, and the client then gives the
@@ -104,7 +146,7 @@ TEST(GrpcRuntimeClientTest, APendingCallPastItsDeadlineEndsDeadlineExceeded) {
   ASSERT_NE(runtime.server(), nullptr);
   GrpcRuntimeClientFactory factory(absl::Seconds(1), absl::Milliseconds(10));
   auto client = factory.Connect(SocketPath("dead"));
-  ASSERT_TRUE(client->GetState().ok());
+  ASSERT_TRUE(client->AwaitState().ok());
   runtime.Hold("GetState", true);
   absl::StatusOr<v1::RuntimeState> st = client->GetState();
   EXPECT_TRUE(IsAnswerPending(st.status()));
@@ -129,7 +171,7 @@ TEST(GrpcRuntimeClientTest, AClientGoneWithACallOnItsWayTellsNobody) {
   std::atomic<int> late{0};
   GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
   auto client = factory.Connect(SocketPath("gone"));
-  ASSERT_TRUE(client->GetState().ok());
+  ASSERT_TRUE(client->AwaitState().ok());
   runtime.Hold("GetState", true);
   EXPECT_TRUE(IsAnswerPending(client->GetState().status()));
   ASSERT_TRUE(Eventually([&] { return runtime.held_now("GetState") == 1; }, absl::Seconds(10)));

@@ -223,11 +223,13 @@ TEST_F(SupervisorTest, ATickDoesNotWaitForAWedgedRuntime) {
   });
   const bool came_back = kiln::testing::Eventually([&] { return ticked.load(); },
                                                    absl::Seconds(10));
-  const int held = runtime.held_now("GetState");
+  // The call did reach the runtime, which holds it still: the pass came back without it.
+  const bool held = kiln::testing::Eventually(
+      [&] { return runtime.held_now("GetState") == 1; }, absl::Seconds(10));
   runtime.Hold("GetState", false);  // lets a pass that waited go on
   pass.join();
   ASSERT_TRUE(came_back) << "the pass waited for the runtime's answer";
-  EXPECT_EQ(held, 1);  // it came back while the runtime still held the call
+  EXPECT_TRUE(held);
   EXPECT_TRUE(View("a")->healthy);
   EXPECT_EQ(View("a")->state, v1::SERVING);
   for (const auto& line : log_) EXPECT_EQ(line.find("not answering"), std::string::npos) << line;
@@ -804,6 +806,34 @@ TEST_F(SupervisorTest, ABusyReplicaIsNeitherUnroutedNorKilledAndAMisfitProbeIsNo
   EXPECT_NE(View("a")->last_error.find("by the agent: inference probe failed 3 times in a row"),
             std::string::npos)
       << View("a")->last_error;
+}
+
+// A failed probe of a runtime whose Stats answer is slow to come is judged once it comes,
+// not as broken for want of it: a busy replica (its executions moving) stays routed.
+TEST_F(SupervisorTest, AProbeIsJudgedOnceASlowStatsAnswerComes) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6001);
+  sup_->Tick();  // the first probe passes: its executions are the baseline
+  ASSERT_TRUE(View("a")->healthy);
+  prober_.Set("127.0.0.1:6001", absl::DeadlineExceededError("the request timed out in the queue"));
+  runtimes_.SetExecutions(Socket("a"), 500);
+  runtimes_.SetStatsPending(Socket("a"), true);
+  clock_.Advance(absl::Seconds(10));
+  sup_->Tick();
+  sup_->Tick();
+  EXPECT_EQ(prober_.probes("127.0.0.1:6001"), 2);  // no new probe while this one waits
+  EXPECT_TRUE(View("a")->healthy) << View("a")->health_reason;
+  runtimes_.SetStatsPending(Socket("a"), false);
+  sup_->Tick();
+  EXPECT_TRUE(View("a")->healthy) << View("a")->health_reason;
+  EXPECT_EQ(std::count_if(log_.begin(), log_.end(),
+                          [](const std::string& l) {
+                            return l.find("busy, kept in routing") != std::string::npos;
+                          }),
+            1)
+      << absl::StrJoin(log_, "\n");
+  for (const auto& line : log_) EXPECT_EQ(line.find("probe failed"), std::string::npos) << line;
 }
 
 // A demotion starts the count afresh: two failures before it and one after it are not three
