@@ -21,6 +21,21 @@ std::string SocketPath(const std::string& tag) {
   return ::testing::TempDir() + "/kiln_rc_" + tag + "_" + std::to_string(getpid()) + ".sock";
 }
 
+// A held runtime and a client of it with a 10 ms inline wait, connected; `late` counts the
+// late answers the client told of.
+struct Rig {
+  Rig(const std::string& tag, v1::LifecycleState state, absl::Duration timeout)
+      : runtime(SocketPath(tag), state),
+        factory(timeout, absl::Milliseconds(10), [this] { ++late; }),
+        client(factory.Connect(SocketPath(tag))) {}
+  // Serving and answering (ASSERT_TRUE(rig.Ready())).
+  bool Ready() { return runtime.server() != nullptr && client->AwaitState().ok(); }
+  HeldRuntimeControl runtime;
+  std::atomic<int> late{0};
+  GrpcRuntimeClientFactory factory;
+  std::unique_ptr<RuntimeClient> client;
+};
+
 // Once a call timed out, the next ones get a short time, until the runtime answers again; then
 // the whole timeout again.
 TEST(GrpcRuntimeClientTest, ARuntimeThatLetACallTimeOutIsGivenLessTimeUntilItAnswers) {
@@ -51,12 +66,11 @@ TEST(GrpcRuntimeClientTest, ARuntimeThatLetACallTimeOutIsGivenLessTimeUntilItAns
 // the one call on its way (asking again does not pile calls up on a wedged runtime), tells
 // the caller when its answer comes, and that answer is what the next call takes.
 TEST(GrpcRuntimeClientTest, ASlowAnswerIsPendingAndTakenByTheNextCall) {
-  HeldRuntimeControl runtime(SocketPath("pend"));
-  ASSERT_NE(runtime.server(), nullptr);
-  std::atomic<int> late{0};
-  GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
-  auto client = factory.Connect(SocketPath("pend"));
-  ASSERT_TRUE(client->AwaitState().ok());  // connected
+  Rig rig("pend", v1::SERVING, absl::Seconds(30));
+  ASSERT_TRUE(rig.Ready());
+  auto& runtime = rig.runtime;
+  auto& client = rig.client;
+  auto& late = rig.late;
   runtime.Hold("GetState", true);
   absl::StatusOr<v1::RuntimeState> st = client->GetState();
   EXPECT_TRUE(IsAnswerPending(st.status())) << st.status();
@@ -78,12 +92,11 @@ TEST(GrpcRuntimeClientTest, ASlowAnswerIsPendingAndTakenByTheNextCall) {
 // A Promote whose answer nobody came back for is dropped once a fresh state is answered: a
 // later Promote asks the runtime again instead of taking an old answer.
 TEST(GrpcRuntimeClientTest, AnAnswerOvertakenByAFreshStateIsDropped) {
-  HeldRuntimeControl runtime(SocketPath("drop"), v1::WARM);
-  ASSERT_NE(runtime.server(), nullptr);
-  std::atomic<int> late{0};
-  GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
-  auto client = factory.Connect(SocketPath("drop"));
-  ASSERT_TRUE(client->AwaitState().ok());
+  Rig rig("drop", v1::WARM, absl::Seconds(30));
+  ASSERT_TRUE(rig.Ready());
+  auto& runtime = rig.runtime;
+  auto& client = rig.client;
+  auto& late = rig.late;
   runtime.Hold("Promote", true);
   EXPECT_TRUE(IsAnswerPending(client->Promote().status()));
   runtime.Hold("Promote", false);
@@ -102,12 +115,11 @@ TEST(GrpcRuntimeClientTest, AnAnswerOvertakenByAFreshStateIsDropped) {
 // A failed Promote is kept for its caller to hear, fresh state or not: the next Promote
 // takes the error instead of asking again (without a word, for ever).
 TEST(GrpcRuntimeClientTest, AFailedAnswerIsKeptForItsCaller) {
-  HeldRuntimeControl runtime(SocketPath("fail"), v1::WARM);
-  ASSERT_NE(runtime.server(), nullptr);
-  std::atomic<int> late{0};
-  GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
-  auto client = factory.Connect(SocketPath("fail"));
-  ASSERT_TRUE(client->AwaitState().ok());
+  Rig rig("fail", v1::WARM, absl::Seconds(30));
+  ASSERT_TRUE(rig.Ready());
+  auto& runtime = rig.runtime;
+  auto& client = rig.client;
+  auto& late = rig.late;
   runtime.Hold("Promote", true);
   runtime.Refuse("Promote", grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "warm-up failed"));
   EXPECT_TRUE(IsAnswerPending(client->Promote().status()));
@@ -121,12 +133,11 @@ TEST(GrpcRuntimeClientTest, AFailedAnswerIsKeptForItsCaller) {
 
 // An answer nobody came back for within a second is old news: the next call asks afresh.
 TEST(GrpcRuntimeClientTest, AnAnswerNobodyCameBackForWithinASecondIsDropped) {
-  HeldRuntimeControl runtime(SocketPath("stale"), v1::WARM);
-  ASSERT_NE(runtime.server(), nullptr);
-  std::atomic<int> late{0};
-  GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
-  auto client = factory.Connect(SocketPath("stale"));
-  ASSERT_TRUE(client->AwaitState().ok());
+  Rig rig("stale", v1::WARM, absl::Seconds(30));
+  ASSERT_TRUE(rig.Ready());
+  auto& runtime = rig.runtime;
+  auto& client = rig.client;
+  auto& late = rig.late;
   runtime.Hold("Demote", true);
   EXPECT_TRUE(IsAnswerPending(client->Demote().status()));
   runtime.Hold("Demote", false);
@@ -142,11 +153,10 @@ TEST(GrpcRuntimeClientTest, AnAnswerNobodyCameBackForWithinASecondIsDropped) {
 // A pending call that runs out of time ends DEADLINE_EXCEEDED, and the client then gives the
 // silent runtime the short timeout, without waiting for it inline.
 TEST(GrpcRuntimeClientTest, APendingCallPastItsDeadlineEndsDeadlineExceeded) {
-  HeldRuntimeControl runtime(SocketPath("dead"));
-  ASSERT_NE(runtime.server(), nullptr);
-  GrpcRuntimeClientFactory factory(absl::Seconds(1), absl::Milliseconds(10));
-  auto client = factory.Connect(SocketPath("dead"));
-  ASSERT_TRUE(client->AwaitState().ok());
+  Rig rig("dead", v1::SERVING, absl::Seconds(1));
+  ASSERT_TRUE(rig.Ready());
+  auto& runtime = rig.runtime;
+  auto& client = rig.client;
   runtime.Hold("GetState", true);
   absl::StatusOr<v1::RuntimeState> st = client->GetState();
   EXPECT_TRUE(IsAnswerPending(st.status()));
@@ -166,12 +176,11 @@ TEST(GrpcRuntimeClientTest, APendingCallPastItsDeadlineEndsDeadlineExceeded) {
 // A client destroyed with a call on its way ends the call, and its answer tells nobody (what
 // the callback refers to may be gone with the client).
 TEST(GrpcRuntimeClientTest, AClientGoneWithACallOnItsWayTellsNobody) {
-  HeldRuntimeControl runtime(SocketPath("gone"));
-  ASSERT_NE(runtime.server(), nullptr);
-  std::atomic<int> late{0};
-  GrpcRuntimeClientFactory factory(absl::Seconds(30), absl::Milliseconds(10), [&] { ++late; });
-  auto client = factory.Connect(SocketPath("gone"));
-  ASSERT_TRUE(client->AwaitState().ok());
+  Rig rig("gone", v1::SERVING, absl::Seconds(30));
+  ASSERT_TRUE(rig.Ready());
+  auto& runtime = rig.runtime;
+  auto& client = rig.client;
+  auto& late = rig.late;
   runtime.Hold("GetState", true);
   EXPECT_TRUE(IsAnswerPending(client->GetState().status()));
   ASSERT_TRUE(Eventually([&] { return runtime.held_now("GetState") == 1; }, absl::Seconds(10)));
