@@ -39,6 +39,8 @@ const char* ReasonFor(absl::StatusCode code) {
       return "ServiceUnavailable";
     case absl::StatusCode::kUnimplemented:
       return "MethodNotAllowed";
+    case absl::StatusCode::kDeadlineExceeded:
+      return "Timeout";
     default:
       return "InternalError";
   }
@@ -215,10 +217,12 @@ ApiResponse AdminApi::Handle(const ApiRequest& r) {
     if (auto o = store_->Get(kModelDeploymentKind, name); !o.ok()) return ErrorResponse(o.status());
     // No rollout in progress, or the action dropped or replaced: 409. OK once the action is
     // taken and written down in the deployment's status.
-    absl::Status s = AsConflict(rollout_action_(name, j["action"].get<std::string>()));
-    if (!s.ok()) return ErrorResponse(s);
-    return Json(200, {{"kind", "Status"}, {"status", "Success"},
-                      {"message", j["action"].get<std::string>() + " applied"}});
+    absl::StatusOr<bool> written = rollout_action_(name, j["action"].get<std::string>());
+    if (!written.ok()) return ErrorResponse(AsConflict(written.status()));
+    return Json(*written ? 200 : 202,
+                {{"kind", "Status"},
+                 {"status", "Success"},
+                 {"message", j["action"].get<std::string>() + (*written ? " applied" : " requested")}});
   }
   if (sub == "events") {
     if (r.method != "GET") {

@@ -65,10 +65,11 @@ class AdminApi {
   }
   // GET /metrics answers with this (Prometheus text; behind the bearer token like the rest).
   void SetMetricsSource(std::function<std::string()> metrics) { metrics_ = std::move(metrics); }
-  // POST .../modeldeployments/NAME/rollout {"action": "pause|resume|abort|promote"}.
-  void SetRolloutActions(std::function<absl::Status(const std::string&, const std::string&)> f) {
-    rollout_action_ = std::move(f);
-  }
+  // POST .../modeldeployments/NAME/rollout {"action": "pause|resume|abort|promote"}. `f`
+  // answers true once the action is written down (200), false when it is only accepted (202).
+  using RolloutActionFn =
+      std::function<absl::StatusOr<bool>(const std::string&, const std::string&)>;
+  void SetRolloutActions(RolloutActionFn f) { rollout_action_ = std::move(f); }
 
   // An EventList of `events` (each with its object, type, reason, message and time).
   static nlohmann::json RenderEvents(const std::vector<ObjectEvent>& events);
@@ -86,7 +87,7 @@ class AdminApi {
   std::function<std::string()> nodes_;
   std::function<std::string()> metrics_;
   std::function<absl::Status(const std::string&)> forget_node_;
-  std::function<absl::Status(const std::string&, const std::string&)> rollout_action_;
+  RolloutActionFn rollout_action_;
 };
 
 // A Kubernetes Status object for an error; `code` is the HTTP status it maps to.

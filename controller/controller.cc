@@ -423,6 +423,10 @@ void Controller::Stop() {
     }
   }
   if (loop_.joinable()) loop_.join();
+  {
+    absl::MutexLock lock(&mu_);
+    loop_done_ = true;  // its waiters hear that no pass will take their action now
+  }
   for (const auto& s : streams) {
     s->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "controller stopping"));
   }
@@ -733,6 +737,15 @@ void Controller::Tick() {
     } forgotten_streams;
     absl::MutexLock lock(&mu_);
     TakeStatuses();
+    // Actions asked of a deployment deleted since: nothing will take them.
+    for (auto pa = pending_actions_.begin(); pa != pending_actions_.end();) {
+      if (stored.count(pa->first)) {
+        ++pa;
+        continue;
+      }
+      EndAction(pa->second.ticket, absl::NotFoundError("deployment '" + pa->first + "' is gone"));
+      pa = pending_actions_.erase(pa);
+    }
     if (options_.forget_lost_after > absl::ZeroDuration()) {
       for (const auto& [name, record] : registry_.Forget(now, options_.forget_lost_after)) {
         Retire(name, record,
@@ -980,13 +993,13 @@ void Controller::Tick() {
       spec.replicas = demands[i].serving;
       const RolloutState& st = known->second;
       RolloutAction action = RolloutAction::kNone;
+      uint64_t action_ticket = 0;
       if (auto pa = pending_actions_.find(d.name); pa != pending_actions_.end()) {
         // For the rollout it was asked of: one superseded since (another version applied)
         // is not promoted, aborted or paused by an action meant for the one before.
         if (pa->second.canary == st.canary_version && pa->second.canary == spec.model.version) {
           action = pa->second.action;
-          // Answered once the status that records it is written (below).
-          actions_unwritten_[d.name].push_back(pa->second.ticket);
+          action_ticket = pa->second.ticket;
         } else {
           log->info("rollout {}: the action asked of version {} dropped: the rollout is now of "
                     "version {}",
@@ -1002,6 +1015,12 @@ void Controller::Tick() {
                                      stats[st.canary_version.empty() ? spec.model.version
                                                                      : st.canary_version],
                                      now, action);
+      if (action_ticket != 0 && !plan.action_refused.empty()) {
+        EndAction(action_ticket, absl::FailedPreconditionError("refused: " + plan.action_refused));
+      } else if (action_ticket != 0) {
+        // Answered once the status that records it is written (below).
+        actions_unwritten_[d.name].push_back(action_ticket);
+      }
       const bool rolled_back = plan.state.phase == "Degraded" && known->second.phase != "Degraded";
       if (rolled_back) rollbacks_++;
       for (const auto& e : plan.events) {
@@ -1490,18 +1509,36 @@ absl::StatusOr<uint64_t> Controller::RequestRolloutAction(const std::string& nam
 void Controller::EndAction(uint64_t ticket, absl::Status result) {
   constexpr size_t kKeptActionResults = 1024;
   action_results_[ticket] = std::move(result);
-  while (action_results_.size() > kKeptActionResults) action_results_.erase(action_results_.begin());
+  // Past the bound, the answers whose waiter gave up go first, then the oldest.
+  while (action_results_.size() > kKeptActionResults) {
+    auto gone = action_results_.begin();
+    for (auto a = abandoned_actions_.begin(); a != abandoned_actions_.end();) {
+      auto r = action_results_.find(*a);
+      a = abandoned_actions_.erase(a);
+      if (r != action_results_.end()) {
+        gone = r;
+        break;
+      }
+    }
+    action_results_.erase(gone);
+  }
 }
 
 absl::Status Controller::AwaitRolloutAction(uint64_t ticket, absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
+  abandoned_actions_.erase(ticket);  // waited for (again)
   auto ended = [this, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return stopping_ || action_results_.count(ticket) > 0;
+    return loop_done_ || action_results_.count(ticket) > 0;
   };
   mu_.AwaitWithTimeout(absl::Condition(&ended), timeout);
   auto it = action_results_.find(ticket);
   if (it == action_results_.end()) {
-    if (stopping_) return absl::UnavailableError("the controller is stopping");
+    abandoned_actions_.insert(ticket);
+    while (abandoned_actions_.size() > 1024) abandoned_actions_.erase(abandoned_actions_.begin());
+    if (loop_done_) {
+      return absl::UnavailableError(
+          "the controller stopped before it wrote the action down (it was not taken)");
+    }
     return absl::DeadlineExceededError(
         "the action is not written to the deployment's status yet (it may still be): look at "
         "`kilnctl rollout status`");

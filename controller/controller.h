@@ -117,7 +117,7 @@ class Controller
   // its deployment's status, so that it outlives a controller killed right after: OK then.
   // FAILED_PRECONDITION when the pass dropped it (the rollout it was asked of was superseded),
   // ABORTED when a later action replaced it before a pass took it, DEADLINE_EXCEEDED when it is
-  // not written yet (it still may be), UNAVAILABLE when the controller stops.
+  // not written yet (it still may be), UNAVAILABLE when the controller stopped first.
   absl::Status AwaitRolloutAction(uint64_t ticket, absl::Duration timeout);
   // Forgets a node now (an operator removing a dead node, like `kubectl delete node`): its
   // replicas are placed elsewhere on the next pass without waiting out the lease. NOT_FOUND for
@@ -321,6 +321,9 @@ class Controller
   // Actions ended (ticket -> how), until their waiter takes the answer; the oldest are
   // forgotten past kKeptActionResults (a waiter that gave up takes none).
   std::map<uint64_t, absl::Status> action_results_ ABSL_GUARDED_BY(mu_);
+  // Actions whose waiter gave up: their answers are the first forgotten past the bound.
+  std::set<uint64_t> abandoned_actions_ ABSL_GUARDED_BY(mu_);
+  bool loop_done_ ABSL_GUARDED_BY(mu_) = false;  // Stop() joined the loop: nothing more is written
   void EndAction(uint64_t ticket, absl::Status result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Nodes that refused an assignment since the last pass (node -> the reason): each deployment
   // with replicas in it gets an AssignmentRefused event.

@@ -235,6 +235,12 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
       p.events.push_back("abort refused: version " + want +
                          " is being promoted; apply the previous version once it is done");
     }
+    if (action == RolloutAction::kAbort || action == RolloutAction::kPause ||
+        action == RolloutAction::kResume) {
+      p.action_refused = "version " + want +
+                         " is being promoted, and a promotion once begun completes; apply the "
+                         "previous version once it is done";
+    }
     promote("");
     return p;
   }

@@ -92,6 +92,8 @@ struct RolloutPlan {
   std::string old_version;  // BlueGreen's previous set, kept ready for a while; empty: none
   int64_t old_replicas = 0;
   std::vector<std::string> events;  // transitions to log ("canary 2 step 1: weight 10")
+  // The action asked of it was not carried out, and why (empty: carried out, or none asked).
+  std::string action_refused;
 };
 
 enum class RolloutAction { kNone, kPause, kResume, kAbort, kPromote };

@@ -429,6 +429,24 @@ TEST_F(ControllerLoopTest, AnActionForASupersededRolloutIsDropped) {
   EXPECT_EQ(rollout().value("promoting", false), true) << rollout().dump();
   heard = controller_->AwaitRolloutAction(*taken, absl::ZeroDuration());
   EXPECT_TRUE(heard.ok()) << heard;
+  // A promotion under way completes: an abort is refused, and its asker hears so (not
+  // "applied").
+  auto refused = controller_->RequestRolloutAction("enc", "abort");
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  heard = controller_->AwaitRolloutAction(*refused, absl::ZeroDuration());
+  EXPECT_EQ(heard.code(), absl::StatusCode::kFailedPrecondition) << heard;
+  EXPECT_NE(heard.message().find("is being promoted"), std::string::npos) << heard;
+  EXPECT_EQ(rollout().value("promoting", false), true) << rollout().dump();
+  // One asked of a deployment deleted before the next pass: nothing will take it.
+  auto orphan = controller_->RequestRolloutAction("enc", "pause");
+  ASSERT_TRUE(orphan.ok()) << orphan.status();
+  ASSERT_TRUE(store_->Delete(kModelDeploymentKind, "enc", 0).ok());
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  heard = controller_->AwaitRolloutAction(*orphan, absl::ZeroDuration());
+  EXPECT_EQ(heard.code(), absl::StatusCode::kNotFound) << heard;
 }
 
 TEST_F(ControllerLoopTest, CountersAloneAreWrittenAtMostEveryTenSeconds) {

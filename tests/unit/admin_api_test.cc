@@ -141,17 +141,31 @@ TEST_F(AdminApiTest, ScaleSubresource) {
 
 TEST_F(AdminApiTest, RolloutActionsGoToTheController) {
   std::vector<std::pair<std::string, std::string>> asked;
-  api_->SetRolloutActions([&](const std::string& name, const std::string& action) {
-    asked.emplace_back(name, action);
-    if (action == "resume") return absl::FailedPreconditionError("no rollout in progress");
-    if (action == "pause") return absl::UnavailableError("not in this controller's loop yet");
-    return absl::OkStatus();
-  });
+  api_->SetRolloutActions(
+      [&](const std::string& name, const std::string& action) -> absl::StatusOr<bool> {
+        asked.emplace_back(name, action);
+        if (action == "resume") return absl::FailedPreconditionError("no rollout in progress");
+        if (action == "pause") return absl::UnavailableError("not in this controller's loop yet");
+        if (action == "abort") return absl::DeadlineExceededError("not written down yet");
+        return name == "emb";  // written down; for another, only accepted
+      });
   ASSERT_EQ(Call("POST", kDeploymentsPath, kDoc).code, 201);
   auto r = Call("POST", One("emb") + "/rollout", R"({"action": "promote"})");
   EXPECT_EQ(r.code, 200) << r.body;
+  EXPECT_NE(r.body.find("promote applied"), std::string::npos) << r.body;
   ASSERT_EQ(asked.size(), 1u);
   EXPECT_EQ(asked[0], std::make_pair(std::string("emb"), std::string("promote")));
+  // Accepted, not yet written down (the controller's waiters are all busy): 202.
+  nlohmann::json other = nlohmann::json::parse(kDoc);
+  other["metadata"]["name"] = "emb2";
+  ASSERT_EQ(Call("POST", kDeploymentsPath, other.dump()).code, 201);
+  r = Call("POST", One("emb2") + "/rollout", R"({"action": "promote"})");
+  EXPECT_EQ(r.code, 202) << r.body;
+  EXPECT_NE(r.body.find("promote requested"), std::string::npos) << r.body;
+  // Not written within the wait: a timeout, 504.
+  r = Call("POST", One("emb") + "/rollout", R"({"action": "abort"})");
+  EXPECT_EQ(r.code, 504) << r.body;
+  EXPECT_NE(r.body.find("\"reason\":\"Timeout\""), std::string::npos) << r.body;
   // No rollout in progress: a conflict with its state. A controller that has not read the
   // deployment yet: try again later.
   r = Call("POST", One("emb") + "/rollout", R"({"action": "resume"})");
