@@ -1,9 +1,12 @@
 #include "agent/runtime_client.h"
 
+#include <grpcpp/completion_queue.h>
 #include <grpcpp/create_channel.h>
+#include <grpcpp/support/async_unary_call.h>
 
 #include <algorithm>
 #include <array>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/cord.h"
@@ -40,14 +43,15 @@ absl::StatusOr<v1::RuntimeState> RuntimeClient::AwaitState() {
 
 namespace {
 
-// One call on its way: it owns what the call uses, and is kept by the call's callback until
-// the call ends, whatever became of the client.
+// One call on its way: it owns what the call uses, and is kept by its completion queue tag
+// until the call ends, whatever became of the client.
 struct Flight {
   virtual ~Flight() = default;
-  // Ends the call: records `s`, and tells `on_late` when nobody waits for it now.
-  void Finish(grpc::Status s) {
+  // Ends the call with what gRPC wrote to `answer`, and tells `on_late` when nobody waits for
+  // it now.
+  void Finish() {
     absl::MutexLock lock(&mu);
-    status = std::move(s);
+    status = answer;
     done = true;
     done_at = absl::Now();
     // Under the lock: a client going away marks its flights closed under it, so nothing runs
@@ -81,6 +85,7 @@ struct Flight {
 
   std::shared_ptr<grpc::Channel> channel;  // outlives the call
   grpc::ClientContext ctx;
+  grpc::Status answer;  // written by gRPC before the call's tag comes back
   std::function<void()> on_late;
   absl::Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
@@ -95,13 +100,46 @@ template <typename Req, typename Resp>
 struct FlightOf : Flight {
   Req req;
   Resp resp;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> reader;  // before ctx goes
 };
+
+}  // namespace
+
+// The completion queue every call of a factory's clients ends on, and the thread that takes
+// the ends. Each call's tag is a heap copy of a shared_ptr to its flight. Shared by the factory
+// and its clients: it goes once none is left, after the calls still on their way have ended
+// (a client going away cancels its own).
+class CallQueue {
+ public:
+  CallQueue()
+      : thread_([this] {
+          void* tag = nullptr;
+          bool ok = false;
+          while (cq_.Next(&tag, &ok)) {
+            auto* f = static_cast<std::shared_ptr<Flight>*>(tag);
+            (*f)->Finish();
+            delete f;
+          }
+        }) {}
+  ~CallQueue() {
+    cq_.Shutdown();
+    thread_.join();
+  }
+  grpc::CompletionQueue* cq() { return &cq_; }
+
+ private:
+  grpc::CompletionQueue cq_;
+  std::thread thread_;
+};
+
+namespace {
 
 class GrpcRuntimeClient : public RuntimeClient {
  public:
   GrpcRuntimeClient(const std::string& socket, absl::Duration timeout, absl::Duration inline_wait,
-                    std::function<void()> on_late)
-      : channel_(grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(),
+                    std::function<void()> on_late, std::shared_ptr<CallQueue> calls)
+      : calls_(std::move(calls)),
+        channel_(grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(),
                                            Args())),
         stub_(v1::RuntimeControl::NewStub(channel_)),
         timeout_(timeout),
@@ -133,20 +171,20 @@ class GrpcRuntimeClient : public RuntimeClient {
   }
   absl::StatusOr<v1::RuntimeState> Promote() override {
     return Call<v1::PromoteRequest, v1::RuntimeState>(
-        kPromote, "Promote", inline_wait_, [](auto* a, auto* c, auto* q, auto* r, auto cb) {
-          a->Promote(c, q, r, std::move(cb));
+        kPromote, "Promote", inline_wait_, [](auto* stub, auto* c, const auto& q, auto* cq) {
+          return stub->PrepareAsyncPromote(c, q, cq);
         });
   }
   absl::StatusOr<v1::RuntimeState> Demote() override {
     return Call<v1::DemoteRequest, v1::RuntimeState>(
-        kDemote, "Demote", inline_wait_, [](auto* a, auto* c, auto* q, auto* r, auto cb) {
-          a->Demote(c, q, r, std::move(cb));
+        kDemote, "Demote", inline_wait_, [](auto* stub, auto* c, const auto& q, auto* cq) {
+          return stub->PrepareAsyncDemote(c, q, cq);
         });
   }
   absl::StatusOr<v1::RuntimeStats> Stats() override {
     return Call<v1::StatsRequest, v1::RuntimeStats>(
-        kStats, "Stats", inline_wait_, [](auto* a, auto* c, auto* q, auto* r, auto cb) {
-          a->Stats(c, q, r, std::move(cb));
+        kStats, "Stats", inline_wait_, [](auto* stub, auto* c, const auto& q, auto* cq) {
+          return stub->PrepareAsyncStats(c, q, cq);
         });
   }
   absl::Status Load(const std::vector<std::string>& args) override {
@@ -165,8 +203,8 @@ class GrpcRuntimeClient : public RuntimeClient {
 
   absl::StatusOr<v1::RuntimeState> GetState(absl::Duration wait) {
     return Call<v1::GetStateRequest, v1::RuntimeState>(
-        kGetState, "GetState", wait, [](auto* a, auto* c, auto* q, auto* r, auto cb) {
-          a->GetState(c, q, r, std::move(cb));
+        kGetState, "GetState", wait, [](auto* stub, auto* c, const auto& q, auto* cq) {
+          return stub->PrepareAsyncGetState(c, q, cq);
         });
   }
 
@@ -198,8 +236,9 @@ class GrpcRuntimeClient : public RuntimeClient {
         f->ctx.set_deadline(absl::ToChronoTime(
             absl::Now() + (silent_ ? std::min(timeout_, kSilentTimeout) : timeout_)));
         flights_[method] = f;
-        start(stub_->async(), &f->ctx, &f->req, &f->resp,
-              [f](grpc::Status s) { f->Finish(std::move(s)); });
+        f->reader = start(stub_.get(), &f->ctx, f->req, calls_->cq());
+        f->reader->StartCall();
+        f->reader->Finish(&f->resp, &f->answer, new std::shared_ptr<Flight>(f));
       }
       if (wait != absl::InfiniteDuration() && (!fresh || silent_)) wait = absl::ZeroDuration();
     }
@@ -227,6 +266,7 @@ class GrpcRuntimeClient : public RuntimeClient {
 
   static constexpr absl::Duration kSilentTimeout = absl::Milliseconds(200);
   static constexpr absl::Duration kStale = absl::Seconds(1);
+  const std::shared_ptr<CallQueue> calls_;  // outlives the channel and its calls
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<Stub> stub_;
   const absl::Duration timeout_;
@@ -239,8 +279,19 @@ class GrpcRuntimeClient : public RuntimeClient {
 
 }  // namespace
 
+GrpcRuntimeClientFactory::GrpcRuntimeClientFactory(absl::Duration timeout,
+                                                   absl::Duration inline_wait,
+                                                   std::function<void()> on_late_answer)
+    : timeout_(timeout),
+      inline_wait_(inline_wait),
+      on_late_answer_(std::move(on_late_answer)),
+      calls_(std::make_shared<CallQueue>()) {}
+
+GrpcRuntimeClientFactory::~GrpcRuntimeClientFactory() = default;
+
 std::unique_ptr<RuntimeClient> GrpcRuntimeClientFactory::Connect(const std::string& socket_path) {
-  return std::make_unique<GrpcRuntimeClient>(socket_path, timeout_, inline_wait_, on_late_answer_);
+  return std::make_unique<GrpcRuntimeClient>(socket_path, timeout_, inline_wait_, on_late_answer_,
+                                             calls_);
 }
 
 }  // namespace kiln

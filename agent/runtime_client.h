@@ -50,20 +50,23 @@ class RuntimeClientFactory {
 // the runtime answers again. A call waits up to `inline_wait` for its answer (the whole
 // timeout by default), then answers AnswerPending() and goes on; `on_late_answer` (may be
 // empty) runs when such a call's answer comes, so that its caller can come back for it. It
-// runs on a gRPC thread under the call's own lock: it must not block, nor call the client.
+// runs on the factory's completion-queue thread under the call's own lock: it must not block,
+// nor call the client.
 // Thread-safe.
 class GrpcRuntimeClientFactory : public RuntimeClientFactory {
  public:
   explicit GrpcRuntimeClientFactory(absl::Duration timeout = absl::Seconds(2),
                                     absl::Duration inline_wait = absl::InfiniteDuration(),
-                                    std::function<void()> on_late_answer = nullptr)
-      : timeout_(timeout), inline_wait_(inline_wait), on_late_answer_(std::move(on_late_answer)) {}
+                                    std::function<void()> on_late_answer = nullptr);
+  ~GrpcRuntimeClientFactory() override;
   std::unique_ptr<RuntimeClient> Connect(const std::string& socket_path) override;
 
  private:
   absl::Duration timeout_;
   absl::Duration inline_wait_;
   std::function<void()> on_late_answer_;
+  // The completion queue (and its thread) its clients' calls end on; shared with them.
+  std::shared_ptr<class CallQueue> calls_;
 };
 
 }  // namespace kiln
