@@ -1512,11 +1512,10 @@ void Controller::EndAction(uint64_t ticket, absl::Status result) {
   // Past the bound, the answers whose waiter gave up go first, then the oldest.
   while (action_results_.size() > kKeptActionResults) {
     auto gone = action_results_.begin();
-    for (auto a = abandoned_actions_.begin(); a != abandoned_actions_.end();) {
-      auto r = action_results_.find(*a);
-      a = abandoned_actions_.erase(a);
-      if (r != action_results_.end()) {
+    for (auto a = abandoned_actions_.begin(); a != abandoned_actions_.end(); ++a) {
+      if (auto r = action_results_.find(*a); r != action_results_.end()) {
         gone = r;
+        abandoned_actions_.erase(a);
         break;
       }
     }
