@@ -36,7 +36,8 @@ class RuntimeClient {
   virtual absl::Status Load(const std::vector<std::string>& args) = 0;
 
   // GetState, waiting for the answer (or the call's deadline) instead of answering pending:
-  // for the agent's start-up, which must know before it goes on.
+  // for the agent's start-up, which must know before it goes on. A client whose GetState may
+  // answer pending overrides it.
   virtual absl::StatusOr<v1::RuntimeState> AwaitState();
 };
 
