@@ -1444,9 +1444,7 @@ void Controller::Tick() {
     // status carries them. A deployment gone has nobody to write for: its actions end.
     absl::MutexLock lock(&mu_);
     for (auto& [name, tickets] : unwritten) {
-      const bool live = std::any_of(deps.begin(), deps.end(),
-                                    [&](const auto& d) { return d.object.name == name; });
-      if (!live) {
+      if (!live.count(name)) {
         for (uint64_t t : tickets) EndAction(t, absl::NotFoundError("deployment '" + name + "' is gone"));
         continue;
       }
@@ -1507,7 +1505,6 @@ absl::StatusOr<uint64_t> Controller::RequestRolloutAction(const std::string& nam
 }
 
 void Controller::EndAction(uint64_t ticket, absl::Status result) {
-  constexpr size_t kKeptActionResults = 1024;
   action_results_[ticket] = std::move(result);
   // Past the bound, the answers whose waiter gave up go first, then the oldest.
   while (action_results_.size() > kKeptActionResults) {
@@ -1533,7 +1530,9 @@ absl::Status Controller::AwaitRolloutAction(uint64_t ticket, absl::Duration time
   auto it = action_results_.find(ticket);
   if (it == action_results_.end()) {
     abandoned_actions_.insert(ticket);
-    while (abandoned_actions_.size() > 1024) abandoned_actions_.erase(abandoned_actions_.begin());
+    while (abandoned_actions_.size() > kKeptActionResults) {
+      abandoned_actions_.erase(abandoned_actions_.begin());
+    }
     if (loop_done_) {
       return absl::UnavailableError(
           "the controller stopped before it wrote the action down (it was not taken)");

@@ -319,7 +319,9 @@ class Controller
   // Actions a pass took whose deployment's status is not written yet (deployment -> tickets).
   std::map<std::string, std::vector<uint64_t>> actions_unwritten_ ABSL_GUARDED_BY(mu_);
   // Actions ended (ticket -> how), until their waiter takes the answer; the oldest are
-  // forgotten past kKeptActionResults (a waiter that gave up takes none).
+  // forgotten past kKeptActionResults (a waiter that gave up takes none). The marks of those
+  // nobody waits for are bounded the same.
+  static constexpr size_t kKeptActionResults = 1024;
   std::map<uint64_t, absl::Status> action_results_ ABSL_GUARDED_BY(mu_);
   // Actions whose waiter gave up: their answers are the first forgotten past the bound.
   std::set<uint64_t> abandoned_actions_ ABSL_GUARDED_BY(mu_);

@@ -231,15 +231,11 @@ RolloutPlan PlanRollout(const ModelDeploymentSpec& spec, const RolloutState& sta
     stable_only();
   };
   if (s.promoting) {  // decided: it completes (see `want` above)
-    if (action == RolloutAction::kAbort) {
-      p.events.push_back("abort refused: version " + want +
-                         " is being promoted; apply the previous version once it is done");
-    }
     if (action == RolloutAction::kAbort || action == RolloutAction::kPause ||
         action == RolloutAction::kResume) {
-      p.action_refused = "version " + want +
-                         " is being promoted, and a promotion once begun completes; apply the "
-                         "previous version once it is done";
+      p.action_refused =
+          "version " + want + " is being promoted; apply the previous version once it is done";
+      if (action == RolloutAction::kAbort) p.events.push_back("abort refused: " + p.action_refused);
     }
     promote("");
     return p;

@@ -30,9 +30,29 @@ class ControllerLoopTest : public ::testing::Test {
     auto store = SqliteStore::Open(so, &clock_);
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = std::move(*store);
+    StartController();
+    ASSERT_TRUE(stub_);
+  }
+  // A controller on the fixture's store, serving its ControlPlane (stub_ null on failure).
+  void StartController() {
     controller_ = std::make_unique<Controller>(Options(), store_.get(), &clock_);
     stub_ = Serve(controller_.get(), &server_);
-    ASSERT_TRUE(stub_);
+  }
+  // Stops it as a restart would (the store stays).
+  void StopController() {
+    server_->Shutdown();
+    controller_.reset();
+  }
+  // `status` has condition SpecValid False, reason InvalidSpec, its message naming `text`.
+  static bool SaysInvalidSpec(const nlohmann::json& status, const std::string& text) {
+    bool said = false;
+    for (const auto& c : status["conditions"]) {
+      if (c["type"] == "SpecValid") {
+        said = c["status"] == "False" && c["reason"] == "InvalidSpec" &&
+               c["message"].get<std::string>().find(text) != std::string::npos;
+      }
+    }
+    return said;
   }
   // The loop's options here: no observing after a start, leases the simulated clock's jumps
   // stay inside.
@@ -308,14 +328,7 @@ TEST_F(ControllerLoopTest, ARefusedStoredSpecKeepsTheLastAppliedOneRunning) {
   auto status = nlohmann::json::parse(store_->Get(kModelDeploymentKind, "enc")->status);
   EXPECT_EQ(status["desiredReplicas"], 2) << status.dump();
   EXPECT_EQ(status["observedGeneration"], stored->generation) << status.dump();
-  bool said = false;
-  for (const auto& c : status["conditions"]) {
-    if (c["type"] == "SpecValid") {
-      said = c["status"] == "False" && c["reason"] == "InvalidSpec" &&
-             c["message"].get<std::string>().find("replicas") != std::string::npos;
-    }
-  }
-  EXPECT_TRUE(said) << status.dump();
+  EXPECT_TRUE(SaysInvalidSpec(status, "replicas")) << status.dump();
   EXPECT_EQ(sent_generation(), sent);  // nothing new sent: its replicas stay
   // Fixed: taken at once, the condition gone.
   doc["spec"]["replicas"] = 1;
@@ -342,13 +355,11 @@ TEST_F(ControllerLoopTest, ARefusedSpecFoundAfterARestartRunsAsLastApplied) {
   ASSERT_EQ(status["lastApplied"]["generation"], stored->generation) << status.dump();
   EXPECT_EQ(status["lastApplied"]["stored"], stored->spec) << status.dump();
   // The controller stops; meanwhile a spec kiln refuses is stored.
-  server_->Shutdown();
-  controller_.reset();
+  StopController();
   nlohmann::json doc = nlohmann::json::parse(stored->spec);
   doc["spec"]["replicas"] = -3;
   ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", doc.dump(), 0).ok());
-  controller_ = std::make_unique<Controller>(Options(), store_.get(), &clock_);
-  stub_ = Serve(controller_.get(), &server_);
+  StartController();
   ASSERT_TRUE(stub_);
   clock_.Advance(absl::Seconds(1));
   controller_->Tick();
@@ -356,25 +367,16 @@ TEST_F(ControllerLoopTest, ARefusedSpecFoundAfterARestartRunsAsLastApplied) {
   EXPECT_EQ(status["desiredReplicas"], 2) << status.dump();
   EXPECT_EQ(status["observedGeneration"], stored->generation) << status.dump();
   EXPECT_EQ(status["lastApplied"]["stored"], stored->spec) << status.dump();
-  bool said = false;
-  for (const auto& c : status["conditions"]) {
-    if (c["type"] == "SpecValid") {
-      said = c["status"] == "False" && c["reason"] == "InvalidSpec" &&
-             c["message"].get<std::string>().find("as last applied") != std::string::npos;
-    }
-  }
-  EXPECT_TRUE(said) << status.dump();
+  EXPECT_TRUE(SaysInvalidSpec(status, "as last applied")) << status.dump();
   EXPECT_NE(controller_->MetricsText().find("\nkiln_controller_deployments 1\n"), std::string::npos)
       << controller_->MetricsText();
   // A last applied spec that is itself refused (a hand-edited status) runs nothing.
-  server_->Shutdown();
-  controller_.reset();
+  StopController();
   auto now = store_->Get(kModelDeploymentKind, "enc");
   ASSERT_TRUE(now.ok());
   status["lastApplied"]["stored"] = doc.dump();
   ASSERT_TRUE(store_->UpdateStatus(kModelDeploymentKind, "enc", status.dump(), now->resource_version).ok());
-  controller_ = std::make_unique<Controller>(Options(), store_.get(), &clock_);
-  stub_ = Serve(controller_.get(), &server_);
+  StartController();
   ASSERT_TRUE(stub_);
   clock_.Advance(absl::Seconds(1));
   controller_->Tick();
