@@ -124,6 +124,31 @@ absl::StatusOr<CudaGraphsConfig> ParseCudaGraphs(const ConfigNode& node,
   return g;
 }
 
+absl::StatusOr<std::vector<std::string>> ParseAttention(const ConfigNode& node) {
+  if (!node.IsSequence()) {
+    return node.Error("must be a list of attention kernels (cudnn, flash, efficient, math)");
+  }
+  KILN_ASSIGN_OR_RETURN(auto items, node.Items());
+  if (items.empty()) {
+    return node.Error("must name at least one kernel (leave it out for LibTorch's default)");
+  }
+  std::vector<std::string> out;
+  for (const ConfigNode& item : items) {
+    KILN_ASSIGN_OR_RETURN(std::string name, item.AsString());
+    bool known = false;
+    for (const char* k : kAttentionKernels) known = known || name == k;
+    if (!known) {
+      return item.Error("unknown attention kernel '" + name +
+                        "' (expected cudnn, flash, efficient or math)");
+    }
+    if (std::find(out.begin(), out.end(), name) != out.end()) {
+      return item.Error("'" + name + "' is listed twice");
+    }
+    out.push_back(std::move(name));
+  }
+  return out;
+}
+
 absl::StatusOr<SequenceBucketsConfig> ParseSequenceBuckets(const ConfigNode& node) {
   SequenceBucketsConfig sb;
   KILN_RETURN_IF_ERROR(node.CheckKeys({"lengths", "pad"}));
@@ -357,7 +382,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
     if (auto inst = root.OptionalChild("instance")) {
       KILN_RETURN_IF_ERROR(
           inst->CheckKeys({"device", "threads", "precision", "cuda_graphs", "jit_optimize",
-                           "freeze"}));
+                           "freeze", "attention"}));
       KILN_ASSIGN_OR_RETURN(c.instance.jit_optimize, inst->GetBool("jit_optimize", true));
       KILN_ASSIGN_OR_RETURN(c.instance.freeze, inst->GetBool("freeze", true));
       KILN_ASSIGN_OR_RETURN(c.instance.device, inst->GetString("device", "cpu"));
@@ -372,6 +397,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& yaml_text,
       } else {
         return absl::InvalidArgumentError("instance.precision: must be fp32, fp16 or bf16, got '" +
                                           p + "'");
+      }
+      if (auto a = inst->OptionalChild("attention")) {
+        KILN_ASSIGN_OR_RETURN(c.instance.attention, ParseAttention(*a));
       }
       if (auto g = inst->SectionChild("cuda_graphs")) {
         KILN_ASSIGN_OR_RETURN(c.instance.cuda_graphs, ParseCudaGraphs(*g, c.max_batch_size));

@@ -59,7 +59,15 @@ struct InstanceConfig {
   // cpu, where the LayerNorm/Softmax pass needs the inlined graph. Off saves its time at
   // load (about 0.8 s for a 1.1 GB encoder).
   bool freeze = true;
+  // The fused attention kernels (scaled_dot_product_attention) LibTorch may pick on cuda:
+  // any of cudnn, flash, efficient, math. Empty = LibTorch's default set. A listed kernel is
+  // used only where it takes the shape and mask (flash takes no mask); a shape no listed
+  // kernel takes fails at warm-up. Process-wide (one model per runtime); ignored on cpu.
+  std::vector<std::string> attention;
 };
+
+// The kernel names `instance.attention` accepts.
+inline constexpr const char* kAttentionKernels[] = {"cudnn", "flash", "efficient", "math"};
 
 // Requests are padded along their variable (sequence) dimension to the next of `lengths`, so
 // similar lengths batch together; outputs with a variable dimension are trimmed back.

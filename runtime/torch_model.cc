@@ -205,6 +205,7 @@ absl::StatusOr<RunnerOptions> MakeRunnerOptions(const ModelConfig& config,
     ro.inputs.push_back(std::move(in));
   }
   ro.graph_warmup_iterations = config.instance.cuda_graphs.warmup_iterations;
+  ro.attention = config.instance.attention;
   if (device.device.is_cuda()) ro.graphs = PlanGraphs(config);
   return ro;
 }

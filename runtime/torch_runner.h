@@ -48,6 +48,7 @@ struct RunnerOptions {
   std::vector<RunnerInput> inputs;            // config order
   std::vector<GraphShape> graphs;             // CUDA graphs to capture (largest first)
   int64_t graph_warmup_iterations = 3;
+  std::vector<std::string> attention;         // instance.attention (cuda only; empty = default)
 };
 
 class TorchRunner {

@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -228,10 +229,15 @@ class CudaRunner : public TorchRunner {
   int64_t DeviceMemoryBytes() const override { return memory_bytes_.load(); }
 
   std::string Describe() const override {
+    std::string attention;
+    for (const std::string& k : options_.attention) {
+      attention += (attention.empty() ? ", attention kernels " : "+") + k;
+    }
     return "cuda stream " + std::to_string(stream_.id()) + ", pinned staging" +
            (options_.graphs.empty() ? ", no graphs"
                                     : ", " + std::to_string(options_.graphs.size()) +
-                                          " cuda graphs planned");
+                                          " cuda graphs planned") +
+           attention;
   }
 
  private:
@@ -293,6 +299,21 @@ class CudaRunner : public TorchRunner {
   uint64_t eager_runs_ = 0;
 };
 
+// instance.attention: the scaled_dot_product_attention kernels LibTorch may choose from. The
+// switches are LibTorch's process-wide ones (a runtime serves one model); its own order of
+// preference among the allowed kernels stands.
+void AllowAttentionKernels(const std::vector<std::string>& kernels) {
+  if (kernels.empty()) return;
+  auto allowed = [&](const char* name) {
+    return std::find(kernels.begin(), kernels.end(), name) != kernels.end();
+  };
+  at::Context& ctx = at::globalContext();
+  ctx.setSDPUseCuDNN(allowed("cudnn"));
+  ctx.setSDPUseFlash(allowed("flash"));
+  ctx.setSDPUseMemEfficient(allowed("efficient"));
+  ctx.setSDPUseMath(allowed("math"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TorchRunner>> MakeCudaRunner(ForwardFn forward,
@@ -301,6 +322,7 @@ absl::StatusOr<std::unique_ptr<TorchRunner>> MakeCudaRunner(ForwardFn forward,
     return absl::InvalidArgumentError("the cuda runner needs a cuda device, got " +
                                       options.device.str());
   }
+  AllowAttentionKernels(options.attention);
   return std::unique_ptr<TorchRunner>(
       new CudaRunner(std::move(forward), std::move(options)));
 }

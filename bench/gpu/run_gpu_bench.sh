@@ -9,9 +9,12 @@
 #    encoder (fp16, 1.1 GB) into $MODELS;
 # 3. cold start: spawn -> WARM -> Promote -> first served request, over the control socket,
 #    with the runtime's own phase log (context, load, warm-up, graph capture);
+# (step study) bench/gpu/attention_study.py: in-process, which attention kernel the traced
+#    model runs and what each allowed set (instance.attention) costs, graphed as kiln does;
 # 4. correctness: check_bge_m3.py against an fp32 reference on fresh random inputs;
 # 5. the served path: batch 1 at 512 and 4096 tokens (closed loop, one in flight) and
-#    128-token queries open loop at RATES, all gRPC with raw tensors;
+#    128-token queries open loop at RATES, all gRPC with raw tensors; 4 and 5 once per
+#    instance.attention set in ATTENTION_SETS;
 # 6. the PyTorch anchors re-measured in the same run (pytorch_anchors.py);
 # 7. (step aoti) the same model exported with torch.export and compiled by AOTInductor
 #    (MODELS_AOTI, made by make_bge_m3.py --aoti-out in step model): one cold start, the
@@ -19,7 +22,10 @@
 #
 # Environment: OUT (results dir, default /tmp/kiln-gpu-out), MODELS (/tmp/gpu-models),
 # MODELS_AOTI (/tmp/gpu-models-aoti),
-# RATES ("4000 4800 5600"), DURATION_S (10), STEPS ("build model cold check served anchors"),
+# RATES ("4000 4800 5600"), DURATION_S (10), BUDGET_S (seconds from the start past which no
+# further served set or anchors step starts; default no limit), STEPS ("build model cold check served anchors";
+# "study" adds the attention study), ATTENTION_SETS ("default": LibTorch's choice; e.g.
+# "default cudnn efficient"),
 # ANCHOR_ARGS ("--compile"), RUNTIME_ARGS (extra kiln-runtime flags).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -34,6 +40,9 @@ ANCHOR_ARGS=${ANCHOR_ARGS:---compile}
 BUILD=$ROOT/build-gpu
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+START=$(date +%s)
+BUDGET_S=${BUDGET_S:-100000}  # a served set or the anchors that would start past it are skipped
+over_budget() { (($(date +%s) - START > BUDGET_S)); }
 log() { printf '[gpu-bench %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$OUT/summary.txt" >&2; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 PIDS=()
@@ -46,8 +55,8 @@ trap cleanup EXIT
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,power.draw \
   --format=csv | tee "$OUT/gpu.txt" >&2
-# shellcheck disable=SC1091
 rm -f /opt/deps/.unpacked  # unpack again: the carried set may have grown since
+# shellcheck disable=SC1091
 source .devdebs/device-env.sh
 
 build_pid=
@@ -87,7 +96,7 @@ if [[ -n $build_pid ]]; then
     log "BUILD FAILED"
     tail -5 "$OUT/cmake.log" >&2
     grep -m 20 -E "error|Error" "$OUT/build.log" >&2
-    STEPS=anchors
+    STEPS="study anchors"
   else
     log "$(tail -1 "$OUT/build.log")"
   fi
@@ -141,26 +150,12 @@ if has cold; then
   done
 fi
 
-if has check || has served; then
-  # shellcheck disable=SC2086
-  set_jit $SERVE_JIT
-  start_runtime serving
-  for _ in $(seq 1 600); do
-    curl -sf "http://$HTTP/v2/health/ready" >/dev/null 2>&1 && break
-    kill -0 "$rt_pid" 2>/dev/null || break
-    sleep 0.2
-  done
-  curl -sf "http://$HTTP/v2/health/ready" >/dev/null || { log "runtime not ready"; tail -20 "$OUT/runtime.log" >&2; }
-  # Measure with every graph captured.
-  for _ in $(seq 1 300); do
-    [[ $(grep -c "device preparation" "$OUT/runtime.log") -ge 4 ]] && break
-    sleep 0.2
-  done
-fi
-if has check; then
-  log "correctness"
-  python3 bench/gpu/check_bge_m3.py --repo "$MODELS" --http "$HTTP" 2>&1 | tee "$OUT/check.log" >&2
-fi
+# $1: the kernel set for instance.attention ("default" = the key left out: LibTorch's choice)
+set_attention() {
+  sed -i -e '/^  attention: /d' "$MODELS/bge_m3/config.yaml"
+  [[ $1 == default ]] ||
+    sed -i -e "s/^instance:$/instance:\n  attention: [$1]/" "$MODELS/bge_m3/config.yaml"
+}
 run_lg() {  # name, args...
   local name=$1
   shift
@@ -179,10 +174,44 @@ serve_suite() {  # $1 = name prefix
   done
   curl -s "http://$HTTP/metrics" >"$OUT/$1metrics.txt" 2>/dev/null
 }
-if has served; then
-  serve_suite ""
-  stop_runtime
+if has study; then
+  log "attention study (in-process)"
+  timeout 300 python3 bench/gpu/attention_study.py --repo "$MODELS" --json "$OUT/study.json" \
+    2>&1 | tee "$OUT/study.log" | grep -v Warning >&2
 fi
+# ATTENTION_SETS: the instance.attention values served in turn (each a comma-separated set).
+for aset in ${ATTENTION_SETS:-default}; do
+  has check || has served || break
+  if over_budget; then log "budget spent: attention set $aset skipped"; continue; fi
+  # shellcheck disable=SC2086
+  set_jit $SERVE_JIT
+  set_attention "$aset"
+  prefix=""
+  [[ $aset == default ]] || prefix="${aset//,/_}_"
+  log "serving with attention kernels: $aset"
+  prep_before=$(grep -c "device preparation" "$OUT/runtime.log" 2>/dev/null)
+  start_runtime serving
+  for _ in $(seq 1 600); do
+    curl -sf "http://$HTTP/v2/health/ready" >/dev/null 2>&1 && break
+    kill -0 "$rt_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  curl -sf "http://$HTTP/v2/health/ready" >/dev/null || { log "runtime not ready"; tail -20 "$OUT/runtime.log" >&2; stop_runtime; continue; }
+  # Measure with every graph captured.
+  for _ in $(seq 1 300); do
+    [[ $(grep -c "device preparation" "$OUT/runtime.log") -gt ${prep_before:-0} ]] && break
+    kill -0 "$rt_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  grep "device preparation" "$OUT/runtime.log" | tail -1 | tee -a "$OUT/summary.txt" >&2
+  if has check; then
+    log "correctness ($aset)"
+    python3 bench/gpu/check_bge_m3.py --repo "$MODELS" --http "$HTTP" 2>&1 |
+      tee "$OUT/${prefix}check.log" | tail -3 >&2
+  fi
+  has served && serve_suite "$prefix"
+  stop_runtime
+done
 stop_runtime
 if has aoti && [[ -f $MODELS_AOTI/bge_m3/1/model.pt2 ]]; then
   log "aotinductor: cold start"
@@ -211,7 +240,9 @@ if has aoti && [[ -f $MODELS_AOTI/bge_m3/1/model.pt2 ]]; then
 elif has aoti; then
   log "aotinductor: no package in $MODELS_AOTI (see make_model.log)"
 fi
-if has anchors; then
+if has anchors && over_budget; then
+  log "budget spent: anchors skipped"
+elif has anchors; then
   log "pytorch anchors"
   # shellcheck disable=SC2086
   python3 bench/gpu/pytorch_anchors.py --repo "$MODELS" $ANCHOR_ARGS --json "$OUT/anchors.json" \

@@ -340,7 +340,25 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{kGraphs, "{enable: maybe}", "instance.cuda_graphs.enable"},
         BadCase{kGraphs, "{capture: all}", "instance.cuda_graphs.capture: unknown field"},
         BadCase{kGraphs, "[1, 2]", "instance.cuda_graphs: must be a mapping"},
-        BadCase{kBucketSection, "", "instance.cuda_graphs: input 'ids' has variable dims [-1]; graphs need fixed shapes, so configure sequence_buckets"}));
+        BadCase{kBucketSection, "", "instance.cuda_graphs: input 'ids' has variable dims [-1]; graphs need fixed shapes, so configure sequence_buckets"},
+        // instance.attention
+        BadCase{"  device: cpu\n", "  device: cpu\n  attention: [cudnn, flashy]\n", "instance.attention[1]: unknown attention kernel 'flashy' (expected cudnn, flash, efficient or math)"},
+        BadCase{"  device: cpu\n", "  device: cpu\n  attention: [flash, efficient, flash]\n", "instance.attention[2]: 'flash' is listed twice"},
+        BadCase{"  device: cpu\n", "  device: cpu\n  attention: []\n", "instance.attention: must name at least one kernel"},
+        BadCase{"  device: cpu\n", "  device: cpu\n  attention: cudnn\n", "instance.attention: must be a list of attention kernels"},
+        BadCase{"  device: cpu\n", "  device: cpu\n  attention: {cudnn: true}\n", "instance.attention: must be a list of attention kernels"},
+        BadCase{"  device: cpu\n", "  device: cpu\n  attention: [[cudnn]]\n", "instance.attention[0]"}));
+
+TEST(ModelConfigTest, ParsesAttentionKernels) {
+  auto c = ParseModelConfig(Replace(kBucketed, "  device: cpu\n",
+                                    "  device: cpu\n  attention: [cudnn, efficient]\n"),
+                            "config.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->instance.attention, (std::vector<std::string>{"cudnn", "efficient"}));
+  auto d = ParseModelConfig(kBucketed, "config.yaml");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(d->instance.attention.empty());  // LibTorch's default set
+}
 
 TEST(ModelConfigTest, BoolPadMustBeZeroOrOne) {
   std::string bool_mask = Replace(kBucketed, "{name: mask, datatype: INT64", "{name: mask, datatype: BOOL");
