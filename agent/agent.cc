@@ -566,15 +566,21 @@ v1::Register Agent::MakeRegister() {
   return r;
 }
 
-absl::StatusOr<v1::RuntimeStats> Agent::ReplicaStats(const std::string& socket) {
-  std::shared_ptr<RuntimeClient> client;
+std::map<std::string, absl::StatusOr<v1::RuntimeStats>> Agent::ReplicaStats(
+    const std::vector<std::string>& sockets) {
+  std::map<std::string, std::shared_ptr<RuntimeClient>> clients;
   {
     absl::MutexLock lock(&load_mu_);
-    auto& c = stat_clients_[socket];
-    if (!c) c = stat_client_factory_->Connect(socket);
-    client = c;
+    for (const std::string& socket : sockets) {
+      auto& c = stat_clients_[socket];
+      if (!c) c = stat_client_factory_->Connect(socket);
+      clients[socket] = c;
+    }
   }
-  return client->Stats();
+  for (auto& [socket, client] : clients) client->StartStats();
+  std::map<std::string, absl::StatusOr<v1::RuntimeStats>> out;
+  for (auto& [socket, client] : clients) out.emplace(socket, client->AwaitStats());
+  return out;
 }
 
 absl::Time LastActive(const std::optional<ActivitySample>& previous, uint64_t requests,
@@ -588,6 +594,11 @@ v1::NodeStatus Agent::MakeStatus() {
   v1::NodeStatus st;
   absl::Time now = absl::Now();
   auto snapshot = supervisor_->Snapshot();
+  std::vector<std::string> sockets;
+  for (const auto& v : *snapshot) {
+    if (v.pid > 0 && !v.socket.empty()) sockets.push_back(v.socket);
+  }
+  auto all_stats = ReplicaStats(sockets);
   for (const auto& v : *snapshot) {
     v1::ReplicaStatus* r = st.add_replicas();
     *r = ToStatus(v);
@@ -595,7 +606,7 @@ v1::NodeStatus Agent::MakeStatus() {
     // When it last served: now while it does (the state file's time may be hours old for a
     // replica adopted SERVING), else the supervisor's record.
     const absl::Time last_serving = v.state == v1::SERVING ? now : std::min(now, v.last_used);
-    auto stats = ReplicaStats(v.socket);
+    const absl::StatusOr<v1::RuntimeStats>& stats = all_stats.at(v.socket);
     absl::MutexLock lock(&load_mu_);
     if (!stats.ok()) {
       // No numbers this time; its idle time still counts from its last known activity.
@@ -1055,9 +1066,15 @@ std::string Agent::MetricsText() {
     v1::RuntimeStats stats;
   };
   std::vector<Load> loads;
+  auto running = [](const auto& v) { return v.pid > 0 && !v.socket.empty() && v.phase == "RUNNING"; };
+  std::vector<std::string> sockets;
   for (const auto& v : *snapshot) {
-    if (v.pid <= 0 || v.socket.empty() || v.phase != "RUNNING") continue;
-    auto stats = ReplicaStats(v.socket);
+    if (running(v)) sockets.push_back(v.socket);
+  }
+  auto all_stats = ReplicaStats(sockets);
+  for (const auto& v : *snapshot) {
+    if (!running(v)) continue;
+    const auto& stats = all_stats.at(v.socket);
     if (stats.ok()) loads.push_back({labels(v), *stats});
   }
   auto emit = [&](const char* name, const char* type, const char* help, auto value) {

@@ -142,8 +142,11 @@ class Agent {
   absl::Status ApplyRoutingFromController(const v1::RoutingTable& t);
   v1::Register MakeRegister();
   v1::NodeStatus MakeStatus();
-  // A replica's counters over its control socket (one cached client per socket).
-  absl::StatusOr<v1::RuntimeStats> ReplicaStats(const std::string& socket);
+  // Replicas' counters over their control sockets (one cached client per socket), by socket.
+  // The calls run at once, so a scrape or status report waits for the slowest replica (at
+  // most one call's deadline), not for each wedged one in turn.
+  std::map<std::string, absl::StatusOr<v1::RuntimeStats>> ReplicaStats(
+      const std::vector<std::string>& sockets);
   absl::Status Persist(const std::string& name, const google::protobuf::Message& m);
   void Reload();
   void UpdatePower();

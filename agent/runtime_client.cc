@@ -172,11 +172,15 @@ class GrpcRuntimeClient : public RuntimeClient {
           return stub->PrepareAsyncDemote(c, q, cq);
         });
   }
-  absl::StatusOr<v1::RuntimeStats> Stats() override {
-    return Call<v1::StatsRequest, v1::RuntimeStats>(
-        kStats, "Stats", inline_wait_, [](auto* stub, auto* c, const auto& q, auto* cq) {
-          return stub->PrepareAsyncStats(c, q, cq);
-        });
+  absl::StatusOr<v1::RuntimeStats> Stats() override { return Stats(inline_wait_); }
+  void StartStats() override {
+    absl::MutexLock lock(&mu_);
+    // Its caller comes back for the answer (AwaitStats): nobody need be told of it.
+    absl::Duration wait = absl::InfiniteDuration();
+    Begin<v1::StatsRequest, v1::RuntimeStats>(kStats, wait, StartStatsCall);
+  }
+  absl::StatusOr<v1::RuntimeStats> AwaitStats() override {
+    return Stats(absl::InfiniteDuration());
   }
   absl::Status Load(const std::vector<std::string>& args) override {
     grpc::ClientContext ctx;
@@ -191,6 +195,14 @@ class GrpcRuntimeClient : public RuntimeClient {
  private:
   using Stub = v1::RuntimeControl::Stub;
   enum Method { kGetState, kPromote, kDemote, kStats, kMethods };
+
+  static std::unique_ptr<grpc::ClientAsyncResponseReader<v1::RuntimeStats>> StartStatsCall(
+      Stub* stub, grpc::ClientContext* c, const v1::StatsRequest& q, grpc::CompletionQueue* cq) {
+    return stub->PrepareAsyncStats(c, q, cq);
+  }
+  absl::StatusOr<v1::RuntimeStats> Stats(absl::Duration wait) {
+    return Call<v1::StatsRequest, v1::RuntimeStats>(kStats, "Stats", wait, StartStatsCall);
+  }
 
   absl::StatusOr<v1::RuntimeState> GetState(absl::Duration wait) {
     return Call<v1::GetStateRequest, v1::RuntimeState>(
@@ -207,31 +219,7 @@ class GrpcRuntimeClient : public RuntimeClient {
     std::shared_ptr<FlightOf<Req, Resp>> f;
     {
       absl::MutexLock lock(&mu_);
-      // An answer nobody came back for within kStale is old news: asked afresh.
-      if (flights_[method] && flights_[method]->EndedBefore(absl::Now() - kStale)) {
-        flights_[method].reset();
-      }
-      f = std::static_pointer_cast<FlightOf<Req, Resp>>(flights_[method]);
-      const bool fresh = f == nullptr;
-      if (wait != absl::InfiniteDuration() && (!fresh || silent_)) wait = absl::ZeroDuration();
-      if (fresh) {
-        f = std::make_shared<FlightOf<Req, Resp>>();
-        f->channel = channel_;
-        f->on_late = on_late_;
-        // Waited for from the start: an answer that comes before the wait begins wakes nobody.
-        if (wait != absl::ZeroDuration()) {
-          absl::MutexLock fl(&f->mu);
-          f->waited = true;
-        }
-        // A runtime that let a call time out (stopped, wedged) is given a short time from
-        // then on, until it answers again.
-        f->ctx.set_deadline(absl::ToChronoTime(
-            absl::Now() + (silent_ ? std::min(timeout_, kSilentTimeout) : timeout_)));
-        flights_[method] = f;
-        f->reader = start(stub_.get(), &f->ctx, f->req, calls_->cq());
-        f->reader->StartCall();
-        f->reader->Finish(&f->resp, &f->answer, new std::shared_ptr<Flight>(f));
-      }
+      f = Begin<Req, Resp>(method, wait, start);
     }
     if (!f->Wait(wait)) return AnswerPending(name);
     grpc::Status s;
@@ -253,6 +241,38 @@ class GrpcRuntimeClient : public RuntimeClient {
       }
     }
     return f->resp;
+  }
+
+  // The call of `method` on its way, or one started now; `wait` becomes how long its caller
+  // may wait for it.
+  template <typename Req, typename Resp, typename Start>
+  std::shared_ptr<FlightOf<Req, Resp>> Begin(Method method, absl::Duration& wait, Start start)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // An answer nobody came back for within kStale is old news: asked afresh.
+    if (flights_[method] && flights_[method]->EndedBefore(absl::Now() - kStale)) {
+      flights_[method].reset();
+    }
+    auto f = std::static_pointer_cast<FlightOf<Req, Resp>>(flights_[method]);
+    const bool fresh = f == nullptr;
+    if (wait != absl::InfiniteDuration() && (!fresh || silent_)) wait = absl::ZeroDuration();
+    if (!fresh) return f;
+    f = std::make_shared<FlightOf<Req, Resp>>();
+    f->channel = channel_;
+    f->on_late = on_late_;
+    // Waited for from the start: an answer that comes before the wait begins wakes nobody.
+    if (wait != absl::ZeroDuration()) {
+      absl::MutexLock fl(&f->mu);
+      f->waited = true;
+    }
+    // A runtime that let a call time out (stopped, wedged) is given a short time from then on,
+    // until it answers again.
+    f->ctx.set_deadline(absl::ToChronoTime(
+        absl::Now() + (silent_ ? std::min(timeout_, kSilentTimeout) : timeout_)));
+    flights_[method] = f;
+    f->reader = start(stub_.get(), &f->ctx, f->req, calls_->cq());
+    f->reader->StartCall();
+    f->reader->Finish(&f->resp, &f->answer, new std::shared_ptr<Flight>(f));
+    return f;
   }
 
   static constexpr absl::Duration kSilentTimeout = absl::Milliseconds(200);

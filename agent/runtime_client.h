@@ -39,6 +39,13 @@ class RuntimeClient {
   // for the agent's start-up, which must know before it goes on. A client whose GetState may
   // answer pending overrides it.
   virtual absl::StatusOr<v1::RuntimeState> AwaitState();
+  // Starts a Stats call and returns at once, so that a caller asking many replicas (a status
+  // report, a metrics scrape) waits for the slowest of them, not for the sum: the next
+  // AwaitStats() takes its answer. The base class starts nothing; its AwaitStats asks then.
+  virtual void StartStats() {}
+  // Stats, waiting for the answer (or the call's deadline) instead of answering pending; the
+  // call StartStats began, when there is one.
+  virtual absl::StatusOr<v1::RuntimeStats> AwaitStats() { return Stats(); }
 };
 
 class RuntimeClientFactory {

@@ -69,6 +69,12 @@ class HeldRuntimeControl final : public v1::RuntimeControl::Service {
     resp->set_state(state());
     return grpc::Status::OK;
   }
+  grpc::Status Stats(grpc::ServerContext* ctx, const v1::StatsRequest*,
+                     v1::RuntimeStats* resp) override {
+    Come("Stats", ctx);
+    resp->set_requests(calls("Stats").size());
+    return grpc::Status::OK;
+  }
   grpc::Status Promote(grpc::ServerContext* ctx, const v1::PromoteRequest*,
                        v1::RuntimeState* resp) override {
     return Move("Promote", ctx, v1::SERVING, resp);

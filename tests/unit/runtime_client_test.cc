@@ -176,11 +176,13 @@ TEST(GrpcRuntimeClientTest, APendingCallPastItsDeadlineEndsDeadlineExceeded) {
 // A client destroyed with a call on its way ends the call, and its answer tells nobody (what
 // the callback refers to may be gone with the client).
 TEST(GrpcRuntimeClientTest, AClientGoneWithACallOnItsWayTellsNobody) {
-  Rig rig("gone", v1::SERVING, absl::Seconds(30));
-  ASSERT_TRUE(rig.Ready());
-  auto& runtime = rig.runtime;
-  auto& client = rig.client;
-  auto& late = rig.late;
+  HeldRuntimeControl runtime(SocketPath("gone"), v1::SERVING);
+  ASSERT_NE(runtime.server(), nullptr);
+  std::atomic<int> late{0};
+  auto factory = std::make_unique<GrpcRuntimeClientFactory>(
+      absl::Seconds(30), absl::Milliseconds(10), [&late] { ++late; });
+  auto client = factory->Connect(SocketPath("gone"));
+  ASSERT_TRUE(client->AwaitState().ok());
   runtime.Hold("GetState", true);
   EXPECT_TRUE(IsAnswerPending(client->GetState().status()));
   ASSERT_TRUE(Eventually([&] { return runtime.held_now("GetState") == 1; }, absl::Seconds(10)));
@@ -188,8 +190,42 @@ TEST(GrpcRuntimeClientTest, AClientGoneWithACallOnItsWayTellsNobody) {
   // Cancelled: the runtime's handler sees it and lets the call go.
   ASSERT_TRUE(Eventually([&] { return runtime.held_now("GetState") == 0; }, absl::Seconds(10)));
   runtime.Hold("GetState", false);
-  absl::SleepFor(absl::Milliseconds(50));  // a late callback would have run by now
+  // The factory's completion queue goes once every call on it has ended: whatever the ended
+  // call would have told has been told by then.
+  factory.reset();
   EXPECT_EQ(late.load(), 0);
+}
+
+// StartStats sends the call and returns: replicas asked one after another are all asked at
+// once, and AwaitStats takes the call already on its way (not a second one).
+TEST(GrpcRuntimeClientTest, StartStatsAsksEveryReplicaAtOnce) {
+  Rig a("sa", v1::SERVING, absl::Seconds(30));
+  Rig b("sb", v1::SERVING, absl::Seconds(30));
+  ASSERT_TRUE(a.Ready());
+  ASSERT_TRUE(b.Ready());
+  a.runtime.Hold("Stats", true);
+  b.runtime.Hold("Stats", true);
+  a.client->StartStats();
+  b.client->StartStats();
+  // Both held at once: neither start waited for its answer.
+  ASSERT_TRUE(Eventually(
+      [&] { return a.runtime.held_now("Stats") == 1 && b.runtime.held_now("Stats") == 1; },
+      absl::Seconds(10)));
+  a.client->StartStats();  // one on its way already: nothing more is sent
+  a.runtime.Hold("Stats", false);
+  b.runtime.Hold("Stats", false);
+  // The held runtime answers how many Stats calls it has seen: the first is the started one.
+  absl::StatusOr<v1::RuntimeStats> sa = a.client->AwaitStats();
+  absl::StatusOr<v1::RuntimeStats> sb = b.client->AwaitStats();
+  ASSERT_TRUE(sa.ok()) << sa.status();
+  ASSERT_TRUE(sb.ok()) << sb.status();
+  EXPECT_EQ(sa->requests(), 1u);
+  EXPECT_EQ(sb->requests(), 1u);
+  // Without a start, AwaitStats asks and waits.
+  sa = a.client->AwaitStats();
+  ASSERT_TRUE(sa.ok()) << sa.status();
+  EXPECT_EQ(sa->requests(), 2u);
+  EXPECT_EQ(a.late.load(), 0);  // the starts were waited for, not told of
 }
 
 }  // namespace
