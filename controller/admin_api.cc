@@ -316,4 +316,19 @@ ApiResponse AdminApi::Scale(const std::string& name, const std::string& body) {
                     {"spec", {{"replicas", d->spec.replicas}}}});
 }
 
+absl::StatusOr<bool> RolloutActionAnswers::Answer(const Request& request, const Await& await) {
+  auto ticket = request();
+  if (!ticket.ok()) return ticket.status();
+  if (waiting_.fetch_add(1) >= max_waiting_) {
+    waiting_.fetch_sub(1);
+    // Nobody waits for its answer: a look that finds none marks it so (forgotten first).
+    (void)await(*ticket, absl::ZeroDuration());
+    return false;
+  }
+  absl::Status s = await(*ticket, timeout_);
+  waiting_.fetch_sub(1);
+  if (!s.ok()) return s;
+  return true;
+}
+
 }  // namespace kiln

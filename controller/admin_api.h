@@ -24,9 +24,13 @@
 // NotFound, 409 AlreadyExists / Conflict, 410 Gone. The HTTP listener (admin_server) only
 // moves bytes; everything here is testable without a socket.
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <string>
 
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "controller/store.h"
 #include "nlohmann/json.hpp"
 
@@ -88,6 +92,25 @@ class AdminApi {
   std::function<std::string()> metrics_;
   std::function<absl::Status(const std::string&)> forget_node_;
   RolloutActionFn rollout_action_;
+};
+
+// How the admin API answers a rollout action: true ("applied", 200) once the controller has
+// written it down, false ("requested", 202) when `max_waiting` callers wait already (the admin
+// server has few threads, and its health probes must get through), or the ticket's error.
+// `request` queues the action and gives its ticket; `await` waits up to the given time for the
+// ticket (a zero wait, for an action nobody waits for, marks it as nobody's). Thread-safe.
+class RolloutActionAnswers {
+ public:
+  using Request = std::function<absl::StatusOr<uint64_t>()>;
+  using Await = std::function<absl::Status(uint64_t, absl::Duration)>;
+  RolloutActionAnswers(int max_waiting, absl::Duration timeout)
+      : max_waiting_(max_waiting), timeout_(timeout) {}
+  absl::StatusOr<bool> Answer(const Request& request, const Await& await);
+
+ private:
+  const int max_waiting_;
+  const absl::Duration timeout_;
+  std::atomic<int> waiting_{0};
 };
 
 // A Kubernetes Status object for an error; `code` is the HTTP status it maps to.

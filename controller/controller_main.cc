@@ -319,24 +319,17 @@ int main(int argc, char** argv) {
   api.SetNodesSource([&controller]() { return controller.NodesJson(); });
   api.SetMetricsSource([&controller]() { return controller.MetricsText(); });
   api.SetNodeRemover([&controller](const std::string& name) { return controller.ForgetNode(name); });
-  api.SetRolloutActions([&controller](const std::string& name, const std::string& action) {
-    // Answered once the action is written down in the deployment's status: a controller
-    // killed after the answer has not lost it. At most two callers wait at a time (the admin
-    // server has four threads, and its health probes must get through): others are answered
-    // "requested" (202) at once.
-    static std::atomic<int> waiting{0};
-    auto ticket = controller.RequestRolloutAction(name, action);
-    if (!ticket.ok()) return absl::StatusOr<bool>(ticket.status());
-    if (waiting.fetch_add(1) >= 2) {
-      waiting.fetch_sub(1);
-      // Nobody waits for its answer: a look that finds none marks it so (forgotten first).
-      (void)controller.AwaitRolloutAction(*ticket, absl::ZeroDuration());
-      return absl::StatusOr<bool>(false);
-    }
-    absl::Status s = controller.AwaitRolloutAction(*ticket, absl::Seconds(10));
-    waiting.fetch_sub(1);
-    if (!s.ok()) return absl::StatusOr<bool>(s);
-    return absl::StatusOr<bool>(true);
+  // Answered once the action is written down in the deployment's status: a controller killed
+  // after the answer has not lost it. At most two callers wait at a time (the admin server has
+  // four threads, and its health probes must get through): others are answered "requested"
+  // (202) at once.
+  kiln::RolloutActionAnswers action_answers(/*max_waiting=*/2, absl::Seconds(10));
+  api.SetRolloutActions([&](const std::string& name, const std::string& action) {
+    return action_answers.Answer(
+        [&] { return controller.RequestRolloutAction(name, action); },
+        [&](uint64_t ticket, absl::Duration wait) {
+          return controller.AwaitRolloutAction(ticket, wait);
+        });
   });
   auto server = kiln::StartAdminHttpServer(bind, port, &api);
   if (!server.ok()) {

@@ -4,11 +4,15 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <thread>
+#include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "controller/model_deployment.h"
 #include "controller/sqlite_store.h"
 #include "gtest/gtest.h"
+#include "tests/support/eventually.h"
 
 namespace kiln {
 namespace {
@@ -240,6 +244,77 @@ TEST_F(AdminApiTest, BearerTokenWhenConfigured) {
   EXPECT_EQ(secured.Handle({"GET", kDeploymentsPath, "", "Bearer wrong"}).code, 401);
   EXPECT_EQ(secured.Handle({"GET", kDeploymentsPath, "", "Bearer s3cret"}).code, 200);
   EXPECT_EQ(secured.Handle({"GET", "/healthz", "", ""}).code, 200);  // probes need no token
+}
+
+}  // namespace
+}  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// At most `max_waiting` callers wait for their action to be written; the others are answered
+// "requested" at once, their tickets marked as nobody's (a zero wait), and a freed place is
+// taken again.
+TEST(RolloutActionAnswersTest, AtMostTwoCallersWaitAndTheOthersAreAnsweredAtOnce) {
+  RolloutActionAnswers answers(2, absl::Seconds(10));
+  absl::Mutex mu;
+  bool written = false;
+  std::vector<std::pair<uint64_t, absl::Duration>> awaited;  // guarded by mu
+  uint64_t next_ticket = 0;                                  // guarded by mu
+  auto request = [&]() -> absl::StatusOr<uint64_t> {
+    absl::MutexLock lock(&mu);
+    return ++next_ticket;
+  };
+  auto await = [&](uint64_t ticket, absl::Duration wait) {
+    absl::MutexLock lock(&mu);
+    awaited.emplace_back(ticket, wait);
+    if (wait == absl::ZeroDuration()) return absl::DeadlineExceededError("not yet");
+    mu.Await(absl::Condition(&written));
+    return absl::OkStatus();
+  };
+  auto waiting_now = [&] {
+    absl::MutexLock lock(&mu);
+    return awaited.size();
+  };
+  absl::StatusOr<bool> first, second;
+  std::thread a([&] { first = answers.Answer(request, await); });
+  std::thread b([&] { second = answers.Answer(request, await); });
+  ASSERT_TRUE(testing::Eventually([&] { return waiting_now() == 2; }, absl::Seconds(10)));
+  absl::StatusOr<bool> third;  // both places taken
+  std::thread c([&] { third = answers.Answer(request, await); });
+  ASSERT_TRUE(testing::Eventually([&] { return waiting_now() == 3; }, absl::Seconds(10)));
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(awaited[2], std::make_pair(uint64_t{3}, absl::ZeroDuration()));
+    EXPECT_EQ(awaited[0].second, absl::Seconds(10));
+    written = true;
+  }
+  a.join();
+  b.join();
+  c.join();
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_FALSE(*third);  // requested, not waited for
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_TRUE(*first);
+  EXPECT_TRUE(*second);
+  absl::StatusOr<bool> fourth = answers.Answer(request, await);  // a place is free again
+  ASSERT_TRUE(fourth.ok()) << fourth.status();
+  EXPECT_TRUE(*fourth);
+}
+
+// A refused request or a failed wait is the caller's answer, and frees its place.
+TEST(RolloutActionAnswersTest, ErrorsAreAnsweredAndFreeThePlace) {
+  RolloutActionAnswers answers(1, absl::Seconds(1));
+  auto refused = [] { return absl::StatusOr<uint64_t>(absl::NotFoundError("no such deployment")); };
+  auto never = [](uint64_t, absl::Duration) { return absl::OkStatus(); };
+  EXPECT_EQ(answers.Answer(refused, never).status().code(), absl::StatusCode::kNotFound);
+  auto ticket = [] { return absl::StatusOr<uint64_t>(7); };
+  auto timeout = [](uint64_t, absl::Duration) { return absl::DeadlineExceededError("Timeout"); };
+  EXPECT_EQ(answers.Answer(ticket, timeout).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  auto ok = answers.Answer(ticket, never);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_TRUE(*ok);  // the one place was given back after the timeout
 }
 
 }  // namespace
