@@ -567,12 +567,12 @@ v1::Register Agent::MakeRegister() {
 }
 
 std::map<std::string, absl::StatusOr<v1::RuntimeStats>> Agent::ReplicaStats(
-    const std::vector<std::string>& sockets) {
+    StatsCaller caller, const std::vector<std::string>& sockets) {
   std::map<std::string, std::shared_ptr<RuntimeClient>> clients;
   {
     absl::MutexLock lock(&load_mu_);
     for (const std::string& socket : sockets) {
-      auto& c = stat_clients_[socket];
+      auto& c = stat_clients_[{caller, socket}];
       if (!c) c = stat_client_factory_->Connect(socket);
       clients[socket] = c;
     }
@@ -598,7 +598,7 @@ v1::NodeStatus Agent::MakeStatus() {
   for (const auto& v : *snapshot) {
     if (v.pid > 0 && !v.socket.empty()) sockets.push_back(v.socket);
   }
-  auto all_stats = ReplicaStats(sockets);
+  auto all_stats = ReplicaStats(kStatusReport, sockets);
   for (const auto& v : *snapshot) {
     v1::ReplicaStatus* r = st.add_replicas();
     *r = ToStatus(v);
@@ -647,7 +647,7 @@ v1::NodeStatus Agent::MakeStatus() {
     for (const auto& v : *snapshot) live.insert(v.socket);
     absl::MutexLock lock(&load_mu_);
     std::erase_if(last_stats_, [&](const auto& e) { return !live.count(e.first); });
-    std::erase_if(stat_clients_, [&](const auto& e) { return !live.count(e.first); });
+    std::erase_if(stat_clients_, [&](const auto& e) { return !live.count(e.first.second); });
   }
   {
     absl::MutexLock lock(&health_mu_);
@@ -1071,7 +1071,7 @@ std::string Agent::MetricsText() {
   for (const auto& v : *snapshot) {
     if (running(v)) sockets.push_back(v.socket);
   }
-  auto all_stats = ReplicaStats(sockets);
+  auto all_stats = ReplicaStats(kMetricsScrape, sockets);
   for (const auto& v : *snapshot) {
     if (!running(v)) continue;
     const auto& stats = all_stats.at(v.socket);

@@ -145,8 +145,9 @@ class Agent {
   // Replicas' counters over their control sockets (one cached client per socket), by socket.
   // The calls run at once, so a scrape or status report waits for the slowest replica (at
   // most one call's deadline), not for each wedged one in turn.
+  enum StatsCaller { kStatusReport = 0, kMetricsScrape = 1 };
   std::map<std::string, absl::StatusOr<v1::RuntimeStats>> ReplicaStats(
-      const std::vector<std::string>& sockets);
+      StatsCaller caller, const std::vector<std::string>& sockets);
   absl::Status Persist(const std::string& name, const google::protobuf::Message& m);
   void Reload();
   void UpdatePower();
@@ -188,7 +189,10 @@ class Agent {
   };
   std::map<std::string, SeenStats> last_stats_ ABSL_GUARDED_BY(load_mu_);
   // Shared: a caller uses one outside the lock while a Status pass may prune it.
-  std::map<std::string, std::shared_ptr<RuntimeClient>> stat_clients_ ABSL_GUARDED_BY(load_mu_);
+  // Kept by caller (ReplicaStats's `caller`: the status report, a metrics scrape) and socket: a
+  // caller's answer is never taken by the other, who would then ask that replica again alone.
+  std::map<std::pair<int, std::string>, std::shared_ptr<RuntimeClient>> stat_clients_
+      ABSL_GUARDED_BY(load_mu_);
   v1::RoutingTable routing_;  // loop thread only (set before the loop starts)
   std::map<int, GpuLoad> gpu_load_;  // loop thread only
   std::map<int, PowerRetry> power_retry_;  // loop thread only: GPUs whose change failed

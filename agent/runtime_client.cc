@@ -175,9 +175,11 @@ class GrpcRuntimeClient : public RuntimeClient {
   absl::StatusOr<v1::RuntimeStats> Stats() override { return Stats(inline_wait_); }
   void StartStats() override {
     absl::MutexLock lock(&mu_);
-    // Its caller comes back for the answer (AwaitStats): nobody need be told of it.
+    // Its caller comes back for the answer (AwaitStats): nobody need be told of it, and the
+    // answer is kept for it however long the caller's other replicas take (never stale).
     absl::Duration wait = absl::InfiniteDuration();
     Begin<v1::StatsRequest, v1::RuntimeStats>(kStats, wait, StartStatsCall);
+    claimed_[kStats] = true;
   }
   absl::StatusOr<v1::RuntimeStats> AwaitStats() override {
     return Stats(absl::InfiniteDuration());
@@ -228,7 +230,10 @@ class GrpcRuntimeClient : public RuntimeClient {
       s = f->status;
     }
     absl::MutexLock lock(&mu_);
-    if (flights_[method] == f) flights_[method].reset();
+    if (flights_[method] == f) {
+      flights_[method].reset();
+      claimed_[method] = false;
+    }
     if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) silent_ = true;
     if (!s.ok()) return FromGrpcStatus(s);
     silent_ = false;
@@ -248,8 +253,10 @@ class GrpcRuntimeClient : public RuntimeClient {
   template <typename Req, typename Resp, typename Start>
   std::shared_ptr<FlightOf<Req, Resp>> Begin(Method method, absl::Duration& wait, Start start)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    // An answer nobody came back for within kStale is old news: asked afresh.
-    if (flights_[method] && flights_[method]->EndedBefore(absl::Now() - kStale)) {
+    // An answer nobody came back for within kStale is old news: asked afresh (unless a
+    // caller started the call to come back for it: StartStats).
+    if (flights_[method] && !claimed_[method] &&
+        flights_[method]->EndedBefore(absl::Now() - kStale)) {
       flights_[method].reset();
     }
     auto f = std::static_pointer_cast<FlightOf<Req, Resp>>(flights_[method]);
@@ -286,6 +293,8 @@ class GrpcRuntimeClient : public RuntimeClient {
   absl::Mutex mu_;
   bool silent_ ABSL_GUARDED_BY(mu_) = false;  // the last call that ended timed out
   std::array<std::shared_ptr<Flight>, kMethods> flights_ ABSL_GUARDED_BY(mu_);
+  // The flight of this method was started for a caller who comes back for it (StartStats).
+  std::array<bool, kMethods> claimed_ ABSL_GUARDED_BY(mu_) = {};
 };
 
 }  // namespace

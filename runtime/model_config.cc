@@ -476,6 +476,11 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
     return absl::InvalidArgumentError("response_cache.max_bytes: must be > 0");
   }
   KILN_RETURN_IF_ERROR(ValidateDevice(c.instance.device, "instance.device"));
+  if (!c.instance.attention.empty() && c.backend == "aotinductor") {
+    return absl::InvalidArgumentError(
+        "instance.attention: applies to TorchScript models only (an AOTInductor package's "
+        "attention kernels are fixed when it is compiled)");
+  }
   if (c.instance.threads < 0 || c.instance.threads > 1024) {
     return absl::InvalidArgumentError("instance.threads: must be in 0..1024, got " +
                                       std::to_string(c.instance.threads));

@@ -62,7 +62,8 @@ struct InstanceConfig {
   // The fused attention kernels (scaled_dot_product_attention) LibTorch may pick on cuda:
   // any of cudnn, flash, efficient, math. Empty = LibTorch's default set. A listed kernel is
   // used only where it takes the shape and mask (flash takes no mask); a shape no listed
-  // kernel takes fails at warm-up. Process-wide (one model per runtime); ignored on cpu.
+  // kernel takes fails when run (at warm-up or graph capture for the shapes those run).
+  // Process-wide (one model per runtime); TorchScript only; ignored on cpu.
   std::vector<std::string> attention;
 };
 

@@ -23,7 +23,8 @@
 # Environment: OUT (results dir, default /tmp/kiln-gpu-out), MODELS (/tmp/gpu-models),
 # MODELS_AOTI (/tmp/gpu-models-aoti),
 # RATES ("4000 4800 5600"), DURATION_S (10), BUDGET_S (seconds from the start past which no
-# further served set or anchors step starts; default no limit), STEPS ("build model cold check served anchors";
+# further study, served set or anchors step starts; one started before runs to its end;
+# default no limit), STEPS ("build model cold check served anchors";
 # "study" adds the attention study), ATTENTION_SETS ("default": LibTorch's choice; e.g.
 # "default cudnn efficient"),
 # ANCHOR_ARGS ("--compile"), RUNTIME_ARGS (extra kiln-runtime flags).
@@ -174,7 +175,9 @@ serve_suite() {  # $1 = name prefix
   done
   curl -s "http://$HTTP/metrics" >"$OUT/$1metrics.txt" 2>/dev/null
 }
-if has study; then
+if has study && over_budget; then
+  log "budget spent: attention study skipped"
+elif has study; then
   log "attention study (in-process)"
   timeout 300 python3 bench/gpu/attention_study.py --repo "$MODELS" --json "$OUT/study.json" \
     2>&1 | tee "$OUT/study.log" | grep -v Warning >&2
@@ -186,6 +189,10 @@ for aset in ${ATTENTION_SETS:-default}; do
   # shellcheck disable=SC2086
   set_jit $SERVE_JIT
   set_attention "$aset"
+  if [[ $aset != default ]] && ! grep -q "^  attention: \[$aset\]$" "$MODELS/bge_m3/config.yaml"; then
+    log "attention set $aset: not written into config.yaml; skipped"
+    continue
+  fi
   prefix=""
   [[ $aset == default ]] || prefix="${aset//,/_}_"
   log "serving with attention kernels: $aset"

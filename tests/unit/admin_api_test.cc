@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -276,22 +277,34 @@ TEST(RolloutActionAnswersTest, AtMostTwoCallersWaitAndTheOthersAreAnsweredAtOnce
     absl::MutexLock lock(&mu);
     return awaited.size();
   };
-  absl::StatusOr<bool> first, second;
+  absl::StatusOr<bool> first, second, third;
   std::thread a([&] { first = answers.Answer(request, await); });
   std::thread b([&] { second = answers.Answer(request, await); });
+  std::thread c;
+  // Whatever fails below, the waiters are let go and joined (a failed check must report, not
+  // hang or terminate).
+  auto release = [&] {
+    {
+      absl::MutexLock lock(&mu);
+      written = true;
+    }
+    for (std::thread* t : {&a, &b, &c}) {
+      if (t->joinable()) t->join();
+    }
+  };
+  struct Finally {
+    std::function<void()> fn;
+    ~Finally() { fn(); }
+  } finally{release};
   ASSERT_TRUE(testing::Eventually([&] { return waiting_now() == 2; }, absl::Seconds(10)));
-  absl::StatusOr<bool> third;  // both places taken
-  std::thread c([&] { third = answers.Answer(request, await); });
+  c = std::thread([&] { third = answers.Answer(request, await); });  // both places taken
   ASSERT_TRUE(testing::Eventually([&] { return waiting_now() == 3; }, absl::Seconds(10)));
   {
     absl::MutexLock lock(&mu);
     EXPECT_EQ(awaited[2], std::make_pair(uint64_t{3}, absl::ZeroDuration()));
     EXPECT_EQ(awaited[0].second, absl::Seconds(10));
-    written = true;
   }
-  a.join();
-  b.join();
-  c.join();
+  release();
   ASSERT_TRUE(third.ok()) << third.status();
   EXPECT_FALSE(*third);  // requested, not waited for
   ASSERT_TRUE(first.ok() && second.ok());

@@ -358,6 +358,15 @@ TEST(ModelConfigTest, ParsesAttentionKernels) {
   auto d = ParseModelConfig(kBucketed, "config.yaml");
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_TRUE(d->instance.attention.empty());  // LibTorch's default set
+  // An AOTInductor package's kernels are chosen when it is compiled.
+  auto e = ParseModelConfig(
+      Replace(Replace(kBucketed, "  device: cpu\n", "  device: cpu\n  attention: [cudnn]\n"),
+              "backend: torchscript", "backend: aotinductor"),
+      "config.yaml");
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("instance.attention: applies to TorchScript models only"),
+            std::string::npos)
+      << e.status();
 }
 
 TEST(ModelConfigTest, BoolPadMustBeZeroOrOne) {

@@ -216,6 +216,10 @@ TEST(GrpcRuntimeClientTest, StartStatsAsksEveryReplicaAtOnce) {
   b.runtime.Hold("Stats", false);
   // The held runtime answers how many Stats calls it has seen: the first is the started one.
   absl::StatusOr<v1::RuntimeStats> sa = a.client->AwaitStats();
+  // b's answer came long before its caller is back (a slower replica was asked first): a
+  // started call's answer is kept for its caller, not dropped as stale and asked again.
+  ASSERT_TRUE(Eventually([&] { return b.runtime.held_now("Stats") == 0; }, absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(1500));  // what is under test: past the 1 s staleness
   absl::StatusOr<v1::RuntimeStats> sb = b.client->AwaitStats();
   ASSERT_TRUE(sa.ok()) << sa.status();
   ASSERT_TRUE(sb.ok()) << sb.status();
