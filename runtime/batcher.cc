@@ -220,6 +220,23 @@ Batcher::Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, 
     Loop();
   });
   reaper_ = std::thread([this] { Reap(); });
+  answerer_ = std::thread([this] { AnswerLoop(); });
+}
+
+void Batcher::AnswerLoop() {
+  for (;;) {
+    std::deque<std::pair<Item, absl::StatusOr<std::vector<Tensor>>>> work;
+    {
+      absl::MutexLock lock(&answer_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(answer_mu_) {
+        return !answers_.empty() || answers_stop_;
+      };
+      answer_mu_.Await(absl::Condition(&ready));
+      if (answers_.empty()) return;  // stopped, and every reply sent
+      work.swap(answers_);
+    }
+    for (auto& [item, result] : work) Answer(item, std::move(result));
+  }
 }
 
 Batcher::Item Batcher::TakeAt(size_t i) {
@@ -375,6 +392,11 @@ void Batcher::Stop() {
   if (thread_.joinable()) thread_.join();
   if (reaper_.joinable()) reaper_.join();
   {
+    absl::MutexLock lock(&answer_mu_);
+    answers_stop_ = true;
+  }
+  if (answerer_.joinable()) answerer_.join();  // the replies handed off are sent first
+  {
     absl::MutexLock lock(&mu_);
     // An inline execution on a caller's thread finishes before the model can go away.
     auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !executing_; };
@@ -479,13 +501,19 @@ std::vector<Batcher::Item> Batcher::Run(std::vector<Item> items) {
   // with: each is run again alone, so only the bad one gets the error. One whose deadline
   // passes meanwhile is answered as timed out.
   if (!split.ok() && items.size() > 1) return items;
-  for (size_t r = 0; r < items.size(); ++r) {
-    if (split.ok()) {
-      Answer(items[r], std::move((*split)[r]));
-    } else {
-      Answer(items[r], split.status());
-    }
+  auto result = [&](size_t r) -> absl::StatusOr<std::vector<Tensor>> {
+    if (split.ok()) return std::move((*split)[r]);
+    return split.status();
+  };
+  if (std::this_thread::get_id() == executor_id_.load() && queue_depth() > 0) {
+    // Others wait for the executor thread: the replies go to the answering thread and the
+    // next batch starts now. (An inline run replies itself: the executor thread, not this
+    // caller's, runs what waits; and Stop joins the answerer once the executor is gone.)
+    absl::MutexLock lock(&answer_mu_);
+    for (size_t r = 0; r < items.size(); ++r) answers_.emplace_back(std::move(items[r]), result(r));
+    return {};
   }
+  for (size_t r = 0; r < items.size(); ++r) Answer(items[r], result(r));
   return {};
 }
 

@@ -96,9 +96,11 @@ class Batcher {
   // RESOURCE_EXHAUSTED when the queue is full (max_queue_size bounds each priority level on its
   // own, so a flood of low-priority requests never refuses a higher one); UNAVAILABLE after
   // Stop(). On OK, `done` is
-  // called exactly once: from the executor thread, or inline when the request would run
-  // alone anyway (no batching or no delay), the model is idle, the batcher was not made
-  // with `one_thread` and the item allows it, which saves a thread hop.
+  // called exactly once: from the executor thread (or, while other requests wait for it, the
+  // batcher's answering thread, so the next batch need not wait for this one's replies), or
+  // inline when the request would run alone anyway (no batching or no delay), the model is
+  // idle, the batcher was not made with `one_thread` and the item allows it, which saves a
+  // thread hop.
   absl::Status Enqueue(Item item);
   int64_t queue_depth() const;
   // Runs `fn` on the executor thread, between executions, and waits for it; UNAVAILABLE
@@ -123,6 +125,8 @@ class Batcher {
   // answered: the items come back, to be queued again and each run alone, so one bad request
   // fails only itself, and a higher-priority request arriving meanwhile still goes first.
   std::vector<Item> Run(std::vector<Item> items);
+  // Sends the replies Run handed off, in order, until Stop() and none is left.
+  void AnswerLoop();
 
   const BatchPolicy policy_;
   const bool one_thread_;
@@ -150,6 +154,14 @@ class Batcher {
   // The executor thread's id, set by the thread itself (read without racing a join).
   std::atomic<std::thread::id> executor_id_{};
   std::thread reaper_;
+  // Replies handed off by the executor thread while other requests wait: their encoding and
+  // sending overlaps the next execution instead of delaying it. With nothing waiting, the
+  // executor thread replies itself (no thread hop for a lone request).
+  absl::Mutex answer_mu_;
+  std::deque<std::pair<Item, absl::StatusOr<std::vector<Tensor>>>> answers_
+      ABSL_GUARDED_BY(answer_mu_);
+  bool answers_stop_ ABSL_GUARDED_BY(answer_mu_) = false;
+  std::thread answerer_;
 };
 
 }  // namespace kiln
