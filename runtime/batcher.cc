@@ -220,7 +220,10 @@ Batcher::Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, 
     Loop();
   });
   reaper_ = std::thread([this] { Reap(); });
-  answerer_ = std::thread([this] { AnswerLoop(); });
+  answerer_ = std::thread([this] {
+    answerer_id_ = std::this_thread::get_id();
+    AnswerLoop();
+  });
 }
 
 void Batcher::AnswerLoop() {
@@ -231,9 +234,11 @@ void Batcher::AnswerLoop() {
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(answer_mu_) {
         return !answers_.empty() || answers_stop_;
       };
+      answering_ = false;
       answer_mu_.Await(absl::Condition(&ready));
       if (answers_.empty()) return;  // stopped, and every reply sent
       work.swap(answers_);
+      answering_ = true;
     }
     for (auto& [item, result] : work) Answer(item, std::move(result));
   }
@@ -382,15 +387,31 @@ int64_t Batcher::queue_depth() const {
 }
 
 void Batcher::Stop() {
+  const std::thread::id self = std::this_thread::get_id();
+  if (self == executor_id_.load() || self == answerer_id_.load()) {
+    // From a reply or a task on the batcher's own threads: it would wait on itself.
+    GetLogger("batcher")->error("Stop called from the batcher's own thread: refused");
+    return;
+  }
   std::deque<Item> left;
   {
     absl::MutexLock lock(&mu_);
-    if (stopping_ && !thread_.joinable()) return;
+    if (stopping_) {
+      // Stopped, or stopping on another thread: returns once that is done.
+      mu_.Await(absl::Condition(&stopped_));
+      return;
+    }
     stopping_ = true;
     changed_ = true;
   }
   if (thread_.joinable()) thread_.join();
   if (reaper_.joinable()) reaper_.join();
+  {
+    absl::MutexLock lock(&mu_);
+    // Tasks the executor will not run now: their callers (a reply among them) go on.
+    for (Task* t : tasks_) t->done = true;  // not run
+    tasks_.clear();
+  }
   {
     absl::MutexLock lock(&answer_mu_);
     answers_stop_ = true;
@@ -405,10 +426,10 @@ void Batcher::Stop() {
     views_.clear();
     deadlined_ = 0;
     queued_by_priority_.clear();
-    for (Task* t : tasks_) t->done = true;  // not run
-    tasks_.clear();
   }
   for (auto& item : left) Answer(item, absl::UnavailableError("the model is shutting down"));
+  absl::MutexLock lock(&mu_);
+  stopped_ = true;
 }
 
 void Batcher::Loop() {
@@ -505,15 +526,24 @@ std::vector<Batcher::Item> Batcher::Run(std::vector<Item> items) {
     if (split.ok()) return std::move((*split)[r]);
     return split.status();
   };
+  for (auto& item : items) item.inputs = {};  // run: their memory goes now, not at the reply
+  size_t r = 0;
   if (std::this_thread::get_id() == executor_id_.load() && queue_depth() > 0) {
     // Others wait for the executor thread: the replies go to the answering thread and the
-    // next batch starts now. (An inline run replies itself: the executor thread, not this
-    // caller's, runs what waits; and Stop joins the answerer once the executor is gone.)
-    absl::MutexLock lock(&answer_mu_);
-    for (size_t r = 0; r < items.size(); ++r) answers_.emplace_back(std::move(items[r]), result(r));
-    return {};
+    // next batch starts now. Only to an idle answerer: one slower than the model gets no
+    // backlog (the executor replies itself meanwhile, which holds requests in the queue, where
+    // max_queue_size bounds them). An inline run replies itself: the executor thread, not
+    // this caller's, runs what waits; and Stop joins the answerer once the executor is gone.
+    try {
+      absl::MutexLock lock(&answer_mu_);
+      if (answers_.empty() && !answering_) {
+        for (; r < items.size(); ++r) answers_.emplace_back(std::move(items[r]), result(r));
+      }
+    } catch (...) {
+      // Out of memory handing off: those not handed off are answered here.
+    }
   }
-  for (size_t r = 0; r < items.size(); ++r) Answer(items[r], result(r));
+  for (; r < items.size(); ++r) Answer(items[r], result(r));
   return {};
 }
 

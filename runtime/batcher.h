@@ -107,7 +107,9 @@ class Batcher {
   // (`fn` not run) after Stop(). For work that should share the executions' thread, such as
   // warm-up with a one_thread batcher.
   absl::Status RunOnExecutor(std::function<void()> fn);
-  // Fails every queued request with UNAVAILABLE and joins the thread.
+  // Fails every queued request with UNAVAILABLE and joins the threads, once the replies
+  // handed off are sent. A second call waits for the first to finish. Refused (logged) from a
+  // reply or task running on the batcher's own threads, which it would wait on.
   void Stop();
 
  private:
@@ -146,6 +148,7 @@ class Batcher {
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
   std::deque<PendingView> views_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;  // Stop has finished
   bool changed_ ABSL_GUARDED_BY(mu_) = false;
   bool executing_ ABSL_GUARDED_BY(mu_) = false;  // one execution at a time, either path
   int64_t deadlined_ ABSL_GUARDED_BY(mu_) = 0;   // queued requests with a deadline
@@ -161,7 +164,9 @@ class Batcher {
   std::deque<std::pair<Item, absl::StatusOr<std::vector<Tensor>>>> answers_
       ABSL_GUARDED_BY(answer_mu_);
   bool answers_stop_ ABSL_GUARDED_BY(answer_mu_) = false;
+  bool answering_ ABSL_GUARDED_BY(answer_mu_) = false;  // replies taken, not all sent yet
   std::thread answerer_;
+  std::atomic<std::thread::id> answerer_id_{};  // set by the answering thread itself
 };
 
 }  // namespace kiln

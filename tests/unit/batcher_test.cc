@@ -615,8 +615,9 @@ namespace kiln {
 namespace {
 
 // While other requests wait, a batch's replies are sent from the batcher's answering thread: a
-// slow reply (a large answer to encode, a slow client) does not hold the next batch back. Stop
-// sends the replies handed off before it returns.
+// slow reply (a large answer to encode, a slow client) does not hold the next batch back. An
+// answerer still busy gets no backlog: the executor replies itself meanwhile. Stop sends the
+// replies handed off before it returns.
 TEST(BatcherTest, ASlowReplyDoesNotHoldTheNextBatchWhileOthersWait) {
   RealClock clock;
   ModelConfig config = BatchingConfig(0);
@@ -634,31 +635,79 @@ TEST(BatcherTest, ASlowReplyDoesNotHoldTheNextBatchWhileOthersWait) {
   };
   auto batcher = Batcher::Create(config, exec, &clock, nullptr);
   ASSERT_TRUE(batcher.ok());
+  // Whatever fails below, nothing is left blocked (a failed check reports, not hangs).
+  struct Release {
+    absl::Notification* a;
+    absl::Notification* b;
+    ~Release() {
+      if (!a->HasBeenNotified()) a->Notify();
+      if (!b->HasBeenNotified()) b->Notify();
+    }
+  } release{&release_first, &release_reply};
   std::atomic<int> first_replies{0};
-  std::atomic<bool> second_replied{false};
-  Batcher::Item a;
-  a.inputs = {Make("x", {1, 1}, {1})};
-  a.may_run_inline = false;
-  a.done = [&](absl::StatusOr<std::vector<Tensor>> r) {
-    release_reply.WaitForNotification();
-    if (r.ok()) first_replies++;
+  std::atomic<int> later_replies{0};
+  auto item = [&](float v, Batcher::Done done) {
+    Batcher::Item it;
+    it.inputs = {Make("x", {1, 1}, {v})};
+    it.may_run_inline = false;
+    it.done = std::move(done);
+    return it;
   };
-  ASSERT_TRUE((*batcher)->Enqueue(std::move(a)).ok());
+  ASSERT_TRUE((*batcher)
+                  ->Enqueue(item(1, [&](absl::StatusOr<std::vector<Tensor>> r) {
+                    release_reply.WaitForNotification();
+                    if (r.ok()) first_replies++;
+                  }))
+                  .ok());
   ASSERT_TRUE(first_running.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  Batcher::Item b;
-  b.inputs = {Make("x", {1, 1}, {2})};
-  b.may_run_inline = false;
-  b.done = [&](absl::StatusOr<std::vector<Tensor>> r) { second_replied = r.ok(); };
-  ASSERT_TRUE((*batcher)->Enqueue(std::move(b)).ok());
+  for (float v : {2.0f, 3.0f}) {
+    ASSERT_TRUE((*batcher)
+                    ->Enqueue(item(v, [&](absl::StatusOr<std::vector<Tensor>> r) {
+                      if (r.ok()) later_replies++;
+                    }))
+                    .ok());
+  }
   release_first.Notify();
-  // The second request runs and is answered while the first one's reply still hangs.
-  EXPECT_TRUE(testing::Eventually([&] { return second_replied.load(); }, absl::Seconds(10)));
+  // The first reply hangs on the answering thread; the other two run and are answered (the
+  // second by the executor itself, though the third waited: the answerer was busy).
+  EXPECT_TRUE(testing::Eventually([&] { return later_replies.load() == 2; }, absl::Seconds(10)));
   EXPECT_EQ(first_replies.load(), 0);
   std::thread stopper([&] { (*batcher)->Stop(); });
   release_reply.Notify();
   stopper.join();
   EXPECT_EQ(first_replies.load(), 1);  // sent once, and before Stop returned
-  EXPECT_EQ(executions.load(), 2);
+  EXPECT_EQ(executions.load(), 3);
+}
+
+// Stop from a reply on the batcher's own thread is refused (it would wait on itself); a
+// second Stop waits for the first; the batcher stops cleanly after both.
+TEST(BatcherTest, StopFromAReplyIsRefusedAndASecondStopWaitsForTheFirst) {
+  RealClock clock;
+  ModelConfig config = BatchingConfig(0);
+  auto exec = [](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+    Tensor y = in[0];
+    y.name = "y";
+    return std::vector<Tensor>{y};
+  };
+  auto batcher = Batcher::Create(config, exec, &clock, nullptr);
+  ASSERT_TRUE(batcher.ok());
+  std::atomic<int> replies{0};
+  Batcher::Item it;
+  it.inputs = {Make("x", {1, 1}, {1})};
+  it.may_run_inline = false;  // replied on the executor thread
+  it.done = [&](absl::StatusOr<std::vector<Tensor>> r) {
+    (*batcher)->Stop();  // refused: returns at once
+    if (r.ok()) replies++;
+  };
+  ASSERT_TRUE((*batcher)->Enqueue(std::move(it)).ok());
+  ASSERT_TRUE(testing::Eventually([&] { return replies.load() == 1; }, absl::Seconds(10)));
+  std::thread second([&] { (*batcher)->Stop(); });
+  (*batcher)->Stop();
+  second.join();
+  Batcher::Item late;
+  late.inputs = {Make("x", {1, 1}, {2})};
+  late.done = [](absl::StatusOr<std::vector<Tensor>>) {};
+  EXPECT_EQ((*batcher)->Enqueue(std::move(late)).code(), absl::StatusCode::kUnavailable);
 }
 
 }  // namespace
