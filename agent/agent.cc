@@ -1066,7 +1066,9 @@ std::string Agent::MetricsText() {
     v1::RuntimeStats stats;
   };
   std::vector<Load> loads;
-  auto running = [](const auto& v) { return v.pid > 0 && !v.socket.empty() && v.phase == "RUNNING"; };
+  auto running = [](const auto& v) {
+    return v.pid > 0 && !v.socket.empty() && v.phase == "RUNNING";
+  };
   std::vector<std::string> sockets;
   for (const auto& v : *snapshot) {
     if (running(v)) sockets.push_back(v.socket);
