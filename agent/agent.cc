@@ -995,7 +995,8 @@ std::string Agent::ReplicasJson() const {
                                  {"pid", p.pid},
                                  {"ready", p.ready},
                                  {"adopted", p.adopted},
-                                 {"stopping", p.stopping}});
+                                 {"stopping", p.stopping},
+                                 {"loading_for", p.loading_for}});
   }
   return out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
 }

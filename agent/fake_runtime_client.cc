@@ -32,9 +32,17 @@ class FakeRuntimeClient : public RuntimeClient {
     absl::MutexLock lock(&f_->mu_);
     auto* r = Find();
     if (!r) return absl::UnavailableError("no runtime at " + socket_);
+    ++r->load_calls;
+    if (r->load_held) {
+      if (!r->load_on_its_way) r->load_on_its_way = args;
+      return AnswerPending("Load");
+    }
+    // The answer of the one on its way, for the arguments it was sent.
+    std::vector<std::string> taken = r->load_on_its_way.value_or(args);
+    r->load_on_its_way.reset();
     if (!r->load_error.ok()) return std::exchange(r->load_error, absl::OkStatus());
     if (!r->loads.empty()) return absl::FailedPreconditionError("a Load was already accepted");
-    r->loads.push_back(args);
+    r->loads.push_back(std::move(taken));
     return absl::OkStatus();
   }
 
@@ -99,6 +107,11 @@ void FakeRuntimeClientFactory::SetStatsPending(const std::string& socket, bool p
 void FakeRuntimeClientFactory::FailNextLoad(const std::string& socket, absl::Status error) {
   absl::MutexLock lock(&mu_);
   runtimes_[socket].load_error = std::move(error);
+}
+
+void FakeRuntimeClientFactory::HoldLoad(const std::string& socket, bool held) {
+  absl::MutexLock lock(&mu_);
+  runtimes_[socket].load_held = held;
 }
 
 void FakeRuntimeClientFactory::SetReachable(const std::string& socket, bool reachable) {

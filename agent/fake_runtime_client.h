@@ -2,6 +2,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,11 @@ class FakeRuntimeClientFactory : public RuntimeClientFactory {
     // Load: every accepted call's arguments; `load_error` refuses the next one.
     std::vector<std::vector<std::string>> loads;
     absl::Status load_error;
+    // While `load_held`, a Load is taken (its arguments kept) but answers AnswerPending(), as
+    // do the calls after it; the first call once released answers it (`load_error` or OK).
+    bool load_held = false;
+    std::optional<std::vector<std::string>> load_on_its_way;
+    int load_calls = 0;
   };
 
   std::unique_ptr<RuntimeClient> Connect(const std::string& socket_path) override;
@@ -38,6 +44,7 @@ class FakeRuntimeClientFactory : public RuntimeClientFactory {
   void SetStatsPending(const std::string& socket, bool pending);
   void SetReplicaId(const std::string& socket, const std::string& id);
   void FailNextLoad(const std::string& socket, absl::Status error);
+  void HoldLoad(const std::string& socket, bool held);
   Runtime Get(const std::string& socket) const;
 
  private:

@@ -185,18 +185,20 @@ class GrpcRuntimeClient : public RuntimeClient {
     return Stats(absl::InfiniteDuration());
   }
   absl::Status Load(const std::vector<std::string>& args) override {
-    grpc::ClientContext ctx;
-    // The runtime reads the model's config (and checks its files) before it answers.
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::max(timeout_, absl::Seconds(10))));
     v1::LoadRequest req;
     for (const auto& a : args) req.add_args(a);
-    v1::LoadResponse resp;
-    return FromGrpcStatus(stub_->Load(&ctx, req, &resp));
+    auto answer = Call<v1::LoadRequest, v1::LoadResponse>(
+        kLoad, "Load", inline_wait_,
+        [](auto* stub, auto* c, const auto& q, auto* cq) {
+          return stub->PrepareAsyncLoad(c, q, cq);
+        },
+        std::move(req));
+    return answer.status();
   }
 
  private:
   using Stub = v1::RuntimeControl::Stub;
-  enum Method { kGetState, kPromote, kDemote, kStats, kMethods };
+  enum Method { kGetState, kPromote, kDemote, kStats, kLoad, kMethods };
 
   static std::unique_ptr<grpc::ClientAsyncResponseReader<v1::RuntimeStats>> StartStatsCall(
       Stub* stub, grpc::ClientContext* c, const v1::StatsRequest& q, grpc::CompletionQueue* cq) {
@@ -217,11 +219,12 @@ class GrpcRuntimeClient : public RuntimeClient {
   // `wait` for a call started now, not at all for one already on its way (it was waited for
   // once), and wholly when `wait` is infinite.
   template <typename Req, typename Resp, typename Start>
-  absl::StatusOr<Resp> Call(Method method, const char* name, absl::Duration wait, Start start) {
+  absl::StatusOr<Resp> Call(Method method, const char* name, absl::Duration wait, Start start,
+                            Req req = Req()) {
     std::shared_ptr<FlightOf<Req, Resp>> f;
     {
       absl::MutexLock lock(&mu_);
-      f = Begin<Req, Resp>(method, wait, start);
+      f = Begin<Req, Resp>(method, wait, start, std::move(req));
     }
     if (!f->Wait(wait)) return AnswerPending(name);
     grpc::Status s;
@@ -251,8 +254,8 @@ class GrpcRuntimeClient : public RuntimeClient {
   // The call of `method` on its way, or one started now; `wait` becomes how long its caller
   // may wait for it.
   template <typename Req, typename Resp, typename Start>
-  std::shared_ptr<FlightOf<Req, Resp>> Begin(Method method, absl::Duration& wait, Start start)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  std::shared_ptr<FlightOf<Req, Resp>> Begin(Method method, absl::Duration& wait, Start start,
+                                             Req req = Req()) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // An answer nobody came back for within kStale is old news: asked afresh (unless a
     // caller started the call to come back for it: StartStats).
     if (flights_[method] && !claimed_[method] &&
@@ -272,10 +275,16 @@ class GrpcRuntimeClient : public RuntimeClient {
       f->waited = true;
     }
     // A runtime that let a call time out (stopped, wedged) is given a short time from then on,
-    // until it answers again.
-    f->ctx.set_deadline(absl::ToChronoTime(
-        absl::Now() + (silent_ ? std::min(timeout_, kSilentTimeout) : timeout_)));
+    // until it answers again. A Load is given at least kLoadTimeout: the runtime reads the
+    // model's config (and checks its files) before it answers.
+    absl::Duration timeout = silent_ ? std::min(timeout_, kSilentTimeout) : timeout_;
+    if (method == kLoad) timeout = std::max(timeout_, kLoadTimeout);
+    f->ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    f->req = std::move(req);
     flights_[method] = f;
+    // A Load is never asked twice (a runtime takes one): its answer waits for its caller
+    // however long that takes.
+    if (method == kLoad) claimed_[kLoad] = true;
     f->reader = start(stub_.get(), &f->ctx, f->req, calls_->cq());
     f->reader->StartCall();
     f->reader->Finish(&f->resp, &f->answer, new std::shared_ptr<Flight>(f));
@@ -284,6 +293,7 @@ class GrpcRuntimeClient : public RuntimeClient {
 
   static constexpr absl::Duration kSilentTimeout = absl::Milliseconds(200);
   static constexpr absl::Duration kStale = absl::Seconds(1);
+  static constexpr absl::Duration kLoadTimeout = absl::Seconds(10);
   const std::shared_ptr<CallQueue> calls_;  // outlives the channel and its calls
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<Stub> stub_;

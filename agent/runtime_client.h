@@ -19,7 +19,7 @@ bool IsAnswerPending(const absl::Status& status);
 
 // The agent's side of kiln.v1.RuntimeControl, one per replica's control socket.
 //
-// GetState, Promote, Demote and Stats may answer AnswerPending() when the runtime is slow to
+// GetState, Promote, Demote, Stats and Load may answer AnswerPending() when the runtime is slow to
 // answer: the agent's loop asks every replica in turn and must not wait on a wedged one.
 // Promote and Demote are idempotent, so asking again is always safe. An OK Promote or Demote
 // answer nobody came back for is dropped once a fresh GetState is answered (the state says
@@ -32,7 +32,10 @@ class RuntimeClient {
   virtual absl::StatusOr<v1::RuntimeState> Demote() = 0;
   virtual absl::StatusOr<v1::RuntimeStats> Stats() = 0;
   // Hands a pre-started runtime (kiln-runtime --prestart) its replica: `args` are the command
-  // line a cold start would have had. OK once the runtime accepted them. Waits for the answer.
+  // line a cold start would have had. OK once the runtime accepted them. May answer
+  // AnswerPending() like the calls above; a runtime takes one Load, so a later Load call takes
+  // the answer of the one on its way (its own `args` unused), and that answer is kept for it
+  // however long it takes to come back.
   virtual absl::Status Load(const std::vector<std::string>& args) = 0;
 
   // GetState, waiting for the answer (or the call's deadline) instead of answering pending:

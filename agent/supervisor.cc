@@ -36,6 +36,17 @@ namespace {
 // data socket beside it (".data" for ".sock") is no longer.
 constexpr size_t kMaxSocketPath = 99;
 
+// How long a replica waits for a pre-started runtime's answer to its Load before it starts
+// cold instead. A Load is answered once the runtime has read the model's config: milliseconds.
+constexpr absl::Duration kHandOverWait = absl::Seconds(2);
+
+// A failed Load that says the arguments were refused (the runtime is still blank), not that
+// the process failed it.
+bool RefusedArguments(const absl::Status& s) {
+  return absl::IsInvalidArgument(s) || absl::IsNotFound(s) || absl::IsAlreadyExists(s) ||
+         absl::IsPermissionDenied(s);
+}
+
 // What a replica's control socket under `state_dir` is named after: its id, or where that
 // would make the path too long (ids run to 128 characters), the id's start and a hash of all
 // of it. Room is kept for the ".K" (up to 3 digits) of a name another replica still holds.
@@ -413,7 +424,9 @@ absl::Status Supervisor::Launch(Replica& r) {
       req.env.push_back("CUDA_DISABLE_PERF_BOOST=1");
     }
   }
-  const bool handed = HandOver(r, req);
+  const HandOverResult hand = HandOver(r, req);
+  if (hand == HandOverResult::kWaiting) return absl::OkStatus();  // pending: asks again
+  const bool handed = hand == HandOverResult::kHanded;
   if (!handed) {
     auto pid = launcher_->Launch(req);
     if (!pid.ok()) return pid.status();
@@ -504,55 +517,115 @@ int Supervisor::PoolTarget(const std::map<PoolKey, PoolPlace>& pools, PoolKey ke
   return key.first < 0 ? options_.prestart_cpu : options_.prestart_per_gpu;
 }
 
-bool Supervisor::HandOver(Replica& r, const LaunchRequest& cold) {
+Supervisor::HandOverResult Supervisor::HandOver(Replica& r, const LaunchRequest& cold) {
+  const std::string& id = r.spec.replica_id();
   const int gpu = r.spec.gpu() >= 0 ? r.spec.gpu() : -1;
-  // A Load blocks the loop: past a second of them in one tick, replicas start cold.
-  if (load_time_this_tick_ >= absl::Seconds(1)) return false;
-  for (auto it = prestarted_.begin(); it != prestarted_.end(); ++it) {
-    Prestarted& p = it->second;
-    if (p.gpu != gpu || !p.ready || p.stopping || p.pid <= 0) continue;
-    if (gpu < 0 && p.numa_node != cold.memory_node) continue;
-    if (p.env != cold.env) continue;  // a parked pool for an unparked replica, say
-    // The cold start's command line, plus where the process now pins itself: it was started
-    // on all of its pool's CPUs.
-    std::vector<std::string> args(cold.argv.begin() + 1, cold.argv.end());
-    if (!cold.cpus.empty()) {
-      args.push_back("--cpu-set");
-      args.push_back(FormatCpuList(cold.cpus));
-    }
-    if (cold.memory_node >= 0) {
-      args.push_back("--memory-node");
-      args.push_back(std::to_string(cold.memory_node));
-    }
-    const absl::Time before = clock_->Now();
-    absl::Status s = p.client->Load(args);
-    load_time_this_tick_ += clock_->Now() - before;
-    if (!s.ok()) {
-      const bool arguments = absl::IsInvalidArgument(s) || absl::IsNotFound(s) ||
-                             absl::IsAlreadyExists(s) || absl::IsPermissionDenied(s);
-      log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) + ") " +
-           (arguments ? "refused" : "failed") + " replica " + r.spec.replica_id() + " (" +
-           std::string(s.message()) + "); the replica starts cold");
-      if (!arguments) {
-        // Not the arguments: the process (hung, shutting down, already loaded, too old).
-        (void)launcher_->Signal(p.pid, SIGKILL);
-        DropPrestarted(it, /*failed=*/true);
-      } else if (++p.refusals >= 2) {
-        // Arguments a cold start may take (an older runtime binary still running, say):
-        // this one is retired rather than asked again.
-        StopPrestarted(it->first, p, "refused twice");
-      }
-      return false;
-    }
-    r.pid = p.pid;
-    r.launch_socket = p.socket;
-    r.launched_as = r.spec.replica_id();
-    // Its output goes on in the replica's log.
-    r.log_file = MoveLog(p.log_file, cold.log_file) ? cold.log_file : p.log_file;
-    prestarted_.erase(it);
-    return true;
+  // The runtime a Load was sent to for this replica, when its answer is still to be taken.
+  auto it = std::find_if(prestarted_.begin(), prestarted_.end(), [&](const auto& e) {
+    return e.second.loading_for == id && !e.second.load_abandoned;
+  });
+  if (it != prestarted_.end() && (it->second.stopping || it->second.pid <= 0)) {
+    // Stopping under it (its GPU went unhealthy, say): its answer is TickPool's.
+    it->second.load_abandoned = true;
+    it = prestarted_.end();
   }
-  return false;
+  const bool asked = it != prestarted_.end();
+  if (!asked) {
+    // Loads wait on the loop up to the client's inline wait: past a second of them in one
+    // tick, replicas start cold.
+    if (load_time_this_tick_ >= absl::Seconds(1)) return HandOverResult::kCold;
+    for (it = prestarted_.begin(); it != prestarted_.end(); ++it) {
+      const Prestarted& p = it->second;
+      if (p.gpu != gpu || !p.ready || p.stopping || p.pid <= 0 || !p.loading_for.empty()) {
+        continue;
+      }
+      if (gpu < 0 && p.numa_node != cold.memory_node) continue;
+      if (p.env != cold.env) continue;  // a parked pool for an unparked replica, say
+      break;
+    }
+    if (it == prestarted_.end()) return HandOverResult::kCold;
+  }
+  Prestarted& p = it->second;
+  // The cold start's command line, plus where the process now pins itself: it was started
+  // on all of its pool's CPUs. (A Load on its way answers for the arguments it was sent.)
+  std::vector<std::string> args(cold.argv.begin() + 1, cold.argv.end());
+  if (!cold.cpus.empty()) {
+    args.push_back("--cpu-set");
+    args.push_back(FormatCpuList(cold.cpus));
+  }
+  if (cold.memory_node >= 0) {
+    args.push_back("--memory-node");
+    args.push_back(std::to_string(cold.memory_node));
+  }
+  const absl::Time before = clock_->Now();
+  absl::Status s = p.client->Load(args);
+  const absl::Time now = clock_->Now();
+  load_time_this_tick_ += now - before;
+  if (IsAnswerPending(s)) {
+    if (!asked) {
+      p.loading_for = id;
+      p.load_sent = now;
+      state_dirty_ = true;
+      return HandOverResult::kWaiting;
+    }
+    if (now - p.load_sent < kHandOverWait) return HandOverResult::kWaiting;
+    log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) +
+         ") has not answered replica " + id + "'s Load in " + absl::FormatDuration(kHandOverWait) +
+         "; the replica starts cold");
+    p.load_abandoned = true;
+    return HandOverResult::kCold;
+  }
+  p.loading_for.clear();
+  if (!s.ok()) {
+    const bool arguments = RefusedArguments(s);
+    log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) + ") " +
+         (arguments ? "refused" : "failed") + " replica " + id + " (" + std::string(s.message()) +
+         "); the replica starts cold");
+    if (!arguments) {
+      // Not the arguments: the process (hung, shutting down, already loaded, too old).
+      (void)launcher_->Signal(p.pid, SIGKILL);
+      DropPrestarted(it, /*failed=*/true);
+    } else if (++p.refusals >= 2) {
+      // Arguments a cold start may take (an older runtime binary still running, say):
+      // this one is retired rather than asked again.
+      StopPrestarted(it->first, p, "refused twice");
+    }
+    return HandOverResult::kCold;
+  }
+  r.pid = p.pid;
+  r.launch_socket = p.socket;
+  r.launched_as = id;
+  // Its output goes on in the replica's log.
+  r.log_file = MoveLog(p.log_file, cold.log_file) ? cold.log_file : p.log_file;
+  prestarted_.erase(it);
+  return HandOverResult::kHanded;
+}
+
+bool Supervisor::SettleAbandonedLoad(std::map<std::string, Prestarted>::iterator& it) {
+  Prestarted& p = it->second;
+  absl::Status s = p.client->Load({});
+  if (IsAnswerPending(s)) return false;
+  const std::string was_for = std::exchange(p.loading_for, "");
+  p.load_abandoned = false;
+  state_dirty_ = true;
+  if (s.ok()) {
+    StopPrestarted(it->first, p, "it took replica " + was_for + "'s model after the replica " +
+                                     "stopped waiting for it");
+    return false;
+  }
+  if (RefusedArguments(s)) {
+    ++p.refusals;  // still blank: back in the pool
+    log_("pre-started runtime " + it->first + " refused replica " + was_for + " (" +
+         std::string(s.message()) + "), which no longer waited for it");
+    if (p.refusals >= 2) StopPrestarted(it->first, p, "refused twice");
+    return false;
+  }
+  log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) + ") failed replica " +
+       was_for + "'s Load (" + std::string(s.message()) + "); killed");
+  (void)launcher_->Signal(p.pid, SIGKILL);
+  auto dead = it++;
+  DropPrestarted(dead, /*failed=*/true);
+  return true;
 }
 
 absl::Status Supervisor::LaunchPrestarted(PoolKey key, const PoolPlace& place) {
@@ -630,6 +703,16 @@ void Supervisor::TickPool() {
   const absl::Time now = clock_->Now();
   for (auto it = prestarted_.begin(); it != prestarted_.end();) {
     Prestarted& p = it->second;
+    if (!p.loading_for.empty() && !p.stopping) {
+      auto waiting = replicas_.find(p.loading_for);
+      if (waiting == replicas_.end() || waiting->second.phase != Phase::kPending ||
+          waiting->second.removing) {
+        p.load_abandoned = true;
+      }
+      if (p.load_abandoned && SettleAbandonedLoad(it)) continue;
+      ++it;
+      continue;
+    }
     if (p.stopping) {
       if (now >= p.due && p.pid > 0) {
         log_("pre-started runtime " + it->first + ": did not stop; killing pid " +
@@ -668,7 +751,8 @@ void Supervisor::TickPool() {
   // Each pool at its size: trimmed (still starting first, then the newest), or refilled.
   std::map<PoolKey, std::vector<std::pair<std::string, Prestarted*>>> have;
   for (auto& [name, p] : prestarted_) {
-    if (!p.stopping) have[p.key()].push_back({name, &p});
+    // One a Load went to is leaving the pool: the pool refills meanwhile.
+    if (!p.stopping && p.loading_for.empty()) have[p.key()].push_back({name, &p});
   }
   const auto pools = Pools();
   for (auto& [key, members] : have) {
@@ -1477,7 +1561,8 @@ void Supervisor::Publish() {
   }
   auto pool = std::make_shared<std::vector<PrestartedView>>();
   for (const auto& [name, p] : prestarted_) {
-    pool->push_back({name, p.gpu, p.numa_node, p.pid, p.ready, p.adopted, p.stopping, p.socket});
+    pool->push_back({name, p.gpu, p.numa_node, p.pid, p.ready, p.adopted, p.stopping, p.socket,
+                     p.loading_for});
   }
   absl::MutexLock lock(&snapshot_mu_);
   snapshot_ = std::move(views);

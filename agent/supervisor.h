@@ -78,6 +78,8 @@ struct PrestartedView {
   bool adopted = false;
   bool stopping = false;  // told to exit; leaves the list when it has
   std::string socket;
+  // The replica it was sent a Load for whose answer is still on its way (empty: none).
+  std::string loading_for;
 };
 
 // What the agent reports and routes by, for one replica.
@@ -232,6 +234,12 @@ class Supervisor {
     absl::Time started;
     absl::Time due;  // for `stopping`: killed past this
     int refusals = 0;
+    // The replica a Load on its way was sent for (empty: none). The replica waits for the
+    // answer up to kHandOverWait, then starts cold and leaves the answer to TickPool
+    // (`load_abandoned`).
+    std::string loading_for;
+    absl::Time load_sent;
+    bool load_abandoned = false;
     bool ready = false;
     bool adopted = false;
     bool stopping = false;  // told to exit (GPU unhealthy, pool shrank, or retired)
@@ -247,10 +255,16 @@ class Supervisor {
   // gone. Says so in the log the first time.
   bool WaitsForCpus(Replica& r);
   // Gives `r` a ready pre-started runtime of its pool (same GPU, or for a CPU replica the same
-  // NUMA node) started with the environment a cold start would have: true when one took it,
-  // false when none could (then it starts cold). A runtime that fails the Load is killed; one
-  // that refuses the arguments twice is retired.
-  bool HandOver(Replica& r, const LaunchRequest& cold);
+  // NUMA node) started with the environment a cold start would have. kHanded: one took it;
+  // kWaiting: the Load's answer is still on its way (`r` stays pending and asks again on the
+  // next pass, which the answer wakes); kCold: none could (then it starts cold). A runtime
+  // that fails the Load is killed; one that refuses the arguments twice is retired.
+  enum class HandOverResult { kHanded, kWaiting, kCold };
+  HandOverResult HandOver(Replica& r, const LaunchRequest& cold);
+  // A pre-started runtime whose Load no replica waits for now (it was removed, or stopped
+  // waiting): its answer, once it comes, stops it (it took a model nobody wants) or drops it.
+  // True when `it` was erased (advanced).
+  bool SettleAbandonedLoad(std::map<std::string, Prestarted>::iterator& it);
 
   void StopPrestarted(const std::string& name, Prestarted& p, const std::string& why);
   void DropPrestarted(std::map<std::string, Prestarted>::iterator it, bool failed);

@@ -83,6 +83,22 @@ class HeldRuntimeControl final : public v1::RuntimeControl::Service {
                       v1::RuntimeState* resp) override {
     return Move("Demote", ctx, v1::WARM, resp);
   }
+  // Takes one Load (its arguments are kept); later ones are refused, as a runtime does.
+  grpc::Status Load(grpc::ServerContext* ctx, const v1::LoadRequest* req,
+                    v1::LoadResponse*) override {
+    Come("Load", ctx);
+    absl::MutexLock lock(&mu_);
+    if (!loaded_.empty()) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "a model is already loaded");
+    }
+    loaded_.assign(req->args().begin(), req->args().end());
+    return grpc::Status::OK;
+  }
+  // The arguments of the Load taken (empty: none).
+  std::vector<std::string> loaded() {
+    absl::MutexLock lock(&mu_);
+    return loaded_;
+  }
 
  private:
   grpc::Status Move(const std::string& method, grpc::ServerContext* ctx, v1::LifecycleState to,
@@ -118,6 +134,7 @@ class HeldRuntimeControl final : public v1::RuntimeControl::Service {
   std::map<std::string, bool> held_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<absl::Duration>> calls_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> holding_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> loaded_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, grpc::Status> refusals_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<grpc::Server> server_;
 };

@@ -89,6 +89,32 @@ TEST(GrpcRuntimeClientTest, ASlowAnswerIsPendingAndTakenByTheNextCall) {
   EXPECT_EQ(late.load(), 1);  // answers waited for are not told
 }
 
+// A Load slow to answer answers pending, is never sent twice (a runtime takes one), keeps its
+// answer for its caller past the staleness second, and has at least 10 s before its deadline.
+TEST(GrpcRuntimeClientTest, ALoadOnItsWayIsAskedOnceAndItsAnswerKeptForItsCaller) {
+  Rig rig("load", v1::LOADING, absl::Seconds(2));
+  ASSERT_TRUE(rig.Ready());
+  auto& runtime = rig.runtime;
+  auto& client = rig.client;
+  runtime.Hold("Load", true);
+  absl::Status s = client->Load({"--model", "enc"});
+  EXPECT_TRUE(IsAnswerPending(s)) << s;
+  ASSERT_TRUE(Eventually([&] { return runtime.held_now("Load") == 1; }, absl::Seconds(10)));
+  EXPECT_TRUE(IsAnswerPending(client->Load({"--model", "other"})));
+  runtime.Hold("Load", false);
+  ASSERT_TRUE(Eventually([&] { return rig.late.load() == 1; }, absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(1100));  // past the second an unclaimed answer is kept
+  s = client->Load({"--model", "other"});
+  EXPECT_TRUE(s.ok()) << s;
+  ASSERT_EQ(runtime.calls("Load").size(), 1u);
+  EXPECT_GT(runtime.calls("Load")[0], absl::Seconds(8));  // not the 2 s of the other calls
+  EXPECT_EQ(runtime.loaded(), (std::vector<std::string>{"--model", "enc"}));
+  // Taken: a Load now is a new call, which the runtime refuses.
+  s = client->Load({"--model", "enc"});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(runtime.calls("Load").size(), 2u);
+}
+
 // A Promote whose answer nobody came back for is dropped once a fresh state is answered: a
 // later Promote asks the runtime again instead of taking an old answer.
 TEST(GrpcRuntimeClientTest, AnAnswerOvertakenByAFreshStateIsDropped) {

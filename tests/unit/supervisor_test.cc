@@ -1375,6 +1375,116 @@ TEST_F(PrestartTest, ARuntimeThatFailsTheLoadIsKilledAndTheReplicaStartsCold) {
   }
 }
 
+// A pre-started runtime slow to answer its Load does not hold up the agent's loop: the
+// replica waits, pending, for the answer, which a later pass takes.
+TEST_F(PrestartTest, ALoadStillOnItsWayLeavesTheReplicaPendingUntilItsAnswerComes) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  const pid_t pooled = Pool(1)->pid;
+  const std::string socket = Pool(1)->socket;
+  runtimes_.HoldLoad(socket, true);
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)})).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("a")->phase, "PENDING");
+  EXPECT_EQ(View("a")->pid, 0);
+  EXPECT_TRUE(ColdLaunches().empty());
+  // The one asked is leaving the pool: the pool refills meanwhile.
+  EXPECT_EQ(PrestartLaunches().size(), 5u);
+  pool_ = sup_->PrestartedSnapshot();
+  auto asked = std::find_if(pool_->begin(), pool_->end(),
+                            [&](const PrestartedView& p) { return p.pid == pooled; });
+  ASSERT_NE(asked, pool_->end());
+  EXPECT_EQ(asked->loading_for, "a");
+  clock_.Advance(absl::Milliseconds(1500));
+  sup_->Tick();  // asked again: the same call's answer, still on its way
+  EXPECT_EQ(View("a")->phase, "PENDING");
+  EXPECT_EQ(runtimes_.Get(socket).load_calls, 2);
+  EXPECT_TRUE(runtimes_.Get(socket).loads.empty());
+  runtimes_.HoldLoad(socket, false);
+  sup_->Tick();
+  EXPECT_EQ(View("a")->pid, pooled);
+  EXPECT_EQ(View("a")->phase, "STARTING");
+  EXPECT_TRUE(ColdLaunches().empty());
+  ASSERT_EQ(runtimes_.Get(socket).loads.size(), 1u);
+  LaunchRequest as_cold;
+  as_cold.argv = runtimes_.Get(socket).loads[0];
+  as_cold.argv.insert(as_cold.argv.begin(), "kiln-runtime");
+  EXPECT_EQ(Arg(as_cold, "--replica-id"), "a");
+  EXPECT_EQ(Arg(as_cold, "--cpu-set"), "8-9");
+  EXPECT_TRUE(launcher_.signals().empty());
+}
+
+// Past kHandOverWait (2 s) the replica starts cold; the Load's late answer stops a runtime
+// that took a model nobody waits for, and kills one that failed it.
+TEST_F(PrestartTest, AReplicaStartsColdWhenItsLoadIsUnansweredForTwoSeconds) {
+  for (bool late_answer_ok : {true, false}) {
+    SCOPED_TRACE(late_answer_ok ? "answered OK" : "failed");
+    SetUp();  // the fake launcher and runtimes carry on from the round before
+    sup_->Tick();
+    AllPrestartedAnswer();
+    sup_->Tick();
+    const pid_t pooled = Pool(0)->pid;
+    const std::string socket = Pool(0)->socket;
+    const size_t cold = ColdLaunches().size();
+    const size_t signalled = launcher_.signals().size();
+    const size_t loaded = runtimes_.Get(socket).loads.size();
+    runtimes_.HoldLoad(socket, true);
+    ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+    sup_->Tick();
+    clock_.Advance(absl::Milliseconds(1999));
+    sup_->Tick();
+    EXPECT_EQ(View("a")->phase, "PENDING");
+    EXPECT_EQ(ColdLaunches().size(), cold);
+    clock_.Advance(absl::Milliseconds(1));
+    sup_->Tick();
+    ASSERT_EQ(ColdLaunches().size(), cold + 1);
+    EXPECT_NE(View("a")->pid, pooled);
+    EXPECT_EQ(View("a")->phase, "STARTING");
+    sup_->Tick();  // still no answer: nothing happens to the runtime
+    EXPECT_EQ(launcher_.signals().size(), signalled);
+    if (!late_answer_ok) runtimes_.FailNextLoad(socket, absl::UnavailableError("reset"));
+    runtimes_.HoldLoad(socket, false);
+    sup_->Tick();
+    ASSERT_EQ(launcher_.signals().size(), signalled + 1);
+    EXPECT_EQ(launcher_.signals().back(),
+              std::make_pair(pooled, late_answer_ok ? SIGTERM : SIGKILL));
+    EXPECT_EQ(runtimes_.Get(socket).loads.size(), loaded + (late_answer_ok ? 1 : 0));
+    EXPECT_EQ(ColdLaunches().size(), cold + 1);  // the replica keeps its cold start
+    TearDown();
+  }
+}
+
+// A replica removed while its Load is on its way: the runtime's answer settles it. Refused
+// arguments put it back in the pool, still blank.
+TEST_F(PrestartTest, ALoadAnsweredAfterItsReplicaWasRemovedIsSettledByThePool) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  const pid_t pooled = Pool(-1, 1)->pid;
+  const std::string socket = Pool(-1, 1)->socket;
+  runtimes_.HoldLoad(socket, true);
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("c", -1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("c")->phase, "PENDING");
+  ASSERT_TRUE(sup_->Apply(Assignment({}, 2)).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("c"), nullptr);
+  EXPECT_TRUE(ColdLaunches().empty());
+  runtimes_.FailNextLoad(socket, absl::InvalidArgumentError("--threads: not a number"));
+  runtimes_.HoldLoad(socket, false);
+  sup_->Tick();
+  pool_ = sup_->PrestartedSnapshot();
+  auto back = std::find_if(pool_->begin(), pool_->end(),
+                           [&](const PrestartedView& p) { return p.pid == pooled; });
+  ASSERT_NE(back, pool_->end());
+  EXPECT_EQ(back->loading_for, "");
+  EXPECT_FALSE(back->stopping);
+  EXPECT_TRUE(launcher_.signals().empty() ||
+              launcher_.signals().back().first != pooled);  // the refill may be trimmed
+  EXPECT_TRUE(runtimes_.Get(socket).loads.empty());
+}
+
 TEST_F(PrestartTest, CrashedOrSilentPrestartedRuntimesAreReplacedWithBackoff) {
   sup_->Tick();
   const pid_t silent = Pool(-1, 0)->pid;
