@@ -105,6 +105,12 @@ nlohmann::json WithoutCounters(nlohmann::json status) {
   return status;
 }
 
+// What a rollout action asked of deployment `name` hears when no spec of it was ever valid.
+std::string NotRunReason(const std::string& name, const std::string& reason) {
+  return "deployment '" + name + "' is not run: its spec is refused (" + reason +
+         ") and no earlier one was valid; fix the spec, then ask again";
+}
+
 std::string ZoneOf(const v1::Register& r) {
   for (const char* key : {"topology.kubernetes.io/zone", "zone"}) {
     auto it = r.labels().find(key);
@@ -714,6 +720,10 @@ void Controller::Tick() {
   for (const auto& dep : deps) live.insert(dep.d.name);
   std::erase_if(decoded_, [&live](const auto& e) { return !live.count(e.first); });
   std::erase_if(invalid_, [&stored](const auto& e) { return !stored.count(e.first); });
+  std::map<std::string, std::string> not_run;  // stored, never valid: nothing runs them
+  for (const auto& [name, bad] : invalid_) {
+    if (!live.count(name)) not_run[name] = NotRunReason(name, bad.reason);
+  }
 
   std::vector<std::pair<std::string, nlohmann::json>> statuses;
   // Actions taken, waiting for their deployment's status to be written (deployment -> tickets).
@@ -744,6 +754,17 @@ void Controller::Tick() {
         continue;
       }
       EndAction(pa->second.ticket, absl::NotFoundError("deployment '" + pa->first + "' is gone"));
+      pa = pending_actions_.erase(pa);
+    }
+    // And of one whose spec is refused with none valid before it: nothing runs it.
+    not_run_ = std::move(not_run);
+    for (auto pa = pending_actions_.begin(); pa != pending_actions_.end();) {
+      auto why = not_run_.find(pa->first);
+      if (why == not_run_.end()) {
+        ++pa;
+        continue;
+      }
+      EndAction(pa->second.ticket, absl::FailedPreconditionError(why->second));
       pa = pending_actions_.erase(pa);
     }
     if (options_.forget_lost_after > absl::ZeroDuration()) {
@@ -1483,6 +1504,9 @@ absl::StatusOr<uint64_t> Controller::RequestRolloutAction(const std::string& nam
   absl::MutexLock lock(&mu_);
   auto it = rollouts_.find(name);
   if (it == rollouts_.end()) {
+    if (auto why = not_run_.find(name); why != not_run_.end()) {
+      return absl::FailedPreconditionError(why->second);
+    }
     // It is stored (the API checked): this controller has not read it yet (it observes after a
     // start, or follows another), so the answer is "later", not "no such deployment".
     return absl::UnavailableError("deployment '" + name +

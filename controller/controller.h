@@ -292,6 +292,9 @@ class Controller
     std::string reason;
   };
   std::map<std::string, Invalid> invalid_;
+  // Stored deployments not run because no spec of theirs was ever valid (name -> why), as of
+  // the last pass: a rollout action asked of one is refused with the reason.
+  std::map<std::string, std::string> not_run_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, AutoscaleHistory> autoscale_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> autoscaled_to_ ABSL_GUARDED_BY(mu_);
   // Per deployment: its stable version's SERVING count last tick, and the replicas its

@@ -451,6 +451,44 @@ TEST_F(ControllerLoopTest, AnActionForASupersededRolloutIsDropped) {
   EXPECT_EQ(heard.code(), absl::StatusCode::kNotFound) << heard;
 }
 
+// A deployment stored with a spec kiln refuses, and no valid one before it, is not run: an
+// action asked of it is refused with the reason (not "try again", and not left waiting out
+// its asker's deadline), whether it was asked before the pass that found the spec or after.
+TEST_F(ControllerLoopTest, AnActionOnADeploymentNeverValidIsRefusedWithTheReason) {
+  CreateEncoder("enc", "  replicas: 1\n  rollout: {steps: [{weight: 10}, {weight: 50}]}\n");
+  controller_->Tick();
+  auto stored = store_->Get(kModelDeploymentKind, "enc");
+  ASSERT_TRUE(stored.ok());
+  nlohmann::json doc = nlohmann::json::parse(stored->spec);
+  doc["spec"]["model"]["version"] = "2";
+  doc["spec"]["model"]["uri"] = "file:///m/encoder/2/model.pt";
+  ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", doc.dump(), 0).ok());
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  auto asked = controller_->RequestRolloutAction("enc", "promote");
+  ASSERT_TRUE(asked.ok()) << asked.status();
+  // Deleted and made again, refused, before the next pass.
+  ASSERT_TRUE(store_->Delete(kModelDeploymentKind, "enc", 0).ok());
+  doc["spec"]["replicas"] = -3;
+  ASSERT_TRUE(store_->Create(kModelDeploymentKind, "enc", doc.dump()).ok());
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  absl::Status heard = controller_->AwaitRolloutAction(*asked, absl::ZeroDuration());
+  EXPECT_EQ(heard.code(), absl::StatusCode::kFailedPrecondition) << heard;
+  EXPECT_NE(heard.message().find("'enc' is not run"), std::string::npos) << heard;
+  EXPECT_NE(heard.message().find("replicas"), std::string::npos) << heard;
+  auto again = controller_->RequestRolloutAction("enc", "abort");
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
+  EXPECT_NE(again.status().message().find("replicas"), std::string::npos) << again.status();
+  // Fixed: it runs, and the answer is about its rollout again.
+  doc["spec"]["replicas"] = 1;
+  ASSERT_TRUE(store_->Update(kModelDeploymentKind, "enc", doc.dump(), 0).ok());
+  clock_.Advance(absl::Seconds(1));
+  controller_->Tick();
+  again = controller_->RequestRolloutAction("enc", "abort");
+  EXPECT_EQ(again.status().message().find("is not run"), std::string::npos) << again.status();
+}
+
 TEST_F(ControllerLoopTest, CountersAloneAreWrittenAtMostEveryTenSeconds) {
   const ModelDeployment d = CreateEncoder("enc", "  replicas: 1\n");
   Connect();
