@@ -40,6 +40,12 @@ constexpr size_t kMaxSocketPath = 99;
 // cold instead. A Load is answered once the runtime has read the model's config: milliseconds.
 constexpr absl::Duration kHandOverWait = absl::Seconds(2);
 
+// The value after `flag` in `args` ("" if none).
+std::string Arg(const std::vector<std::string>& args, const std::string& flag) {
+  auto it = std::find(args.begin(), args.end(), flag);
+  return it == args.end() || it + 1 == args.end() ? "" : *(it + 1);
+}
+
 // A failed Load that says the arguments were refused (the runtime is still blank), not that
 // the process failed it.
 bool RefusedArguments(const absl::Status& s) {
@@ -368,7 +374,7 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
   return absl::OkStatus();
 }
 
-absl::Status Supervisor::Launch(Replica& r) {
+absl::StatusOr<LaunchRequest> Supervisor::ColdStart(Replica& r) {
   const v1::ReplicaSpec& s = r.spec;
   if (s.gpu() >= static_cast<int>(topology_.gpus.size())) {
     return absl::FailedPreconditionError("gpu " + std::to_string(s.gpu()) +
@@ -379,10 +385,20 @@ absl::Status Supervisor::Launch(Replica& r) {
   // id keeps its socket).
   const std::string name = SocketName(options_.state_dir, s.replica_id());
   r.socket = options_.state_dir + "/sockets/" + name + ".sock";
-  for (int k = 1; std::any_of(replicas_.begin(), replicas_.end(), [&](const auto& other) {
-         return &other.second != &r && other.second.socket == r.socket;
-       });
-       ++k) {
+  // Nor one named in a Load sent to a pre-started runtime, but for this replica's own Load
+  // still waited for: a runtime that takes it late binds it.
+  auto taken = [&](const std::string& socket) {
+    return std::any_of(replicas_.begin(), replicas_.end(),
+                       [&](const auto& other) {
+                         return &other.second != &r && other.second.socket == socket;
+                       }) ||
+           std::any_of(prestarted_.begin(), prestarted_.end(), [&](const auto& e) {
+             const Prestarted& p = e.second;
+             return p.load_socket == socket &&
+                    (p.loading_for != s.replica_id() || p.load_abandoned);
+           });
+  };
+  for (int k = 1; taken(r.socket); ++k) {
     r.socket = options_.state_dir + "/sockets/" + name + "." + std::to_string(k) + ".sock";
   }
   r.log_file = options_.state_dir + "/logs/" + s.replica_id() + ".log";
@@ -424,8 +440,24 @@ absl::Status Supervisor::Launch(Replica& r) {
       req.env.push_back("CUDA_DISABLE_PERF_BOOST=1");
     }
   }
-  const HandOverResult hand = HandOver(r, req);
-  if (hand == HandOverResult::kWaiting) return absl::OkStatus();  // pending: asks again
+  return req;
+}
+
+absl::Status Supervisor::Launch(Replica& r) {
+  const v1::ReplicaSpec& s = r.spec;
+  absl::StatusOr<LaunchRequest> cold = ColdStart(r);
+  if (!cold.ok()) return cold.status();
+  HandOverResult hand = HandOver(r, *cold);
+  if (hand == HandOverResult::kWaiting) {
+    r.phase = Phase::kPending;  // asks again on the next pass (a backoff's wait is over)
+    return absl::OkStatus();
+  }
+  if (hand == HandOverResult::kGaveUp) {
+    // Named anew: the runtime that may yet take the Load binds the sockets it named.
+    cold = ColdStart(r);
+    if (!cold.ok()) return cold.status();
+  }
+  const LaunchRequest& req = *cold;
   const bool handed = hand == HandOverResult::kHanded;
   if (!handed) {
     auto pid = launcher_->Launch(req);
@@ -524,11 +556,6 @@ Supervisor::HandOverResult Supervisor::HandOver(Replica& r, const LaunchRequest&
   auto it = std::find_if(prestarted_.begin(), prestarted_.end(), [&](const auto& e) {
     return e.second.loading_for == id && !e.second.load_abandoned;
   });
-  if (it != prestarted_.end() && (it->second.stopping || it->second.pid <= 0)) {
-    // Stopping under it (its GPU went unhealthy, say): its answer is TickPool's.
-    it->second.load_abandoned = true;
-    it = prestarted_.end();
-  }
   const bool asked = it != prestarted_.end();
   if (!asked) {
     // Loads wait on the loop up to the client's inline wait: past a second of them in one
@@ -557,6 +584,14 @@ Supervisor::HandOverResult Supervisor::HandOver(Replica& r, const LaunchRequest&
     args.push_back("--memory-node");
     args.push_back(std::to_string(cold.memory_node));
   }
+  if (asked && (p.load_args != args || p.env != cold.env)) {
+    // Sent for what this replica was then (its id since given to another, its state or
+    // settings changed): the answer is not for it. TickPool settles it.
+    log_("pre-started runtime " + it->first + ": the Load on its way was for replica " + id +
+         " as it was; the replica starts cold");
+    p.load_abandoned = true;
+    return HandOverResult::kGaveUp;
+  }
   const absl::Time before = clock_->Now();
   absl::Status s = p.client->Load(args);
   const absl::Time now = clock_->Now();
@@ -565,7 +600,9 @@ Supervisor::HandOverResult Supervisor::HandOver(Replica& r, const LaunchRequest&
     if (!asked) {
       p.loading_for = id;
       p.load_sent = now;
-      state_dirty_ = true;
+      p.load_args = args;
+      p.load_socket = Arg(args, "--control-socket");
+      state_dirty_ = true;  // an agent restarted from here must not adopt it as blank
       return HandOverResult::kWaiting;
     }
     if (now - p.load_sent < kHandOverWait) return HandOverResult::kWaiting;
@@ -573,9 +610,11 @@ Supervisor::HandOverResult Supervisor::HandOver(Replica& r, const LaunchRequest&
          ") has not answered replica " + id + "'s Load in " + absl::FormatDuration(kHandOverWait) +
          "; the replica starts cold");
     p.load_abandoned = true;
-    return HandOverResult::kCold;
+    return HandOverResult::kGaveUp;
   }
   p.loading_for.clear();
+  p.load_args.clear();
+  if (!s.ok() && RefusedArguments(s)) p.load_socket.clear();  // still blank: bound nothing
   if (!s.ok()) {
     const bool arguments = RefusedArguments(s);
     log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) + ") " +
@@ -607,13 +646,20 @@ bool Supervisor::SettleAbandonedLoad(std::map<std::string, Prestarted>::iterator
   if (IsAnswerPending(s)) return false;
   const std::string was_for = std::exchange(p.loading_for, "");
   p.load_abandoned = false;
+  p.load_args.clear();
   state_dirty_ = true;
   if (s.ok()) {
-    StopPrestarted(it->first, p, "it took replica " + was_for + "'s model after the replica " +
-                                     "stopped waiting for it");
+    // It serves nobody, and loads on a device and CPUs others were given: no drain.
+    log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) +
+         ") took replica " + was_for + "'s model after the replica stopped waiting for it; "
+         "killed");
+    (void)launcher_->Signal(p.pid, SIGKILL);
+    p.stopping = true;
+    p.due = clock_->Now() + options_.stop_timeout;
     return false;
   }
   if (RefusedArguments(s)) {
+    p.load_socket.clear();  // still blank: it bound nothing
     ++p.refusals;  // still blank: back in the pool
     log_("pre-started runtime " + it->first + " refused replica " + was_for + " (" +
          std::string(s.message()) + "), which no longer waited for it");
@@ -671,6 +717,9 @@ absl::Status Supervisor::LaunchPrestarted(PoolKey key, const PoolPlace& place) {
 
 void Supervisor::StopPrestarted(const std::string& name, Prestarted& p, const std::string& why) {
   if (p.stopping || p.pid <= 0) return;
+  // A replica waiting for its Load starts cold (away from the sockets the Load named).
+  p.loading_for.clear();
+  p.load_args.clear();
   (void)launcher_->Signal(p.pid, SIGTERM);
   p.stopping = true;
   p.due = clock_->Now() + options_.stop_timeout;
@@ -1071,7 +1120,8 @@ void Supervisor::Tick() {
         continue;
       }
       absl::Status s = Launch(r);
-      changed_set = true;
+      // (One waiting for its Load's answer changed nothing yet: the Load itself is saved.)
+      if (!s.ok() || r.phase != Phase::kPending) changed_set = true;
       if (!s.ok()) {
         r.last_error = std::string(s.message());
         RestartDecision d = OnCrash(r.crashes, now, options_.restart);
@@ -1286,6 +1336,7 @@ absl::Status Supervisor::WriteStateFile() {
                                  {"env", p.env},
                                  {"stopping", p.stopping},
                                  {"socket", p.socket},
+                                 {"load_socket", p.load_socket},
                                  {"log", p.log_file}});
   }
   return ReplaceFile(options_.state_dir + "/replicas.json", doc.dump(2) + "\n");
@@ -1489,6 +1540,9 @@ void Supervisor::RecoverPrestarted(const json& doc) {
     std::string why;
     if (FlagSet(e, "stopping")) {
       why = "it was being stopped";
+    } else if (!TextOr(e, "load_socket").empty()) {
+      // It may be taking that Load still (and look blank until it has).
+      why = "it was sent a Load";
     } else if (!same_binary) {
       why = "started from another runtime binary than " + options_.runtime_binary;
     } else if (!waiting) {

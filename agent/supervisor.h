@@ -239,7 +239,11 @@ class Supervisor {
     // (`load_abandoned`).
     std::string loading_for;
     absl::Time load_sent;
+    std::vector<std::string> load_args;  // what the Load on its way was sent
     bool load_abandoned = false;
+    // The control socket a Load it may have taken names: kept from the Load until the process
+    // is gone (or refused it), so that no other replica is started on it.
+    std::string load_socket;
     bool ready = false;
     bool adopted = false;
     bool stopping = false;  // told to exit (GPU unhealthy, pool shrank, or retired)
@@ -251,15 +255,19 @@ class Supervisor {
   };
 
   absl::Status Launch(Replica& r);
+  // Names `r`'s sockets and log, and the request that starts it cold.
+  absl::StatusOr<LaunchRequest> ColdStart(Replica& r);
   // Another replica (one on its way out) still holds one of `r`'s CPUs: `r` starts once it is
   // gone. Says so in the log the first time.
   bool WaitsForCpus(Replica& r);
   // Gives `r` a ready pre-started runtime of its pool (same GPU, or for a CPU replica the same
   // NUMA node) started with the environment a cold start would have. kHanded: one took it;
   // kWaiting: the Load's answer is still on its way (`r` stays pending and asks again on the
-  // next pass, which the answer wakes); kCold: none could (then it starts cold). A runtime
-  // that fails the Load is killed; one that refuses the arguments twice is retired.
-  enum class HandOverResult { kHanded, kWaiting, kCold };
+  // next pass, which the answer wakes); kCold: none could (then it starts cold); kGaveUp: the
+  // Load on its way is given up (unanswered past kHandOverWait, or sent for what `r` no
+  // longer is), and `r` starts cold on sockets of its own. A runtime that fails the Load is
+  // killed; one that refuses the arguments twice is retired.
+  enum class HandOverResult { kHanded, kWaiting, kCold, kGaveUp };
   HandOverResult HandOver(Replica& r, const LaunchRequest& cold);
   // A pre-started runtime whose Load no replica waits for now (it was removed, or stopped
   // waiting): its answer, once it comes, stops it (it took a model nobody wants) or drops it.

@@ -1441,14 +1441,23 @@ TEST_F(PrestartTest, AReplicaStartsColdWhenItsLoadIsUnansweredForTwoSeconds) {
     ASSERT_EQ(ColdLaunches().size(), cold + 1);
     EXPECT_NE(View("a")->pid, pooled);
     EXPECT_EQ(View("a")->phase, "STARTING");
+    // On sockets of its own: the runtime that may yet take the Load binds the ones it named.
+    auto on_its_way = runtimes_.Get(socket).load_on_its_way;
+    ASSERT_TRUE(on_its_way.has_value());
+    LaunchRequest sent;
+    sent.argv = {"kiln-runtime"};
+    sent.argv.insert(sent.argv.end(), on_its_way->begin(), on_its_way->end());
+    EXPECT_EQ(Arg(sent, "--control-socket"), Socket("a"));
+    EXPECT_NE(Arg(ColdLaunches().back(), "--control-socket"), Socket("a"));
+    EXPECT_EQ(View("a")->socket, Arg(ColdLaunches().back(), "--control-socket"));
     sup_->Tick();  // still no answer: nothing happens to the runtime
     EXPECT_EQ(launcher_.signals().size(), signalled);
     if (!late_answer_ok) runtimes_.FailNextLoad(socket, absl::UnavailableError("reset"));
     runtimes_.HoldLoad(socket, false);
     sup_->Tick();
+    // Either way it is killed: one that took the model serves nobody.
     ASSERT_EQ(launcher_.signals().size(), signalled + 1);
-    EXPECT_EQ(launcher_.signals().back(),
-              std::make_pair(pooled, late_answer_ok ? SIGTERM : SIGKILL));
+    EXPECT_EQ(launcher_.signals().back(), std::make_pair(pooled, SIGKILL));
     EXPECT_EQ(runtimes_.Get(socket).loads.size(), loaded + (late_answer_ok ? 1 : 0));
     EXPECT_EQ(ColdLaunches().size(), cold + 1);  // the replica keeps its cold start
     TearDown();
@@ -1480,9 +1489,94 @@ TEST_F(PrestartTest, ALoadAnsweredAfterItsReplicaWasRemovedIsSettledByThePool) {
   ASSERT_NE(back, pool_->end());
   EXPECT_EQ(back->loading_for, "");
   EXPECT_FALSE(back->stopping);
-  EXPECT_TRUE(launcher_.signals().empty() ||
-              launcher_.signals().back().first != pooled);  // the refill may be trimmed
+  EXPECT_EQ(Signals(pooled, SIGTERM) + Signals(pooled, SIGKILL), 0);
   EXPECT_TRUE(runtimes_.Get(socket).loads.empty());
+  // Blank still, it takes the next replica.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("d", -1, 1, v1::SERVING)}, 3)).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("d")->pid, pooled);
+  EXPECT_TRUE(ColdLaunches().empty());
+}
+
+// A replica restarting after a crash (its backoff over) waits for its Load's answer as a new
+// one does, on the same runtime: no other pre-started runtime is spent on it meanwhile.
+TEST_F(PrestartTest, ARestartAfterACrashWaitsForItsLoadOnOneRuntime) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  const std::string first_socket = Pool(1)->socket;
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t first = View("a")->pid;
+  AllPrestartedAnswer();
+  sup_->Tick();
+  const pid_t pooled = Pool(1)->pid;
+  const std::string socket = Pool(1)->socket;
+  runtimes_.HoldLoad(socket, true);
+  launcher_.Exit(first, SIGSEGV);
+  sup_->Tick();
+  EXPECT_EQ(View("a")->phase, "BACKOFF");
+  clock_.Advance(absl::Seconds(1));
+  for (int i = 0; i < 3; ++i) {
+    sup_->Tick();
+    EXPECT_EQ(View("a")->phase, "PENDING");
+    clock_.Advance(absl::Milliseconds(200));
+    AllPrestartedAnswer();  // the refill is ready too: it must not be asked
+  }
+  EXPECT_EQ(runtimes_.Get(socket).load_calls, 3);
+  for (const auto& l : PrestartLaunches()) {
+    const std::string other = Arg(l, "--control-socket");
+    if (other == socket) continue;
+    EXPECT_EQ(runtimes_.Get(other).load_calls, other == first_socket ? 1 : 0) << other;
+  }
+  runtimes_.HoldLoad(socket, false);
+  sup_->Tick();
+  EXPECT_EQ(View("a")->pid, pooled);
+  EXPECT_EQ(View("a")->restarts, 1);
+  EXPECT_TRUE(ColdLaunches().empty());
+}
+
+// The answer is for the replica as it was when the Load was sent: one whose settings changed
+// meanwhile starts cold (on sockets of its own) instead of taking it.
+TEST_F(PrestartTest, ALoadSentForAReplicaSinceChangedIsGivenUp) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  const pid_t pooled = Pool(0)->pid;
+  const std::string socket = Pool(0)->socket;
+  runtimes_.HoldLoad(socket, true);
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("a")->phase, "PENDING");
+  v1::ReplicaSpec moved = Spec("a", 0, 1, v1::SERVING);
+  moved.set_repository("/models-v2");
+  ASSERT_TRUE(sup_->Apply(Assignment({moved}, 2)).ok());
+  sup_->Tick();
+  ASSERT_EQ(ColdLaunches().size(), 1u);
+  EXPECT_EQ(Arg(ColdLaunches()[0], "--model-repository"), "/models-v2");
+  EXPECT_NE(Arg(ColdLaunches()[0], "--control-socket"), Socket("a"));
+  runtimes_.HoldLoad(socket, false);
+  sup_->Tick();
+  EXPECT_EQ(Signals(pooled, SIGKILL), 1);  // it took the old settings' Load: serves nobody
+}
+
+// An agent stopped while a Load was on its way does not adopt that runtime as blank (it may
+// take the Load still): it is killed, and the replica starts afresh.
+TEST_F(PrestartTest, ARuntimeSentALoadWhenTheAgentStoppedIsNotAdopted) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  const pid_t pooled = Pool(1)->pid;
+  runtimes_.HoldLoad(Pool(1)->socket, true);
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)})).ok());
+  sup_->Tick();
+  EXPECT_EQ(View("a")->phase, "PENDING");
+  sup_.reset();
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  EXPECT_EQ(Signals(pooled, SIGKILL), 1);
+  pool_ = sup_->PrestartedSnapshot();
+  for (const auto& p : *pool_) EXPECT_NE(p.pid, pooled);
 }
 
 TEST_F(PrestartTest, CrashedOrSilentPrestartedRuntimesAreReplacedWithBackoff) {
