@@ -61,6 +61,9 @@ class CudaRunner : public TorchRunner {
       }
     }
     in_staging_.resize(options_.inputs.size());
+    // The weights are on the device already: reported from the load on, not only once
+    // Prepare() has captured its graphs.
+    memory_bytes_ = ReservedBytes();
   }
 
   absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& inputs) override {
