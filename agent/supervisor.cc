@@ -385,21 +385,29 @@ absl::StatusOr<LaunchRequest> Supervisor::ColdStart(Replica& r) {
   // id keeps its socket).
   const std::string name = SocketName(options_.state_dir, s.replica_id());
   r.socket = options_.state_dir + "/sockets/" + name + ".sock";
-  // Nor one named in a Load sent to a pre-started runtime, but for this replica's own Load
-  // still waited for: a runtime that takes it late binds it.
+  // Nor one named in a Load sent to a pre-started runtime (a runtime that takes it late binds
+  // it) or held by one killed over its Load and not gone yet. The replica's own Load still
+  // waited for keeps the socket it named: asked again, it is the same Load.
+  std::erase_if(dying_sockets_, [&](const auto& e) { return !launcher_->Alive(e.first); });
+  auto own = std::find_if(prestarted_.begin(), prestarted_.end(), [&](const auto& e) {
+    return e.second.loading_for == s.replica_id() && !e.second.load_abandoned;
+  });
   auto taken = [&](const std::string& socket) {
     return std::any_of(replicas_.begin(), replicas_.end(),
                        [&](const auto& other) {
                          return &other.second != &r && other.second.socket == socket;
                        }) ||
-           std::any_of(prestarted_.begin(), prestarted_.end(), [&](const auto& e) {
-             const Prestarted& p = e.second;
-             return p.load_socket == socket &&
-                    (p.loading_for != s.replica_id() || p.load_abandoned);
-           });
+           std::any_of(prestarted_.begin(), prestarted_.end(),
+                       [&](const auto& e) { return e.second.load_socket == socket; }) ||
+           std::any_of(dying_sockets_.begin(), dying_sockets_.end(),
+                       [&](const auto& e) { return e.second == socket; });
   };
-  for (int k = 1; taken(r.socket); ++k) {
-    r.socket = options_.state_dir + "/sockets/" + name + "." + std::to_string(k) + ".sock";
+  if (own != prestarted_.end()) {
+    r.socket = own->second.load_socket;
+  } else {
+    for (int k = 1; taken(r.socket); ++k) {
+      r.socket = options_.state_dir + "/sockets/" + name + "." + std::to_string(k) + ".sock";
+    }
   }
   r.log_file = options_.state_dir + "/logs/" + s.replica_id() + ".log";
   if (r.socket.size() > kMaxSocketPath) {
@@ -621,10 +629,12 @@ Supervisor::HandOverResult Supervisor::HandOver(Replica& r, const LaunchRequest&
          (arguments ? "refused" : "failed") + " replica " + id + " (" + std::string(s.message()) +
          "); the replica starts cold");
     if (!arguments) {
-      // Not the arguments: the process (hung, shutting down, already loaded, too old).
-      (void)launcher_->Signal(p.pid, SIGKILL);
-      DropPrestarted(it, /*failed=*/true);
-    } else if (++p.refusals >= 2) {
+      // Not the arguments: the process (hung, shutting down, already loaded, too old). It
+      // may have taken the Load after all (a deadline passed): the replica is named afresh.
+      KillOverLoad(it);
+      return HandOverResult::kGaveUp;
+    }
+    if (++p.refusals >= 2) {
       // Arguments a cold start may take (an older runtime binary still running, say):
       // this one is retired rather than asked again.
       StopPrestarted(it->first, p, "refused twice");
@@ -668,10 +678,16 @@ bool Supervisor::SettleAbandonedLoad(std::map<std::string, Prestarted>::iterator
   }
   log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) + ") failed replica " +
        was_for + "'s Load (" + std::string(s.message()) + "); killed");
-  (void)launcher_->Signal(p.pid, SIGKILL);
   auto dead = it++;
-  DropPrestarted(dead, /*failed=*/true);
+  KillOverLoad(dead);
   return true;
+}
+
+void Supervisor::KillOverLoad(std::map<std::string, Prestarted>::iterator it) {
+  Prestarted& p = it->second;
+  (void)launcher_->Signal(p.pid, SIGKILL);
+  if (!p.load_socket.empty()) dying_sockets_[p.pid] = p.load_socket;
+  DropPrestarted(it, /*failed=*/true);
 }
 
 absl::Status Supervisor::LaunchPrestarted(PoolKey key, const PoolPlace& place) {
@@ -720,6 +736,7 @@ void Supervisor::StopPrestarted(const std::string& name, Prestarted& p, const st
   // A replica waiting for its Load starts cold (away from the sockets the Load named).
   p.loading_for.clear();
   p.load_args.clear();
+  p.load_abandoned = false;
   (void)launcher_->Signal(p.pid, SIGTERM);
   p.stopping = true;
   p.due = clock_->Now() + options_.stop_timeout;
@@ -1318,7 +1335,9 @@ absl::Status Supervisor::WriteStateFile() {
                               {"due_unix_ms", absl::ToUnixMillis(due)}});
   };
   for (const auto& [id, r] : replicas_) {
-    if (r.pid <= 0 && !r.removing && r.phase == Phase::kBackoff) {
+    // (And one that crashed before, waiting now for a pre-started runtime's answer.)
+    if (r.pid <= 0 && !r.removing &&
+        (r.phase == Phase::kBackoff || (r.phase == Phase::kPending && r.restarts > 0))) {
       waiting(id, r.spec, r.crashes, r.restarts, r.crash_loop, r.due);
     }
   }
@@ -1559,6 +1578,9 @@ void Supervisor::RecoverPrestarted(const json& doc) {
     }
     if (!why.empty()) {
       (void)launcher_->Signal(pid, SIGKILL);
+      // One sent a Load may have bound the socket it named: none is started there until it
+      // is gone.
+      if (!TextOr(e, "load_socket").empty()) dying_sockets_[pid] = TextOr(e, "load_socket");
       log_("pre-started runtime " + name + ": pid " + std::to_string(pid) + " killed (" + why +
            ")");
       continue;

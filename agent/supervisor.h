@@ -273,6 +273,9 @@ class Supervisor {
   // waiting): its answer, once it comes, stops it (it took a model nobody wants) or drops it.
   // True when `it` was erased (advanced).
   bool SettleAbandonedLoad(std::map<std::string, Prestarted>::iterator& it);
+  // Kills a pre-started runtime that failed a Load and drops it (a failure for its pool's
+  // backoff); the socket its Load named stays taken until the process is gone.
+  void KillOverLoad(std::map<std::string, Prestarted>::iterator it);
 
   void StopPrestarted(const std::string& name, Prestarted& p, const std::string& why);
   void DropPrestarted(std::map<std::string, Prestarted>::iterator it, bool failed);
@@ -333,6 +336,9 @@ class Supervisor {
   std::map<int, std::string> unhealthy_gpus_;  // gpu -> reason
   std::map<std::string, Prestarted> prestarted_;  // by name, "prestart-7"
   std::map<PoolKey, PoolSlot> pool_slots_;
+  // Control sockets named in the Loads of pre-started runtimes killed over them, by pid, until
+  // the process is gone: no replica is started on one meanwhile.
+  std::map<pid_t, std::string> dying_sockets_;
   int64_t prestart_seq_ = 0;
   bool pool_stopped_ = false;
   bool state_dirty_ = false;  // the state file is rewritten on the next Tick

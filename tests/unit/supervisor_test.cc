@@ -1209,11 +1209,12 @@ class PrestartTest : public SupervisorTest {
     }
     return out;
   }
-  // The pool of `gpu` (for -1, the CPU pool of NUMA node `node`), not stopping.
+  // The pool of `gpu` (for -1, the CPU pool of NUMA node `node`), not stopping nor sent a
+  // Load.
   const PrestartedView* Pool(int gpu, int node = -1) {
     pool_ = sup_->PrestartedSnapshot();
     for (const auto& p : *pool_) {
-      if (p.gpu == gpu && p.numa_node == node && !p.stopping) return &p;
+      if (p.gpu == gpu && p.numa_node == node && !p.stopping && p.loading_for.empty()) return &p;
     }
     return nullptr;
   }
@@ -1229,6 +1230,22 @@ class PrestartTest : public SupervisorTest {
     int n = 0;
     for (const auto& [p, s] : launcher_.signals()) n += p == pid && s == sig;
     return n;
+  }
+  // The pools started and ready, and the one of `gpu` (for -1, of NUMA node `node`) holding
+  // the Load it is sent (answers pending until released).
+  PrestartedView ReadyWithLoadHeld(int gpu, int node = -1) {
+    sup_->Tick();
+    return HoldLoadOnceReady(gpu, node);
+  }
+  // As ReadyWithLoadHeld, of the pools started already.
+  PrestartedView HoldLoadOnceReady(int gpu, int node = -1) {
+    AllPrestartedAnswer();
+    sup_->Tick();
+    const PrestartedView* p = Pool(gpu, node);
+    EXPECT_NE(p, nullptr);
+    if (p == nullptr) return {};
+    runtimes_.HoldLoad(p->socket, true);
+    return *p;
   }
   std::shared_ptr<const std::vector<PrestartedView>> pool_;
 };
@@ -1378,12 +1395,9 @@ TEST_F(PrestartTest, ARuntimeThatFailsTheLoadIsKilledAndTheReplicaStartsCold) {
 // A pre-started runtime slow to answer its Load does not hold up the agent's loop: the
 // replica waits, pending, for the answer, which a later pass takes.
 TEST_F(PrestartTest, ALoadStillOnItsWayLeavesTheReplicaPendingUntilItsAnswerComes) {
-  sup_->Tick();
-  AllPrestartedAnswer();
-  sup_->Tick();
-  const pid_t pooled = Pool(1)->pid;
-  const std::string socket = Pool(1)->socket;
-  runtimes_.HoldLoad(socket, true);
+  const PrestartedView held = ReadyWithLoadHeld(1);
+  const pid_t pooled = held.pid;
+  const std::string socket = held.socket;
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)})).ok());
   sup_->Tick();
   EXPECT_EQ(View("a")->phase, "PENDING");
@@ -1467,12 +1481,9 @@ TEST_F(PrestartTest, AReplicaStartsColdWhenItsLoadIsUnansweredForTwoSeconds) {
 // A replica removed while its Load is on its way: the runtime's answer settles it. Refused
 // arguments put it back in the pool, still blank.
 TEST_F(PrestartTest, ALoadAnsweredAfterItsReplicaWasRemovedIsSettledByThePool) {
-  sup_->Tick();
-  AllPrestartedAnswer();
-  sup_->Tick();
-  const pid_t pooled = Pool(-1, 1)->pid;
-  const std::string socket = Pool(-1, 1)->socket;
-  runtimes_.HoldLoad(socket, true);
+  const PrestartedView held = ReadyWithLoadHeld(-1, 1);
+  const pid_t pooled = held.pid;
+  const std::string socket = held.socket;
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("c", -1, 1, v1::SERVING)})).ok());
   sup_->Tick();
   EXPECT_EQ(View("c")->phase, "PENDING");
@@ -1508,11 +1519,9 @@ TEST_F(PrestartTest, ARestartAfterACrashWaitsForItsLoadOnOneRuntime) {
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)})).ok());
   sup_->Tick();
   const pid_t first = View("a")->pid;
-  AllPrestartedAnswer();
-  sup_->Tick();
-  const pid_t pooled = Pool(1)->pid;
-  const std::string socket = Pool(1)->socket;
-  runtimes_.HoldLoad(socket, true);
+  const PrestartedView held = HoldLoadOnceReady(1);
+  const pid_t pooled = held.pid;
+  const std::string socket = held.socket;
   launcher_.Exit(first, SIGSEGV);
   sup_->Tick();
   EXPECT_EQ(View("a")->phase, "BACKOFF");
@@ -1536,15 +1545,111 @@ TEST_F(PrestartTest, ARestartAfterACrashWaitsForItsLoadOnOneRuntime) {
   EXPECT_TRUE(ColdLaunches().empty());
 }
 
-// The answer is for the replica as it was when the Load was sent: one whose settings changed
-// meanwhile starts cold (on sockets of its own) instead of taking it.
-TEST_F(PrestartTest, ALoadSentForAReplicaSinceChangedIsGivenUp) {
+// A replica waiting for its Load keeps the socket the Load named, even once a lower name is
+// free again: asked again, it is the same Load, not one for another socket (given up).
+TEST_F(PrestartTest, AReplicaWaitingForItsLoadKeepsTheSocketItNamed) {
   sup_->Tick();
   AllPrestartedAnswer();
   sup_->Tick();
-  const pid_t pooled = Pool(0)->pid;
-  const std::string socket = Pool(0)->socket;
-  runtimes_.HoldLoad(socket, true);
+  const std::string first = Pool(0)->socket;
+  runtimes_.HoldLoad(first, true);
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(2));
+  sup_->Tick();  // gave up on the first: cold, on a socket of its own
+  const pid_t cold = View("a")->pid;
+  ASSERT_EQ(View("a")->socket, Socket("a").substr(0, Socket("a").size() - 5) + ".1.sock");
+  const PrestartedView held = HoldLoadOnceReady(0);
+  const pid_t second = held.pid;
+  const std::string second_socket = held.socket;
+  launcher_.Exit(cold, SIGSEGV);
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();  // the restart's Load, to the second runtime, waits
+  EXPECT_EQ(View("a")->phase, "PENDING");
+  // The first refuses its late Load: back in the pool, and the name it held is free again.
+  runtimes_.FailNextLoad(first, absl::InvalidArgumentError("--threads: not a number"));
+  runtimes_.HoldLoad(first, false);
+  sup_->Tick();
+  EXPECT_EQ(View("a")->phase, "PENDING");
+  runtimes_.HoldLoad(second_socket, false);
+  sup_->Tick();
+  EXPECT_EQ(View("a")->pid, second);
+  EXPECT_EQ(ColdLaunches().size(), 1u);
+  const auto loads = runtimes_.Get(second_socket).loads;
+  ASSERT_EQ(loads.size(), 1u);
+  LaunchRequest sent;
+  sent.argv = {"kiln-runtime"};
+  sent.argv.insert(sent.argv.end(), loads[0].begin(), loads[0].end());
+  EXPECT_EQ(Arg(sent, "--control-socket"), View("a")->socket);
+}
+
+// A replica that crashed and waits for its Load's answer keeps its crash count across an
+// agent restart (the state file lists it with the replicas waiting out a backoff); the
+// runtime the Load went to is killed, and no replica starts on the socket it named until
+// that process is gone.
+TEST_F(PrestartTest, ACrashedReplicaWaitingForItsLoadKeepsItsCrashesAcrossARestart) {
+  sup_->Tick();
+  AllPrestartedAnswer();
+  sup_->Tick();
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t first = View("a")->pid;
+  AllPrestartedAnswer();
+  sup_->Tick();
+  const pid_t pooled = Pool(1)->pid;
+  runtimes_.HoldLoad(Pool(1)->socket, true);
+  launcher_.Exit(first, SIGSEGV);
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(1));
+  sup_->Tick();
+  ASSERT_EQ(View("a")->phase, "PENDING");
+  ASSERT_EQ(View("a")->restarts, 1);
+  sup_.reset();
+  options_.prestart_per_gpu = 0;  // cold from here: the socket is what is looked at
+  options_.prestart_cpu = 0;
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Recover().ok());
+  EXPECT_EQ(Signals(pooled, SIGKILL), 1);
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)}, 2)).ok());
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(2));
+  sup_->Tick();
+  ASSERT_NE(View("a"), nullptr);
+  EXPECT_EQ(View("a")->restarts, 1);  // the crash before the agent's restart still counts
+  EXPECT_NE(View("a")->pid, 0);
+  EXPECT_NE(View("a")->socket, Socket("a"));  // the killed runtime's Load named that one
+  launcher_.Exit(pooled, SIGKILL);
+  launcher_.Exit(View("a")->pid, SIGSEGV);
+  sup_->Tick();
+  clock_.Advance(absl::Seconds(10));
+  sup_->Tick();
+  EXPECT_EQ(View("a")->socket, Socket("a"));  // gone: the name is free again
+}
+
+// A Load that fails (not its arguments) after waiting: the runtime is killed, and the replica
+// starts cold on a socket the runtime did not name, until that runtime is gone.
+TEST_F(PrestartTest, ALoadThatFailsAfterWaitingStartsTheReplicaAwayFromItsSocket) {
+  const PrestartedView held = ReadyWithLoadHeld(0);
+  const pid_t pooled = held.pid;
+  const std::string socket = held.socket;
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  runtimes_.FailNextLoad(socket, absl::DeadlineExceededError("Load"));
+  runtimes_.HoldLoad(socket, false);
+  clock_.Advance(absl::Milliseconds(500));
+  sup_->Tick();
+  EXPECT_EQ(Signals(pooled, SIGKILL), 1);
+  ASSERT_EQ(ColdLaunches().size(), 1u);
+  EXPECT_NE(Arg(ColdLaunches()[0], "--control-socket"), Socket("a"));
+}
+
+// The answer is for the replica as it was when the Load was sent: one whose settings changed
+// meanwhile starts cold (on sockets of its own) instead of taking it.
+TEST_F(PrestartTest, ALoadSentForAReplicaSinceChangedIsGivenUp) {
+  const PrestartedView held = ReadyWithLoadHeld(0);
+  const pid_t pooled = held.pid;
+  const std::string socket = held.socket;
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
   sup_->Tick();
   EXPECT_EQ(View("a")->phase, "PENDING");
@@ -1577,6 +1682,13 @@ TEST_F(PrestartTest, ARuntimeSentALoadWhenTheAgentStoppedIsNotAdopted) {
   EXPECT_EQ(Signals(pooled, SIGKILL), 1);
   pool_ = sup_->PrestartedSnapshot();
   for (const auto& p : *pool_) EXPECT_NE(p.pid, pooled);
+  // The replica starts afresh: from the adopted pool, on a socket the killed one did not name.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)}, 2)).ok());
+  sup_->Tick();
+  ASSERT_NE(View("a"), nullptr);
+  EXPECT_NE(View("a")->pid, 0);
+  EXPECT_NE(View("a")->pid, pooled);
+  EXPECT_NE(View("a")->socket, Socket("a"));
 }
 
 TEST_F(PrestartTest, CrashedOrSilentPrestartedRuntimesAreReplacedWithBackoff) {
