@@ -23,6 +23,9 @@ class ControlTarget {
   virtual ~ControlTarget() = default;
   virtual v1::RuntimeState GetState() = 0;
   virtual absl::Status Promote() = 0;
+  // Whether Promote() may take long (a warm-up inference first): then it runs on a thread of
+  // its own; else it is answered at once on the gRPC thread, as Demote is.
+  virtual bool PromoteWaits() const { return true; }
   virtual absl::Status Demote() = 0;
   // Refuses new work and waits up to `deadline` for in-flight work; true when drained.
   virtual absl::StatusOr<bool> Drain(absl::Duration deadline) = 0;

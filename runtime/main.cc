@@ -147,6 +147,7 @@ class Prestarted : public kiln::ControlTarget {
     return s;
   }
   absl::Status Promote() override { return NoModel(); }
+  bool PromoteWaits() const override { return false; }
   absl::Status Demote() override { return NoModel(); }
   absl::StatusOr<bool> Drain(absl::Duration) override { return true; }
   kiln::v1::RuntimeStats Stats() override { return {}; }

@@ -74,6 +74,7 @@ class RuntimeServer : public ControlTarget {
   // ControlTarget
   v1::RuntimeState GetState() override;
   absl::Status Promote() override;
+  bool PromoteWaits() const override { return options_.warmup_on_promote; }
   absl::Status Demote() override;
   absl::StatusOr<bool> Drain(absl::Duration deadline) override;
   v1::RuntimeStats Stats() override;

@@ -33,6 +33,7 @@ class HeldTarget : public ControlTarget {
     if (throw_on_promote) throw std::runtime_error("out of device memory");
     return absl::OkStatus();
   }
+  bool PromoteWaits() const override { return promote_waits; }
   absl::Status Demote() override { return absl::FailedPreconditionError("cannot demote now"); }
   absl::StatusOr<bool> Drain(absl::Duration deadline) override {
     absl::MutexLock lock(&mu_);
@@ -72,6 +73,7 @@ class HeldTarget : public ControlTarget {
     released_ = true;
   }
   std::atomic<bool> throw_on_promote{false};
+  std::atomic<bool> promote_waits{true};
 
   absl::Duration last_deadline() {
     absl::MutexLock lock(&mu_);
@@ -195,6 +197,28 @@ TEST_F(ControlServiceTest, BlockingCallsAreBoundedAndTheRestRefusedNotQueued) {
   }
 }
 
+// A Promote with no warm-up to run is a state change, answered at once: it takes no blocking
+// call's place (the bound refuses one that waits while the places are full).
+TEST_F(ControlServiceTest, APromoteWithNothingToWaitForIsAnsweredWhileBlockingCallsAreFull) {
+  std::vector<std::future<grpc::Status>> drains;
+  for (int i = 0; i < ControlService::kMaxBlockingCalls; ++i) drains.push_back(DrainAsync(0));
+  ASSERT_TRUE(target_.WaitHeld(ControlService::kMaxBlockingCalls));
+  target_.promote_waits = false;
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::RuntimeState state;
+  grpc::Status s = stub_->Promote(&ctx, {}, &state);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(state.state(), v1::SERVING);
+  target_.promote_waits = true;
+  grpc::ClientContext wctx;
+  Deadline(&wctx);
+  s = stub_->Promote(&wctx, {}, &state);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  target_.Release();
+  for (auto& d : drains) EXPECT_TRUE(d.get().ok());
+}
+
 TEST_F(ControlServiceTest, ABadDeadlineIsRefusedNamingTheField) {
   for (int64_t bad : {int64_t{-1}, int64_t{3'600'001}}) {
     grpc::ClientContext ctx;
@@ -240,7 +264,8 @@ TEST_F(ControlServiceTest, StoppingWhileADrainIsHeldFinishesIt) {
 // reason, on its own thread, and the service serves on.
 TEST_F(ControlServiceTest, AThrowingCallIsAnsweredInternalAndTheServiceServesOn) {
   target_.throw_on_promote = true;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 4; ++i) {
+    target_.promote_waits = i % 2 == 0;  // on a thread of its own, and inline
     grpc::ClientContext ctx;
     Deadline(&ctx);
     v1::RuntimeState state;
