@@ -698,6 +698,46 @@ TEST_F(AgentTest, APrestartedRuntimeBecomesTheStartingReplicaPinnedAndThePoolRef
   }
 }
 
+// A pre-started runtime that hangs (stopped: it never answers its Load) does not hold up the
+// agent's loop: another replica is promoted while the new one waits for the answer, and the new
+// one starts cold once it has waited 2 s. The hung runtime is killed when its Load's deadline
+// passes.
+TEST_F(AgentTest, AHungPrestartedRuntimeDoesNotHoldUpTheAgent) {
+  WriteAssignment("replicas:\n" + Replica("w0", "WARM"));
+  extra_args_ = {"--prestart-cpu", "1"};
+  StartAgent();
+  json j = WaitFor([&](const json& j) {
+    return Find(j, "w0")["state"] == "WARM" && !Prestarted(j, -1).is_null();
+  }, "w0 WARM and a ready pre-started runtime");
+  const int hung = Prestarted(j, -1)["pid"];
+  ASSERT_EQ(kill(hung, SIGSTOP), 0);
+  struct Unhang {  // whatever fails below
+    int pid;
+    ~Unhang() { kill(pid, SIGKILL); }
+  } unhang{hung};
+  WriteAssignment("replicas:\n" + Replica("s1", "SERVING") + Replica("w0", "SERVING"));
+  Hup();
+  j = WaitFor([&](const json& j) {
+    bool loading = false;
+    for (const auto& p : j["prestarted"]) loading |= p["pid"] == hung && p["loading_for"] == "s1";
+    return Find(j, "w0")["state"] == "SERVING" && Find(j, "s1")["phase"] == "PENDING" && loading;
+  }, "w0 promoted while s1 waits (PENDING) for the hung runtime's answer");
+  j = WaitFor([&](const json& j) { return Find(j, "s1")["state"] == "SERVING"; }, "s1 SERVING");
+  EXPECT_NE(Find(j, "s1")["pid"], hung);
+  EXPECT_NE(ReadFile(log_).find("has not answered replica s1's Load in 2s; the replica starts "
+                                "cold"),
+            std::string::npos) << ReadFile(log_);
+  EXPECT_TRUE(Infer(Find(j, "s1")["grpc_port"]).ok());
+  // Its Load's deadline (10 s) passes: killed, and gone from the pool.
+  WaitFor([&](const json& j) {
+    for (const auto& p : j["prestarted"]) {
+      if (p["pid"] == hung) return false;
+    }
+    return !kiln::testing::Running(hung);
+  }, "the hung runtime killed");
+  EXPECT_NE(ReadFile(log_).find("failed replica s1's Load"), std::string::npos) << ReadFile(log_);
+}
+
 TEST_F(AgentTest, RestartingTheAgentUnderLoadFailsNoRequestThroughItsRouter) {
   // The router's sockets are held outside the agent, as kiln-agent-grpc.socket and
   // kiln-agent-http.socket hold them under systemd.
