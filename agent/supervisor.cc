@@ -389,9 +389,7 @@ absl::StatusOr<LaunchRequest> Supervisor::ColdStart(Replica& r) {
   // it) or held by one killed over its Load and not gone yet. The replica's own Load still
   // waited for keeps the socket it named: asked again, it is the same Load.
   std::erase_if(dying_sockets_, [&](const auto& e) { return !launcher_->Alive(e.first); });
-  auto own = std::find_if(prestarted_.begin(), prestarted_.end(), [&](const auto& e) {
-    return e.second.loading_for == s.replica_id() && !e.second.load_abandoned;
-  });
+  auto own = LoadAwaitedBy(s.replica_id());
   auto taken = [&](const std::string& socket) {
     return std::any_of(replicas_.begin(), replicas_.end(),
                        [&](const auto& other) {
@@ -560,10 +558,7 @@ int Supervisor::PoolTarget(const std::map<PoolKey, PoolPlace>& pools, PoolKey ke
 Supervisor::HandOverResult Supervisor::HandOver(Replica& r, const LaunchRequest& cold) {
   const std::string& id = r.spec.replica_id();
   const int gpu = r.spec.gpu() >= 0 ? r.spec.gpu() : -1;
-  // The runtime a Load was sent to for this replica, when its answer is still to be taken.
-  auto it = std::find_if(prestarted_.begin(), prestarted_.end(), [&](const auto& e) {
-    return e.second.loading_for == id && !e.second.load_abandoned;
-  });
+  auto it = LoadAwaitedBy(id);
   const bool asked = it != prestarted_.end();
   if (!asked) {
     // Loads wait on the loop up to the client's inline wait: past a second of them in one
@@ -622,7 +617,6 @@ Supervisor::HandOverResult Supervisor::HandOver(Replica& r, const LaunchRequest&
   }
   p.loading_for.clear();
   p.load_args.clear();
-  if (!s.ok() && RefusedArguments(s)) p.load_socket.clear();  // still blank: bound nothing
   if (!s.ok()) {
     const bool arguments = RefusedArguments(s);
     log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) + ") " +
@@ -634,11 +628,7 @@ Supervisor::HandOverResult Supervisor::HandOver(Replica& r, const LaunchRequest&
       KillOverLoad(it);
       return HandOverResult::kGaveUp;
     }
-    if (++p.refusals >= 2) {
-      // Arguments a cold start may take (an older runtime binary still running, say):
-      // this one is retired rather than asked again.
-      StopPrestarted(it->first, p, "refused twice");
-    }
+    RefusedLoad(it->first, p);
     return HandOverResult::kCold;
   }
   r.pid = p.pid;
@@ -669,11 +659,9 @@ bool Supervisor::SettleAbandonedLoad(std::map<std::string, Prestarted>::iterator
     return false;
   }
   if (RefusedArguments(s)) {
-    p.load_socket.clear();  // still blank: it bound nothing
-    ++p.refusals;  // still blank: back in the pool
     log_("pre-started runtime " + it->first + " refused replica " + was_for + " (" +
          std::string(s.message()) + "), which no longer waited for it");
-    if (p.refusals >= 2) StopPrestarted(it->first, p, "refused twice");
+    RefusedLoad(it->first, p);  // still blank: back in the pool
     return false;
   }
   log_("pre-started runtime " + it->first + " (pid " + std::to_string(p.pid) + ") failed replica " +
@@ -681,6 +669,22 @@ bool Supervisor::SettleAbandonedLoad(std::map<std::string, Prestarted>::iterator
   auto dead = it++;
   KillOverLoad(dead);
   return true;
+}
+
+std::map<std::string, Supervisor::Prestarted>::iterator Supervisor::LoadAwaitedBy(
+    const std::string& id) {
+  return std::find_if(prestarted_.begin(), prestarted_.end(), [&](const auto& e) {
+    return e.second.loading_for == id && !e.second.load_abandoned;
+  });
+}
+
+void Supervisor::RefusedLoad(const std::string& name, Prestarted& p) {
+  p.load_socket.clear();  // still blank: it bound nothing
+  if (++p.refusals >= 2) {
+    // Arguments a cold start may take (an older runtime binary still running, say): this one
+    // is retired rather than asked again.
+    StopPrestarted(name, p, "refused twice");
+  }
 }
 
 void Supervisor::KillOverLoad(std::map<std::string, Prestarted>::iterator it) {

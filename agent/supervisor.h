@@ -276,6 +276,11 @@ class Supervisor {
   // Kills a pre-started runtime that failed a Load and drops it (a failure for its pool's
   // backoff); the socket its Load named stays taken until the process is gone.
   void KillOverLoad(std::map<std::string, Prestarted>::iterator it);
+  // A pre-started runtime that refused a Load's arguments (still blank): back in its pool,
+  // retired at the second refusal.
+  void RefusedLoad(const std::string& name, Prestarted& p);
+  // The pre-started runtime whose Load replica `id` waits for (end() if none).
+  std::map<std::string, Prestarted>::iterator LoadAwaitedBy(const std::string& id);
 
   void StopPrestarted(const std::string& name, Prestarted& p, const std::string& why);
   void DropPrestarted(std::map<std::string, Prestarted>::iterator it, bool failed);

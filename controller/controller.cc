@@ -747,24 +747,19 @@ void Controller::Tick() {
     } forgotten_streams;
     absl::MutexLock lock(&mu_);
     TakeStatuses();
-    // Actions asked of a deployment deleted since: nothing will take them.
-    for (auto pa = pending_actions_.begin(); pa != pending_actions_.end();) {
-      if (stored.count(pa->first)) {
-        ++pa;
-        continue;
-      }
-      EndAction(pa->second.ticket, absl::NotFoundError("deployment '" + pa->first + "' is gone"));
-      pa = pending_actions_.erase(pa);
-    }
-    // And of one whose spec is refused with none valid before it: nothing runs it.
+    // Actions asked of a deployment deleted since, or of one whose spec is refused with none
+    // valid before it: nothing will take them.
     not_run_ = std::move(not_run);
     for (auto pa = pending_actions_.begin(); pa != pending_actions_.end();) {
-      auto why = not_run_.find(pa->first);
-      if (why == not_run_.end()) {
+      if (!stored.count(pa->first)) {
+        EndAction(pa->second.ticket,
+                  absl::NotFoundError("deployment '" + pa->first + "' is gone"));
+      } else if (auto why = not_run_.find(pa->first); why != not_run_.end()) {
+        EndAction(pa->second.ticket, absl::FailedPreconditionError(why->second));
+      } else {
         ++pa;
         continue;
       }
-      EndAction(pa->second.ticket, absl::FailedPreconditionError(why->second));
       pa = pending_actions_.erase(pa);
     }
     if (options_.forget_lost_after > absl::ZeroDuration()) {

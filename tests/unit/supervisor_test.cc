@@ -1548,11 +1548,7 @@ TEST_F(PrestartTest, ARestartAfterACrashWaitsForItsLoadOnOneRuntime) {
 // A replica waiting for its Load keeps the socket the Load named, even once a lower name is
 // free again: asked again, it is the same Load, not one for another socket (given up).
 TEST_F(PrestartTest, AReplicaWaitingForItsLoadKeepsTheSocketItNamed) {
-  sup_->Tick();
-  AllPrestartedAnswer();
-  sup_->Tick();
-  const std::string first = Pool(0)->socket;
-  runtimes_.HoldLoad(first, true);
+  const std::string first = ReadyWithLoadHeld(0).socket;
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING)})).ok());
   sup_->Tick();
   clock_.Advance(absl::Seconds(2));
