@@ -15,6 +15,7 @@ FROM debian:12
 RUN apt-get update && apt-get install -y --no-install-recommends \
       libgrpc++1.51 libprotobuf32 libyaml-cpp0.7 libspdlog1.10 libfmt9 libcpprest2.10 \
       libsystemd0 libnuma1 libsqlite3-0 libssl3 libjemalloc2 libtorch1.13 libopenblas0-openmp \
+      libnghttp2-14 \
       ca-certificates \
       $(apt-cache depends libabsl-dev | awk '/Depends: libabsl2/{print $2}') \
  && rm -rf /var/lib/apt/lists/*

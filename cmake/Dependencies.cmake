@@ -11,6 +11,8 @@ find_package(Boost 1.74 REQUIRED)  # Beast, header-only
 find_package(CLI11 CONFIG REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(SYSTEMD REQUIRED IMPORTED_TARGET libsystemd)
+# nghttp2: HTTP/2 for the router's gRPC server (common/grpc_h2_server.h).
+pkg_check_modules(NGHTTP2 REQUIRED IMPORTED_TARGET libnghttp2)
 # jemalloc: kiln-controller's allocator. Its loop builds and frees every node's assignment each
 # pass (hundreds of thousands of small strings at 10,000 nodes), where glibc's malloc spent
 # half of placement's time (bench/RESULTS.md, 2026-11-25).

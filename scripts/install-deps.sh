@@ -11,8 +11,8 @@ PACKAGES=(
   libsqlite3-dev libssl-dev
   # kiln-controller's allocator.
   libjemalloc-dev
-  # Boost.Beast (header-only) serves HTTP.
-  libboost-dev
+  # Boost.Beast (header-only) serves HTTP; nghttp2 the router's gRPC (HTTP/2).
+  libboost-dev libnghttp2-dev
   # systemd-analyze checks the installed units in the tests; openssl makes the TLS tests' CA.
   systemd openssl
   # ip netns: a test runs a second node in a network namespace of its own.

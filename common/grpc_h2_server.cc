@@ -1,0 +1,892 @@
+#include "common/grpc_h2_server.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <nghttp2/nghttp2.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <queue>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/logging.h"
+
+namespace kiln {
+namespace {
+
+constexpr size_t kPrefixBytes = 5;
+// Metadata a call may carry, all keys and values together (gRPC's own clients and servers
+// default to 8 to 16 KiB).
+constexpr size_t kMaxMetadataBytes = 16 * 1024;
+// Bytes made ready for a connection before they are written (a large answer goes out in
+// pieces as the socket takes them).
+constexpr size_t kMaxPendingOut = 1 << 20;
+// Flow-control windows offered to callers: a large request need not wait on a WINDOW_UPDATE
+// every 64 KiB.
+constexpr int32_t kStreamWindow = 1 << 20;
+constexpr int32_t kConnectionWindow = 8 << 20;
+constexpr size_t kReadChunk = 64 * 1024;
+constexpr int kReadsPerEvent = 4;  // then the other connections get a turn
+
+nghttp2_nv Nv(const std::string& name, const std::string& value) {
+  return {reinterpret_cast<uint8_t*>(const_cast<char*>(name.data())),
+          reinterpret_cast<uint8_t*>(const_cast<char*>(value.data())), name.size(), value.size(),
+          NGHTTP2_NV_FLAG_NONE};
+}
+
+bool IsReserved(std::string_view key) {
+  return key == "content-type" || key == "te" || key == "grpc-timeout" ||
+         key == "grpc-encoding" || key == "grpc-accept-encoding";
+}
+
+}  // namespace
+
+absl::StatusOr<absl::Duration> ParseGrpcTimeout(std::string_view value) {
+  auto bad = [&] {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grpc-timeout: '", std::string(value),
+                     "' is not 1 to 8 digits followed by a unit (H, M, S, m, u or n)"));
+  };
+  if (value.size() < 2 || value.size() > 9) return bad();
+  int64_t n = 0;
+  for (size_t i = 0; i + 1 < value.size(); i++) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(value[i]))) return bad();
+    n = n * 10 + (value[i] - '0');
+  }
+  switch (value.back()) {
+    case 'H': return absl::Hours(n);
+    case 'M': return absl::Minutes(n);
+    case 'S': return absl::Seconds(n);
+    case 'm': return absl::Milliseconds(n);
+    case 'u': return absl::Microseconds(n);
+    case 'n': return absl::Nanoseconds(n);
+    default: return bad();
+  }
+}
+
+std::string PercentEncodeGrpcMessage(std::string_view message) {
+  static const char kHex[] = "0123456789ABCDEF";
+  std::string out;
+  out.reserve(message.size());
+  for (unsigned char c : message) {
+    if (c >= 0x20 && c <= 0x7e && c != '%') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out.push_back('%');
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  return out;
+}
+
+// One client connection: its nghttp2 session and calls, under one lock that the server's
+// thread (reading) and any thread finishing a call (writing) take in turn.
+class GrpcH2Server::Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  Connection(Impl* server, int fd) : server_(server), fd_(fd) {}
+  ~Connection() {
+    if (session_ != nullptr) nghttp2_session_del(session_);
+  }
+
+  Impl* const server_;
+  const int fd_;
+  absl::Mutex mu_;
+  nghttp2_session* session_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::map<int32_t, std::shared_ptr<Call>> streams_ ABSL_GUARDED_BY(mu_);
+  std::string out_ ABSL_GUARDED_BY(mu_);
+  size_t out_off_ ABSL_GUARDED_BY(mu_) = 0;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;  // a write failed: the server's thread closes it
+  bool want_out_ ABSL_GUARDED_BY(mu_) = false;  // EPOLLOUT armed
+  // Filled by nghttp2's callbacks under mu_, taken by the server's thread after it.
+  std::vector<std::shared_ptr<Call>> ready_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::function<void()>> cancels_ ABSL_GUARDED_BY(mu_);
+
+  // Writes what the session has to send, as far as the socket takes it.
+  void Flush() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers `call` with `status` alone (no message), and stops its upload.
+  void Refuse(Call* call, grpc::StatusCode code, const std::string& message, int http_status = 200)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SubmitAnswer(Call* call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Call* Find(int32_t stream_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = streams_.find(stream_id);
+    return it == streams_.end() ? nullptr : it->second.get();
+  }
+};
+
+class GrpcH2Server::Impl {
+ public:
+  Impl(Options options, Handler handler)
+      : options_(std::move(options)), handler_(std::move(handler)) {}
+  ~Impl() {
+    if (epoll_fd_ >= 0) close(epoll_fd_);
+    if (wake_fd_ >= 0) close(wake_fd_);
+    if (listen_fd_ >= 0 && owns_listener_) close(listen_fd_);
+    if (callbacks_ != nullptr) nghttp2_session_callbacks_del(callbacks_);
+    if (session_options_ != nullptr) nghttp2_option_del(session_options_);
+  }
+
+  absl::Status Listen() {
+    const std::string& flag = options_.flag;
+    if (options_.listen_fd >= 0) {
+      listen_fd_ = options_.listen_fd;
+      owns_listener_ = false;
+      int flags = fcntl(listen_fd_, F_GETFL);
+      if (flags < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(flag, ": the handed-over socket is not open: ", strerror(errno)));
+      }
+      fcntl(listen_fd_, F_SETFL, flags | O_NONBLOCK);
+    } else {
+      addrinfo hints{};
+      hints.ai_family = AF_UNSPEC;
+      hints.ai_socktype = SOCK_STREAM;
+      hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+      addrinfo* res = nullptr;
+      std::string host = options_.bind_address;
+      if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+        host = host.substr(1, host.size() - 2);
+      }
+      int rc = getaddrinfo(host.c_str(), std::to_string(options_.port).c_str(), &hints, &res);
+      if (rc != 0 || res == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot resolve bind address '",
+                                                       options_.bind_address,
+                                                       "': ", gai_strerror(rc)));
+      }
+      int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      int one = 1;
+      if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+      if (fd < 0 || bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, 4096) != 0) {
+        std::string why = strerror(errno);
+        if (fd >= 0) close(fd);
+        freeaddrinfo(res);
+        return absl::UnavailableError(absl::StrCat(flag, ": cannot listen on ",
+                                                   options_.bind_address, ":", options_.port,
+                                                   ": ", why));
+      }
+      freeaddrinfo(res);
+      listen_fd_ = fd;
+      owns_listener_ = true;
+    }
+    sockaddr_storage a{};
+    socklen_t len = sizeof(a);
+    if (getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+      if (a.ss_family == AF_INET) port_ = ntohs(reinterpret_cast<sockaddr_in*>(&a)->sin_port);
+      if (a.ss_family == AF_INET6) port_ = ntohs(reinterpret_cast<sockaddr_in6*>(&a)->sin6_port);
+    }
+    epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+    wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (epoll_fd_ < 0 || wake_fd_ < 0) {
+      return absl::InternalError(absl::StrCat(flag, ": epoll: ", strerror(errno)));
+    }
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = listen_fd_;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
+    ev.data.fd = wake_fd_;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+
+    nghttp2_session_callbacks_new(&callbacks_);
+    nghttp2_session_callbacks_set_on_begin_headers_callback(callbacks_, &Impl::OnBeginHeaders);
+    nghttp2_session_callbacks_set_on_header_callback(callbacks_, &Impl::OnHeader);
+    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(callbacks_, &Impl::OnDataChunk);
+    nghttp2_session_callbacks_set_on_frame_recv_callback(callbacks_, &Impl::OnFrameRecv);
+    nghttp2_session_callbacks_set_on_stream_close_callback(callbacks_, &Impl::OnStreamClose);
+    nghttp2_session_callbacks_set_on_frame_send_callback(callbacks_, &Impl::OnFrameSend);
+    nghttp2_option_new(&session_options_);
+    // The server's answers are short; flooding it with frames it must answer (PING,
+    // SETTINGS) while not reading them ends the connection (nghttp2's default limit).
+    nghttp2_option_set_max_outbound_ack(session_options_, 1000);
+    return absl::OkStatus();
+  }
+
+  void Run() { thread_ = std::thread([this] { Loop(); }); }
+  int epoll_fd() const { return epoll_fd_; }
+
+  void Stop(absl::Duration grace) {
+    {
+      absl::MutexLock lock(&stop_mu_);
+      if (stop_requested_) {
+        // A second Stop waits for the first.
+        stop_mu_.Await(absl::Condition(&stopped_));
+        return;
+      }
+      stop_requested_ = true;
+      stop_grace_ = grace;
+    }
+    uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+    if (thread_.joinable()) thread_.join();
+    absl::MutexLock lock(&stop_mu_);
+    stopped_ = true;
+  }
+
+  int port_ = 0;
+  std::atomic<int64_t> in_flight_{0};
+  std::atomic<int64_t> connections_{0};
+
+  // nghttp2's callbacks: user_data is the Connection, whose lock is held.
+  static int OnBeginHeaders(nghttp2_session*, const nghttp2_frame* frame, void* user_data) {
+    auto* c = static_cast<Connection*>(user_data);
+    if (frame->hd.type != NGHTTP2_HEADERS || frame->headers.cat != NGHTTP2_HCAT_REQUEST) return 0;
+    c->mu_.AssertHeld();
+    c->streams_[frame->hd.stream_id] =
+        std::shared_ptr<Call>(new Call(c->shared_from_this(), frame->hd.stream_id));
+    return 0;
+  }
+
+  static int OnHeader(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
+                      size_t namelen, const uint8_t* value, size_t valuelen, uint8_t,
+                      void* user_data) {
+    auto* c = static_cast<Connection*>(user_data);
+    c->mu_.AssertHeld();
+    if (frame->hd.type != NGHTTP2_HEADERS || frame->headers.cat != NGHTTP2_HCAT_REQUEST) return 0;
+    Call* call = c->Find(frame->hd.stream_id);
+    if (call == nullptr) return 0;
+    std::string_view k(reinterpret_cast<const char*>(name), namelen);
+    std::string_view v(reinterpret_cast<const char*>(value), valuelen);
+    if (k == ":path") {
+      call->method_.assign(v);
+    } else if (k == ":method") {
+      call->http_method_.assign(v);
+    } else if (k == "content-type") {
+      call->content_type_.assign(v);
+    } else if (k == "grpc-encoding") {
+      call->encoding_.assign(v);
+    } else if (k == "grpc-timeout") {
+      auto d = ParseGrpcTimeout(v);
+      if (!d.ok()) {
+        if (call->bad_.empty()) {
+          call->bad_ = std::string(d.status().message());
+          call->bad_code_ = grpc::StatusCode::INVALID_ARGUMENT;
+        }
+      } else {
+        call->deadline_ = absl::Now() + *d;
+      }
+    } else if (!k.empty() && k[0] != ':' && !IsReserved(k)) {
+      call->metadata_bytes_ += k.size() + v.size();
+      if (call->metadata_bytes_ > kMaxMetadataBytes) {
+        if (call->bad_.empty()) {
+          call->bad_ = absl::StrCat("metadata: over ", kMaxMetadataBytes, " bytes");
+          call->bad_code_ = grpc::StatusCode::RESOURCE_EXHAUSTED;
+        }
+      } else {
+        call->metadata_.emplace_back(std::string(k), std::string(v));
+      }
+    }
+    return 0;
+  }
+
+  static int OnDataChunk(nghttp2_session*, uint8_t, int32_t stream_id, const uint8_t* data,
+                         size_t len, void* user_data) {
+    auto* c = static_cast<Connection*>(user_data);
+    c->mu_.AssertHeld();
+    Call* call = c->Find(stream_id);
+    if (call == nullptr || call->finished_) return 0;  // refused already: dropped
+    const int64_t limit = c->server_->options_.max_message_bytes;
+    const bool had_prefix = call->message_.size() >= kPrefixBytes;
+    call->message_.append(reinterpret_cast<const char*>(data), len);
+    if (call->message_.size() < kPrefixBytes) return 0;
+    const auto* p = reinterpret_cast<const unsigned char*>(call->message_.data());
+    const uint64_t length = (uint64_t{p[1]} << 24) | (uint64_t{p[2]} << 16) |
+                            (uint64_t{p[3]} << 8) | uint64_t{p[4]};
+    if (!had_prefix) {
+      if (p[0] == 1) {
+        c->Refuse(call, grpc::StatusCode::UNIMPLEMENTED,
+                  absl::StrCat("compressed messages (grpc-encoding '", call->encoding_,
+                               "') are not supported: send them uncompressed"));
+        return 0;
+      }
+      if (p[0] != 0) {
+        c->Refuse(call, grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("message prefix: compressed-flag ", int{p[0]}, " is not 0 or 1"));
+        return 0;
+      }
+      if (length > static_cast<uint64_t>(limit)) {
+        c->Refuse(call, grpc::StatusCode::RESOURCE_EXHAUSTED,
+                  absl::StrCat("request message of ", length, " bytes is over the limit of ",
+                               limit, " bytes"));
+        return 0;
+      }
+    }
+    if (call->message_.size() > kPrefixBytes + length) {
+      c->Refuse(call, grpc::StatusCode::INVALID_ARGUMENT,
+                "a unary call sent more than one request message");
+    }
+    return 0;
+  }
+
+  static int OnFrameRecv(nghttp2_session*, const nghttp2_frame* frame, void* user_data) {
+    auto* c = static_cast<Connection*>(user_data);
+    c->mu_.AssertHeld();
+    if (frame->hd.type != NGHTTP2_HEADERS && frame->hd.type != NGHTTP2_DATA) return 0;
+    Call* call = c->Find(frame->hd.stream_id);
+    if (call == nullptr || call->finished_ || call->handed_) return 0;
+    if (frame->hd.type == NGHTTP2_HEADERS && frame->headers.cat == NGHTTP2_HCAT_REQUEST) {
+      // The request's headers, whole: refuse what cannot be a gRPC call before its body.
+      if (call->http_method_ != "POST") {
+        c->Refuse(call, grpc::StatusCode::UNIMPLEMENTED,
+                  absl::StrCat(":method: '", call->http_method_, "': gRPC calls are POST"), 405);
+        return 0;
+      }
+      if (!absl::StartsWith(call->content_type_, "application/grpc")) {
+        c->Refuse(call, grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("content-type: '", call->content_type_,
+                               "': gRPC calls are application/grpc"),
+                  415);
+        return 0;
+      }
+      if (!call->bad_.empty()) {
+        c->Refuse(call, call->bad_code_, call->bad_);
+        return 0;
+      }
+    }
+    if ((frame->hd.flags & NGHTTP2_FLAG_END_STREAM) == 0) return 0;
+    // The request is whole.
+    const std::string& m = call->message_;
+    if (m.size() < kPrefixBytes) {
+      c->Refuse(call, grpc::StatusCode::INVALID_ARGUMENT, "the call sent no request message");
+      return 0;
+    }
+    const auto* p = reinterpret_cast<const unsigned char*>(m.data());
+    const uint64_t length = (uint64_t{p[1]} << 24) | (uint64_t{p[2]} << 16) |
+                            (uint64_t{p[3]} << 8) | uint64_t{p[4]};
+    if (m.size() != kPrefixBytes + length) {
+      c->Refuse(call, grpc::StatusCode::INVALID_ARGUMENT,
+                absl::StrCat("the request message was cut short: ", m.size() - kPrefixBytes,
+                             " of ", length, " bytes"));
+      return 0;
+    }
+    call->message_.erase(0, kPrefixBytes);
+    call->handed_ = true;
+    c->server_->in_flight_++;
+    c->ready_.push_back(c->streams_[frame->hd.stream_id]);
+    return 0;
+  }
+
+  static int OnStreamClose(nghttp2_session*, int32_t stream_id, uint32_t, void* user_data) {
+    auto* c = static_cast<Connection*>(user_data);
+    c->mu_.AssertHeld();
+    auto it = c->streams_.find(stream_id);
+    if (it == c->streams_.end()) return 0;
+    std::shared_ptr<Call> call = std::move(it->second);
+    c->streams_.erase(it);
+    call->closed_ = true;
+    if (call->handed_ && !call->finished_ && !call->cancelled_) {
+      c->cancels_.push_back(call->TakeCancel());
+    }
+    return 0;
+  }
+
+  static int OnFrameSend(nghttp2_session* session, const nghttp2_frame* frame, void* user_data) {
+    auto* c = static_cast<Connection*>(user_data);
+    c->mu_.AssertHeld();
+    if (frame->hd.type != NGHTTP2_HEADERS || (frame->hd.flags & NGHTTP2_FLAG_END_STREAM) == 0) {
+      return 0;
+    }
+    Call* call = c->Find(frame->hd.stream_id);
+    if (call == nullptr || !call->reset_after_answer_) return 0;
+    call->reset_after_answer_ = false;
+    nghttp2_stream* s = nghttp2_session_find_stream(session, frame->hd.stream_id);
+    if (s != nullptr && nghttp2_stream_get_state(s) != NGHTTP2_STREAM_STATE_CLOSED) {
+      nghttp2_submit_rst_stream(session, NGHTTP2_FLAG_NONE, frame->hd.stream_id, NGHTTP2_NO_ERROR);
+    }
+    return 0;
+  }
+
+  static ssize_t ReadAnswer(nghttp2_session* session, int32_t stream_id, uint8_t* buf,
+                            size_t length, uint32_t* data_flags, nghttp2_data_source* source,
+                            void*) {
+    auto* call = static_cast<Call*>(source->ptr);
+    const size_t n = std::min(length, call->out_.size() - call->out_sent_);
+    memcpy(buf, call->out_.data() + call->out_sent_, n);
+    call->out_sent_ += n;
+    if (call->out_sent_ == call->out_.size()) {
+      *data_flags |= NGHTTP2_DATA_FLAG_EOF | NGHTTP2_DATA_FLAG_NO_END_STREAM;
+      std::string status = "0";
+      std::string key = "grpc-status";
+      nghttp2_nv trailer = Nv(key, status);
+      nghttp2_submit_trailer(session, stream_id, &trailer, 1);
+      std::string().swap(call->out_);
+    }
+    return static_cast<ssize_t>(n);
+  }
+
+  const Options options_;
+  const Handler handler_;
+
+ private:
+  void Loop();
+  void Accept();
+  void Read(const std::shared_ptr<Connection>& c);
+  void Close(const std::shared_ptr<Connection>& c);
+  void ExpireDeadlines(absl::Time now);
+  void BeginStop();
+  // Calls still open at the end of the grace: answered CANCELLED and cancelled.
+  void CancelAll(const std::shared_ptr<Connection>& c);
+
+  int listen_fd_ = -1;
+  bool owns_listener_ = false;
+  int epoll_fd_ = -1;
+  int wake_fd_ = -1;
+  nghttp2_session_callbacks* callbacks_ = nullptr;
+  nghttp2_option* session_options_ = nullptr;
+  std::thread thread_;
+  std::map<int, std::shared_ptr<Connection>> conns_;  // the server's thread's
+  struct Deadline {
+    absl::Time at;
+    std::weak_ptr<Call> call;
+    bool operator>(const Deadline& o) const { return at > o.at; }
+  };
+  std::priority_queue<Deadline, std::vector<Deadline>, std::greater<Deadline>> deadlines_;
+
+  absl::Mutex stop_mu_;
+  bool stop_requested_ ABSL_GUARDED_BY(stop_mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
+  absl::Duration stop_grace_ ABSL_GUARDED_BY(stop_mu_);
+  bool stopping_ = false;  // the server's thread's view
+  absl::Time stop_deadline_;
+};
+
+// --- Connection ---
+
+void GrpcH2Server::Connection::Flush() {
+  if (closed_ || broken_) return;
+  for (;;) {
+    while (session_ != nullptr && out_.size() - out_off_ < kMaxPendingOut &&
+           nghttp2_session_want_write(session_)) {
+      const uint8_t* data = nullptr;
+      ssize_t n = nghttp2_session_mem_send(session_, &data);
+      if (n < 0) {
+        broken_ = true;
+        break;
+      }
+      if (n == 0) break;
+      if (out_off_ == out_.size()) {
+        out_.clear();
+        out_off_ = 0;
+      }
+      out_.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
+    }
+    if (out_off_ == out_.size()) break;
+    ssize_t w = send(fd_, out_.data() + out_off_, out_.size() - out_off_,
+                     MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (!want_out_) {
+          want_out_ = true;
+          epoll_event ev{};
+          ev.events = EPOLLIN | EPOLLOUT;
+          ev.data.fd = fd_;
+          epoll_ctl(server_->epoll_fd(), EPOLL_CTL_MOD, fd_, &ev);
+        }
+        return;
+      }
+      broken_ = true;
+      break;
+    }
+    out_off_ += static_cast<size_t>(w);
+    if (out_off_ == out_.size()) {
+      out_.clear();
+      out_off_ = 0;
+    }
+  }
+  if (broken_) {
+    // The server's thread sees the hang-up and closes the connection.
+    shutdown(fd_, SHUT_RDWR);
+    return;
+  }
+  if (want_out_ && out_.empty()) {
+    want_out_ = false;
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd_;
+    epoll_ctl(server_->epoll_fd(), EPOLL_CTL_MOD, fd_, &ev);
+  }
+}
+
+void GrpcH2Server::Connection::Refuse(Call* call, grpc::StatusCode code,
+                                      const std::string& message, int http_status) {
+  if (call->finished_ || call->cancelled_) return;
+  call->finished_ = true;
+  call->status_ = grpc::Status(code, message);
+  if (call->closed_ || session_ == nullptr) return;
+  if (http_status != 200) {
+    std::string status = std::to_string(http_status);
+    std::string grpc_status = std::to_string(static_cast<int>(code));
+    std::string encoded = PercentEncodeGrpcMessage(message);
+    const std::string k_status = ":status", k_ct = "content-type", k_gs = "grpc-status",
+                      k_gm = "grpc-message", ct = "application/grpc";
+    nghttp2_nv nv[] = {Nv(k_status, status), Nv(k_ct, ct), Nv(k_gs, grpc_status),
+                       Nv(k_gm, encoded)};
+    nghttp2_submit_response(session_, call->stream_id_, nv, 4, nullptr);
+  } else {
+    SubmitAnswer(call);
+  }
+  // Whatever of the request is still to come is not wanted: RST_STREAM(NO_ERROR) once the
+  // answer is out (OnFrameSend; nghttp2 would send it before the HEADERS otherwise).
+  call->reset_after_answer_ = true;
+}
+
+void GrpcH2Server::Connection::SubmitAnswer(Call* call) {
+  const std::string k_status = ":status", v_status = "200", k_ct = "content-type",
+                    v_ct = "application/grpc";
+  std::vector<nghttp2_nv> nv = {Nv(k_status, v_status), Nv(k_ct, v_ct)};
+  for (const auto& [k, v] : call->initial_metadata_) nv.push_back(Nv(k, v));
+  if (call->status_.ok()) {
+    nghttp2_data_provider dp{};
+    dp.source.ptr = call;
+    dp.read_callback = &Impl::ReadAnswer;
+    nghttp2_submit_response(session_, call->stream_id_, nv.data(), nv.size(), &dp);
+    return;
+  }
+  // Trailers-Only: the status in the one HEADERS frame.
+  const std::string k_gs = "grpc-status", k_gm = "grpc-message";
+  std::string gs = std::to_string(static_cast<int>(call->status_.error_code()));
+  std::string gm = PercentEncodeGrpcMessage(call->status_.error_message());
+  nv.push_back(Nv(k_gs, gs));
+  if (!gm.empty()) nv.push_back(Nv(k_gm, gm));
+  nghttp2_submit_response(session_, call->stream_id_, nv.data(), nv.size(), nullptr);
+}
+
+// --- Call ---
+
+const std::string* GrpcH2Server::Call::Metadata(std::string_view key) const {
+  for (const auto& [k, v] : metadata_) {
+    if (k == key) return &v;
+  }
+  return nullptr;
+}
+
+void GrpcH2Server::Call::AddInitialMetadata(std::string key, std::string value) {
+  absl::MutexLock lock(&conn_->mu_);
+  if (finished_ || cancelled_) return;
+  initial_metadata_.emplace_back(absl::AsciiStrToLower(key), std::move(value));
+}
+
+void GrpcH2Server::Call::Finish(const grpc::Status& status, std::string response) {
+  absl::MutexLock lock(&conn_->mu_);
+  if (finished_ || cancelled_) return;  // cancelled: the answer goes nowhere
+  finished_ = true;
+  conn_->server_->in_flight_--;
+  on_cancel_ = nullptr;
+  if (closed_ || conn_->closed_ || conn_->session_ == nullptr) return;
+  status_ = status;
+  if (status.ok()) {
+    out_.resize(kPrefixBytes + response.size());
+    out_[0] = 0;
+    const uint32_t n = htonl(static_cast<uint32_t>(response.size()));
+    memcpy(&out_[1], &n, 4);
+    memcpy(&out_[kPrefixBytes], response.data(), response.size());
+  }
+  conn_->SubmitAnswer(this);
+  conn_->Flush();
+}
+
+std::function<void()> GrpcH2Server::Call::TakeCancel() {
+  cancelled_ = true;
+  conn_->server_->in_flight_--;
+  std::function<void()> f = std::move(on_cancel_);
+  on_cancel_ = nullptr;
+  return f;
+}
+
+void GrpcH2Server::Call::OnCancel(std::function<void()> f) {
+  {
+    absl::MutexLock lock(&conn_->mu_);
+    if (finished_) return;
+    if (!cancelled_) {
+      on_cancel_ = std::move(f);
+      return;
+    }
+  }
+  if (f) f();
+}
+
+bool GrpcH2Server::Call::cancelled() const {
+  absl::MutexLock lock(&conn_->mu_);
+  return cancelled_;
+}
+
+// --- Impl: the server's thread ---
+
+void GrpcH2Server::Impl::Loop() {
+  std::vector<epoll_event> events(64);
+  for (;;) {
+    int timeout_ms = -1;
+    const absl::Time now = absl::Now();
+    absl::Time next = absl::InfiniteFuture();
+    if (!deadlines_.empty()) next = deadlines_.top().at;
+    if (stopping_) next = std::min(next, std::min(stop_deadline_, now + absl::Milliseconds(20)));
+    if (next != absl::InfiniteFuture()) {
+      timeout_ms = static_cast<int>(
+          std::clamp<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(next - now, absl::Milliseconds(1))),
+                              0, 60000));
+    }
+    int n = epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), timeout_ms);
+    if (n < 0 && errno != EINTR) {
+      GetLogger("grpc.h2")->error("epoll_wait: {}", strerror(errno));
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    for (int i = 0; i < n; i++) {
+      const int fd = events[i].data.fd;
+      if (fd == wake_fd_) {
+        uint64_t v;
+        (void)!read(wake_fd_, &v, sizeof(v));
+        BeginStop();
+        continue;
+      }
+      if (fd == listen_fd_) {
+        if (!stopping_) Accept();
+        continue;
+      }
+      auto it = conns_.find(fd);
+      if (it == conns_.end()) continue;
+      std::shared_ptr<Connection> c = it->second;
+      if (events[i].events & EPOLLOUT) {
+        absl::MutexLock lock(&c->mu_);
+        c->Flush();
+      }
+      if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) Read(c);
+    }
+    ExpireDeadlines(absl::Now());
+    if (stopping_) {
+      // Connections with nothing open (GOAWAY sent) close now; at the end of the grace, all.
+      const bool over = absl::Now() >= stop_deadline_;
+      std::vector<std::shared_ptr<Connection>> all;
+      for (auto& [fd, c] : conns_) all.push_back(c);
+      for (auto& c : all) {
+        bool idle;
+        {
+          absl::MutexLock lock(&c->mu_);
+          idle = c->streams_.empty() && c->out_.empty();
+        }
+        if (over) CancelAll(c);
+        if (idle || over) Close(c);
+      }
+      if (conns_.empty()) return;
+    }
+  }
+}
+
+void GrpcH2Server::Impl::Accept() {
+  for (int i = 0; i < 16; i++) {
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      // EAGAIN: none left (or another process took it). Anything else (out of descriptors):
+      // tried again on the next wake-up.
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNABORTED && errno != EINTR) {
+        GetLogger("grpc.h2")->warn("{}: accept: {}", options_.flag, strerror(errno));
+        absl::SleepFor(absl::Milliseconds(10));
+      }
+      return;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    auto c = std::make_shared<Connection>(this, fd);
+    {
+      absl::MutexLock lock(&c->mu_);
+      nghttp2_session_server_new2(&c->session_, callbacks_, c.get(), session_options_);
+      nghttp2_settings_entry iv[] = {
+          {NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS, options_.max_concurrent_streams},
+          {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, static_cast<uint32_t>(kStreamWindow)},
+      };
+      nghttp2_submit_settings(c->session_, NGHTTP2_FLAG_NONE, iv, 2);
+      nghttp2_session_set_local_window_size(c->session_, NGHTTP2_FLAG_NONE, 0, kConnectionWindow);
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = fd;
+      epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
+      conns_[fd] = c;
+      connections_++;
+      c->Flush();
+    }
+  }
+}
+
+void GrpcH2Server::Impl::Read(const std::shared_ptr<Connection>& c) {
+  char buf[kReadChunk];
+  bool end = false;
+  std::vector<std::shared_ptr<Call>> ready;
+  std::vector<std::function<void()>> cancels;
+  {
+    absl::MutexLock lock(&c->mu_);
+    for (int i = 0; i < kReadsPerEvent; i++) {
+      ssize_t r = recv(c->fd_, buf, sizeof(buf), MSG_DONTWAIT);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      if (r <= 0) {
+        end = true;
+        break;
+      }
+      ssize_t used = nghttp2_session_mem_recv(c->session_, reinterpret_cast<uint8_t*>(buf),
+                                              static_cast<size_t>(r));
+      if (used < 0) {
+        // Not HTTP/2, or a protocol error: nghttp2 has queued its GOAWAY; send it, then close.
+        GetLogger("grpc.h2")->debug("{}: connection closed: {}", options_.flag,
+                   nghttp2_strerror(static_cast<int>(used)));
+        c->Flush();
+        end = true;
+        break;
+      }
+      if (static_cast<size_t>(r) < sizeof(buf)) break;
+    }
+    if (!end) c->Flush();
+    if (c->broken_ ||
+        (!nghttp2_session_want_read(c->session_) && !nghttp2_session_want_write(c->session_) &&
+         c->out_.empty())) {
+      end = true;
+    }
+    ready.swap(c->ready_);
+    cancels.swap(c->cancels_);
+  }
+  for (auto& f : cancels) {
+    if (f) f();
+  }
+  for (auto& call : ready) {
+    if (call->deadline_ != absl::InfiniteFuture()) deadlines_.push({call->deadline_, call});
+    try {
+      handler_(call);
+    } catch (const std::exception& e) {
+      call->Finish(grpc::Status(grpc::StatusCode::INTERNAL, std::string("internal error: ") + e.what()));
+    }
+  }
+  if (end) Close(c);
+}
+
+void GrpcH2Server::Impl::Close(const std::shared_ptr<Connection>& c) {
+  std::vector<std::function<void()>> cancels;
+  {
+    absl::MutexLock lock(&c->mu_);
+    if (c->closed_) return;
+    c->closed_ = true;
+    for (auto& [id, call] : c->streams_) {
+      call->closed_ = true;
+      if (call->handed_ && !call->finished_ && !call->cancelled_) {
+        cancels.push_back(call->TakeCancel());
+      }
+    }
+    c->streams_.clear();  // each call's hold on the connection is its own
+    c->ready_.clear();
+    epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c->fd_, nullptr);
+    close(c->fd_);
+    nghttp2_session_del(c->session_);
+    c->session_ = nullptr;
+  }
+  conns_.erase(c->fd_);
+  connections_--;
+  for (auto& f : cancels) {
+    if (f) f();
+  }
+}
+
+void GrpcH2Server::Impl::ExpireDeadlines(absl::Time now) {
+  while (!deadlines_.empty() && deadlines_.top().at <= now) {
+    std::shared_ptr<Call> call = deadlines_.top().call.lock();
+    deadlines_.pop();
+    if (!call) continue;
+    std::function<void()> cancel;
+    bool cancelled = false;
+    {
+      Connection* c = call->conn_.get();
+      absl::MutexLock lock(&c->mu_);
+      if (call->finished_ || call->cancelled_) continue;
+      cancel = call->TakeCancel();
+      cancelled = true;
+      if (!call->closed_ && c->session_ != nullptr) {
+        call->status_ = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded");
+        c->SubmitAnswer(call.get());
+        c->Flush();
+      }
+    }
+    if (cancelled && cancel) cancel();
+  }
+}
+
+void GrpcH2Server::Impl::BeginStop() {
+  if (stopping_) return;
+  absl::Duration grace;
+  {
+    absl::MutexLock lock(&stop_mu_);
+    grace = stop_grace_;
+  }
+  stopping_ = true;
+  stop_deadline_ = absl::Now() + std::max(grace, absl::ZeroDuration());
+  // No new connections: they wait in the listening socket's queue (for the next server on a
+  // handed-over socket) or are refused once it closes.
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listen_fd_, nullptr);
+  if (owns_listener_) {
+    close(listen_fd_);
+    listen_fd_ = -1;
+  }
+  for (auto& [fd, c] : conns_) {
+    absl::MutexLock lock(&c->mu_);
+    if (c->session_ == nullptr) continue;
+    nghttp2_submit_goaway(c->session_, NGHTTP2_FLAG_NONE,
+                          nghttp2_session_get_last_proc_stream_id(c->session_), NGHTTP2_NO_ERROR,
+                          nullptr, 0);
+    c->Flush();
+  }
+}
+
+void GrpcH2Server::Impl::CancelAll(const std::shared_ptr<Connection>& c) {
+  std::vector<std::function<void()>> cancels;
+  {
+    absl::MutexLock lock(&c->mu_);
+    for (auto& [id, call] : c->streams_) {
+      if (!call->handed_ || call->finished_ || call->cancelled_) continue;
+      cancels.push_back(call->TakeCancel());
+      if (c->session_ != nullptr && !call->closed_) {
+        call->status_ = grpc::Status(grpc::StatusCode::CANCELLED, "the server is stopping");
+        c->SubmitAnswer(call.get());
+      }
+    }
+    c->Flush();
+  }
+  for (auto& f : cancels) {
+    if (f) f();
+  }
+}
+
+// --- GrpcH2Server ---
+
+GrpcH2Server::GrpcH2Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  port_ = impl_->port_;
+}
+
+absl::StatusOr<std::unique_ptr<GrpcH2Server>> GrpcH2Server::Start(Options options,
+                                                                  Handler handler) {
+  auto impl = std::make_unique<Impl>(std::move(options), std::move(handler));
+  absl::Status s = impl->Listen();
+  if (!s.ok()) return s;
+  impl->Run();
+  return std::unique_ptr<GrpcH2Server>(new GrpcH2Server(std::move(impl)));
+}
+
+GrpcH2Server::~GrpcH2Server() {
+  if (impl_) impl_->Stop(absl::ZeroDuration());
+}
+
+void GrpcH2Server::Stop(absl::Duration grace) { impl_->Stop(grace); }
+
+int64_t GrpcH2Server::calls_in_flight() const { return impl_->in_flight_.load(); }
+int64_t GrpcH2Server::connections() const { return impl_->connections_.load(); }
+
+}  // namespace kiln

@@ -1,0 +1,136 @@
+#pragma once
+
+// A gRPC server for unary calls, on HTTP/2 in cleartext (prior knowledge, as gRPC clients
+// speak it) through nghttp2, run by one thread.
+//
+// Why not grpc++'s own server: Debian's gRPC 1.51 hands every callback-API call between
+// several threads (about 13 context switches per call were measured on a replica), which costs
+// a node's router more than the whole hop it is meant to save. Here one thread reads, parses
+// and hands each complete call to the handler; an answer is written to the caller's socket by
+// whichever thread finishes the call, without waking this one.
+//
+// What it speaks (https://github.com/grpc/grpc/blob/master/doc/PROTOCOL-HTTP2.md):
+//  - POST, content-type application/grpc[+proto|;...]; anything else is answered HTTP 415;
+//  - one length-prefixed message per call, uncompressed (a compressed one is UNIMPLEMENTED),
+//    at most Options::max_message_bytes (larger: RESOURCE_EXHAUSTED, refused from its prefix);
+//  - grpc-timeout (the call's deadline: the call is cancelled and answered DEADLINE_EXCEEDED
+//    when it passes unanswered);
+//  - custom metadata as the call's metadata; initial metadata and a status with a
+//    percent-encoded grpc-message on the answer;
+//  - RST_STREAM or a closed connection cancels the call; PING is answered by nghttp2;
+//  - Stop sends GOAWAY, gives calls in flight a grace, then cancels them.
+// Bytes that are not HTTP/2 end their connection (and only it).
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/support/status.h"
+
+namespace kiln {
+
+class GrpcH2Server {
+ public:
+  struct Options {
+    std::string bind_address = "0.0.0.0";
+    int port = 0;  // 0: any free port (see port())
+    // A listening socket to serve instead of binding (socket activation); not closed here.
+    int listen_fd = -1;
+    // The flag errors name ("--grpc-port").
+    std::string flag = "--grpc-port";
+    int64_t max_message_bytes = 4LL * 1024 * 1024;
+    uint32_t max_concurrent_streams = 1024;  // per connection
+  };
+
+  class Connection;
+  class Impl;
+  // One call. Finish may be called from any thread, exactly once (later calls do nothing).
+  class Call {
+   public:
+    const std::string& method() const { return method_; }  // "/package.Service/Method"
+    // The caller's metadata: lower-case keys, pseudo-headers and gRPC's own left out.
+    const std::vector<std::pair<std::string, std::string>>& metadata() const { return metadata_; }
+    // The first value of `key` (lower-case), or null.
+    const std::string* Metadata(std::string_view key) const;
+    // The caller's deadline (absl::InfiniteFuture() when it set none).
+    absl::Time deadline() const { return deadline_; }
+    // The request message, serialized; the handler may take it.
+    std::string& message() { return message_; }
+
+    // Sent with the answer; only before Finish.
+    void AddInitialMetadata(std::string key, std::string value);
+    // Answers the call: `response` (a serialized message) when `status` is OK.
+    void Finish(const grpc::Status& status, std::string response = "");
+    // `f` runs once if the call ends before it is finished (the caller cancelled or went
+    // away, its deadline passed, or the server stopped); at once if that happened already.
+    // On the server's thread (or the caller's, when at once): it must not block.
+    void OnCancel(std::function<void()> f);
+    bool cancelled() const;
+
+   private:
+    friend class GrpcH2Server;
+    friend class Connection;
+    friend class Impl;
+    Call(std::shared_ptr<Connection> conn, int32_t stream_id)
+        : conn_(std::move(conn)), stream_id_(stream_id) {}
+    // Marks the call cancelled and takes its cancel callback (run by the caller, unlocked).
+    std::function<void()> TakeCancel();
+
+    const std::shared_ptr<Connection> conn_;
+    const int32_t stream_id_;
+    std::string method_;
+    std::vector<std::pair<std::string, std::string>> metadata_;
+    size_t metadata_bytes_ = 0;
+    absl::Time deadline_ = absl::InfiniteFuture();
+    std::string message_;   // while receiving: the prefix and the message
+    std::string content_type_;
+    std::string http_method_;
+    std::string encoding_;
+    std::string bad_;  // why the call was refused while its request came in
+    grpc::StatusCode bad_code_ = grpc::StatusCode::OK;
+    bool reset_after_answer_ = false;  // refused before its request was whole
+    bool handed_ = false;    // given to the handler
+    // Under the connection's lock:
+    bool finished_ = false;
+    bool cancelled_ = false;
+    bool closed_ = false;  // the stream is gone
+    std::function<void()> on_cancel_;
+    std::vector<std::pair<std::string, std::string>> initial_metadata_;
+    std::string out_;  // the answer's length-prefixed message
+    size_t out_sent_ = 0;
+    grpc::Status status_;
+  };
+
+  using Handler = std::function<void(std::shared_ptr<Call>)>;
+  // Binds (or takes Options::listen_fd) and starts serving; `handler` gets each complete call on
+  // the server's thread and must not block (answer later from any thread).
+  static absl::StatusOr<std::unique_ptr<GrpcH2Server>> Start(Options options, Handler handler);
+  ~GrpcH2Server();  // Stop(absl::ZeroDuration()) if not stopped
+
+  int port() const { return port_; }
+  // Stops taking connections at once, sends every connection GOAWAY, waits up to `grace` for
+  // the calls in flight to be finished, then cancels the rest (CANCELLED to their callers)
+  // and closes every connection. Idempotent.
+  void Stop(absl::Duration grace);
+  // Calls handed to the handler and not yet finished or cancelled.
+  int64_t calls_in_flight() const;
+  int64_t connections() const;
+
+ private:
+  explicit GrpcH2Server(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  int port_ = 0;
+};
+
+// grpc-timeout's value ("100m", "5S", ...) as a duration; an error naming the header otherwise.
+absl::StatusOr<absl::Duration> ParseGrpcTimeout(std::string_view value);
+// grpc-message's percent-encoding (and back).
+std::string PercentEncodeGrpcMessage(std::string_view message);
+
+}  // namespace kiln
