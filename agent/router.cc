@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <grpcpp/create_channel.h>
-#include <grpcpp/server_builder.h>
 
 #include <cerrno>
 #include <optional>
@@ -21,6 +20,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/strings/str_split.h"
 #include "common/data_frames.h"
+#include "common/grpc_h2_server.h"
 #include "common/grpc_status.h"
 #include "common/http_client.h"
 #include "common/http_server.h"
@@ -273,10 +273,11 @@ std::string ParamText(const inference::InferParameter& p) {
 // went away (UNAVAILABLE, or CANCELLED by its shutdown).
 struct ForwardCall {
   Router* router;
-  grpc::CallbackServerContext* server_ctx;
-  const inference::ModelInferRequest* request;
-  inference::ModelInferResponse* response;
-  grpc::ServerUnaryReactor* reactor;
+  std::shared_ptr<GrpcH2Server::Call> call;
+  inference::ModelInferRequest request;
+  // The request as it came, sent as it is on the first try to a data socket.
+  std::string raw;
+  inference::ModelInferResponse response;
   std::string sticky;
   bool sticky_given = false;
   bool forwarded = false;  // from another node's router: served here or not at all
@@ -312,18 +313,6 @@ struct ForwardCall {
   grpc::ClientContext* live ABSL_GUARDED_BY(mu) = nullptr;
 };
 
-// The server side of one forwarded ModelInfer: sees the caller's cancellation (OnCancel), which
-// ends the call sent on with it, and owns itself until gRPC is done with it.
-class ForwardReactor : public grpc::ServerUnaryReactor {
- public:
-  explicit ForwardReactor(std::shared_ptr<ForwardCall> c) : c_(std::move(c)) {}
-  void OnCancel() override { c_->CallerGone(); }
-  void OnDone() override { delete this; }
-
- private:
-  std::shared_ptr<ForwardCall> c_;
-};
-
 // A replica that went away under a call (refused it, or cancelled it as its server stopped)
 // is UNAVAILABLE to the caller, the code clients retry, never CANCELLED, which they take as
 // their own doing.
@@ -332,39 +321,47 @@ grpc::Status AsReplicaGone(const grpc::Status& s) {
   return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the replica went away: " + s.error_message());
 }
 
+// `parameters[kiln-version] = version` as serialized ModelInferResponse bytes: appended to an
+// answer, it sets that parameter (a map entry parsed later replaces an earlier one).
+std::string VersionParameterBytes(const std::string& version) {
+  inference::ModelInferResponse r;
+  (*r.mutable_parameters())[kVersionParameter].set_string_param(version);
+  return r.SerializeAsString();
+}
+
 // Sends the call to a replica chosen now. `previous`: the first try's failure, when this is
 // the retry (answered instead, should there be no other replica).
 void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc::Status::OK) {
-  auto choice = c->router->Choose(c->request->model_name(), c->request->model_version(), c->sticky,
+  auto choice = c->router->Choose(c->request.model_name(), c->request.model_version(), c->sticky,
                                   c->sticky_given, c->exclude, c->forwarded);
   if (!choice.ok()) {
-    c->reactor->Finish(previous.ok() ? ToGrpcStatus(choice.status()) : previous);
+    c->call->Finish(previous.ok() ? ToGrpcStatus(choice.status()) : previous);
     return;
   }
   if (!previous.ok()) c->router->CountRetry();
   c->attempts++;
   c->client_ctx = std::make_unique<grpc::ClientContext>();
-  // The caller's deadline, when it set one (gRPC's "none" is the far future).
-  const auto deadline = c->server_ctx->deadline();
-  const bool has_deadline =
-      deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365);
-  if (has_deadline) c->client_ctx->set_deadline(deadline);
-  // Its cancellation too (ForwardReactor::OnCancel), so that a call the router's server gives
-  // up on ends where it was sent rather than holding the server's shutdown.
+  // The caller's deadline, when it set one.
+  const absl::Time deadline = c->call->deadline();
+  const bool has_deadline = deadline != absl::InfiniteFuture();
+  if (has_deadline) c->client_ctx->set_deadline(absl::ToChronoTime(deadline));
+  // Its cancellation too (GrpcH2Server::Call::OnCancel), so that a call the router's server
+  // gives up on ends where it was sent rather than holding the server's stop.
   if (!c->Track(c->client_ctx.get())) {
-    c->reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the caller cancelled the call"));
+    c->call->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the caller cancelled the call"));
     return;
   }
   const RouterTable::Endpoint endpoint = choice->endpoint;
   const std::string& id = endpoint.id;
   std::string version = choice->version;
   c->router->Begin(id);
-  auto finished = [c, version, endpoint](const grpc::Status& s) {
+  // `answer`: a data socket's answer, serialized (otherwise c->response holds it).
+  auto finished = [c, version, endpoint](const grpc::Status& s, std::string* answer) {
     const std::string& id = endpoint.id;
     c->router->End(id);
     const bool caller_gone = c->Untrack();
     if (caller_gone) {
-      c->reactor->Finish(s);  // goes nowhere
+      c->call->Finish(s);  // goes nowhere
       return;
     }
     // The replica went away under the call: refused (UNAVAILABLE), or cancelled by its
@@ -376,16 +373,31 @@ void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc
     if (replica_gone && c->attempts == 1 && !c->router->stopping()) {
       c->exclude.insert(id);
       // Another node that did not answer: none of its endpoints (other versions) either.
-      if (!endpoint.local) c->router->ExcludeNode(c->request->model_name(), endpoint, &c->exclude);
-      c->response->Clear();
+      if (!endpoint.local) c->router->ExcludeNode(c->request.model_name(), endpoint, &c->exclude);
+      c->response.Clear();
       Attempt(c, AsReplicaGone(s));
       return;
     }
-    if (s.ok()) {
-      (*c->response->mutable_parameters())[kVersionParameter].set_string_param(version);
-      c->server_ctx->AddInitialMetadata(kVersionParameter, version);
+    if (!s.ok()) {
+      c->call->Finish(replica_gone ? AsReplicaGone(s) : s);
+      return;
     }
-    c->reactor->Finish(replica_gone ? AsReplicaGone(s) : s);
+    std::string out;
+    if (answer != nullptr) {
+      // Checked whole, then sent on as it came with the version added.
+      if (!c->response.ParseFromString(*answer)) {
+        c->call->Finish(grpc::Status(grpc::StatusCode::INTERNAL,
+                                     "the replica's answer is not an inference.ModelInferResponse"));
+        return;
+      }
+      out = std::move(*answer);
+      out += VersionParameterBytes(version);
+    } else {
+      (*c->response.mutable_parameters())[kVersionParameter].set_string_param(version);
+      out = c->response.SerializeAsString();
+    }
+    c->call->AddInitialMetadata(kVersionParameter, version);
+    c->call->Finish(grpc::Status::OK, std::move(out));
   };
   if (!choice->endpoint.data_socket.empty()) {
     // A local replica: its data socket, without a second gRPC hop. (The callback must not hold
@@ -393,20 +405,22 @@ void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc
     std::shared_ptr<DataChannel> channel = c->router->ChannelFor(choice->endpoint.data_socket);
     if (!channel) {
       c->router->End(id);
-      c->reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is stopping"));
+      c->call->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is stopping"));
       return;
     }
-    const int64_t deadline_micros =
-        has_deadline ? std::chrono::duration_cast<std::chrono::microseconds>(
-                           deadline.time_since_epoch())
-                           .count()
-                     : 0;
+    const int64_t deadline_micros = has_deadline ? absl::ToUnixMicros(deadline) : 0;
     c->router->CountForward(/*data_socket=*/true);
-    channel->Call(*c->request, deadline_micros, c->response, finished);
+    // The first try sends the caller's bytes; a retry frames the parsed request again.
+    std::string body = c->attempts == 1 && !c->raw.empty() ? std::move(c->raw)
+                                                           : c->request.SerializeAsString();
+    channel->CallRaw(kInferFrame, std::move(body), deadline_micros, deadline_micros,
+                     [finished](const grpc::Status& s, std::string* answer) {
+                       finished(s, s.ok() ? answer : nullptr);
+                     });
     return;
   }
   c->router->CountForward(/*data_socket=*/false);
-  const inference::ModelInferRequest* request = c->request;
+  const inference::ModelInferRequest* request = &c->request;
   if (!choice->endpoint.local) {
     // Another node's router: it serves the version chosen here, from its own replicas.
     c->client_ctx->AddMetadata(kForwardedHeader, c->router->node_name());
@@ -417,108 +431,140 @@ void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc
     }
   }
   c->stub = c->router->StubFor(choice->endpoint.grpc_address);  // kept while the call is out
-  c->stub->async()->ModelInfer(c->client_ctx.get(), request, c->response,
-                            [finished](grpc::Status s) { finished(s); });
+  c->stub->async()->ModelInfer(c->client_ctx.get(), request, &c->response,
+                               [finished](grpc::Status s) { finished(s, nullptr); });
 }
 
-// The call came from another node's router (kForwardedHeader).
-bool Forwarded(const grpc::CallbackServerContext* ctx) {
-  return ctx->client_metadata().count(kForwardedHeader) > 0;
-}
-
-class RouterGrpcService final : public inference::GRPCInferenceService::CallbackService {
+// The node's OIP gRPC service on the router's HTTP/2 server (common/grpc_h2_server.h): each
+// call comes whole to Serve on the server's thread, which must not block.
+class RouterGrpcService {
  public:
   explicit RouterGrpcService(Router* router) : router_(router) {}
 
-  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
-                                       const inference::ServerLiveRequest*,
-                                       inference::ServerLiveResponse* resp) override {
-    resp->set_live(true);
-    return Done(ctx, grpc::Status::OK);
+  void Serve(std::shared_ptr<GrpcH2Server::Call> call) {
+    try {
+      Dispatch(call);
+    } catch (const std::exception& e) {
+      call->Finish(grpc::Status(grpc::StatusCode::INTERNAL, std::string("internal error: ") + e.what()));
+    }
   }
-  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* ctx,
-                                        const inference::ServerReadyRequest*,
-                                        inference::ServerReadyResponse* resp) override {
-    resp->set_ready(router_->Ready("", ""));
-    return Done(ctx, grpc::Status::OK);
+
+ private:
+  static constexpr char kService[] = "/inference.GRPCInferenceService/";
+
+  template <typename T>
+  static bool Parse(GrpcH2Server::Call& call, T* out) {
+    if (out->ParseFromString(call.message())) return true;
+    call.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                             "the request is not an " + out->GetTypeName()));
+    return false;
   }
-  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* ctx,
-                                       const inference::ModelReadyRequest* req,
-                                       inference::ModelReadyResponse* resp) override {
-    resp->set_ready(router_->Ready(req->name(), req->version()));
-    return Done(ctx, grpc::Status::OK);
+  static void Answer(GrpcH2Server::Call& call, const google::protobuf::Message& m) {
+    call.Finish(grpc::Status::OK, m.SerializeAsString());
   }
-  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* ctx,
-                                           const inference::ServerMetadataRequest*,
-                                           inference::ServerMetadataResponse* resp) override {
-    resp->set_name("kiln-agent");
-    resp->set_version("0.1.0");
-    resp->add_extensions("model_repository_layout");
-    return Done(ctx, grpc::Status::OK);
+
+  void Dispatch(const std::shared_ptr<GrpcH2Server::Call>& call) {
+    const std::string& path = call->method();
+    const std::string method =
+        path.rfind(kService, 0) == 0 ? path.substr(sizeof(kService) - 1) : std::string();
+    const bool forwarded = call->Metadata(kForwardedHeader) != nullptr;
+    if (method == "ModelInfer") {
+      ModelInfer(call, forwarded);
+    } else if (method == "ServerLive") {
+      inference::ServerLiveRequest req;
+      if (!Parse(*call, &req)) return;
+      inference::ServerLiveResponse resp;
+      resp.set_live(true);
+      Answer(*call, resp);
+    } else if (method == "ServerReady") {
+      inference::ServerReadyRequest req;
+      if (!Parse(*call, &req)) return;
+      inference::ServerReadyResponse resp;
+      resp.set_ready(router_->Ready("", ""));
+      Answer(*call, resp);
+    } else if (method == "ModelReady") {
+      inference::ModelReadyRequest req;
+      if (!Parse(*call, &req)) return;
+      inference::ModelReadyResponse resp;
+      resp.set_ready(router_->Ready(req.name(), req.version()));
+      Answer(*call, resp);
+    } else if (method == "ServerMetadata") {
+      inference::ServerMetadataRequest req;
+      if (!Parse(*call, &req)) return;
+      inference::ServerMetadataResponse resp;
+      resp.set_name("kiln-agent");
+      resp.set_version("0.1.0");
+      resp.add_extensions("model_repository_layout");
+      Answer(*call, resp);
+    } else if (method == "ModelMetadata") {
+      ModelMetadata(call, forwarded);
+    } else {
+      call->Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                                "unknown method " + path + ": the node's router serves "
+                                "inference.GRPCInferenceService"));
+    }
   }
-  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* ctx,
-                                          const inference::ModelMetadataRequest* req,
-                                          inference::ModelMetadataResponse* resp) override {
-    auto choice = router_->Choose(req->name(), req->version(), "", false, {}, Forwarded(ctx));
-    if (!choice.ok()) return Done(ctx, ToGrpcStatus(choice.status()));
-    // Asked without blocking this callback thread (the server has few; a slow replica must
-    // not hold them): the answer finishes the call from the client's callback.
+
+  void ModelMetadata(const std::shared_ptr<GrpcH2Server::Call>& call, bool forwarded) {
+    // Asked without blocking the server's thread: the answer finishes the call from the
+    // client's callback.
     struct Pending {
       grpc::ClientContext cc;
-      inference::ModelMetadataRequest pinned;
+      inference::ModelMetadataRequest req;
+      inference::ModelMetadataResponse resp;
       std::shared_ptr<inference::GRPCInferenceService::Stub> stub;  // kept while it is out
     };
     auto pending = std::make_shared<Pending>();
-    pending->cc.set_deadline(
-        std::min(ctx->deadline(), std::chrono::system_clock::now() + std::chrono::seconds(5)));
-    pending->pinned = *req;
+    if (!Parse(*call, &pending->req)) return;
+    auto choice = router_->Choose(pending->req.name(), pending->req.version(), "", false, {},
+                                  forwarded);
+    if (!choice.ok()) {
+      call->Finish(ToGrpcStatus(choice.status()));
+      return;
+    }
+    pending->cc.set_deadline(absl::ToChronoTime(
+        std::min(call->deadline(), absl::Now() + absl::Seconds(5))));
     if (!choice->endpoint.local) {
       // Another node's router: the version chosen here, from its own replicas.
       pending->cc.AddMetadata(kForwardedHeader, router_->node_name());
-      pending->pinned.set_version(choice->version);
+      pending->req.set_version(choice->version);
     }
-    auto* reactor = ctx->DefaultReactor();
     pending->stub = router_->StubFor(choice->endpoint.grpc_address);
     pending->stub->async()->ModelMetadata(
-        &pending->cc, &pending->pinned, resp,
-        [pending, reactor](grpc::Status s) { reactor->Finish(s); });
-    return reactor;
+        &pending->cc, &pending->req, &pending->resp, [pending, call](grpc::Status s) {
+          call->Finish(s, s.ok() ? pending->resp.SerializeAsString() : std::string());
+        });
   }
-  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx,
-                                       const inference::ModelInferRequest* req,
-                                       inference::ModelInferResponse* resp) override {
+
+  void ModelInfer(const std::shared_ptr<GrpcH2Server::Call>& call, bool forwarded) {
     auto c = std::make_shared<ForwardCall>();
     c->router = router_;
-    c->server_ctx = ctx;
-    c->request = req;
-    c->response = resp;
-    auto* reactor = new ForwardReactor(c);  // deletes itself when gRPC is done with it
-    c->reactor = reactor;
-    c->forwarded = Forwarded(ctx);
-    auto [header, param] = router_->StickyKey(req->model_name());
+    c->call = call;
+    if (!Parse(*call, &c->request)) return;
+    c->raw = std::move(call->message());
+    c->forwarded = forwarded;
+    auto [header, param] = router_->StickyKey(c->request.model_name());
     if (!header.empty()) {
-      auto it = ctx->client_metadata().find(header);
-      if (it != ctx->client_metadata().end()) {
-        c->sticky.assign(it->second.data(), it->second.size());
+      if (const std::string* v = call->Metadata(header)) {
+        c->sticky = *v;
         c->sticky_given = true;
       }
     } else if (!param.empty()) {
-      auto it = req->parameters().find(param);
-      if (it != req->parameters().end()) {
+      auto it = c->request.parameters().find(param);
+      if (it != c->request.parameters().end()) {
         c->sticky = ParamText(it->second);
         c->sticky_given = true;
       }
     }
+    // The caller going away (or its deadline passing) cancels the try under way over gRPC.
+    // Held weakly: the call's cancel callback lives as long as the call.
+    std::weak_ptr<ForwardCall> weak = c;
+    call->OnCancel([weak] {
+      if (auto f = weak.lock()) f->CallerGone();
+    });
     Attempt(c);
-    return c->reactor;
   }
 
- private:
-  grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const grpc::Status& s) {
-    auto* r = ctx->DefaultReactor();
-    r->Finish(s);
-    return r;
-  }
   Router* router_;
 };
 
@@ -540,44 +586,26 @@ class Router::Impl {
   }
 
   absl::Status Start(const Options& o) {
-    grpc::ServerBuilder b;
-    std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> external;
+    GrpcH2Server::Options g;
+    g.bind_address = o.bind_address;
+    g.port = o.grpc_port;
+    g.flag = "--grpc-port/--ingress-bind";
+    // A request may be as large as REST's, plus its framing.
+    g.max_message_bytes = o.max_request_bytes + 65536;
     if (o.grpc_listen_fd >= 0) {
       auto fd = DupListener(o.grpc_listen_fd, "LISTEN_FDS (grpc)");
       if (!fd.ok()) return fd.status();
       listen_fd_ = *fd;
-      // Never block in accept (another process may take a connection first).
-      fcntl(listen_fd_, F_SETFL, fcntl(listen_fd_, F_GETFL) | O_NONBLOCK);
-      grpc_port_ = LocalPort(listen_fd_);
-      external = b.experimental().AddExternalConnectionAcceptor(
-          grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
-          grpc::InsecureServerCredentials());
-    } else {
-      // A port another process holds is an error, not shared (SO_REUSEPORT would split the
-      // node's traffic with it).
-      b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-      b.AddListeningPort(o.bind_address + ":" + std::to_string(o.grpc_port),
-                         grpc::InsecureServerCredentials(), &grpc_port_);
+      g.listen_fd = listen_fd_;
     }
-    b.RegisterService(&grpc_service_);
-    // Other nodes' routers ping every 2 s while their calls run here (a long inference sends
-    // no data meanwhile): allowed. A client pinging faster than every second still earns
-    // strikes and is cut off (a ping flood).
-    b.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
-    b.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(o.max_request_bytes + 65536, INT32_MAX)));
-    b.SetMaxSendMessageSize(INT32_MAX);
-    grpc_server_ = b.BuildAndStart();
-    if (!grpc_server_ || grpc_port_ == 0) {
-      return absl::UnavailableError("--grpc-port: cannot listen on " + o.bind_address + ":" +
-                                    std::to_string(o.grpc_port));
-    }
-    if (external) {
-      // Connections accepted here and handed to gRPC; stopping this first leaves new ones
-      // queued on the socket for the next agent.
-      accept_thread_ = std::thread([this, acceptor = std::move(external)]() mutable {
-        AcceptLoop(acceptor.get());
-      });
-    }
+    // Other nodes' routers ping while their calls run here (a long inference sends no data
+    // meanwhile): nghttp2 answers pings, and ends a connection that floods it with frames to
+    // acknowledge while reading none of the answers.
+    auto grpc = GrpcH2Server::Start(
+        g, [this](std::shared_ptr<GrpcH2Server::Call> call) { grpc_service_.Serve(std::move(call)); });
+    if (!grpc.ok()) return grpc.status();
+    grpc_server_ = std::move(*grpc);
+    grpc_port_ = grpc_server_->port();
     HttpServer::Options h;
     h.bind_address = o.bind_address;
     h.port = o.http_port;
@@ -593,40 +621,14 @@ class Router::Impl {
     return absl::OkStatus();
   }
 
-  void AcceptLoop(grpc::experimental::ExternalConnectionAcceptor* acceptor) {
-    while (!stop_accepting_.load()) {
-      pollfd pfd{listen_fd_, POLLIN, 0};
-      if (poll(&pfd, 1, 50) <= 0) continue;
-      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-      if (fd < 0) {
-        // EAGAIN: taken meanwhile, or the client gave up. Anything else (out of descriptors,
-        // say) keeps failing: wait instead of spinning.
-        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNABORTED && errno != EINTR) {
-          absl::SleepFor(absl::Milliseconds(100));
-        }
-        continue;
-      }
-      int one = 1;
-      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters p;
-      p.listener_fd = listen_fd_;
-      p.fd = fd;
-      acceptor->HandleNewConnection(&p);
-    }
-  }
-
   void Stop() {
     // First stop taking connections (they queue on a handed-over socket for the next agent),
     // then drain what was accepted: REST and gRPC at once, each with its 5 s grace.
-    stop_accepting_ = true;
-    if (accept_thread_.joinable()) accept_thread_.join();
     std::thread grpc_stop;
     if (grpc_server_) {
       // GOAWAY: clients move new calls to a new connection; calls in flight get 5 s, and are
-      // then cancelled, with what they sent on (ForwardReactor::OnCancel).
-      grpc_stop = std::thread([this] {
-        grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-      });
+      // then cancelled, with what they sent on (ForwardCall::CallerGone).
+      grpc_stop = std::thread([this] { grpc_server_->Stop(absl::Seconds(5)); });
     }
     if (http_server_) {
       // REST calls still out (to data sockets or over HTTP) when the grace is nearly over, or
@@ -656,8 +658,6 @@ class Router::Impl {
   int grpc_port_ = 0;
   int http_port_ = 0;
   int listen_fd_ = -1;  // our duplicate of the handed-over gRPC socket
-  std::atomic<bool> stop_accepting_{false};
-  std::thread accept_thread_;
 
  private:
   void Handle(HttpRequest request, const HttpReply& reply) {
@@ -962,7 +962,7 @@ class Router::Impl {
 
   Router* router_;
   RouterGrpcService grpc_service_;
-  std::unique_ptr<grpc::Server> grpc_server_;
+  std::unique_ptr<GrpcH2Server> grpc_server_;
   std::unique_ptr<HttpServer> http_server_;
   absl::Mutex forwards_mu_;
   bool rest_closed_ ABSL_GUARDED_BY(forwards_mu_) = false;  // stopping: no more of them
