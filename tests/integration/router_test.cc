@@ -1,5 +1,6 @@
 // The node router against replicas that answer in chosen ways (in-process gRPC servers on
 // loopback).
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -315,6 +316,69 @@ TEST(RouterDataSocketTest, ALocalReplicaIsReachedThroughItsDataSocket) {
   }
   EXPECT_EQ(replica.requests(), 3);
   EXPECT_EQ(router->retries(), 0u);
+}
+
+// `bytes` sent as the request of `method` on the router's gRPC port, whatever they are.
+grpc::Status RawUnary(const Router& router, const std::string& method, const std::string& bytes) {
+  grpc::GenericStub stub(grpc::CreateChannel("127.0.0.1:" + std::to_string(router.grpc_port()),
+                                             grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::CompletionQueue cq;
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1), response;
+  auto call = stub.PrepareUnaryCall(&ctx, method, request, &cq);
+  call->StartCall();
+  grpc::Status status;
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  EXPECT_TRUE(cq.Next(&tag, &ok));
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
+// What is not the protocol is refused saying what was expected, and the router serves on; the
+// version the router adds replaces one the replica's answer carried.
+TEST(RouterDataSocketTest, WhatIsNotTheProtocolIsRefusedAndTheRouterAddsItsVersion) {
+  std::string path = TempSocket("proto");
+  FakeDataSocket replica(path, [](const inference::ModelInferRequest&) {
+    inference::ModelInferResponse r;
+    r.add_outputs()->set_name("out");
+    (*r.mutable_parameters())["kiln-version"].set_string_param("stale");
+    (*r.mutable_parameters())["kept"].set_int64_param(7);
+    return std::make_pair(0, r.SerializeAsString());
+  });
+  auto router = StartRouter({{"p.0", "1", "127.0.0.1:1", "", true, path}});
+  ASSERT_NE(router, nullptr);
+  grpc::Status s = RawUnary(*router, "/inference.GRPCInferenceService/NoSuchMethod", "");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_NE(s.error_message().find("unknown method"), std::string::npos) << s.error_message();
+  s = RawUnary(*router, "/other.Service/ModelInfer", "");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  for (const char* method : {"ModelInfer", "ModelReady", "ModelMetadata"}) {
+    s = RawUnary(*router, std::string("/inference.GRPCInferenceService/") + method,
+                 std::string("\xff\xff\xff\x0f", 4));
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_NE(s.error_message().find("is not an inference."), std::string::npos)
+        << s.error_message();
+  }
+  EXPECT_EQ(replica.requests(), 0);
+  auto stub = RouterStub(*router);
+  grpc::ClientContext ctx;
+  inference::ModelInferResponse resp;
+  s = stub->ModelInfer(&ctx, EncoderRequest(), &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.parameters().at("kiln-version").string_param(), "1");
+  EXPECT_EQ(resp.parameters().at("kept").int64_param(), 7);
+  ASSERT_EQ(resp.outputs_size(), 1);
+  EXPECT_EQ(resp.outputs(0).name(), "out");
+  auto md = ctx.GetServerInitialMetadata();
+  auto it = md.find("kiln-version");
+  ASSERT_NE(it, md.end());
+  EXPECT_EQ(std::string(it->second.data(), it->second.size()), "1");
 }
 
 // An answer larger than the reader's growth step (1 MiB) comes back whole, byte for byte, and
