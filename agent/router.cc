@@ -289,7 +289,8 @@ struct ForwardCall {
   int attempts = 0;
 
   // The caller gave up (or the router's server did, at the end of its stop grace): the try
-  // under way over gRPC is cancelled, and none is made after.
+  // under way over gRPC is cancelled, and none is made after. (A try on a local replica's data
+  // socket runs on to its answer or the caller's deadline: the frame has no cancel.)
   void CallerGone() {
     absl::MutexLock lock(&mu);
     caller_gone = true;
@@ -345,8 +346,8 @@ void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc
   const absl::Time deadline = c->call->deadline();
   const bool has_deadline = deadline != absl::InfiniteFuture();
   if (has_deadline) c->client_ctx->set_deadline(absl::ToChronoTime(deadline));
-  // Its cancellation too (GrpcH2Server::Call::OnCancel), so that a call the router's server
-  // gives up on ends where it was sent rather than holding the server's stop.
+  // Its cancellation too (GrpcH2Server::Call::OnCancel), so that a call sent on over gRPC that
+  // the router's server gives up on ends where it was sent.
   if (!c->Track(c->client_ctx.get())) {
     c->call->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the caller cancelled the call"));
     return;
@@ -627,7 +628,7 @@ class Router::Impl {
     std::thread grpc_stop;
     if (grpc_server_) {
       // GOAWAY: clients move new calls to a new connection; calls in flight get 5 s, and are
-      // then cancelled, with what they sent on (ForwardCall::CallerGone).
+      // then cancelled, with what they sent on over gRPC (ForwardCall::CallerGone).
       grpc_stop = std::thread([this] { grpc_server_->Stop(absl::Seconds(5)); });
     }
     if (http_server_) {

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <queue>
 #include <thread>
@@ -41,6 +42,11 @@ constexpr size_t kMaxPendingOut = 1 << 20;
 constexpr int32_t kStreamWindow = 1 << 20;
 constexpr int32_t kConnectionWindow = 8 << 20;
 constexpr size_t kReadChunk = 64 * 1024;
+// PINGs a connection may send in a second before it is cut off (ENHANCE_YOUR_CALM): far above
+// keepalive and bandwidth probes, far below a flood that keeps the server's thread busy.
+constexpr int kMaxPingsPerSecond = 100;
+// While accept fails for want of descriptors, the listening socket is left alone this long.
+constexpr absl::Duration kAcceptPause = absl::Milliseconds(100);
 constexpr int kReadsPerEvent = 4;  // then the other connections get a turn
 
 nghttp2_nv Nv(const std::string& name, const std::string& value) {
@@ -50,8 +56,14 @@ nghttp2_nv Nv(const std::string& name, const std::string& value) {
 }
 
 bool IsReserved(std::string_view key) {
-  return key == "content-type" || key == "te" || key == "grpc-timeout" ||
-         key == "grpc-encoding" || key == "grpc-accept-encoding";
+  return key == "content-type" || key == "te" || key.substr(0, 5) == "grpc-";
+}
+
+void RunAll(std::vector<std::function<void()>>& fs) {
+  for (auto& f : fs) {
+    if (f) f();
+  }
+  fs.clear();
 }
 
 }  // namespace
@@ -117,12 +129,29 @@ class GrpcH2Server::Connection : public std::enable_shared_from_this<Connection>
   // Filled by nghttp2's callbacks under mu_, taken by the server's thread after it.
   std::vector<std::shared_ptr<Call>> ready_ ABSL_GUARDED_BY(mu_);
   std::vector<std::function<void()>> cancels_ ABSL_GUARDED_BY(mu_);
+  // Bytes of requests not yet whole (Options: a connection may hold so many).
+  int64_t pending_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time ping_window_ ABSL_GUARDED_BY(mu_);
+  int pings_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // The cancel callbacks of calls that ended under the lock, to run once it is released.
+  std::vector<std::function<void()>> TakeCancels() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<std::function<void()>> out;
+    out.swap(cancels_);
+    return out;
+  }
+  // A call's request bytes leave the connection's count (whole, refused or gone).
+  void Release(Call* call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    pending_bytes_ -= call->buffered_;
+    call->buffered_ = 0;
+  }
 
   // Writes what the session has to send, as far as the socket takes it.
   void Flush() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers `call` with `status` alone (no message), and stops its upload.
-  void Refuse(Call* call, grpc::StatusCode code, const std::string& message, int http_status = 200)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `whole`: the request has ended (END_STREAM), so there is no upload to stop.
+  void Refuse(Call* call, grpc::StatusCode code, const std::string& message, bool whole,
+              int http_status = 200) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SubmitAnswer(Call* call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Call* Find(int32_t stream_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = streams_.find(stream_id);
@@ -300,8 +329,18 @@ class GrpcH2Server::Impl {
     Call* call = c->Find(stream_id);
     if (call == nullptr || call->finished_) return 0;  // refused already: dropped
     const int64_t limit = c->server_->options_.max_message_bytes;
+    const int64_t budget = c->server_->connection_budget();
+    if (c->pending_bytes_ + static_cast<int64_t>(len) > budget) {
+      c->Refuse(call, grpc::StatusCode::RESOURCE_EXHAUSTED,
+                absl::StrCat("this connection's unfinished requests would hold over ", budget,
+                             " bytes: send fewer large requests at once"),
+                /*whole=*/false);
+      return 0;
+    }
     const bool had_prefix = call->message_.size() >= kPrefixBytes;
     call->message_.append(reinterpret_cast<const char*>(data), len);
+    call->buffered_ += static_cast<int64_t>(len);
+    c->pending_bytes_ += static_cast<int64_t>(len);
     if (call->message_.size() < kPrefixBytes) return 0;
     const auto* p = reinterpret_cast<const unsigned char*>(call->message_.data());
     const uint64_t length = (uint64_t{p[1]} << 24) | (uint64_t{p[2]} << 16) |
@@ -310,24 +349,27 @@ class GrpcH2Server::Impl {
       if (p[0] == 1) {
         c->Refuse(call, grpc::StatusCode::UNIMPLEMENTED,
                   absl::StrCat("compressed messages (grpc-encoding '", call->encoding_,
-                               "') are not supported: send them uncompressed"));
+                               "') are not supported: send them uncompressed"),
+                  /*whole=*/false);
         return 0;
       }
       if (p[0] != 0) {
         c->Refuse(call, grpc::StatusCode::INVALID_ARGUMENT,
-                  absl::StrCat("message prefix: compressed-flag ", int{p[0]}, " is not 0 or 1"));
+                  absl::StrCat("message prefix: compressed-flag ", int{p[0]}, " is not 0 or 1"),
+                  /*whole=*/false);
         return 0;
       }
       if (length > static_cast<uint64_t>(limit)) {
         c->Refuse(call, grpc::StatusCode::RESOURCE_EXHAUSTED,
                   absl::StrCat("request message of ", length, " bytes is over the limit of ",
-                               limit, " bytes"));
+                               limit, " bytes"),
+                  /*whole=*/false);
         return 0;
       }
     }
     if (call->message_.size() > kPrefixBytes + length) {
       c->Refuse(call, grpc::StatusCode::INVALID_ARGUMENT,
-                "a unary call sent more than one request message");
+                "a unary call sent more than one request message", /*whole=*/false);
     }
     return 0;
   }
@@ -335,33 +377,58 @@ class GrpcH2Server::Impl {
   static int OnFrameRecv(nghttp2_session*, const nghttp2_frame* frame, void* user_data) {
     auto* c = static_cast<Connection*>(user_data);
     c->mu_.AssertHeld();
+    if (frame->hd.type == NGHTTP2_PING && (frame->hd.flags & NGHTTP2_FLAG_ACK) == 0) {
+      const absl::Time now = absl::Now();
+      if (now - c->ping_window_ >= absl::Seconds(1)) {
+        c->ping_window_ = now;
+        c->pings_ = 0;
+      }
+      if (++c->pings_ > kMaxPingsPerSecond) {
+        GetLogger("grpc.h2")->warn("{}: a client sent over {} PINGs in a second: disconnected",
+                                   c->server_->options_.flag, kMaxPingsPerSecond);
+        nghttp2_session_terminate_session(c->session_, NGHTTP2_ENHANCE_YOUR_CALM);
+      }
+      return 0;
+    }
     if (frame->hd.type != NGHTTP2_HEADERS && frame->hd.type != NGHTTP2_DATA) return 0;
     Call* call = c->Find(frame->hd.stream_id);
-    if (call == nullptr || call->finished_ || call->handed_) return 0;
+    if (call == nullptr || call->handed_) return 0;
+    const bool whole = (frame->hd.flags & NGHTTP2_FLAG_END_STREAM) != 0;
+    if (call->finished_) {
+      // Refused while its body came in: no upload left to stop if this frame ended it.
+      if (whole) call->reset_after_answer_ = false;
+      return 0;
+    }
     if (frame->hd.type == NGHTTP2_HEADERS && frame->headers.cat == NGHTTP2_HCAT_REQUEST) {
       // The request's headers, whole: refuse what cannot be a gRPC call before its body.
       if (call->http_method_ != "POST") {
         c->Refuse(call, grpc::StatusCode::UNIMPLEMENTED,
-                  absl::StrCat(":method: '", call->http_method_, "': gRPC calls are POST"), 405);
+                  absl::StrCat(":method: '", call->http_method_, "': gRPC calls are POST"), whole,
+                  405);
         return 0;
       }
       if (!absl::StartsWith(call->content_type_, "application/grpc")) {
         c->Refuse(call, grpc::StatusCode::INVALID_ARGUMENT,
                   absl::StrCat("content-type: '", call->content_type_,
                                "': gRPC calls are application/grpc"),
-                  415);
+                  whole, 415);
         return 0;
       }
       if (!call->bad_.empty()) {
-        c->Refuse(call, call->bad_code_, call->bad_);
+        c->Refuse(call, call->bad_code_, call->bad_, whole);
         return 0;
       }
+      // The deadline counts from here, the upload included.
+      if (call->deadline_ != absl::InfiniteFuture()) {
+        c->server_->AddDeadline(call->deadline_, c->streams_[frame->hd.stream_id]);
+      }
     }
-    if ((frame->hd.flags & NGHTTP2_FLAG_END_STREAM) == 0) return 0;
+    if (!whole) return 0;
     // The request is whole.
     const std::string& m = call->message_;
     if (m.size() < kPrefixBytes) {
-      c->Refuse(call, grpc::StatusCode::INVALID_ARGUMENT, "the call sent no request message");
+      c->Refuse(call, grpc::StatusCode::INVALID_ARGUMENT, "the call sent no request message",
+                whole);
       return 0;
     }
     const auto* p = reinterpret_cast<const unsigned char*>(m.data());
@@ -370,9 +437,11 @@ class GrpcH2Server::Impl {
     if (m.size() != kPrefixBytes + length) {
       c->Refuse(call, grpc::StatusCode::INVALID_ARGUMENT,
                 absl::StrCat("the request message was cut short: ", m.size() - kPrefixBytes,
-                             " of ", length, " bytes"));
+                             " of ", length, " bytes"),
+                whole);
       return 0;
     }
+    c->Release(call);
     call->message_.erase(0, kPrefixBytes);
     call->handed_ = true;
     c->server_->in_flight_++;
@@ -388,6 +457,7 @@ class GrpcH2Server::Impl {
     std::shared_ptr<Call> call = std::move(it->second);
     c->streams_.erase(it);
     call->closed_ = true;
+    c->Release(call.get());
     if (call->handed_ && !call->finished_ && !call->cancelled_) {
       c->cancels_.push_back(call->TakeCancel());
     }
@@ -422,10 +492,32 @@ class GrpcH2Server::Impl {
       std::string status = "0";
       std::string key = "grpc-status";
       nghttp2_nv trailer = Nv(key, status);
-      nghttp2_submit_trailer(session, stream_id, &trailer, 1);
+      if (nghttp2_submit_trailer(session, stream_id, &trailer, 1) != 0) {
+        return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // the stream is reset instead
+      }
       std::string().swap(call->out_);
     }
     return static_cast<ssize_t>(n);
+  }
+
+  // A call's deadline (the server's thread's, from nghttp2's callbacks). Answered calls'
+  // entries are dropped when the queue has grown to twice what it held at the last sweep.
+  void AddDeadline(absl::Time at, const std::shared_ptr<Call>& call) {
+    deadlines_.push({at, call});
+    if (deadlines_.size() >= sweep_at_) {
+      std::vector<Deadline> live;
+      while (!deadlines_.empty()) {
+        if (!deadlines_.top().call.expired()) live.push_back(deadlines_.top());
+        deadlines_.pop();
+      }
+      for (auto& d : live) deadlines_.push(std::move(d));
+      sweep_at_ = std::max<size_t>(1024, 2 * deadlines_.size());
+    }
+  }
+  // Bytes of unfinished requests one connection may hold.
+  int64_t connection_budget() const {
+    if (options_.max_connection_pending_bytes > 0) return options_.max_connection_pending_bytes;
+    return std::max<int64_t>(2 * options_.max_message_bytes, 64LL << 20);
   }
 
   const Options options_;
@@ -455,6 +547,9 @@ class GrpcH2Server::Impl {
     bool operator>(const Deadline& o) const { return at > o.at; }
   };
   std::priority_queue<Deadline, std::vector<Deadline>, std::greater<Deadline>> deadlines_;
+  size_t sweep_at_ = 1024;
+  absl::Time accept_paused_until_ = absl::InfinitePast();
+  bool listening_ = true;  // the listening socket is in the epoll set
 
   absl::Mutex stop_mu_;
   bool stop_requested_ ABSL_GUARDED_BY(stop_mu_) = false;
@@ -523,10 +618,12 @@ void GrpcH2Server::Connection::Flush() {
 }
 
 void GrpcH2Server::Connection::Refuse(Call* call, grpc::StatusCode code,
-                                      const std::string& message, int http_status) {
+                                      const std::string& message, bool whole, int http_status) {
   if (call->finished_ || call->cancelled_) return;
   call->finished_ = true;
   call->status_ = grpc::Status(code, message);
+  Release(call);
+  std::string().swap(call->message_);
   if (call->closed_ || session_ == nullptr) return;
   if (http_status != 200) {
     std::string status = std::to_string(http_status);
@@ -536,13 +633,16 @@ void GrpcH2Server::Connection::Refuse(Call* call, grpc::StatusCode code,
                       k_gm = "grpc-message", ct = "application/grpc";
     nghttp2_nv nv[] = {Nv(k_status, status), Nv(k_ct, ct), Nv(k_gs, grpc_status),
                        Nv(k_gm, encoded)};
-    nghttp2_submit_response(session_, call->stream_id_, nv, 4, nullptr);
+    if (nghttp2_submit_response(session_, call->stream_id_, nv, 4, nullptr) != 0) {
+      nghttp2_submit_rst_stream(session_, NGHTTP2_FLAG_NONE, call->stream_id_,
+                                NGHTTP2_INTERNAL_ERROR);
+    }
   } else {
     SubmitAnswer(call);
   }
   // Whatever of the request is still to come is not wanted: RST_STREAM(NO_ERROR) once the
   // answer is out (OnFrameSend; nghttp2 would send it before the HEADERS otherwise).
-  call->reset_after_answer_ = true;
+  call->reset_after_answer_ = !whole;
 }
 
 void GrpcH2Server::Connection::SubmitAnswer(Call* call) {
@@ -554,7 +654,10 @@ void GrpcH2Server::Connection::SubmitAnswer(Call* call) {
     nghttp2_data_provider dp{};
     dp.source.ptr = call;
     dp.read_callback = &Impl::ReadAnswer;
-    nghttp2_submit_response(session_, call->stream_id_, nv.data(), nv.size(), &dp);
+    if (nghttp2_submit_response(session_, call->stream_id_, nv.data(), nv.size(), &dp) != 0) {
+      nghttp2_submit_rst_stream(session_, NGHTTP2_FLAG_NONE, call->stream_id_,
+                                NGHTTP2_INTERNAL_ERROR);
+    }
     return;
   }
   // Trailers-Only: the status in the one HEADERS frame.
@@ -563,7 +666,10 @@ void GrpcH2Server::Connection::SubmitAnswer(Call* call) {
   std::string gm = PercentEncodeGrpcMessage(call->status_.error_message());
   nv.push_back(Nv(k_gs, gs));
   if (!gm.empty()) nv.push_back(Nv(k_gm, gm));
-  nghttp2_submit_response(session_, call->stream_id_, nv.data(), nv.size(), nullptr);
+  if (nghttp2_submit_response(session_, call->stream_id_, nv.data(), nv.size(), nullptr) != 0) {
+    nghttp2_submit_rst_stream(session_, NGHTTP2_FLAG_NONE, call->stream_id_,
+                              NGHTTP2_INTERNAL_ERROR);
+  }
 }
 
 // --- Call ---
@@ -582,22 +688,33 @@ void GrpcH2Server::Call::AddInitialMetadata(std::string key, std::string value) 
 }
 
 void GrpcH2Server::Call::Finish(const grpc::Status& status, std::string response) {
-  absl::MutexLock lock(&conn_->mu_);
-  if (finished_ || cancelled_) return;  // cancelled: the answer goes nowhere
-  finished_ = true;
-  conn_->server_->in_flight_--;
-  on_cancel_ = nullptr;
-  if (closed_ || conn_->closed_ || conn_->session_ == nullptr) return;
-  status_ = status;
-  if (status.ok()) {
-    out_.resize(kPrefixBytes + response.size());
-    out_[0] = 0;
-    const uint32_t n = htonl(static_cast<uint32_t>(response.size()));
-    memcpy(&out_[1], &n, 4);
-    memcpy(&out_[kPrefixBytes], response.data(), response.size());
+  std::function<void()> unused;  // destroyed unlocked: it may hold what owns this call
+  std::vector<std::function<void()>> cancels;
+  {
+    absl::MutexLock lock(&conn_->mu_);
+    if (finished_ || cancelled_) return;  // cancelled: the answer goes nowhere
+    finished_ = true;
+    conn_->server_->in_flight_--;
+    unused = std::move(on_cancel_);
+    on_cancel_ = nullptr;
+    if (closed_ || conn_->closed_ || conn_->session_ == nullptr) return;
+    status_ = status;
+    if (status.ok() && response.size() > std::numeric_limits<uint32_t>::max()) {
+      status_ = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                             absl::StrCat("the answer of ", response.size(),
+                                          " bytes is over gRPC's 4 GiB message limit"));
+    } else if (status.ok()) {
+      out_.resize(kPrefixBytes + response.size());
+      out_[0] = 0;
+      const uint32_t n = htonl(static_cast<uint32_t>(response.size()));
+      memcpy(&out_[1], &n, 4);
+      memcpy(&out_[kPrefixBytes], response.data(), response.size());
+    }
+    conn_->SubmitAnswer(this);
+    conn_->Flush();
+    cancels = conn_->TakeCancels();  // streams the writes closed
   }
-  conn_->SubmitAnswer(this);
-  conn_->Flush();
+  RunAll(cancels);
 }
 
 std::function<void()> GrpcH2Server::Call::TakeCancel() {
@@ -634,11 +751,11 @@ void GrpcH2Server::Impl::Loop() {
     const absl::Time now = absl::Now();
     absl::Time next = absl::InfiniteFuture();
     if (!deadlines_.empty()) next = deadlines_.top().at;
+    if (!listening_ && !stopping_) next = std::min(next, accept_paused_until_);
     if (stopping_) next = std::min(next, std::min(stop_deadline_, now + absl::Milliseconds(20)));
     if (next != absl::InfiniteFuture()) {
-      timeout_ms = static_cast<int>(
-          std::clamp<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(next - now, absl::Milliseconds(1))),
-                              0, 60000));
+      timeout_ms = static_cast<int>(std::clamp<int64_t>(
+          absl::ToInt64Milliseconds(absl::Ceil(next - now, absl::Milliseconds(1))), 0, 60000));
     }
     int n = epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), timeout_ms);
     if (n < 0 && errno != EINTR) {
@@ -661,10 +778,22 @@ void GrpcH2Server::Impl::Loop() {
       if (it == conns_.end()) continue;
       std::shared_ptr<Connection> c = it->second;
       if (events[i].events & EPOLLOUT) {
-        absl::MutexLock lock(&c->mu_);
-        c->Flush();
+        std::vector<std::function<void()>> cancels;
+        {
+          absl::MutexLock lock(&c->mu_);
+          c->Flush();
+          cancels = c->TakeCancels();
+        }
+        RunAll(cancels);
       }
       if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) Read(c);
+    }
+    if (!listening_ && !stopping_ && absl::Now() >= accept_paused_until_) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = listen_fd_;
+      epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
+      listening_ = true;
     }
     ExpireDeadlines(absl::Now());
     if (stopping_) {
@@ -690,12 +819,16 @@ void GrpcH2Server::Impl::Accept() {
   for (int i = 0; i < 16; i++) {
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
-      // EAGAIN: none left (or another process took it). Anything else (out of descriptors):
-      // tried again on the next wake-up.
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNABORTED && errno != EINTR) {
-        GetLogger("grpc.h2")->warn("{}: accept: {}", options_.flag, strerror(errno));
-        absl::SleepFor(absl::Milliseconds(10));
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        // Out of descriptors or memory: the connection waits in the queue; the listening
+        // socket is left alone a while instead of waking this thread on every pass.
+        GetLogger("grpc.h2")->warn("{}: accept: {}: new connections wait {} ms", options_.flag,
+                                   strerror(errno), absl::ToInt64Milliseconds(kAcceptPause));
+        epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listen_fd_, nullptr);
+        listening_ = false;
+        accept_paused_until_ = absl::Now() + kAcceptPause;
       }
+      // EAGAIN: none left (or another process took it); ECONNABORTED: the client gave up.
       return;
     }
     int one = 1;
@@ -728,6 +861,7 @@ void GrpcH2Server::Impl::Read(const std::shared_ptr<Connection>& c) {
   std::vector<std::function<void()>> cancels;
   {
     absl::MutexLock lock(&c->mu_);
+    if (c->closed_) return;
     for (int i = 0; i < kReadsPerEvent; i++) {
       ssize_t r = recv(c->fd_, buf, sizeof(buf), MSG_DONTWAIT);
       if (r < 0 && errno == EINTR) continue;
@@ -741,7 +875,7 @@ void GrpcH2Server::Impl::Read(const std::shared_ptr<Connection>& c) {
       if (used < 0) {
         // Not HTTP/2, or a protocol error: nghttp2 has queued its GOAWAY; send it, then close.
         GetLogger("grpc.h2")->debug("{}: connection closed: {}", options_.flag,
-                   nghttp2_strerror(static_cast<int>(used)));
+                                    nghttp2_strerror(static_cast<int>(used)));
         c->Flush();
         end = true;
         break;
@@ -755,13 +889,10 @@ void GrpcH2Server::Impl::Read(const std::shared_ptr<Connection>& c) {
       end = true;
     }
     ready.swap(c->ready_);
-    cancels.swap(c->cancels_);
+    cancels = c->TakeCancels();
   }
-  for (auto& f : cancels) {
-    if (f) f();
-  }
+  RunAll(cancels);
   for (auto& call : ready) {
-    if (call->deadline_ != absl::InfiniteFuture()) deadlines_.push({call->deadline_, call});
     try {
       handler_(call);
     } catch (const std::exception& e) {
@@ -777,6 +908,7 @@ void GrpcH2Server::Impl::Close(const std::shared_ptr<Connection>& c) {
     absl::MutexLock lock(&c->mu_);
     if (c->closed_) return;
     c->closed_ = true;
+    cancels = c->TakeCancels();
     for (auto& [id, call] : c->streams_) {
       call->closed_ = true;
       if (call->handed_ && !call->finished_ && !call->cancelled_) {
@@ -786,15 +918,18 @@ void GrpcH2Server::Impl::Close(const std::shared_ptr<Connection>& c) {
     c->streams_.clear();  // each call's hold on the connection is its own
     c->ready_.clear();
     epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c->fd_, nullptr);
+    // Bytes the client sent that were never read would make close() reset the connection,
+    // which can drop the last frames written to it (a GOAWAY, a CANCELLED): read them first.
+    char sink[16384];
+    for (int i = 0; i < 64 && recv(c->fd_, sink, sizeof(sink), MSG_DONTWAIT) > 0; i++) {
+    }
     close(c->fd_);
     nghttp2_session_del(c->session_);
     c->session_ = nullptr;
   }
   conns_.erase(c->fd_);
   connections_--;
-  for (auto& f : cancels) {
-    if (f) f();
-  }
+  RunAll(cancels);
 }
 
 void GrpcH2Server::Impl::ExpireDeadlines(absl::Time now) {
@@ -803,20 +938,25 @@ void GrpcH2Server::Impl::ExpireDeadlines(absl::Time now) {
     deadlines_.pop();
     if (!call) continue;
     std::function<void()> cancel;
-    bool cancelled = false;
+    std::vector<std::function<void()>> cancels;
     {
       Connection* c = call->conn_.get();
       absl::MutexLock lock(&c->mu_);
-      if (call->finished_ || call->cancelled_) continue;
-      cancel = call->TakeCancel();
-      cancelled = true;
-      if (!call->closed_ && c->session_ != nullptr) {
+      if (call->finished_ || call->cancelled_ || call->closed_ || c->session_ == nullptr) continue;
+      if (!call->handed_) {
+        // Still coming in when its time ran out.
+        c->Refuse(call.get(), grpc::StatusCode::DEADLINE_EXCEEDED,
+                  "deadline exceeded before the request was whole", /*whole=*/false);
+      } else {
+        cancel = call->TakeCancel();
         call->status_ = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded");
         c->SubmitAnswer(call.get());
-        c->Flush();
       }
+      c->Flush();
+      cancels = c->TakeCancels();
     }
-    if (cancelled && cancel) cancel();
+    if (cancel) cancel();
+    RunAll(cancels);
   }
 }
 
@@ -831,18 +971,24 @@ void GrpcH2Server::Impl::BeginStop() {
   stop_deadline_ = absl::Now() + std::max(grace, absl::ZeroDuration());
   // No new connections: they wait in the listening socket's queue (for the next server on a
   // handed-over socket) or are refused once it closes.
-  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listen_fd_, nullptr);
+  if (listening_) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listen_fd_, nullptr);
+  listening_ = false;
   if (owns_listener_) {
     close(listen_fd_);
     listen_fd_ = -1;
   }
   for (auto& [fd, c] : conns_) {
-    absl::MutexLock lock(&c->mu_);
-    if (c->session_ == nullptr) continue;
-    nghttp2_submit_goaway(c->session_, NGHTTP2_FLAG_NONE,
-                          nghttp2_session_get_last_proc_stream_id(c->session_), NGHTTP2_NO_ERROR,
-                          nullptr, 0);
-    c->Flush();
+    std::vector<std::function<void()>> cancels;
+    {
+      absl::MutexLock lock(&c->mu_);
+      if (c->session_ == nullptr) continue;
+      nghttp2_submit_goaway(c->session_, NGHTTP2_FLAG_NONE,
+                            nghttp2_session_get_last_proc_stream_id(c->session_),
+                            NGHTTP2_NO_ERROR, nullptr, 0);
+      c->Flush();
+      cancels = c->TakeCancels();
+    }
+    RunAll(cancels);
   }
 }
 
@@ -859,10 +1005,9 @@ void GrpcH2Server::Impl::CancelAll(const std::shared_ptr<Connection>& c) {
       }
     }
     c->Flush();
+    for (auto& f : c->TakeCancels()) cancels.push_back(std::move(f));
   }
-  for (auto& f : cancels) {
-    if (f) f();
-  }
+  RunAll(cancels);
 }
 
 // --- GrpcH2Server ---

@@ -13,11 +13,16 @@
 //  - POST, content-type application/grpc[+proto|;...]; anything else is answered HTTP 415;
 //  - one length-prefixed message per call, uncompressed (a compressed one is UNIMPLEMENTED),
 //    at most Options::max_message_bytes (larger: RESOURCE_EXHAUSTED, refused from its prefix);
-//  - grpc-timeout (the call's deadline: the call is cancelled and answered DEADLINE_EXCEEDED
-//    when it passes unanswered);
-//  - custom metadata as the call's metadata; initial metadata and a status with a
-//    percent-encoded grpc-message on the answer;
-//  - RST_STREAM or a closed connection cancels the call; PING is answered by nghttp2;
+//    the unfinished requests of one connection hold at most twice that, and at least 64 MiB
+//    (Options::max_connection_pending_bytes; past it, RESOURCE_EXHAUSTED for the request that
+//    would go over);
+//  - grpc-timeout (the call's deadline, counted from its headers: a request still coming in,
+//    or a call unanswered, is answered DEADLINE_EXCEEDED and cancelled when it passes);
+//  - custom metadata as the call's metadata, at most 16 KiB, values as sent (a -bin key's
+//    value stays base64); initial metadata and a status with a percent-encoded grpc-message
+//    on the answer;
+//  - RST_STREAM or a closed connection cancels the call; PING is answered by nghttp2, and a
+//    connection sending over 100 a second is cut off (ENHANCE_YOUR_CALM);
 //  - Stop sends GOAWAY, gives calls in flight a grace, then cancels them.
 // Bytes that are not HTTP/2 end their connection (and only it).
 
@@ -46,6 +51,9 @@ class GrpcH2Server {
     std::string flag = "--grpc-port";
     int64_t max_message_bytes = 4LL * 1024 * 1024;
     uint32_t max_concurrent_streams = 1024;  // per connection
+    // Bytes of unfinished requests one connection may hold; 0: twice max_message_bytes, and at
+    // least 64 MiB.
+    int64_t max_connection_pending_bytes = 0;
   };
 
   class Connection;
@@ -54,7 +62,8 @@ class GrpcH2Server {
   class Call {
    public:
     const std::string& method() const { return method_; }  // "/package.Service/Method"
-    // The caller's metadata: lower-case keys, pseudo-headers and gRPC's own left out.
+    // The caller's metadata: lower-case keys; pseudo-headers, content-type, te and grpc-*
+    // left out.
     const std::vector<std::pair<std::string, std::string>>& metadata() const { return metadata_; }
     // The first value of `key` (lower-case), or null.
     const std::string* Metadata(std::string_view key) const;
@@ -69,7 +78,8 @@ class GrpcH2Server {
     void Finish(const grpc::Status& status, std::string response = "");
     // `f` runs once if the call ends before it is finished (the caller cancelled or went
     // away, its deadline passed, or the server stopped); at once if that happened already.
-    // On the server's thread (or the caller's, when at once): it must not block.
+    // On whichever thread saw the end (or the caller's, when at once), never under the
+    // server's locks: it must not block. A second OnCancel replaces the first.
     void OnCancel(std::function<void()> f);
     bool cancelled() const;
 
@@ -89,6 +99,7 @@ class GrpcH2Server {
     size_t metadata_bytes_ = 0;
     absl::Time deadline_ = absl::InfiniteFuture();
     std::string message_;   // while receiving: the prefix and the message
+    int64_t buffered_ = 0;  // bytes of it counted against the connection's budget
     std::string content_type_;
     std::string http_method_;
     std::string encoding_;
@@ -130,7 +141,7 @@ class GrpcH2Server {
 
 // grpc-timeout's value ("100m", "5S", ...) as a duration; an error naming the header otherwise.
 absl::StatusOr<absl::Duration> ParseGrpcTimeout(std::string_view value);
-// grpc-message's percent-encoding (and back).
+// grpc-message's percent-encoding.
 std::string PercentEncodeGrpcMessage(std::string_view message);
 
 }  // namespace kiln

@@ -417,8 +417,10 @@ struct RawAnswer {
 };
 
 // Sends one request of `headers` and `body` on a fresh connection; reads until the stream ends.
+// `end_stream` false: the body is sent and the request left open.
 RawAnswer RawCall(int port, std::vector<std::pair<std::string, std::string>> headers,
-                  const std::string& body, bool end_after_headers = false) {
+                  const std::string& body, bool end_after_headers = false,
+                  bool end_stream = true) {
   RawAnswer ans;
   int fd = Connect(port);
   EXPECT_GE(fd, 0);
@@ -449,17 +451,19 @@ RawAnswer RawCall(int port, std::vector<std::pair<std::string, std::string>> hea
   }
   struct Body {
     const std::string* data;
+    bool end = true;
     size_t off = 0;
-  } src{&body};
+  } src{&body, end_stream};
   nghttp2_data_provider dp{};
   dp.source.ptr = &src;
   dp.read_callback = [](nghttp2_session*, int32_t, uint8_t* buf, size_t len, uint32_t* flags,
                         nghttp2_data_source* s, void*) -> ssize_t {
     auto* b = static_cast<Body*>(s->ptr);
     size_t n = std::min(len, b->data->size() - b->off);
+    if (n == 0 && !b->end) return NGHTTP2_ERR_DEFERRED;
     memcpy(buf, b->data->data() + b->off, n);
     b->off += n;
-    if (b->off == b->data->size()) *flags |= NGHTTP2_DATA_FLAG_EOF;
+    if (b->off == b->data->size() && b->end) *flags |= NGHTTP2_DATA_FLAG_EOF;
     return static_cast<ssize_t>(n);
   };
   nghttp2_submit_request(session, nullptr, nv.data(), nv.size(),
@@ -564,9 +568,86 @@ TEST(GrpcH2ServerRawTest, WhatIsNotAGrpcCallIsRefusedSayingWhy) {
   EXPECT_EQ(s.server().calls_in_flight(), 0);
 }
 
+TEST(GrpcH2ServerRawTest, AnUploadIsBoundedInTimeAndBytes) {
+  GrpcH2Server::Options o;
+  o.max_message_bytes = 1 << 20;
+  o.max_connection_pending_bytes = 3000;
+  Served s(o);
+  const int port = s.server().port();
+  // Its deadline passes while the request is still coming in.
+  std::string half = Prefixed(std::string(1000, 'a')).substr(0, 600);
+  RawAnswer a = RawCall(port, GrpcHeaders({{"grpc-timeout", "150m"}}), half, false,
+                        /*end_stream=*/false);
+  EXPECT_TRUE(a.closed);
+  EXPECT_EQ(a.headers["grpc-status"], "4");
+  EXPECT_NE(a.headers["grpc-message"].find("before the request was whole"), std::string::npos)
+      << a.headers["grpc-message"];
+  // More unfinished bytes than the connection may hold.
+  a = RawCall(port, GrpcHeaders(), Prefixed(std::string(5000, 'b')));
+  EXPECT_EQ(a.headers["grpc-status"], "8");
+  EXPECT_NE(a.headers["grpc-message"].find("would hold over 3000 bytes"), std::string::npos)
+      << a.headers["grpc-message"];
+  // Under it, served; the refused bytes were given back.
+  a = RawCall(port, GrpcHeaders(), Prefixed(std::string(2000, 'c')));
+  EXPECT_EQ(a.headers["grpc-status"], "0");
+  EXPECT_EQ(s.server().calls_in_flight(), 0);
+}
+
+TEST(GrpcH2ServerRawTest, APingFloodEndsItsConnection) {
+  Served s;
+  int fd = Connect(s.server().port());
+  ASSERT_GE(fd, 0);
+  struct Seen {
+    uint32_t goaway = 0xffffffff;
+    int acks = 0;
+  } seen;
+  nghttp2_session_callbacks* cb;
+  nghttp2_session_callbacks_new(&cb);
+  nghttp2_session_callbacks_set_on_frame_recv_callback(
+      cb, [](nghttp2_session*, const nghttp2_frame* f, void* u) {
+        auto* x = static_cast<Seen*>(u);
+        if (f->hd.type == NGHTTP2_GOAWAY) x->goaway = f->goaway.error_code;
+        if (f->hd.type == NGHTTP2_PING && (f->hd.flags & NGHTTP2_FLAG_ACK)) x->acks++;
+        return 0;
+      });
+  nghttp2_session* session;
+  nghttp2_session_client_new(&session, cb, &seen);
+  nghttp2_submit_settings(session, NGHTTP2_FLAG_NONE, nullptr, 0);
+  for (int i = 0; i < 150; i++) nghttp2_submit_ping(session, NGHTTP2_FLAG_NONE, nullptr);
+  const uint8_t* out;
+  ssize_t n;
+  while ((n = nghttp2_session_mem_send(session, &out)) > 0) {
+    ASSERT_EQ(send(fd, out, n, MSG_NOSIGNAL), n);
+  }
+  bool ended = false;
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (!ended && absl::Now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    char buf[65536];
+    ssize_t r = recv(fd, buf, sizeof(buf), 0);
+    if (r <= 0) {
+      ended = true;
+      break;
+    }
+    nghttp2_session_mem_recv(session, reinterpret_cast<uint8_t*>(buf), r);
+  }
+  EXPECT_TRUE(ended);
+  EXPECT_EQ(seen.goaway, static_cast<uint32_t>(NGHTTP2_ENHANCE_YOUR_CALM));
+  EXPECT_LE(seen.acks, 100);
+  nghttp2_session_del(session);
+  nghttp2_session_callbacks_del(cb);
+  close(fd);
+  // Others are served on.
+  auto stub = inference::GRPCInferenceService::NewStub(s.Channel());
+  grpc::ClientContext ctx;
+  inference::ServerLiveResponse r;
+  EXPECT_TRUE(stub->ServerLive(&ctx, {}, &r).ok());
+}
+
 TEST(GrpcH2ServerRawTest, BytesThatAreNotHttp2EndOnlyTheirConnection) {
   Served s;
-  for (const std::string garbage :
+  for (const std::string& garbage :
        {std::string("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), std::string(100, '\xff'),
         std::string("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") + std::string(64, '\x01')}) {
     int fd = Connect(s.server().port());
@@ -606,7 +687,9 @@ TEST(GrpcH2ServerParseTest, GrpcTimeout) {
   for (const char* bad : {"", "m", "5", "5s", "-5S", "123456789S", "1.5S", " 5S", "5SS"}) {
     auto d = ParseGrpcTimeout(bad);
     EXPECT_FALSE(d.ok()) << bad;
-    if (!d.ok()) EXPECT_NE(d.status().message().find("grpc-timeout"), std::string::npos);
+    if (!d.ok()) {
+      EXPECT_NE(d.status().message().find("grpc-timeout"), std::string::npos);
+    }
   }
 }
 
