@@ -159,10 +159,17 @@ absl::StatusOr<int64_t> IntParam(const inference::InferParameter& p, const std::
   }
 }
 
-grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const grpc::Status& status) {
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(status);
-  return reactor;
+template <typename T>
+bool Parse(GrpcH2Server::Call& call, T* out) {
+  if (out->ParseFromString(call.message())) return true;
+  call.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                           "the request is not an " + out->GetTypeName()));
+  return false;
+}
+
+void Answer(GrpcH2Server::Call& call, const grpc::Status& status,
+            const google::protobuf::Message& m) {
+  call.Finish(status, status.ok() ? m.SerializeAsString() : std::string());
 }
 
 }  // namespace
@@ -307,48 +314,65 @@ absl::Status FillModelMetadata(const ModelHost& host, const std::string& name,
   return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* GrpcInferenceService::ServerLive(grpc::CallbackServerContext* ctx,
-                                                           const inference::ServerLiveRequest*,
-                                                           inference::ServerLiveResponse* resp) {
-  resp->set_live(host_->Live());
-  return Finish(ctx, grpc::Status::OK);
-}
-
-grpc::ServerUnaryReactor* GrpcInferenceService::ServerReady(grpc::CallbackServerContext* ctx,
-                                                            const inference::ServerReadyRequest*,
-                                                            inference::ServerReadyResponse* resp) {
-  resp->set_ready(host_->ModelReady(host_->config().name, ""));
-  return Finish(ctx, grpc::Status::OK);
-}
-
-grpc::ServerUnaryReactor* GrpcInferenceService::ModelReady(grpc::CallbackServerContext* ctx,
-                                                           const inference::ModelReadyRequest* req,
-                                                           inference::ModelReadyResponse* resp) {
-  if (!host_->Serves(req->name(), req->version())) {
-    return Finish(ctx, grpc::Status(grpc::StatusCode::NOT_FOUND,
-                                    "unknown model '" + req->name() + "'"));
+void GrpcInferenceService::Serve(std::shared_ptr<GrpcH2Server::Call> call) {
+  try {
+    Dispatch(call);
+  } catch (const std::exception& e) {
+    call->Finish(grpc::Status(grpc::StatusCode::INTERNAL, std::string("internal error: ") + e.what()));
   }
-  resp->set_ready(host_->ModelReady(req->name(), req->version()));
-  return Finish(ctx, grpc::Status::OK);
 }
 
-grpc::ServerUnaryReactor* GrpcInferenceService::ServerMetadata(
-    grpc::CallbackServerContext* ctx, const inference::ServerMetadataRequest*,
-    inference::ServerMetadataResponse* resp) {
-  resp->set_name("kiln");
-  resp->set_version(server_version_);
-  resp->add_extensions("model_repository_layout");
-  resp->add_extensions("dynamic_batching");
-  resp->add_extensions("response_cache");
-  resp->add_extensions("priority");
-  resp->add_extensions("timeout");
-  return Finish(ctx, grpc::Status::OK);
-}
-
-grpc::ServerUnaryReactor* GrpcInferenceService::ModelMetadata(
-    grpc::CallbackServerContext* ctx, const inference::ModelMetadataRequest* req,
-    inference::ModelMetadataResponse* resp) {
-  return Finish(ctx, ToGrpcStatus(FillModelMetadata(*host_, req->name(), req->version(), resp)));
+void GrpcInferenceService::Dispatch(const std::shared_ptr<GrpcH2Server::Call>& call) {
+  static constexpr char kService[] = "/inference.GRPCInferenceService/";
+  const std::string& path = call->method();
+  const std::string method =
+      path.rfind(kService, 0) == 0 ? path.substr(sizeof(kService) - 1) : std::string();
+  if (method == "ModelInfer") {
+    ModelInfer(call);
+  } else if (method == "ServerLive") {
+    inference::ServerLiveRequest req;
+    if (!Parse(*call, &req)) return;
+    inference::ServerLiveResponse resp;
+    resp.set_live(host_->Live());
+    Answer(*call, grpc::Status::OK, resp);
+  } else if (method == "ServerReady") {
+    inference::ServerReadyRequest req;
+    if (!Parse(*call, &req)) return;
+    inference::ServerReadyResponse resp;
+    resp.set_ready(host_->ModelReady(host_->config().name, ""));
+    Answer(*call, grpc::Status::OK, resp);
+  } else if (method == "ModelReady") {
+    inference::ModelReadyRequest req;
+    if (!Parse(*call, &req)) return;
+    if (!host_->Serves(req.name(), req.version())) {
+      call->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown model '" + req.name() + "'"));
+      return;
+    }
+    inference::ModelReadyResponse resp;
+    resp.set_ready(host_->ModelReady(req.name(), req.version()));
+    Answer(*call, grpc::Status::OK, resp);
+  } else if (method == "ServerMetadata") {
+    inference::ServerMetadataRequest req;
+    if (!Parse(*call, &req)) return;
+    inference::ServerMetadataResponse resp;
+    resp.set_name("kiln");
+    resp.set_version(server_version_);
+    resp.add_extensions("model_repository_layout");
+    resp.add_extensions("dynamic_batching");
+    resp.add_extensions("response_cache");
+    resp.add_extensions("priority");
+    resp.add_extensions("timeout");
+    Answer(*call, grpc::Status::OK, resp);
+  } else if (method == "ModelMetadata") {
+    inference::ModelMetadataRequest req;
+    if (!Parse(*call, &req)) return;
+    inference::ModelMetadataResponse resp;
+    Answer(*call, ToGrpcStatus(FillModelMetadata(*host_, req.name(), req.version(), &resp)), resp);
+  } else {
+    call->Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                              "unknown method " + path + ": kiln-runtime serves "
+                              "inference.GRPCInferenceService"));
+  }
 }
 
 absl::Status NoteCallerDeadline(int64_t deadline_unix_micros, InferRequest* request) {
@@ -366,38 +390,55 @@ absl::Status NoteCallerDeadline(int64_t deadline_unix_micros, InferRequest* requ
   return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* GrpcInferenceService::ModelInfer(grpc::CallbackServerContext* ctx,
-                                                           const inference::ModelInferRequest* req,
-                                                           inference::ModelInferResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
-  auto decoded = DecodeInferRequest(*req, max_request_bytes_);
+void GrpcInferenceService::ModelInfer(const std::shared_ptr<GrpcH2Server::Call>& call) {
+  inference::ModelInferRequest req;
+  if (!req.ParseFromString(call->message())) {
+    host_->CountRefused();
+    call->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              "the request is not an inference.ModelInferRequest"));
+    return;
+  }
+  std::string().swap(call->message());  // parsed: its bytes are not needed
+  auto decoded = DecodeInferRequest(req, max_request_bytes_);
   if (!decoded.ok()) {
     host_->CountRefused();
-    reactor->Finish(ToGrpcStatus(decoded.status()));
-    return reactor;
+    call->Finish(ToGrpcStatus(decoded.status()));
+    return;
   }
+  decoded->shared_reader = true;  // this thread reads every connection's next requests
   // The caller's gRPC deadline bounds the request's timeout, as the data socket's does.
-  const auto deadline = ctx->deadline();
-  if (deadline != std::chrono::system_clock::time_point::max()) {
-    absl::Status bounded = NoteCallerDeadline(
-        absl::ToUnixMicros(absl::FromChrono(deadline)), &*decoded);
+  if (call->deadline() != absl::InfiniteFuture()) {
+    absl::Status bounded = NoteCallerDeadline(absl::ToUnixMicros(call->deadline()), &*decoded);
     if (!bounded.ok()) {
       host_->CountRefused();
-      reactor->Finish(ToGrpcStatus(bounded));
-      return reactor;
-    }
-  }
-  const bool raw = req->raw_input_contents_size() > 0;
-  // Request parameters are echoed back.
-  *resp->mutable_parameters() = req->parameters();
-  host_->Infer(std::move(*decoded), [reactor, resp, raw](absl::StatusOr<InferResponse> r) {
-    if (!r.ok()) {
-      reactor->Finish(ToGrpcStatus(r.status()));
+      call->Finish(ToGrpcStatus(bounded));
       return;
     }
-    reactor->Finish(ToGrpcStatus(EncodeInferResponse(*r, raw, resp)));
+  }
+  const bool raw = req.raw_input_contents_size() > 0;
+  // Request parameters are echoed back.
+  auto params = std::make_shared<google::protobuf::Map<std::string, inference::InferParameter>>(
+      std::move(*req.mutable_parameters()));
+  host_->Infer(std::move(*decoded), [call, raw, params](absl::StatusOr<InferResponse> r) {
+    if (!r.ok()) {
+      call->Finish(ToGrpcStatus(r.status()));
+      return;
+    }
+    inference::ModelInferResponse out;
+    *out.mutable_parameters() = std::move(*params);
+    absl::Status encoded = EncodeInferResponse(*r, raw, &out);
+    if (!encoded.ok()) {
+      call->Finish(ToGrpcStatus(encoded));
+      return;
+    }
+    std::string bytes;
+    if (!out.SerializeToString(&bytes)) {
+      call->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                "the answer cannot be serialized (over 2 GiB)"));
+      return;
+    }
+    call->Finish(grpc::Status::OK, std::move(bytes));
   });
-  return reactor;
 }
 
 }  // namespace kiln

@@ -1,9 +1,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/grpc_h2_server.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "runtime/inference_engine.h"
 #include "runtime/model_host.h"
@@ -30,34 +32,23 @@ absl::Status ApplyRequestParameters(
 // DEADLINE_EXCEEDED when the deadline has passed already.
 absl::Status NoteCallerDeadline(int64_t deadline_unix_micros, InferRequest* request);
 
-// The Open Inference Protocol gRPC service, on gRPC's callback API: ModelInfer never blocks
-// a gRPC thread while the request waits in the batcher.
-class GrpcInferenceService final : public inference::GRPCInferenceService::CallbackService {
+// The Open Inference Protocol gRPC service, on the runtime's HTTP/2 server
+// (common/grpc_h2_server.h). Serve gets each whole call on that server's one thread and never
+// blocks it waiting on the model: a ModelInfer that waits in the batcher is answered from the
+// batcher's thread. (A lone request the idle model runs at once runs on the server's thread,
+// as on the REST server's and the data socket's: the model runs one execution at a time.)
+class GrpcInferenceService {
  public:
   GrpcInferenceService(ModelHost* host, int64_t max_request_bytes, std::string server_version)
       : host_(host), max_request_bytes_(max_request_bytes),
         server_version_(std::move(server_version)) {}
 
-  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
-                                       const inference::ServerLiveRequest* req,
-                                       inference::ServerLiveResponse* resp) override;
-  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* ctx,
-                                        const inference::ServerReadyRequest* req,
-                                        inference::ServerReadyResponse* resp) override;
-  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* ctx,
-                                       const inference::ModelReadyRequest* req,
-                                       inference::ModelReadyResponse* resp) override;
-  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* ctx,
-                                           const inference::ServerMetadataRequest* req,
-                                           inference::ServerMetadataResponse* resp) override;
-  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* ctx,
-                                          const inference::ModelMetadataRequest* req,
-                                          inference::ModelMetadataResponse* resp) override;
-  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx,
-                                       const inference::ModelInferRequest* req,
-                                       inference::ModelInferResponse* resp) override;
+  void Serve(std::shared_ptr<GrpcH2Server::Call> call);
 
  private:
+  void Dispatch(const std::shared_ptr<GrpcH2Server::Call>& call);
+  void ModelInfer(const std::shared_ptr<GrpcH2Server::Call>& call);
+
   ModelHost* host_;
   const int64_t max_request_bytes_;
   const std::string server_version_;

@@ -144,29 +144,20 @@ absl::Status RuntimeServer::StartListening() {
   }
   grpc_service_ = std::make_unique<GrpcInferenceService>(&host_, options_.max_request_bytes,
                                                          options_.server_version);
-  grpc::ServerBuilder b;
-  // A port another process holds is an error, not shared (SO_REUSEPORT would split requests
-  // with whatever holds it).
-  b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  int grpc_port = 0;
-  b.AddListeningPort(options_.bind_address + ":" + std::to_string(options_.grpc_port),
-                     grpc::InsecureServerCredentials(), &grpc_port);
-  b.RegisterService(grpc_service_.get());
-  // Clients that keep their connections alive with pings (the node's router pings every 2 s)
-  // may do so while a long inference sends nothing back; by gRPC's default a third such ping
-  // within 5 minutes ends the connection (GOAWAY too_many_pings) and the call with it. A
-  // client pinging faster than every second still earns strikes (a ping flood).
-  b.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
-  // Oversized messages are refused by gRPC before they are buffered.
-  b.SetMaxReceiveMessageSize(static_cast<int>(
-      std::min<int64_t>(options_.max_request_bytes + 64 * 1024, INT32_MAX)));
-  b.SetMaxSendMessageSize(INT32_MAX);
-  grpc_server_ = b.BuildAndStart();
-  grpc_port_ = grpc_port;
-  if (!grpc_server_ || grpc_port == 0) {
-    return absl::UnavailableError("--grpc-port: cannot listen on " + options_.bind_address + ":" +
-                                  std::to_string(options_.grpc_port));
-  }
+  // A port another process holds is an error, not shared. Oversized messages are refused
+  // from their length prefix, before they are buffered. Clients that keep their connections
+  // alive with pings while a long inference sends nothing back get them answered.
+  GrpcH2Server::Options g;
+  g.bind_address = options_.bind_address;
+  g.port = options_.grpc_port;
+  g.flag = "--grpc-port";
+  g.max_message_bytes = options_.max_request_bytes + 64 * 1024;
+  KILN_ASSIGN_OR_RETURN(grpc_server_,
+                        GrpcH2Server::Start(g, [svc = grpc_service_.get()](
+                                                   std::shared_ptr<GrpcH2Server::Call> call) {
+                          svc->Serve(std::move(call));
+                        }));
+  grpc_port_ = grpc_server_->port();
   HttpFrontend::Options http;
   http.bind_address = options_.bind_address;
   http.port = options_.http_port;
@@ -397,7 +388,7 @@ void RuntimeServer::Stop() {
   if (data_) data_->Stop();
   absl::Time t1 = absl::Now();
   if (grpc_server_) {
-    grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+    grpc_server_->Stop(absl::Milliseconds(100));
   }
   absl::Time t2 = absl::Now();
   if (control_server_) {

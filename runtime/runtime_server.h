@@ -96,7 +96,7 @@ class RuntimeServer : public ControlTarget {
   ModelHost host_;
   std::unique_ptr<InferenceEngine> engine_;
   std::unique_ptr<GrpcInferenceService> grpc_service_;
-  std::unique_ptr<grpc::Server> grpc_server_;
+  std::unique_ptr<GrpcH2Server> grpc_server_;
   std::unique_ptr<HttpFrontend> http_;
   std::unique_ptr<DataServer> data_;
   std::unique_ptr<ControlService> control_service_;
