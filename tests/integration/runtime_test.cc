@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 
 #include <cpprest/http_client.h>
+#include <grpcpp/generic/generic_stub.h>
 
 #include <atomic>
 #include <cmath>
@@ -504,12 +505,45 @@ TEST(RuntimeTest, BadRequestsGetClearErrorsAndTheServerKeepsServing) {
   r.mutable_inputs(1)->set_shape(1, 100000);
   r.mutable_raw_input_contents(0)->assign(800000, '\0');
   r.mutable_raw_input_contents(1)->assign(800000, '\0');
-  cases.push_back({"payload over the limit", r, grpc::StatusCode::RESOURCE_EXHAUSTED, ""});
+  cases.push_back({"payload over the limit", r, grpc::StatusCode::RESOURCE_EXHAUSTED,
+                   "is over the limit of"});
   for (const auto& k : cases) {
     grpc::Status s = Infer(stub.get(), k.req);
     EXPECT_EQ(s.error_code(), k.code) << k.what << ": " << s.error_message();
     EXPECT_NE(s.error_message().find(k.expect), std::string::npos) << k.what << ": " << s.error_message();
   }
+  // Bytes that are not the method's request, and a method the runtime does not serve.
+  auto raw_call = [&](const std::string& method, const std::string& bytes) {
+    grpc::GenericStub generic(grpc::CreateChannel(rt->grpc_address(),
+                                                  grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::CompletionQueue cq;
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1), response;
+    auto call = generic.PrepareUnaryCall(&ctx, method, request, &cq);
+    call->StartCall();
+    grpc::Status status;
+    call->Finish(&response, &status, reinterpret_cast<void*>(1));
+    void* tag = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+    return status;
+  };
+  for (const char* method : {"ModelInfer", "ModelMetadata", "ModelReady"}) {
+    grpc::Status s = raw_call(std::string("/inference.GRPCInferenceService/") + method,
+                              std::string("\xff\xff\xff\x0f", 4));
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_NE(s.error_message().find("is not an inference."), std::string::npos)
+        << method << ": " << s.error_message();
+  }
+  grpc::Status unknown = raw_call("/inference.GRPCInferenceService/RepositoryIndex", "");
+  EXPECT_EQ(unknown.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_NE(unknown.error_message().find("unknown method"), std::string::npos)
+      << unknown.error_message();
 
   int port = rt->http_port();
   auto rest = [&](const std::string& path, const std::string& body) {
