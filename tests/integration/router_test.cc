@@ -1,6 +1,5 @@
 // The node router against replicas that answer in chosen ways (in-process gRPC servers on
 // loopback).
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -26,6 +25,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/eventually.h"
+#include "tests/support/raw_grpc.h"
 #include "tests/support/raw_http_client.h"
 
 namespace kiln {
@@ -320,24 +320,8 @@ TEST(RouterDataSocketTest, ALocalReplicaIsReachedThroughItsDataSocket) {
 
 // `bytes` sent as the request of `method` on the router's gRPC port, whatever they are.
 grpc::Status RawUnary(const Router& router, const std::string& method, const std::string& bytes) {
-  grpc::GenericStub stub(grpc::CreateChannel("127.0.0.1:" + std::to_string(router.grpc_port()),
-                                             grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::CompletionQueue cq;
-  grpc::Slice slice(bytes);
-  grpc::ByteBuffer request(&slice, 1), response;
-  auto call = stub.PrepareUnaryCall(&ctx, method, request, &cq);
-  call->StartCall();
-  grpc::Status status;
-  call->Finish(&response, &status, reinterpret_cast<void*>(1));
-  void* tag = nullptr;
-  bool ok = false;
-  EXPECT_TRUE(cq.Next(&tag, &ok));
-  cq.Shutdown();
-  while (cq.Next(&tag, &ok)) {
-  }
-  return status;
+  return kiln::testing::RawUnaryCall("127.0.0.1:" + std::to_string(router.grpc_port()), method,
+                                     bytes);
 }
 
 // What is not the protocol is refused saying what was expected, and the router serves on; the

@@ -6,7 +6,6 @@
 #include <sys/wait.h>
 
 #include <cpprest/http_client.h>
-#include <grpcpp/generic/generic_stub.h>
 
 #include <atomic>
 #include <cmath>
@@ -27,6 +26,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/runtime_process.h"
+#include "tests/support/raw_grpc.h"
 #include "tests/support/raw_http_client.h"
 #include "tests/support/requests.h"
 #include "tests/support/shell.h"
@@ -514,24 +514,7 @@ TEST(RuntimeTest, BadRequestsGetClearErrorsAndTheServerKeepsServing) {
   }
   // Bytes that are not the method's request, and a method the runtime does not serve.
   auto raw_call = [&](const std::string& method, const std::string& bytes) {
-    grpc::GenericStub generic(grpc::CreateChannel(rt->grpc_address(),
-                                                  grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    grpc::CompletionQueue cq;
-    grpc::Slice slice(bytes);
-    grpc::ByteBuffer request(&slice, 1), response;
-    auto call = generic.PrepareUnaryCall(&ctx, method, request, &cq);
-    call->StartCall();
-    grpc::Status status;
-    call->Finish(&response, &status, reinterpret_cast<void*>(1));
-    void* tag = nullptr;
-    bool ok = false;
-    EXPECT_TRUE(cq.Next(&tag, &ok));
-    cq.Shutdown();
-    while (cq.Next(&tag, &ok)) {
-    }
-    return status;
+    return kiln::testing::RawUnaryCall(rt->grpc_address(), method, bytes);
   };
   for (const char* method : {"ModelInfer", "ModelMetadata", "ModelReady"}) {
     grpc::Status s = raw_call(std::string("/inference.GRPCInferenceService/") + method,
