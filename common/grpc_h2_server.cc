@@ -59,6 +59,25 @@ bool IsReserved(std::string_view key) {
   return key == "content-type" || key == "te" || key.substr(0, 5) == "grpc-";
 }
 
+// A non-blocking listening socket bound to `addr`, or -1 with `*err` set. `dual_stack`: an
+// IPv6 socket that takes IPv4 too.
+int ListenOn(const sockaddr* addr, socklen_t len, bool dual_stack, int* err) {
+  int fd = socket(addr->sa_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) {
+    *err = errno;
+    return -1;
+  }
+  int one = 1, zero = 0;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (dual_stack) setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+  if (bind(fd, addr, len) != 0 || listen(fd, 4096) != 0) {
+    *err = errno;
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 void RunAll(std::vector<std::function<void()>>& fs) {
   for (auto& f : fs) {
     if (f) f();
@@ -183,33 +202,47 @@ class GrpcH2Server::Impl {
       }
       fcntl(listen_fd_, F_SETFL, flags | O_NONBLOCK);
     } else {
-      addrinfo hints{};
-      hints.ai_family = AF_UNSPEC;
-      hints.ai_socktype = SOCK_STREAM;
-      hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-      addrinfo* res = nullptr;
       std::string host = options_.bind_address;
       if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
         host = host.substr(1, host.size() - 2);
       }
-      int rc = getaddrinfo(host.c_str(), std::to_string(options_.port).c_str(), &hints, &res);
-      if (rc != 0 || res == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot resolve bind address '",
-                                                       options_.bind_address,
-                                                       "': ", gai_strerror(rc)));
-      }
-      int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-      int one = 1;
-      if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-      if (fd < 0 || bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, 4096) != 0) {
-        std::string why = strerror(errno);
-        if (fd >= 0) close(fd);
+      int fd = -1;
+      int err = 0;
+      if (host.empty() || host == "0.0.0.0" || host == "::") {
+        // Every address: IPv6 and IPv4 on one socket where the host has IPv6 (as gRPC's own
+        // server binds a wildcard), IPv4 alone where it has not.
+        sockaddr_in6 a6{};
+        a6.sin6_family = AF_INET6;
+        a6.sin6_addr = in6addr_any;
+        a6.sin6_port = htons(static_cast<uint16_t>(options_.port));
+        fd = ListenOn(reinterpret_cast<sockaddr*>(&a6), sizeof(a6), /*dual_stack=*/true, &err);
+        if (fd < 0 && (err == EAFNOSUPPORT || err == EADDRNOTAVAIL)) {
+          sockaddr_in a4{};
+          a4.sin_family = AF_INET;
+          a4.sin_addr.s_addr = htonl(INADDR_ANY);
+          a4.sin_port = htons(static_cast<uint16_t>(options_.port));
+          fd = ListenOn(reinterpret_cast<sockaddr*>(&a4), sizeof(a4), false, &err);
+        }
+      } else {
+        addrinfo hints{};
+        hints.ai_family = AF_UNSPEC;
+        hints.ai_socktype = SOCK_STREAM;
+        hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+        addrinfo* res = nullptr;
+        int rc = getaddrinfo(host.c_str(), std::to_string(options_.port).c_str(), &hints, &res);
+        if (rc != 0 || res == nullptr) {
+          return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot resolve bind address '",
+                                                         options_.bind_address,
+                                                         "': ", gai_strerror(rc)));
+        }
+        fd = ListenOn(res->ai_addr, res->ai_addrlen, false, &err);
         freeaddrinfo(res);
+      }
+      if (fd < 0) {
         return absl::UnavailableError(absl::StrCat(flag, ": cannot listen on ",
                                                    options_.bind_address, ":", options_.port,
-                                                   ": ", why));
+                                                   ": ", strerror(err)));
       }
-      freeaddrinfo(res);
       listen_fd_ = fd;
       owns_listener_ = true;
     }

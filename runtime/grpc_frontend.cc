@@ -405,7 +405,10 @@ void GrpcInferenceService::ModelInfer(const std::shared_ptr<GrpcH2Server::Call>&
     call->Finish(ToGrpcStatus(decoded.status()));
     return;
   }
-  decoded->shared_reader = true;  // this thread reads every connection's next requests
+  // This thread reads every connection's next requests and answers their pings: the model
+  // runs on the batcher's thread, never here.
+  decoded->shared_reader = true;
+  decoded->never_inline = true;
   // The caller's gRPC deadline bounds the request's timeout, as the data socket's does.
   if (call->deadline() != absl::InfiniteFuture()) {
     absl::Status bounded = NoteCallerDeadline(absl::ToUnixMicros(call->deadline()), &*decoded);

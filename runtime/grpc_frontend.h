@@ -34,9 +34,8 @@ absl::Status NoteCallerDeadline(int64_t deadline_unix_micros, InferRequest* requ
 
 // The Open Inference Protocol gRPC service, on the runtime's HTTP/2 server
 // (common/grpc_h2_server.h). Serve gets each whole call on that server's one thread and never
-// blocks it waiting on the model: a ModelInfer that waits in the batcher is answered from the
-// batcher's thread. (A lone request the idle model runs at once runs on the server's thread,
-// as on the REST server's and the data socket's: the model runs one execution at a time.)
+// runs the model there: ModelInfer goes to the batcher, whose thread answers it, so the server
+// goes on reading (requests that come meanwhile are batched) and answering pings.
 class GrpcInferenceService {
  public:
   GrpcInferenceService(ModelHost* host, int64_t max_request_bytes, std::string server_version)

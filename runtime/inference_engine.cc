@@ -309,7 +309,8 @@ void InferenceEngine::Infer(InferRequest request, Done done) {
     timeout = request.caller_time_left_micros;
   }
   if (timeout > 0) item.deadline = start + absl::Microseconds(timeout);
-  item.may_run_inline = !(request.shared_reader && config_.dynamic_batching &&
+  item.may_run_inline = !request.never_inline &&
+                        !(request.shared_reader && config_.dynamic_batching &&
                           config_.dynamic_batching->priority_levels > 1);
   item.inputs = std::move(request.inputs);
   item.done = [this, respond, cache_key,

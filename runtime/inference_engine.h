@@ -41,6 +41,10 @@ struct InferRequest {
   // the REST server's): with priority levels it is queued rather than run on that thread, so
   // that a higher-priority request read after it is not held back by it.
   bool shared_reader = false;
+  // Never run on the thread that handed it in, even by an idle model: that thread serves every
+  // connection of its port (the gRPC port's one thread), which must go on reading requests
+  // (to batch them) and answering pings while the model runs.
+  bool never_inline = false;
 };
 
 struct InferResponse {

@@ -220,7 +220,10 @@ TEST(GrpcH2ServerTest, ACompressedMessageIsUnimplemented) {
 
 TEST(GrpcH2ServerTest, ADeadlinePassedUnansweredCancelsTheCall) {
   Served s;
-  auto stub = inference::GRPCInferenceService::NewStub(s.Channel());
+  auto channel = s.Channel();
+  // Connected first, so that the deadline is the call's alone.
+  ASSERT_TRUE(channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
+  auto stub = inference::GRPCInferenceService::NewStub(channel);
   std::atomic<int> cancels{0};
   std::thread watch([&] {
     auto c = s.Kept();
@@ -237,6 +240,7 @@ TEST(GrpcH2ServerTest, ADeadlinePassedUnansweredCancelsTheCall) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_TRUE(Eventually([&] { return cancels.load() == 1; }, absl::Seconds(5)));
   auto c = s.Kept();
+  ASSERT_NE(c, nullptr);
   EXPECT_TRUE(c->cancelled());
   EXPECT_EQ(s.server().calls_in_flight(), 0);
   c->Finish(grpc::Status::OK, "");  // late: goes nowhere
@@ -325,7 +329,7 @@ TEST(GrpcH2ServerTest, StopGivesCallsInFlightTheirGraceThenCancelsTheRest) {
   ASSERT_NE(c2, nullptr);
   std::atomic<int> cancels{0};
   c2->OnCancel([&] { cancels++; });
-  std::thread stop([&] { s.server().Stop(absl::Milliseconds(500)); });
+  std::thread stop([&] { s.server().Stop(absl::Seconds(3)); });
   // Stopping: new connections are not taken.
   ASSERT_TRUE(Eventually(
       [&] {
@@ -613,12 +617,16 @@ TEST(GrpcH2ServerRawTest, APingFloodEndsItsConnection) {
   nghttp2_session* session;
   nghttp2_session_client_new(&session, cb, &seen);
   nghttp2_submit_settings(session, NGHTTP2_FLAG_NONE, nullptr, 0);
-  for (int i = 0; i < 150; i++) nghttp2_submit_ping(session, NGHTTP2_FLAG_NONE, nullptr);
+  for (int i = 0; i < 300; i++) nghttp2_submit_ping(session, NGHTTP2_FLAG_NONE, nullptr);
+  // All in one write: the server has them all before it cuts the connection (a write after
+  // that would be reset, and could lose the GOAWAY before it is read).
+  std::string flood;
   const uint8_t* out;
   ssize_t n;
   while ((n = nghttp2_session_mem_send(session, &out)) > 0) {
-    ASSERT_EQ(send(fd, out, n, MSG_NOSIGNAL), n);
+    flood.append(reinterpret_cast<const char*>(out), static_cast<size_t>(n));
   }
+  ASSERT_EQ(send(fd, flood.data(), flood.size(), MSG_NOSIGNAL), static_cast<ssize_t>(flood.size()));
   bool ended = false;
   const absl::Time end = absl::Now() + absl::Seconds(10);
   while (!ended && absl::Now() < end) {

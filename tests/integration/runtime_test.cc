@@ -26,6 +26,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/runtime_process.h"
+#include "tests/support/eventually.h"
 #include "tests/support/raw_grpc.h"
 #include "tests/support/raw_http_client.h"
 #include "tests/support/requests.h"
@@ -864,6 +865,51 @@ TEST(RuntimeTest, AGrpcDeadlineKeepsTheModelsDefaultTimeout) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
   EXPECT_NE(s.error_message().find("queue"), std::string::npos) << s.error_message();
   EXPECT_EQ(Stats(rt.get()).timed_out(), 1u);
+  rt.reset();
+  std::filesystem::remove_all(dir);
+}
+
+// The gRPC port's one thread never runs the model, even an idle one without batching: it goes
+// on answering (here ServerLive on the same connection) while a long request runs.
+TEST(RuntimeTest, TheGrpcPortAnswersWhileTheModelRuns) {
+  auto dir = std::filesystem::temp_directory_path() / ("kiln_grpcfree_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "slow");
+  std::filesystem::copy(kRepo + "/slow", dir / "slow", std::filesystem::copy_options::recursive);
+  {
+    std::ofstream cfg(dir / "slow/config.yaml", std::ios::trunc);
+    cfg << "name: slow\nbackend: torchscript\nmax_batch_size: 4\ninput:\n"
+           "  - {name: x, datatype: FP32, dims: [1]}\n"
+           "  - {name: work, datatype: INT64, dims: [1]}\n"
+           "output:\n  - {name: y, datatype: FP32, dims: [1]}\n"
+           // One intra-op thread: a model the batcher would otherwise run on its caller's
+           // thread when idle.
+           "instance: {threads: 1}\n";
+  }
+  auto rt = StartRuntime("slow", "", "serving", {}, dir.string());
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  grpc::ClientContext long_ctx;
+  long_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  auto long_req = SlowRequest(3 * kLongWork);
+  inference::ModelInferResponse long_resp;
+  std::atomic<bool> long_done{false};
+  grpc::Status long_status;
+  stub->async()->ModelInfer(&long_ctx, &long_req, &long_resp, [&](grpc::Status st) {
+    long_status = st;
+    long_done = true;
+  });
+  ASSERT_TRUE(kiln::testing::Eventually([&] { return Stats(rt.get()).in_flight() >= 1; },
+                                        absl::Seconds(30)));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  inference::ServerLiveResponse live;
+  ASSERT_TRUE(stub->ServerLive(&ctx, {}, &live).ok());
+  EXPECT_TRUE(live.live());
+  // Still running when ServerLive was answered (the answer did not wait for the model).
+  EXPECT_GE(Stats(rt.get()).in_flight(), 1) << "ServerLive waited for the model";
+  ASSERT_TRUE(kiln::testing::Eventually([&] { return long_done.load(); }, absl::Seconds(60)));
+  EXPECT_TRUE(long_status.ok()) << long_status.error_message();
   rt.reset();
   std::filesystem::remove_all(dir);
 }
