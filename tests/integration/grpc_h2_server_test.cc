@@ -383,6 +383,37 @@ TEST(GrpcH2ServerTest, ServesAHandedOverSocketAndLeavesItOpen) {
   close(fd);
 }
 
+// A wildcard address takes IPv4 and, where the host has it, IPv6 on the same port.
+TEST(GrpcH2ServerTest, AWildcardAddressServesIpv4AndIpv6) {
+  GrpcH2Server::Options o;
+  o.bind_address = "0.0.0.0";
+  auto server = GrpcH2Server::Start(o, [](std::shared_ptr<GrpcH2Server::Call> c) {
+    inference::ServerLiveResponse r;
+    r.set_live(true);
+    c->Finish(grpc::Status::OK, r.SerializeAsString());
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string port = std::to_string((*server)->port());
+  std::vector<std::string> addresses = {"127.0.0.1:" + port};
+  int probe = socket(AF_INET6, SOCK_STREAM, 0);
+  sockaddr_in6 a6{};
+  a6.sin6_family = AF_INET6;
+  a6.sin6_addr = in6addr_loopback;
+  if (probe >= 0 && bind(probe, reinterpret_cast<sockaddr*>(&a6), sizeof(a6)) == 0) {
+    addresses.push_back("[::1]:" + port);  // this host has IPv6 loopback
+  }
+  if (probe >= 0) close(probe);
+  for (const auto& address : addresses) {
+    auto stub = inference::GRPCInferenceService::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    inference::ServerLiveResponse r;
+    grpc::Status st = stub->ServerLive(&ctx, {}, &r);
+    EXPECT_TRUE(st.ok()) << address << ": " << st.error_message();
+  }
+}
+
 TEST(GrpcH2ServerTest, APortInUseIsAnErrorNamingTheFlag) {
   Served first;
   GrpcH2Server::Options o;
