@@ -96,8 +96,21 @@ void Router::SetTable(std::shared_ptr<const RouterTable> table) {
       if (addresses.count(it->first)) {
         ++it;
       } else {
-        stubs_gone.push_back(std::move(it->second));  // a channel's teardown: not under mu_
+        stubs_retired_.push_back(std::move(it->second));
         it = stubs_.erase(it);
+      }
+    }
+    // A call's callback runs on one of gRPC's threads and drops its reference to the stub
+    // there. Were it the last one, the channel would be torn down on that thread, which
+    // Debian's gRPC 1.51 gets wrong: its callback thread pool then joins itself and frees its
+    // completion queue while still in use (an abort in grpc_cq_internal_unref). So a dropped
+    // stub is kept until nothing else holds it, and let go here, on the caller's thread.
+    for (auto it = stubs_retired_.begin(); it != stubs_retired_.end();) {
+      if (it->use_count() == 1) {
+        stubs_gone.push_back(std::move(*it));  // a channel's teardown: not under mu_
+        it = stubs_retired_.erase(it);
+      } else {
+        ++it;
       }
     }
     // Only a channel no call is on, and nobody holds (a caller between ChannelFor and its
@@ -453,17 +466,6 @@ class RouterGrpcService {
  private:
   static constexpr char kService[] = "/inference.GRPCInferenceService/";
 
-  template <typename T>
-  static bool Parse(GrpcH2Server::Call& call, T* out) {
-    if (out->ParseFromString(call.message())) return true;
-    call.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                             "the request is not an " + out->GetTypeName()));
-    return false;
-  }
-  static void Answer(GrpcH2Server::Call& call, const google::protobuf::Message& m) {
-    call.Finish(grpc::Status::OK, m.SerializeAsString());
-  }
-
   void Dispatch(const std::shared_ptr<GrpcH2Server::Call>& call) {
     const std::string& path = call->method();
     const std::string method =
@@ -473,30 +475,30 @@ class RouterGrpcService {
       ModelInfer(call, forwarded);
     } else if (method == "ServerLive") {
       inference::ServerLiveRequest req;
-      if (!Parse(*call, &req)) return;
+      if (!ParseRequest(*call, &req)) return;
       inference::ServerLiveResponse resp;
       resp.set_live(true);
-      Answer(*call, resp);
+      AnswerCall(*call, grpc::Status::OK, resp);
     } else if (method == "ServerReady") {
       inference::ServerReadyRequest req;
-      if (!Parse(*call, &req)) return;
+      if (!ParseRequest(*call, &req)) return;
       inference::ServerReadyResponse resp;
       resp.set_ready(router_->Ready("", ""));
-      Answer(*call, resp);
+      AnswerCall(*call, grpc::Status::OK, resp);
     } else if (method == "ModelReady") {
       inference::ModelReadyRequest req;
-      if (!Parse(*call, &req)) return;
+      if (!ParseRequest(*call, &req)) return;
       inference::ModelReadyResponse resp;
       resp.set_ready(router_->Ready(req.name(), req.version()));
-      Answer(*call, resp);
+      AnswerCall(*call, grpc::Status::OK, resp);
     } else if (method == "ServerMetadata") {
       inference::ServerMetadataRequest req;
-      if (!Parse(*call, &req)) return;
+      if (!ParseRequest(*call, &req)) return;
       inference::ServerMetadataResponse resp;
       resp.set_name("kiln-agent");
       resp.set_version("0.1.0");
       resp.add_extensions("model_repository_layout");
-      Answer(*call, resp);
+      AnswerCall(*call, grpc::Status::OK, resp);
     } else if (method == "ModelMetadata") {
       ModelMetadata(call, forwarded);
     } else {
@@ -516,7 +518,7 @@ class RouterGrpcService {
       std::shared_ptr<inference::GRPCInferenceService::Stub> stub;  // kept while it is out
     };
     auto pending = std::make_shared<Pending>();
-    if (!Parse(*call, &pending->req)) return;
+    if (!ParseRequest(*call, &pending->req)) return;
     auto choice = router_->Choose(pending->req.name(), pending->req.version(), "", false, {},
                                   forwarded);
     if (!choice.ok()) {
@@ -541,7 +543,7 @@ class RouterGrpcService {
     auto c = std::make_shared<ForwardCall>();
     c->router = router_;
     c->call = call;
-    if (!Parse(*call, &c->request)) return;
+    if (!ParseRequest(*call, &c->request)) return;
     c->raw = std::move(call->message());
     c->forwarded = forwarded;
     auto [header, param] = router_->StickyKey(c->request.model_name());

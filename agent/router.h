@@ -151,6 +151,9 @@ class Router {
   std::map<std::string, int64_t> outstanding_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<inference::GRPCInferenceService::Stub>> stubs_
       ABSL_GUARDED_BY(mu_);
+  // Stubs of addresses no longer routed, kept until no call holds them (SetTable).
+  std::vector<std::shared_ptr<inference::GRPCInferenceService::Stub>> stubs_retired_
+      ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> retries_{0};
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> forwarded_data_socket_{0};
