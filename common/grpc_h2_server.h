@@ -36,6 +36,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "google/protobuf/message_lite.h"
 #include "grpcpp/support/status.h"
 
 namespace kiln {
@@ -138,6 +139,24 @@ class GrpcH2Server {
   std::unique_ptr<Impl> impl_;
   int port_ = 0;
 };
+
+// The call's request as a `T` (a protobuf message); false, the call answered INVALID_ARGUMENT
+// naming the type, when its bytes are not one.
+template <typename T>
+bool ParseRequest(GrpcH2Server::Call& call, T* out) {
+  if (out->ParseFromString(call.message())) return true;
+  const std::string type = out->GetTypeName();
+  const bool vowel = !type.empty() && std::string_view("aeiouAEIOU").find(type[0]) != std::string_view::npos;
+  call.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                           std::string("the request is not ") + (vowel ? "an " : "a ") + type));
+  return false;
+}
+
+// Answers `call`: `m` serialized when `status` is OK, else `status` alone.
+inline void AnswerCall(GrpcH2Server::Call& call, const grpc::Status& status,
+                       const google::protobuf::MessageLite& m) {
+  call.Finish(status, status.ok() ? m.SerializeAsString() : std::string());
+}
 
 // grpc-timeout's value ("100m", "5S", ...) as a duration; an error naming the header otherwise.
 absl::StatusOr<absl::Duration> ParseGrpcTimeout(std::string_view value);

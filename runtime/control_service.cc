@@ -1,15 +1,9 @@
 #include "runtime/control_service.h"
 
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
-#include <cstring>
-#include <filesystem>
 #include <system_error>
-
-#include <grpcpp/server_builder.h>
+#include <utility>
 
 #include "common/data_frames.h"
 #include "common/grpc_status.h"
@@ -17,23 +11,24 @@
 namespace kiln {
 namespace {
 
-// A call answered inline.
-grpc::ServerUnaryReactor* Answered(grpc::CallbackServerContext* ctx, const grpc::Status& status) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(status);
-  return reactor;
-}
+using Answer = std::pair<grpc::Status, std::string>;
 
 // What `work` answers; INTERNAL, naming it, for what it throws (a call never takes the
 // process down).
-grpc::Status Guarded(const std::function<grpc::Status()>& work) {
+template <typename F>
+Answer Guarded(const F& work) {
   try {
     return work();
   } catch (const std::exception& e) {
-    return grpc::Status(grpc::StatusCode::INTERNAL, std::string("internal error: ") + e.what());
+    return {grpc::Status(grpc::StatusCode::INTERNAL, std::string("internal error: ") + e.what()),
+            std::string()};
   } catch (...) {
-    return grpc::Status(grpc::StatusCode::INTERNAL, "internal error");
+    return {grpc::Status(grpc::StatusCode::INTERNAL, "internal error"), std::string()};
   }
+}
+
+Answer Reply(const grpc::Status& status, const google::protobuf::MessageLite& m) {
+  return {status, status.ok() ? m.SerializeAsString() : std::string()};
 }
 
 }  // namespace
@@ -46,8 +41,9 @@ absl::StatusOr<absl::Duration> ControlService::Deadline(int64_t millis) const {
   return millis == 0 ? default_drain_ : absl::Milliseconds(millis);
 }
 
-ControlService::~ControlService() {
-  // The server has stopped: every call is finished, so each worker is past its work.
+ControlService::~ControlService() { JoinWorkers(); }
+
+void ControlService::JoinWorkers() {
   std::list<Worker> workers;
   {
     absl::MutexLock lock(&mu_);
@@ -58,16 +54,12 @@ ControlService::~ControlService() {
   }
 }
 
-grpc::ServerUnaryReactor* ControlService::Blocking(grpc::CallbackServerContext* ctx,
-                                                   std::function<grpc::Status()> work,
-                                                   bool bounded) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+void ControlService::Blocking(std::shared_ptr<GrpcH2Server::Call> call, Work work, bool bounded) {
   std::list<Worker> exited;
   std::string refused;
   {
     absl::MutexLock lock(&mu_);
-    // Workers past their call's Finish: joining them waits only for their return. (A worker
-    // still inside Finish may be running this very call's handler: it is not taken.)
+    // Workers past their call's Finish: joining them waits only for their return.
     for (auto it = workers_.begin(); it != workers_.end();) {
       auto next = std::next(it);
       if (it->exited) exited.splice(exited.end(), workers_, it);
@@ -81,13 +73,13 @@ grpc::ServerUnaryReactor* ControlService::Blocking(grpc::CallbackServerContext* 
       try {
         // Started under the lock: the worker takes it only once its work is done, by when
         // w.thread is set.
-        w.thread = std::thread([this, reactor, work = std::move(work), &w] {
-          grpc::Status status = Guarded(work);
+        w.thread = std::thread([this, call, work = std::move(work), &w] {
+          Answer answer = Guarded(work);
           {
             absl::MutexLock done(&mu_);
             --active_;
           }
-          reactor->Finish(status);
+          call->Finish(answer.first, std::move(answer.second));
           absl::MutexLock done(&mu_);
           w.exited = true;
         });
@@ -99,99 +91,127 @@ grpc::ServerUnaryReactor* ControlService::Blocking(grpc::CallbackServerContext* 
     }
   }
   for (Worker& w : exited) w.thread.join();
-  if (!refused.empty()) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, refused));
-  }
-  return reactor;
+  if (!refused.empty()) call->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, refused));
 }
 
-grpc::ServerUnaryReactor* ControlService::GetState(grpc::CallbackServerContext* ctx,
-                                                   const v1::GetStateRequest*,
-                                                   v1::RuntimeState* resp) {
-  *resp = target_->GetState();
-  return Answered(ctx, grpc::Status::OK);
+void ControlService::Serve(std::shared_ptr<GrpcH2Server::Call> call) {
+  Answer refused = Guarded([&]() -> Answer {
+    Dispatch(call);
+    return {grpc::Status::OK, std::string()};
+  });
+  // Dispatch threw before answering (Finish after an answer does nothing).
+  if (!refused.first.ok()) call->Finish(refused.first);
 }
 
-grpc::ServerUnaryReactor* ControlService::Promote(grpc::CallbackServerContext* ctx,
-                                                  const v1::PromoteRequest*,
-                                                  v1::RuntimeState* resp) {
-  auto promote = [this, resp]() -> grpc::Status {
-    absl::Status s = target_->Promote();
-    *resp = target_->GetState();
-    return ToGrpcStatus(s);
+void ControlService::Dispatch(const std::shared_ptr<GrpcH2Server::Call>& call) {
+  const std::string& path = call->method();
+  const std::string method = path.rfind(kServicePrefix, 0) == 0
+                                 ? path.substr(sizeof(kServicePrefix) - 1)
+                                 : std::string();
+  auto inline_answer = [&](auto&& work) {
+    Answer a = Guarded(work);
+    call->Finish(a.first, std::move(a.second));
   };
-  // May run a warm-up inference first. Without one it is a state change, answered at once: a
-  // thread started per call cost about a millisecond of Promote -> first served on a 2-vCPU VM.
-  if (target_->PromoteWaits()) return Blocking(ctx, promote);
-  return Answered(ctx, Guarded(promote));
-}
-
-grpc::ServerUnaryReactor* ControlService::Demote(grpc::CallbackServerContext* ctx,
-                                                 const v1::DemoteRequest*,
-                                                 v1::RuntimeState* resp) {
-  absl::Status s = target_->Demote();
-  *resp = target_->GetState();
-  return Answered(ctx, ToGrpcStatus(s));
-}
-
-grpc::ServerUnaryReactor* ControlService::Drain(grpc::CallbackServerContext* ctx,
-                                                const v1::DrainRequest* req,
-                                                v1::DrainResponse* resp) {
-  return Blocking(ctx, [this, req, resp] {
-    auto deadline = Deadline(req->deadline_millis());
-    if (!deadline.ok()) return ToGrpcStatus(deadline.status());
-    auto drained = target_->Drain(*deadline);
-    if (!drained.ok()) return ToGrpcStatus(drained.status());
-    resp->set_drained(*drained);
-    resp->set_in_flight(target_->InFlight());
-    *resp->mutable_state() = target_->GetState();
-    return grpc::Status::OK;
-  });
-}
-
-grpc::ServerUnaryReactor* ControlService::Stats(grpc::CallbackServerContext* ctx,
-                                                const v1::StatsRequest*, v1::RuntimeStats* resp) {
-  *resp = target_->Stats();
-  return Answered(ctx, grpc::Status::OK);
-}
-
-grpc::ServerUnaryReactor* ControlService::Shutdown(grpc::CallbackServerContext* ctx,
-                                                   const v1::ShutdownRequest* req,
-                                                   v1::ShutdownResponse* resp) {
-  // Never refused for the bound: a runtime must always be able to be told to stop.
-  return Blocking(
-      ctx,
-      [this, req, resp] {
-        auto deadline = Deadline(req->deadline_millis());
-        if (!deadline.ok()) return ToGrpcStatus(deadline.status());
-        resp->set_drained(target_->Shutdown(*deadline));
-        return grpc::Status::OK;
-      },
-      /*bounded=*/false);
-}
-
-grpc::ServerUnaryReactor* ControlService::Load(grpc::CallbackServerContext* ctx,
-                                               const v1::LoadRequest* req, v1::LoadResponse*) {
-  return Blocking(ctx, [this, req] {
-    return ToGrpcStatus(target_->Load({req->args().begin(), req->args().end()}));
-  });
-}
-
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartControlServer(const std::string& path,
-                                                                 grpc::Service* service) {
-  if (auto s = ClearStaleSocket(path, "--control-socket"); !s.ok()) return s;
-  grpc::ServerBuilder b;
-  b.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
-  b.RegisterService(service);
-  // The socket is created 0600 (no window in which others could connect).
-  mode_t old_umask = umask(0177);
-  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
-  umask(old_umask);
-  if (!server) return absl::UnavailableError("--control-socket: cannot listen on " + path);
-  if (chmod(path.c_str(), 0600) != 0) {
-    return absl::PermissionDeniedError("--control-socket: cannot chmod 0600 " + path);
+  if (method == "GetState") {
+    v1::GetStateRequest req;
+    if (!ParseRequest(*call, &req)) return;
+    inline_answer([&] { return Reply(grpc::Status::OK, target_->GetState()); });
+  } else if (method == "Stats") {
+    v1::StatsRequest req;
+    if (!ParseRequest(*call, &req)) return;
+    inline_answer([&] { return Reply(grpc::Status::OK, target_->Stats()); });
+  } else if (method == "Demote") {
+    v1::DemoteRequest req;
+    if (!ParseRequest(*call, &req)) return;
+    inline_answer([&] {
+      absl::Status s = target_->Demote();
+      return Reply(ToGrpcStatus(s), target_->GetState());
+    });
+  } else if (method == "Promote") {
+    v1::PromoteRequest req;
+    if (!ParseRequest(*call, &req)) return;
+    auto promote = [this]() -> Answer {
+      absl::Status s = target_->Promote();
+      return Reply(ToGrpcStatus(s), target_->GetState());
+    };
+    // May run a warm-up inference first. Without one it is a state change, answered at once:
+    // a thread started per call cost about a millisecond of Promote -> first served on a
+    // 2-vCPU VM.
+    if (target_->PromoteWaits()) {
+      Blocking(call, promote);
+    } else {
+      inline_answer(promote);
+    }
+  } else if (method == "Drain") {
+    auto req = std::make_shared<v1::DrainRequest>();
+    if (!ParseRequest(*call, req.get())) return;
+    Blocking(call, [this, req]() -> Answer {
+      auto deadline = Deadline(req->deadline_millis());
+      if (!deadline.ok()) return {ToGrpcStatus(deadline.status()), std::string()};
+      auto drained = target_->Drain(*deadline);
+      if (!drained.ok()) return {ToGrpcStatus(drained.status()), std::string()};
+      v1::DrainResponse resp;
+      resp.set_drained(*drained);
+      resp.set_in_flight(target_->InFlight());
+      *resp.mutable_state() = target_->GetState();
+      return Reply(grpc::Status::OK, resp);
+    });
+  } else if (method == "Shutdown") {
+    auto req = std::make_shared<v1::ShutdownRequest>();
+    if (!ParseRequest(*call, req.get())) return;
+    // Never refused for the bound: a runtime must always be able to be told to stop.
+    Blocking(
+        call,
+        [this, req]() -> Answer {
+          auto deadline = Deadline(req->deadline_millis());
+          if (!deadline.ok()) return {ToGrpcStatus(deadline.status()), std::string()};
+          v1::ShutdownResponse resp;
+          resp.set_drained(target_->Shutdown(*deadline));
+          return Reply(grpc::Status::OK, resp);
+        },
+        /*bounded=*/false);
+  } else if (method == "Load") {
+    auto req = std::make_shared<v1::LoadRequest>();
+    if (!ParseRequest(*call, req.get())) return;
+    Blocking(call, [this, req]() -> Answer {
+      absl::Status s = target_->Load({req->args().begin(), req->args().end()});
+      return Reply(ToGrpcStatus(s), v1::LoadResponse());
+    });
+  } else {
+    call->Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                              "unknown method " + path + ": the control socket serves " +
+                                  "kiln.v1.RuntimeControl"));
   }
-  return server;
+}
+
+absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(const std::string& path,
+                                                                    ControlService* service) {
+  // Removes a stale socket, binds with umask 0177 and checks the mode.
+  auto fd = ListenUnix(path, "--control-socket");
+  if (!fd.ok()) return fd.status();
+  GrpcH2Server::Options o;
+  o.listen_fd = *fd;
+  o.flag = "--control-socket";
+  // A Load's arguments and a Stats reply are small; 4 MiB is gRPC's usual default.
+  o.max_message_bytes = 4LL * 1024 * 1024;
+  o.max_concurrent_streams = 64;
+  auto server = GrpcH2Server::Start(
+      o, [service](std::shared_ptr<GrpcH2Server::Call> call) { service->Serve(std::move(call)); });
+  if (!server.ok()) {
+    ::close(*fd);
+    return server.status();
+  }
+  return std::unique_ptr<ControlServer>(new ControlServer(std::move(*server), *fd));
+}
+
+ControlServer::~ControlServer() { Stop(absl::ZeroDuration()); }
+
+void ControlServer::Stop(absl::Duration grace) {
+  if (server_) server_->Stop(grace);
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
 }
 
 }  // namespace kiln

@@ -1,19 +1,19 @@
 #pragma once
 
-#include <grpcpp/server.h>
-
 #include <functional>
 #include <list>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "kiln/v1/runtime_control.grpc.pb.h"
+#include "common/grpc_h2_server.h"
+#include "kiln/v1/runtime_control.pb.h"
 
 namespace kiln {
 
@@ -40,51 +40,41 @@ class ControlTarget {
   }
 };
 
-// kiln.v1.RuntimeControl, served on the runtime's unix socket.
-//
-// On gRPC's callback API, like the inference service: a synchronous service would give the
-// process gRPC's sync-server threads, and those poll the one epoll set every server in the
-// process shares, so they would pick up the inference port's reads and hand each request to
-// another thread (measured: +100 to +200 µs per gRPC ModelInfer on a 2-vCPU VM). The quick
-// calls answer inline; the ones that can block (Promote's warm-up, Drain, Shutdown, Load) run
-// on a thread of their own so no gRPC thread waits on them.
-class ControlService final : public v1::RuntimeControl::CallbackService {
+// kiln.v1.RuntimeControl, served on the runtime's unix socket by kiln's own HTTP/2 gRPC server
+// (common/grpc_h2_server.h), as the inference port is: grpc++'s callback server hands each call
+// between several threads, and on a 2-vCPU VM waking them cost an idle replica's Promote about
+// half a millisecond. The quick calls (GetState, Stats, Demote, a Promote with nothing to wait
+// for) are answered on the server's thread; the ones that can block (Promote's warm-up, Drain,
+// Shutdown, Load) run on a thread of their own, so the quick ones still answer meanwhile.
+class ControlService {
  public:
   // At most this many blocking calls at once; more are refused RESOURCE_EXHAUSTED (Shutdown
   // never is).
   static constexpr int kMaxBlockingCalls = 16;
+  static constexpr char kServicePrefix[] = "/kiln.v1.RuntimeControl/";
 
   ControlService(ControlTarget* target, absl::Duration default_drain)
       : target_(target), default_drain_(default_drain) {}
-  // After the server has stopped (which waits for every call to finish): joins the workers.
-  ~ControlService() override;
+  // Joins the workers (JoinWorkers): a blocking call still running is waited for.
+  ~ControlService();
 
-  grpc::ServerUnaryReactor* GetState(grpc::CallbackServerContext* ctx, const v1::GetStateRequest*,
-                                     v1::RuntimeState* resp) override;
-  grpc::ServerUnaryReactor* Promote(grpc::CallbackServerContext* ctx, const v1::PromoteRequest*,
-                                    v1::RuntimeState* resp) override;
-  grpc::ServerUnaryReactor* Demote(grpc::CallbackServerContext* ctx, const v1::DemoteRequest*,
-                                   v1::RuntimeState* resp) override;
-  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* ctx, const v1::DrainRequest* req,
-                                  v1::DrainResponse* resp) override;
-  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest*,
-                                  v1::RuntimeStats* resp) override;
-  grpc::ServerUnaryReactor* Shutdown(grpc::CallbackServerContext* ctx,
-                                     const v1::ShutdownRequest* req,
-                                     v1::ShutdownResponse* resp) override;
-  grpc::ServerUnaryReactor* Load(grpc::CallbackServerContext* ctx, const v1::LoadRequest* req,
-                                 v1::LoadResponse* resp) override;
+  // One call, on the server's thread: answered there, or handed to a worker.
+  void Serve(std::shared_ptr<GrpcH2Server::Call> call);
+  // Waits until every blocking call's worker has returned (each has answered its call, or found
+  // it gone).
+  void JoinWorkers();
 
  private:
   struct Worker {
     std::thread thread;
     bool exited = false;  // past its call's Finish
   };
+  void Dispatch(const std::shared_ptr<GrpcH2Server::Call>& call);
   absl::StatusOr<absl::Duration> Deadline(int64_t millis) const;
-  // Finishes the call with `work`'s status (an exception: INTERNAL), run on a thread of its
+  // Answers the call with what `work` returns (an exception: INTERNAL), run on a thread of its
   // own. `bounded`: refused RESOURCE_EXHAUSTED while kMaxBlockingCalls are unfinished.
-  grpc::ServerUnaryReactor* Blocking(grpc::CallbackServerContext* ctx,
-                                     std::function<grpc::Status()> work, bool bounded = true);
+  using Work = std::function<std::pair<grpc::Status, std::string>()>;
+  void Blocking(std::shared_ptr<GrpcH2Server::Call> call, Work work, bool bounded = true);
 
   ControlTarget* target_;
   const absl::Duration default_drain_;
@@ -93,10 +83,30 @@ class ControlService final : public v1::RuntimeControl::CallbackService {
   int active_ ABSL_GUARDED_BY(mu_) = 0;  // blocking calls not yet finished
 };
 
-// Serves `service` on the unix socket `path`, created mode 0600. A socket left by a crashed
-// runtime is removed first; anything else at the path, or a socket another process still
-// answers on, is an error naming --control-socket.
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartControlServer(const std::string& path,
-                                                                 grpc::Service* service);
+// The control socket's server: `service` on the unix socket `path`, created mode 0600 (no
+// moment where others could connect). A socket left by a crashed runtime is removed first;
+// anything else at the path, or a socket another process still answers on, is an error naming
+// --control-socket. The service must outlive the server.
+class ControlServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<ControlServer>> Start(const std::string& path,
+                                                              ControlService* service);
+  ~ControlServer();  // Stop(0)
+  // Stops taking calls, gives those in flight up to `grace` to be answered (a reply already
+  // given is written out first), cancels the rest and closes the socket; the path is left for
+  // the caller to remove. Idempotent.
+  void Stop(absl::Duration grace);
+
+ private:
+  ControlServer(std::unique_ptr<GrpcH2Server> server, int fd)
+      : server_(std::move(server)), fd_(fd) {}
+  std::unique_ptr<GrpcH2Server> server_;
+  int fd_ = -1;
+};
+
+inline absl::StatusOr<std::unique_ptr<ControlServer>> StartControlServer(
+    const std::string& path, ControlService* service) {
+  return ControlServer::Start(path, service);
+}
 
 }  // namespace kiln

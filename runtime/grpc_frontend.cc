@@ -159,19 +159,6 @@ absl::StatusOr<int64_t> IntParam(const inference::InferParameter& p, const std::
   }
 }
 
-template <typename T>
-bool Parse(GrpcH2Server::Call& call, T* out) {
-  if (out->ParseFromString(call.message())) return true;
-  call.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                           "the request is not an " + out->GetTypeName()));
-  return false;
-}
-
-void Answer(GrpcH2Server::Call& call, const grpc::Status& status,
-            const google::protobuf::Message& m) {
-  call.Finish(status, status.ok() ? m.SerializeAsString() : std::string());
-}
-
 }  // namespace
 
 absl::Status ApplyRequestParameters(
@@ -331,29 +318,29 @@ void GrpcInferenceService::Dispatch(const std::shared_ptr<GrpcH2Server::Call>& c
     ModelInfer(call);
   } else if (method == "ServerLive") {
     inference::ServerLiveRequest req;
-    if (!Parse(*call, &req)) return;
+    if (!ParseRequest(*call, &req)) return;
     inference::ServerLiveResponse resp;
     resp.set_live(host_->Live());
-    Answer(*call, grpc::Status::OK, resp);
+    AnswerCall(*call, grpc::Status::OK, resp);
   } else if (method == "ServerReady") {
     inference::ServerReadyRequest req;
-    if (!Parse(*call, &req)) return;
+    if (!ParseRequest(*call, &req)) return;
     inference::ServerReadyResponse resp;
     resp.set_ready(host_->ModelReady(host_->config().name, ""));
-    Answer(*call, grpc::Status::OK, resp);
+    AnswerCall(*call, grpc::Status::OK, resp);
   } else if (method == "ModelReady") {
     inference::ModelReadyRequest req;
-    if (!Parse(*call, &req)) return;
+    if (!ParseRequest(*call, &req)) return;
     if (!host_->Serves(req.name(), req.version())) {
       call->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown model '" + req.name() + "'"));
       return;
     }
     inference::ModelReadyResponse resp;
     resp.set_ready(host_->ModelReady(req.name(), req.version()));
-    Answer(*call, grpc::Status::OK, resp);
+    AnswerCall(*call, grpc::Status::OK, resp);
   } else if (method == "ServerMetadata") {
     inference::ServerMetadataRequest req;
-    if (!Parse(*call, &req)) return;
+    if (!ParseRequest(*call, &req)) return;
     inference::ServerMetadataResponse resp;
     resp.set_name("kiln");
     resp.set_version(server_version_);
@@ -362,12 +349,12 @@ void GrpcInferenceService::Dispatch(const std::shared_ptr<GrpcH2Server::Call>& c
     resp.add_extensions("response_cache");
     resp.add_extensions("priority");
     resp.add_extensions("timeout");
-    Answer(*call, grpc::Status::OK, resp);
+    AnswerCall(*call, grpc::Status::OK, resp);
   } else if (method == "ModelMetadata") {
     inference::ModelMetadataRequest req;
-    if (!Parse(*call, &req)) return;
+    if (!ParseRequest(*call, &req)) return;
     inference::ModelMetadataResponse resp;
-    Answer(*call, ToGrpcStatus(FillModelMetadata(*host_, req.name(), req.version(), &resp)), resp);
+    AnswerCall(*call, ToGrpcStatus(FillModelMetadata(*host_, req.name(), req.version(), &resp)), resp);
   } else {
     call->Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
                               "unknown method " + path + ": kiln-runtime serves "

@@ -293,8 +293,10 @@ int main(int argc, char** argv) {
     while (!waiting.Wait(absl::Milliseconds(100))) {
       if (Signalled(0)) waiting.RequestShutdown();
     }
-    // Shutdown waits for a Load still being handled; what it left decides.
-    (*control)->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    // A Load's answer is written before the socket closes, and a Load still being handled
+    // finishes first: what it left decides.
+    (*control)->Stop(absl::Milliseconds(500));
+    service.JoinWorkers();
     std::error_code ec;
     std::filesystem::remove(f.o.control_socket, ec);
     if (Signalled(0)) waiting.RequestShutdown();

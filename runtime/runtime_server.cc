@@ -392,7 +392,7 @@ void RuntimeServer::Stop() {
   }
   absl::Time t2 = absl::Now();
   if (control_server_) {
-    control_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+    control_server_->Stop(absl::Milliseconds(100));
     std::error_code ec;
     std::filesystem::remove(options_.control_socket, ec);
   }

@@ -6,7 +6,6 @@
 #include <string>
 #include <thread>
 
-#include <grpcpp/server.h>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -100,7 +99,7 @@ class RuntimeServer : public ControlTarget {
   std::unique_ptr<HttpFrontend> http_;
   std::unique_ptr<DataServer> data_;
   std::unique_ptr<ControlService> control_service_;
-  std::unique_ptr<grpc::Server> control_server_;
+  std::unique_ptr<ControlServer> control_server_;
   // Written once listening; GetState may read them from the control server's threads before.
   std::atomic<int> grpc_port_{0};
   std::atomic<int> http_port_{0};
