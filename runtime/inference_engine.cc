@@ -343,8 +343,10 @@ absl::StatusOr<InferResponse> InferenceEngine::InferSync(InferRequest request) {
 }
 
 absl::Status InferenceEngine::Warmup(bool once) {
-  if (!backend_->WantsOneExecutionThread()) return WarmupHere(once);
-  // On the executions' thread: its OpenMP team is made and warm before the first request.
+  // On the executions' thread, whatever the backend: what LibTorch and the BLAS set up per
+  // thread on its first forward (the intra-op thread settings, work buffers; an OpenMP team
+  // where there is more than one intra-op thread) is made there before the first request, not
+  // paid by it.
   absl::Status s;
   KILN_RETURN_IF_ERROR(batcher_->RunOnExecutor([&] { s = WarmupHere(once); }));
   return s;
