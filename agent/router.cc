@@ -297,8 +297,11 @@ struct ForwardCall {
   // The request with the chosen version, for another node's router.
   std::unique_ptr<inference::ModelInferRequest> pinned;
   std::set<std::string> exclude;
-  std::unique_ptr<grpc::ClientContext> client_ctx;
+  // Before the context: destroyed after it. The context holds the channel too, and the stub's
+  // reference must be the call's last one to go (the router lets a retired stub go once it
+  // holds the only one: see SetTable). A retry replaces the context before the stub.
   std::shared_ptr<inference::GRPCInferenceService::Stub> stub;
+  std::unique_ptr<grpc::ClientContext> client_ctx;
   int attempts = 0;
 
   // The caller gave up (or the router's server did, at the end of its stop grace): the try
@@ -512,10 +515,11 @@ class RouterGrpcService {
     // Asked without blocking the server's thread: the answer finishes the call from the
     // client's callback.
     struct Pending {
+      // Kept while the call is out; first, so destroyed after the context (see ForwardCall).
+      std::shared_ptr<inference::GRPCInferenceService::Stub> stub;
       grpc::ClientContext cc;
       inference::ModelMetadataRequest req;
       inference::ModelMetadataResponse resp;
-      std::shared_ptr<inference::GRPCInferenceService::Stub> stub;  // kept while it is out
     };
     auto pending = std::make_shared<Pending>();
     if (!ParseRequest(*call, &pending->req)) return;

@@ -123,10 +123,17 @@ void ControlService::Dispatch(const std::shared_ptr<GrpcH2Server::Call>& call) {
   } else if (method == "Demote") {
     v1::DemoteRequest req;
     if (!ParseRequest(*call, &req)) return;
-    inline_answer([&] {
+    auto demote = [this]() -> Answer {
       absl::Status s = target_->Demote();
       return Reply(ToGrpcStatus(s), target_->GetState());
-    });
+    };
+    // A Demote waits for a Promote under way (its warm-up): then on a thread of its own, so
+    // this one goes on answering the others.
+    if (target_->PromoteWaits()) {
+      Blocking(call, demote);
+    } else {
+      inline_answer(demote);
+    }
   } else if (method == "Promote") {
     v1::PromoteRequest req;
     if (!ParseRequest(*call, &req)) return;

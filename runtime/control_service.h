@@ -23,8 +23,9 @@ class ControlTarget {
   virtual ~ControlTarget() = default;
   virtual v1::RuntimeState GetState() = 0;
   virtual absl::Status Promote() = 0;
-  // Whether Promote() may take long (a warm-up inference first): then it runs on a thread of
-  // its own; else it is answered at once on the gRPC thread, as Demote is.
+  // Whether Promote() may take long (a warm-up inference first): then it, and a Demote (which
+  // waits for a Promote under way), run on a thread of their own; else both are answered at
+  // once on the server's thread.
   virtual bool PromoteWaits() const { return true; }
   virtual absl::Status Demote() = 0;
   // Refuses new work and waits up to `deadline` for in-flight work; true when drained.
@@ -43,9 +44,10 @@ class ControlTarget {
 // kiln.v1.RuntimeControl, served on the runtime's unix socket by kiln's own HTTP/2 gRPC server
 // (common/grpc_h2_server.h), as the inference port is: grpc++'s callback server hands each call
 // between several threads, and on a 2-vCPU VM waking them cost an idle replica's Promote about
-// half a millisecond. The quick calls (GetState, Stats, Demote, a Promote with nothing to wait
-// for) are answered on the server's thread; the ones that can block (Promote's warm-up, Drain,
-// Shutdown, Load) run on a thread of their own, so the quick ones still answer meanwhile.
+// half a millisecond. The quick calls (GetState, Stats, and Promote and Demote when there is
+// no warm-up on promotion to wait for) are answered on the server's thread; the ones that can
+// block (Promote's warm-up and a Demote waiting for it, Drain, Shutdown, Load) run on a thread
+// of their own, so the quick ones still answer meanwhile.
 class ControlService {
  public:
   // At most this many blocking calls at once; more are refused RESOURCE_EXHAUSTED (Shutdown

@@ -393,6 +393,9 @@ void RuntimeServer::Stop() {
   absl::Time t2 = absl::Now();
   if (control_server_) {
     control_server_->Stop(absl::Milliseconds(100));
+    // A call still running on a worker (a Promote's warm-up, a Drain) was cancelled, not
+    // finished: it ends now the engine has stopped, and uses this object until then.
+    control_service_->JoinWorkers();
     std::error_code ec;
     std::filesystem::remove(options_.control_socket, ec);
   }

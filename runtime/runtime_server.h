@@ -98,8 +98,6 @@ class RuntimeServer : public ControlTarget {
   std::unique_ptr<GrpcH2Server> grpc_server_;
   std::unique_ptr<HttpFrontend> http_;
   std::unique_ptr<DataServer> data_;
-  std::unique_ptr<ControlService> control_service_;
-  std::unique_ptr<ControlServer> control_server_;
   // Written once listening; GetState may read them from the control server's threads before.
   std::atomic<int> grpc_port_{0};
   std::atomic<int> http_port_{0};
@@ -118,6 +116,10 @@ class RuntimeServer : public ControlTarget {
   absl::Time drain_until_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool shutdown_requested_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  // Last, so destroyed first: the server before the service it calls, and the service (which
+  // joins its workers) before anything a worker may still be using.
+  std::unique_ptr<ControlService> control_service_;
+  std::unique_ptr<ControlServer> control_server_;
 };
 
 }  // namespace kiln

@@ -33,10 +33,22 @@ class HeldTarget : public ControlTarget {
   }
   absl::Status Promote() override {
     if (throw_on_promote) throw std::runtime_error("out of device memory");
+    if (hold_promote) {  // a warm-up that takes until released
+      absl::MutexLock lock(&mu_);
+      ++held_;
+      mu_.Await(absl::Condition(&released_));
+      --held_;
+    }
     return absl::OkStatus();
   }
   bool PromoteWaits() const override { return promote_waits; }
-  absl::Status Demote() override { return absl::FailedPreconditionError("cannot demote now"); }
+  absl::Status Demote() override {
+    if (hold_promote) {  // waits for the Promote under way, as RuntimeServer's does
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(&released_));
+    }
+    return absl::FailedPreconditionError("cannot demote now");
+  }
   absl::StatusOr<bool> Drain(absl::Duration deadline) override {
     absl::MutexLock lock(&mu_);
     ++held_;
@@ -76,6 +88,7 @@ class HeldTarget : public ControlTarget {
   }
   std::atomic<bool> throw_on_promote{false};
   std::atomic<bool> promote_waits{true};
+  std::atomic<bool> hold_promote{false};
 
   absl::Duration last_deadline() {
     absl::MutexLock lock(&mu_);
@@ -219,6 +232,33 @@ TEST_F(ControlServiceTest, APromoteWithNothingToWaitForIsAnsweredWhileBlockingCa
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   target_.Release();
   for (auto& d : drains) EXPECT_TRUE(d.get().ok());
+}
+
+// A Demote that waits for a Promote's warm-up waits on a thread of its own: the socket's one
+// server thread goes on answering health probes meanwhile.
+TEST_F(ControlServiceTest, ADemoteWaitingForAPromotesWarmUpLeavesTheQuickCallsAnswering) {
+  target_.hold_promote = true;
+  auto call = [this](bool promote) {
+    return std::async(std::launch::async, [this, promote] {
+      grpc::ClientContext ctx;
+      Deadline(&ctx, 30);
+      v1::RuntimeState state;
+      return promote ? stub_->Promote(&ctx, {}, &state) : stub_->Demote(&ctx, {}, &state);
+    });
+  };
+  std::future<grpc::Status> promote = call(true);
+  ASSERT_TRUE(target_.WaitHeld(1));
+  std::future<grpc::Status> demote = call(false);
+  // The Demote has had time to reach the target and wait there.
+  EXPECT_EQ(demote.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  grpc::ClientContext ctx;
+  Deadline(&ctx, 5);
+  v1::RuntimeState state;
+  grpc::Status s = stub_->GetState(&ctx, {}, &state);
+  EXPECT_TRUE(s.ok()) << s.error_code() << " " << s.error_message();
+  target_.Release();
+  EXPECT_TRUE(promote.get().ok());
+  EXPECT_EQ(demote.get().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
 }
 
 TEST_F(ControlServiceTest, ABadDeadlineIsRefusedNamingTheField) {
