@@ -448,8 +448,13 @@ void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc
     }
   }
   c->stub = c->router->StubFor(choice->endpoint.grpc_address);  // kept while the call is out
+  Router* router = c->router;
+  router->GrpcCallStarted();
   c->stub->async()->ModelInfer(c->client_ctx.get(), request, &c->response,
-                               [finished](grpc::Status s) { finished(s, nullptr); });
+                               [finished, router](grpc::Status s) {
+                                 finished(s, nullptr);
+                                 router->GrpcCallEnded();  // the last use of the router
+                               });
 }
 
 // The node's OIP gRPC service on the router's HTTP/2 server (common/grpc_h2_server.h): each
@@ -537,9 +542,12 @@ class RouterGrpcService {
       pending->req.set_version(choice->version);
     }
     pending->stub = router_->StubFor(choice->endpoint.grpc_address);
+    Router* router = router_;
+    router->GrpcCallStarted();
     pending->stub->async()->ModelMetadata(
-        &pending->cc, &pending->req, &pending->resp, [pending, call](grpc::Status s) {
+        &pending->cc, &pending->req, &pending->resp, [pending, call, router](grpc::Status s) {
           call->Finish(s, s.ok() ? pending->resp.SerializeAsString() : std::string());
+          router->GrpcCallEnded();
         });
   }
 
@@ -1013,6 +1021,27 @@ void Router::Stop() {
   stopped.Notify();
   fail_late.join();
   FailChannels();
+  ReleaseStubs();
+}
+
+void Router::ReleaseStubs() {
+  // The server has stopped and cancelled what it still had (each call sent on over gRPC with
+  // it): their callbacks come soon. Bounded: one that never comes is not waited for forever.
+  for (int i = 0; i < 10000 && grpc_calls_out_.load() > 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  std::vector<std::shared_ptr<inference::GRPCInferenceService::Stub>> stubs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [address, stub] : stubs_) stubs.push_back(std::move(stub));
+    stubs_.clear();
+    for (auto& stub : stubs_retired_) stubs.push_back(std::move(stub));
+    stubs_retired_.clear();
+  }
+  // A callback's copy of its call goes after its last use of the router: the stub is let go
+  // here once that has happened, never on one of gRPC's threads (see SetTable).
+  for (auto& stub : stubs) {
+    for (int i = 0; i < 1000 && stub.use_count() > 1; ++i) absl::SleepFor(absl::Milliseconds(1));
+    stub.reset();
+  }
 }
 
 void Router::FailChannels() {

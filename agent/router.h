@@ -113,6 +113,11 @@ class Router {
   // Outstanding-request accounting around each forwarded call.
   void Begin(const std::string& endpoint_id);
   void End(const std::string& endpoint_id);
+  // Around each call sent on over a gRPC stub, until its callback is done with the router:
+  // Stop waits for them (their callbacks run on gRPC's threads and use this object).
+  void GrpcCallStarted() { grpc_calls_out_++; }
+  void GrpcCallEnded() { grpc_calls_out_--; }
+  int64_t grpc_calls_out() const { return grpc_calls_out_.load(); }
   // The gRPC client for `address`, shared by the calls to it; one the table no longer routes
   // to is dropped by SetTable (a call out on it keeps it).
   std::shared_ptr<inference::GRPCInferenceService::Stub> StubFor(const std::string& address);
@@ -144,6 +149,9 @@ class Router {
   explicit Router(Options options);
   // Fails the calls on every data socket and closes them (Stop).
   void FailChannels();
+  // Waits (bounded) for the calls out over gRPC stubs to be done with the router, then lets
+  // every stub go on this thread once no call holds it (Stop).
+  void ReleaseStubs();
 
   const Options options_;
   mutable absl::Mutex mu_;
@@ -155,6 +163,7 @@ class Router {
   std::vector<std::shared_ptr<inference::GRPCInferenceService::Stub>> stubs_retired_
       ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> retries_{0};
+  std::atomic<int64_t> grpc_calls_out_{0};
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> forwarded_data_socket_{0};
   std::atomic<uint64_t> forwarded_grpc_{0};

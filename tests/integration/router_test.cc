@@ -979,7 +979,10 @@ TEST(RouterStopTest, StopsWithAGrpcForwardToAnotherNodeInFlight) {
     done.Notify();
   });
   ASSERT_TRUE(other_node.arrived_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(router->grpc_calls_out(), 1);
   router->Stop();
+  // Stop returned once the forward's callback was done with the router.
+  EXPECT_EQ(router->grpc_calls_out(), 0);
   // The call sent on was cancelled with the caller's: nothing of it runs on after the router.
   EXPECT_TRUE(kiln::testing::Eventually([&] { return other_node.cancelled_.load(); },
                                         absl::Seconds(10)));
