@@ -120,34 +120,24 @@ void ControlService::Dispatch(const std::shared_ptr<GrpcH2Server::Call>& call) {
     v1::StatsRequest req;
     if (!ParseRequest(*call, &req)) return;
     inline_answer([&] { return Reply(grpc::Status::OK, target_->Stats()); });
-  } else if (method == "Demote") {
-    v1::DemoteRequest req;
-    if (!ParseRequest(*call, &req)) return;
-    auto demote = [this]() -> Answer {
-      absl::Status s = target_->Demote();
-      return Reply(ToGrpcStatus(s), target_->GetState());
-    };
-    // A Demote waits for a Promote under way (its warm-up): then on a thread of its own, so
-    // this one goes on answering the others.
-    if (target_->PromoteWaits()) {
-      Blocking(call, demote);
-    } else {
-      inline_answer(demote);
+  } else if (method == "Promote" || method == "Demote") {
+    const bool promote = method == "Promote";
+    if (promote ? !ParseRequest(*call, std::make_unique<v1::PromoteRequest>().get())
+                : !ParseRequest(*call, std::make_unique<v1::DemoteRequest>().get())) {
+      return;
     }
-  } else if (method == "Promote") {
-    v1::PromoteRequest req;
-    if (!ParseRequest(*call, &req)) return;
-    auto promote = [this]() -> Answer {
-      absl::Status s = target_->Promote();
+    auto move = [this, promote]() -> Answer {
+      absl::Status s = promote ? target_->Promote() : target_->Demote();
       return Reply(ToGrpcStatus(s), target_->GetState());
     };
-    // May run a warm-up inference first. Without one it is a state change, answered at once:
-    // a thread started per call cost about a millisecond of Promote -> first served on a
-    // 2-vCPU VM.
+    // A Promote may run a warm-up inference first, and a Demote waits for a Promote under way:
+    // then each runs on a thread of its own, so this one goes on answering the others. Without
+    // a warm-up both are state changes, answered at once (a thread started per call cost about
+    // a millisecond of Promote -> first served on a 2-vCPU VM).
     if (target_->PromoteWaits()) {
-      Blocking(call, promote);
+      Blocking(call, move);
     } else {
-      inline_answer(promote);
+      inline_answer(move);
     }
   } else if (method == "Drain") {
     auto req = std::make_shared<v1::DrainRequest>();
