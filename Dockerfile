@@ -21,6 +21,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /usr/bin/kiln-controller /usr/bin/kilnctl /usr/bin/kiln-agent /usr/bin/kiln-runtime /usr/bin/
 COPY --from=build /usr/share/kiln /usr/share/kiln
+# kiln-runtime's libtorch_cpu without the libraries it never calls (cmake/Dependencies.cmake).
+COPY --from=build /usr/lib/kiln /usr/lib/kiln
 # The controller runs as 65532 (manifests/controller.yaml); the agent as root for NVML power
 # control, with every capability dropped unless the chart's GPU power policy adds one.
 USER 65532:65532

@@ -18,6 +18,9 @@ PACKAGES=(
   # ip netns: a test runs a second node in a network namespace of its own.
   iproute2
   libtorch-dev python3-torch python3-fastapi python3-uvicorn python3-yaml
+  # patchelf: the build links a copy of libtorch_cpu without the ~25 libraries it names but
+  # never calls (scripts/trim-needed.sh); binutils' readelf checks what it calls.
+  patchelf binutils
   # Debian's LibTorch calls the system BLAS (libblas.so.3); this makes it OpenBLAS (built
   # with OpenMP, like LibTorch) instead of the reference BLAS: about 7x faster on CPU.
   libopenblas0-openmp

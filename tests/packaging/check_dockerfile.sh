@@ -17,6 +17,13 @@ grep -q 'cmake --install build --prefix /usr' "$dockerfile" || fail "the build s
 for b in kiln-controller kilnctl kiln-agent kiln-runtime; do
   grep -q "/usr/bin/$b" "$dockerfile" || fail "the image does not copy /usr/bin/$b"
 done
+# The runtime's trimmed libtorch_cpu (lib/kiln, no package's) travels with the binaries.
+for bin in "$@"; do
+  if ldd "$bin" | awk '/libtorch_cpu/{print $3}' | grep -q '/lib/libtorch_cpu'; then
+    grep -q 'COPY --from=build /usr/lib/kiln ' "$dockerfile" ||
+      fail "$(basename "$bin") links the build's trimmed libtorch_cpu; the image does not copy /usr/lib/kiln"
+  fi
+done
 if ! apt-cache show libc6 >/dev/null 2>&1; then
   echo "apt has no package lists: the runtime-stage check is skipped"
   exit 77

@@ -35,6 +35,13 @@ for d in Type=notify WatchdogSec= Restart=on-failure DynamicUser=yes ProtectSyst
 done
 out=$(systemd-analyze verify "$agent" "$controller" $sockets 2>&1) || fail "systemd-analyze verify: $out"
 [[ -z "$out" ]] || fail "systemd-analyze verify complained: $out"
+# Where the build links a trimmed libtorch_cpu (cmake/Dependencies.cmake), it is installed
+# beside the runtime and the installed binary finds it there, not in the build tree.
+if compgen -G "$build/lib/libtorch_cpu.so.*" >/dev/null; then
+  lib=$(ldd "$prefix/bin/kiln-runtime" | awk '/libtorch_cpu/{print $3}')
+  [[ $(readlink -f "$lib") == "$(readlink -f "$prefix/lib/kiln")"/* ]] ||
+    fail "the installed kiln-runtime loads libtorch_cpu from '$lib', not $prefix/lib/kiln"
+fi
 # A second install keeps the operator's configuration.
 echo "# mine" >> "$prefix/etc/kiln/agent.env"
 cmake --install "$build" --prefix "$prefix" >/dev/null
