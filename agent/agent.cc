@@ -303,6 +303,7 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   so.reserved_cpus = options_.reserved_cpus;
   so.fake_gpus = t.fake_gpus;
   so.runtime_log_level = options_.runtime_log_level;
+  so.runtime_malloc_huge_pages = options_.runtime_malloc_huge_pages;
   so.prestart_per_gpu = options_.prestart_per_gpu;
   so.prestart_cpu = options_.prestart_cpu;
   so.inference_probe_interval = options_.inference_probe_interval;

@@ -65,6 +65,8 @@ struct AgentOptions {
   int inference_probe_failures = 3;
   bool stop_replicas_on_exit = false;
   std::string runtime_log_level = "info";
+  // Runtimes start with malloc's heap on transparent huge pages (SupervisorOptions).
+  bool runtime_malloc_huge_pages = true;
   // Pre-started runtimes kept ready per GPU (--prestart-per-gpu) and for CPU replicas
   // (--prestart-cpu): a replica that starts is handed one instead of spawning cold.
   int prestart_per_gpu = 0;

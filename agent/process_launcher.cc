@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <string_view>
 
 extern char** environ;
 
@@ -41,6 +42,14 @@ void MarkCloseOnExecFrom(int low) {
 
 }  // namespace
 
+std::string MallocHugePagesTunable(const char* inherited) {
+  constexpr std::string_view kTunable = "glibc.malloc.hugetlb=1";
+  if (inherited == nullptr || *inherited == '\0') return "GLIBC_TUNABLES=" + std::string(kTunable);
+  const std::string_view value(inherited);
+  if (value.find("glibc.malloc.hugetlb") != std::string_view::npos) return "";
+  return "GLIBC_TUNABLES=" + std::string(value) + ":" + std::string(kTunable);
+}
+
 absl::StatusOr<pid_t> RealProcessLauncher::Launch(const LaunchRequest& r) {
   if (r.argv.empty()) return absl::InvalidArgumentError("launch: empty argv");
   if (access(r.argv[0].c_str(), X_OK) != 0) {
@@ -51,7 +60,15 @@ absl::StatusOr<pid_t> RealProcessLauncher::Launch(const LaunchRequest& r) {
   for (const auto& a : r.argv) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   std::vector<std::string> env_storage;
-  for (char** e = environ; e && *e; ++e) env_storage.push_back(*e);
+  for (char** e = environ; e && *e; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view name = entry.substr(0, entry.find('='));
+    const bool replaced = std::any_of(r.env.begin(), r.env.end(), [&](const std::string& x) {
+      return x.size() > name.size() && x.compare(0, name.size(), name) == 0 &&
+             x[name.size()] == '=';
+    });
+    if (!replaced) env_storage.emplace_back(entry);
+  }
   for (const auto& e : r.env) env_storage.push_back(e);
   std::vector<char*> envp;
   for (auto& e : env_storage) envp.push_back(e.data());

@@ -17,11 +17,21 @@ namespace kiln {
 
 struct LaunchRequest {
   std::vector<std::string> argv;  // argv[0] is the executable path
-  std::vector<std::string> env;   // extra NAME=VALUE entries on top of the agent's environment
+  // NAME=VALUE entries on top of the agent's environment; one replaces the agent's own entry of
+  // the same NAME (a process reads the first of two, which would be the agent's).
+  std::vector<std::string> env;
   std::vector<int> cpus;          // CPU affinity; empty = inherit
   int memory_node = -1;           // bind memory to this NUMA node; -1 = no binding
   std::string log_file;           // stdout and stderr; empty = inherit
 };
+
+// The GLIBC_TUNABLES entry that puts glibc malloc's heap on transparent huge pages
+// (glibc.malloc.hugetlb=1), given the value the agent itself runs with (nullptr: none). A
+// runtime's start allocates tens of MiB in small pieces while LibTorch registers its
+// operators; on 2 MiB pages that is a few dozen page faults instead of ~10,000, about 0.1-0.2 s
+// of spawn -> WARM on a VM (bench/RESULTS.md, 2026-11-28 session 9). Empty when the agent's
+// value already says how malloc uses huge pages: the operator's choice stands.
+std::string MallocHugePagesTunable(const char* inherited);
 
 struct ProcessExit {
   pid_t pid = 0;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -449,6 +450,14 @@ absl::StatusOr<LaunchRequest> Supervisor::ColdStart(Replica& r) {
   return req;
 }
 
+LaunchRequest Supervisor::WithRuntimeEnvironment(LaunchRequest req) const {
+  if (options_.runtime_malloc_huge_pages) {
+    std::string tunable = MallocHugePagesTunable(getenv("GLIBC_TUNABLES"));
+    if (!tunable.empty()) req.env.push_back(std::move(tunable));
+  }
+  return req;
+}
+
 absl::Status Supervisor::Launch(Replica& r) {
   const v1::ReplicaSpec& s = r.spec;
   absl::StatusOr<LaunchRequest> cold = ColdStart(r);
@@ -466,7 +475,7 @@ absl::Status Supervisor::Launch(Replica& r) {
   const LaunchRequest& req = *cold;
   const bool handed = hand == HandOverResult::kHanded;
   if (!handed) {
-    auto pid = launcher_->Launch(req);
+    auto pid = launcher_->Launch(WithRuntimeEnvironment(req));
     if (!pid.ok()) return pid.status();
     r.pid = *pid;
     r.launch_socket = r.socket;
@@ -720,7 +729,7 @@ absl::Status Supervisor::LaunchPrestarted(PoolKey key, const PoolPlace& place) {
   // WARM replica on a parking GPU starts cold instead).
   if (real_gpu) p.env.push_back("CUDA_VISIBLE_DEVICES=" + p.gpu_uuid);
   req.env = p.env;
-  auto pid = launcher_->Launch(req);
+  auto pid = launcher_->Launch(WithRuntimeEnvironment(req));
   if (!pid.ok()) return pid.status();
   p.pid = *pid;
   p.started = clock_->Now();

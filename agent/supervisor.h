@@ -41,6 +41,9 @@ struct SupervisorOptions {
   // WARM replicas on a real GPU get CUDA_DISABLE_PERF_BOOST=1.
   bool park_warm_replicas = false;
   std::string runtime_log_level = "info";
+  // Runtimes start with glibc malloc's heap on transparent huge pages (GLIBC_TUNABLES
+  // glibc.malloc.hugetlb=1, unless the agent's own GLIBC_TUNABLES says otherwise).
+  bool runtime_malloc_huge_pages = true;
   // A running replica whose control socket does not answer for this long is killed (and
   // restarted); it leaves routing at the first unanswered probe.
   absl::Duration probe_timeout = absl::Seconds(10);
@@ -257,6 +260,9 @@ class Supervisor {
   absl::Status Launch(Replica& r);
   // Names `r`'s sockets and log, and the request that starts it cold.
   absl::StatusOr<LaunchRequest> ColdStart(Replica& r);
+  // What every runtime's launch adds to the request, and which a pre-started runtime is never
+  // compared on (it is not in `env` of ColdStart or of a pool entry): malloc on huge pages.
+  LaunchRequest WithRuntimeEnvironment(LaunchRequest req) const;
   // Another replica (one on its way out) still holds one of `r`'s CPUs: `r` starts once it is
   // gone. Says so in the log the first time.
   bool WaitsForCpus(Replica& r);

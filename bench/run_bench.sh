@@ -246,6 +246,9 @@ for i in $(seq 1 "$LIFECYCLE_RUNS"); do
   # The probe starts right away and polls the control socket; it takes the inference port
   # from GetState, so nothing waits on the runtime's log.
   t0=$(date +%s%6N)
+  # Spawned as kiln-agent spawns a replica: malloc's heap on huge pages (GLIBC_TUNABLES below;
+  # RUNTIME_TUNABLES= measures without).
+  GLIBC_TUNABLES="${RUNTIME_TUNABLES-glibc.malloc.hugetlb=1}" \
   "$RUNTIME" --model-repository "$WORK/models" --model encoder --grpc-port 0 --http-port 0 \
     --bind-address 127.0.0.1 --initial-state warm --control-socket "$sock" \
     >"$WORK/runtime-lifecycle-$i.log" 2>&1 &

@@ -26,7 +26,8 @@ cleanup() {
 trap cleanup EXIT
 
 echo "== starting kiln-runtime on the demo model (build/models/encoder)"
-build/runtime/kiln-runtime --model-repository build/models --model encoder \
+# As kiln-agent starts a replica: malloc's heap on transparent huge pages.
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1 build/runtime/kiln-runtime --model-repository build/models --model encoder \
   --grpc-port 0 --http-port 0 --bind-address 127.0.0.1 \
   --control-socket "$work/control.sock" >"$work/runtime.log" 2>&1 &
 runtime_pid=$!

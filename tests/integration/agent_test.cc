@@ -301,6 +301,15 @@ TEST_F(AgentTest, AssignmentBringsUpReplicasAndScaleUpPromotesTheWarmOne) {
   EXPECT_TRUE(Infer(Find(j, "s0")["grpc_port"]).ok());
   EXPECT_EQ(Infer(Find(j, "w0")["grpc_port"]).error_code(), grpc::StatusCode::UNAVAILABLE);
   int warm_pid = Find(j, "w0")["pid"];
+  // Replicas start with malloc's heap on huge pages (the agent's default), the agent's own
+  // environment otherwise.
+  if (getenv("GLIBC_TUNABLES") == nullptr) {
+    std::string environ_of = kiln::testing::ReadFile("/proc/" + std::to_string(warm_pid) + "/environ");
+    std::replace(environ_of.begin(), environ_of.end(), '\0', '\n');
+    EXPECT_NE(("\n" + environ_of).find("\nGLIBC_TUNABLES=glibc.malloc.hugetlb=1\n"),
+              std::string::npos)
+        << environ_of;
+  }
 
   // Scale up: the WARM replica becomes SERVING in place (same process), then answers.
   WriteAssignment("replicas:\n" + Replica("s0", "SERVING", 0) + Replica("w0", "SERVING"));
@@ -1241,6 +1250,7 @@ TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
       {{"--stop-timeout-ms", "-5"}, "--stop-timeout-ms: must be in 0..3600000, got -5"},
       {{"--stop-timeout-ms", "3600001"}, "--stop-timeout-ms: must be in 0..3600000"},
       {{"--runtime-log-level", "verbose"}, "--runtime-log-level: log level 'verbose'"},
+      {{"--runtime-malloc-huge-pages", "maybe"}, "--runtime-malloc-huge-pages = maybe"},
   };
   for (const auto& c : cases) {
     std::string cmd = std::string(KILN_AGENT_BIN) + " --runtime-binary " + KILN_RUNTIME_BIN +

@@ -82,6 +82,39 @@ TEST_F(RealLauncherTest, AppliesAffinityMemoryPolicyEnvironmentAndSession) {
       << out;
 }
 
+// An entry of the request replaces the agent's own of the same name: a process reads the first
+// of two (a CUDA_VISIBLE_DEVICES or GLIBC_TUNABLES of the agent's would win otherwise).
+TEST_F(RealLauncherTest, TheRequestsEntriesReplaceTheAgentsOfTheSameName) {
+  ASSERT_EQ(setenv("KILN_TEST_REPLACED", "agent", 1), 0);
+  ASSERT_EQ(setenv("KILN_TEST_KEPT", "agent", 1), 0);
+  LaunchRequest r;
+  r.argv = {"/bin/sh", "-c",
+            "echo n=$(tr '\\0' '\\n' < /proc/$$/environ | grep -c '^KILN_TEST_REPLACED=');"
+            " echo v=$KILN_TEST_REPLACED; echo k=$KILN_TEST_KEPT; echo p=$KILN_TEST_REPLACED_NOT"};
+  r.env = {"KILN_TEST_REPLACED=replica", "KILN_TEST_REPLACED_NOT=new"};
+  r.log_file = log_;
+  auto pid = launcher_.Launch(r);
+  unsetenv("KILN_TEST_REPLACED");
+  unsetenv("KILN_TEST_KEPT");
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  auto exit = WaitForExit(launcher_, *pid);
+  ASSERT_TRUE(exit.has_value());
+  std::string out = ReadAll(log_);
+  EXPECT_NE(out.find("n=1\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("v=replica\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("k=agent\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("p=new\n"), std::string::npos) << out;
+}
+
+TEST(MallocHugePagesTunableTest, AddsTheTunableUnlessTheAgentsValueSetsIt) {
+  EXPECT_EQ(MallocHugePagesTunable(nullptr), "GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
+  EXPECT_EQ(MallocHugePagesTunable(""), "GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
+  EXPECT_EQ(MallocHugePagesTunable("glibc.malloc.check=3"),
+            "GLIBC_TUNABLES=glibc.malloc.check=3:glibc.malloc.hugetlb=1");
+  EXPECT_EQ(MallocHugePagesTunable("glibc.malloc.hugetlb=0"), "");
+  EXPECT_EQ(MallocHugePagesTunable("glibc.malloc.check=3:glibc.malloc.hugetlb=2"), "");
+}
+
 // The child starts with no signal blocked or ignored, whatever the agent blocks or ignores
 // (the agent ignores SIGPIPE; an ignored disposition would outlive exec).
 TEST_F(RealLauncherTest, TheChildStartsWithDefaultSignals) {

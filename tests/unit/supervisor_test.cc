@@ -97,6 +97,15 @@ class SupervisorTest : public ::testing::Test {
     }
     return "";
   }
+  // The GLIBC_TUNABLES entries of a launch, joined; what the agent adds by default.
+  static std::string TunablesOf(const LaunchRequest& r) {
+    std::string out;
+    for (const auto& e : r.env) {
+      if (e.rfind("GLIBC_TUNABLES=", 0) == 0) out += (out.empty() ? "" : ";") + e;
+    }
+    return out;
+  }
+  static std::string ExpectedTunables() { return MallocHugePagesTunable(getenv("GLIBC_TUNABLES")); }
   // Bounded: advances the clock in 1 s steps, ticking, until something is launched (at most
   // 120 s); returns how long that took.
   absl::Duration AdvanceUntilALaunch() {
@@ -168,6 +177,7 @@ TEST_F(SupervisorTest, StartsReplicasPinnedAndPromotesToTheirState) {
   EXPECT_EQ(a.memory_node, 1);
   EXPECT_NE(std::find(a.env.begin(), a.env.end(), "CUDA_VISIBLE_DEVICES=GPU-1"), a.env.end());
   EXPECT_EQ(Arg(launches[1], "--device"), "cpu");
+  for (const LaunchRequest& l : launches) EXPECT_EQ(TunablesOf(l), ExpectedTunables()) << l.env.size();
   // Node 0 has 7 free CPUs (CPU 0 is the agent's), node 1 has 6 after a: node 0.
   EXPECT_EQ(launches[1].cpus, (std::vector<int>{1}));
   EXPECT_EQ(View("a")->phase, "STARTING");
@@ -195,6 +205,18 @@ TEST_F(SupervisorTest, StartsReplicasPinnedAndPromotesToTheirState) {
 // a GetState the runtime holds leaves Tick at once (the call's own timeout is a minute here),
 // the replica stays in routing (one unanswered call is no verdict), and the answer is taken
 // on a later pass once it comes.
+
+// --runtime-malloc-huge-pages=false: replicas start with the agent's environment only.
+TEST_F(SupervisorTest, MallocOnHugePagesIsTheOperatorsToTurnOff) {
+  options_.runtime_malloc_huge_pages = false;
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)})).ok());
+  sup_->Tick();
+  auto launches = launcher_.launches();
+  ASSERT_EQ(launches.size(), 1u);
+  EXPECT_EQ(TunablesOf(launches[0]), "");
+  EXPECT_EQ(launches[0].env, std::vector<std::string>{"CUDA_VISIBLE_DEVICES=GPU-1"});
+}
 TEST_F(SupervisorTest, ATickDoesNotWaitForAWedgedRuntime) {
   std::atomic<int> late{0};
   GrpcRuntimeClientFactory clients(absl::Minutes(1), absl::Milliseconds(10), [&] { ++late; });
@@ -1262,7 +1284,8 @@ TEST_F(PrestartTest, APoolPerGpuAndPerNumaNodeForCpuStartsOnItsNodeAndBecomesRea
   EXPECT_EQ(Arg(pre[3], "--device"), "cuda:0");
   EXPECT_EQ(pre[3].cpus, (std::vector<int>{8, 9, 10, 11, 12, 13, 14, 15}));
   EXPECT_EQ(pre[3].memory_node, 1);
-  EXPECT_EQ(pre[3].env, std::vector<std::string>{"CUDA_VISIBLE_DEVICES=GPU-1"});
+  EXPECT_EQ(pre[3].env[0], "CUDA_VISIBLE_DEVICES=GPU-1");
+  for (const LaunchRequest& l : pre) EXPECT_EQ(TunablesOf(l), ExpectedTunables());
   EXPECT_EQ(Arg(pre[2], "--model"), "");  // no model yet
   ASSERT_NE(Pool(1), nullptr);
   EXPECT_FALSE(Pool(1)->ready);
