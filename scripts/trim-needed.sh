@@ -22,7 +22,7 @@ if [ $# -ne 2 ]; then
 fi
 src=$1
 dest=$2
-for tool in readelf patchelf ldd ldconfig; do
+for tool in readelf patchelf ldd; do
   if ! command -v "$tool" >/dev/null 2>&1; then
     echo "trim-needed: $tool not found" >&2
     exit 1
@@ -46,11 +46,18 @@ readelf -W --dyn-syms "$src" |
   awk 'NF >= 8 && $7 == "UND" { sub(/@.*/, "", $8); if ($8 != "") print $8 }' |
   sort -u >"$work/undefined"
 
+readelf -V "$src" | sed -n 's/.*File: \([^ ]*\).*/\1/p' | sort -u >"$work/versioned"
+# Where the loader finds each library for SRC (its own search path included).
+ldd "$src" | awk '$2 == "=>" && $3 ~ /^\// { print $1, $3 }' >"$work/found"
 drop=""
 for needed in $(readelf -d "$src" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'); do
-  path=$(ldconfig -p | awk -v n="$needed" '$1 == n { print $NF; exit }')
+  path=$(awk -v n="$needed" '$1 == n { print $2; exit }' "$work/found")
   if [ -z "$path" ]; then
-    # Not in the loader's cache (a private directory): keep it, as nothing can be checked.
+    # Not found at all: keep it, as nothing can be checked.
+    continue
+  fi
+  # A library named in SRC's version needs is used, whatever the symbol tables say.
+  if grep -qxF "$needed" "$work/versioned"; then
     continue
   fi
   if [ -z "$(defined_by "$path" | comm -12 "$work/undefined" -)" ]; then
@@ -66,12 +73,37 @@ args=""
 for needed in $drop; do
   args="$args --remove-needed $needed"
 done
+# The copy lives elsewhere: a search path of SRC's relative to its own directory ($ORIGIN, as
+# a wheel's LibTorch has) is made absolute, so the copy finds what SRC found.
+rpath=$(patchelf --print-rpath "$src")
+case $rpath in
+  *'$ORIGIN'* | *'${ORIGIN}'*)
+    origin=$(cd "$(dirname "$src")" && pwd -P)
+    rpath=$(printf '%s' "$rpath" | sed -e "s|\${ORIGIN}|$origin|g" -e "s|\$ORIGIN|$origin|g")
+    args="$args --set-rpath $rpath"
+    ;;
+esac
 # One patchelf run: each run rewrites the whole file.
 # shellcheck disable=SC2086
 patchelf $args "$work/copy"
+if ldd "$work/copy" | grep -q 'not found'; then
+  echo "trim-needed: the trimmed copy cannot find a library SRC finds; keeping $src:" >&2
+  ldd "$work/copy" | grep 'not found' | head -5 >&2
+  exit 1
+fi
 
-ldd -r "$src" 2>&1 | grep 'undefined symbol' | sort >"$work/before" || true
-ldd -r "$work/copy" 2>&1 | grep 'undefined symbol' | sed "s|$work/copy|$src|" | sort >"$work/after" || true
+# ldd -r relocates the copy as the loader would. It must succeed as for SRC, with no
+# undefined symbol SRC did not have.
+ldd -r "$src" >"$work/ldd-src" 2>&1 || true
+ldd_rc=0
+ldd -r "$work/copy" >"$work/ldd-copy" 2>&1 || ldd_rc=$?
+if [ "$ldd_rc" -ne 0 ] || grep -q 'Inconsistency\|error' "$work/ldd-copy"; then
+  echo "trim-needed: the trimmed copy does not load (ldd -r); keeping $src:" >&2
+  grep -v '=>' "$work/ldd-copy" | head -5 >&2
+  exit 1
+fi
+grep 'undefined symbol' "$work/ldd-src" | sed 's/[[:space:]]*(.*//' | sort >"$work/before" || true
+grep 'undefined symbol' "$work/ldd-copy" | sed 's/[[:space:]]*(.*//' | sort >"$work/after" || true
 if [ -n "$(comm -13 "$work/before" "$work/after")" ]; then
   echo "trim-needed: the trimmed copy leaves symbols undefined; keeping $src:" >&2
   comm -13 "$work/before" "$work/after" | head -5 >&2
