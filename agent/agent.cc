@@ -173,6 +173,10 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
   if (absl::Status s = CheckLogLevel(o.runtime_log_level); !s.ok()) {
     return absl::InvalidArgumentError("--runtime-log-level: " + std::string(s.message()));
   }
+  if (o.runtime_idle_spin_us < 0 || o.runtime_idle_spin_us > 10000) {
+    return absl::InvalidArgumentError("--runtime-idle-spin-us: must be in 0..10000, got " +
+                                      std::to_string(o.runtime_idle_spin_us));
+  }
   if (o.router_busy_poll_us < 0 || o.router_busy_poll_us > 100000) {
     return absl::InvalidArgumentError("--router-busy-poll-us: must be in 0..100000");
   }
@@ -304,6 +308,7 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   so.fake_gpus = t.fake_gpus;
   so.runtime_log_level = options_.runtime_log_level;
   so.runtime_malloc_huge_pages = options_.runtime_malloc_huge_pages;
+  so.runtime_idle_spin_us = options_.runtime_idle_spin_us;
   so.prestart_per_gpu = options_.prestart_per_gpu;
   so.prestart_cpu = options_.prestart_cpu;
   so.inference_probe_interval = options_.inference_probe_interval;

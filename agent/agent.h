@@ -67,6 +67,9 @@ struct AgentOptions {
   std::string runtime_log_level = "info";
   // Runtimes start with malloc's heap on transparent huge pages (SupervisorOptions).
   bool runtime_malloc_huge_pages = true;
+  // Each runtime's executions' thread waits busily this long for the next request after each
+  // execution (the runtime's --idle-spin-us); 0 = off.
+  int64_t runtime_idle_spin_us = 0;
   // Pre-started runtimes kept ready per GPU (--prestart-per-gpu) and for CPU replicas
   // (--prestart-cpu): a replica that starts is handed one instead of spawning cold.
   int prestart_per_gpu = 0;

@@ -92,6 +92,11 @@ int main(int argc, char** argv) {
                  "(GLIBC_TUNABLES=glibc.malloc.hugetlb=1; a GLIBC_TUNABLES of the agent's "
                  "that sets it wins): about 10,000 fewer page faults in a runtime's start")
       ->capture_default_str();
+  app.add_option("--runtime-idle-spin-us", o.runtime_idle_spin_us,
+                 "Each replica's executions' thread waits busily this long for the next "
+                 "request after each execution (its --idle-spin-us; 0 = off, at most 10000): "
+                 "lower latency at low load, for CPU time")
+      ->capture_default_str();
   app.add_option("--prestart-per-gpu", o.prestart_per_gpu,
                  "Pre-started runtimes (LibTorch loaded, device context made, no model) kept "
                  "per GPU: a starting replica is handed one instead of spawning cold (0..16)")

@@ -436,6 +436,10 @@ absl::StatusOr<LaunchRequest> Supervisor::ColdStart(Replica& r) {
     req.argv.push_back("--max-request-bytes");
     req.argv.push_back(std::to_string(s.runtime().max_request_bytes()));
   }
+  if (options_.runtime_idle_spin_us > 0) {
+    req.argv.push_back("--idle-spin-us");
+    req.argv.push_back(std::to_string(options_.runtime_idle_spin_us));
+  }
   req.cpus = r.cpus.cpus;
   req.memory_node = r.cpus.memory_node;
   req.log_file = r.log_file;

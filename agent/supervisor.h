@@ -44,6 +44,9 @@ struct SupervisorOptions {
   // Runtimes start with glibc malloc's heap on transparent huge pages (GLIBC_TUNABLES
   // glibc.malloc.hugetlb=1, unless the agent's own GLIBC_TUNABLES says otherwise).
   bool runtime_malloc_huge_pages = true;
+  // Given to each runtime as --idle-spin-us when not 0: after each execution its executions'
+  // thread waits busily this long for the next request before it sleeps.
+  int64_t runtime_idle_spin_us = 0;
   // A running replica whose control socket does not answer for this long is killed (and
   // restarted); it leaves routing at the first unanswered probe.
   absl::Duration probe_timeout = absl::Seconds(10);

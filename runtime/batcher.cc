@@ -1,6 +1,7 @@
 #include "runtime/batcher.h"
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <numeric>
 #include <string>
@@ -279,7 +280,41 @@ void Batcher::Push(Item item, bool front) {
     views_.push_back(std::move(v));
     queue_.push_back(std::move(item));
   }
+  Signal();
+}
+
+void Batcher::Signal() {
   changed_ = true;
+  signals_.fetch_add(1, std::memory_order_release);
+}
+
+void Batcher::SetIdleSpin(absl::Duration spin) {
+  idle_spin_nanos_.store(std::max<int64_t>(0, absl::ToInt64Nanoseconds(spin)));
+}
+
+namespace {
+// Tells the CPU this is a spin-wait loop (less power, and a sibling hardware thread runs on).
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+}  // namespace
+
+bool Batcher::SpinFor(uint64_t seen, absl::Duration spin) {
+  // Real time, not the injected clock: this bounds CPU spent, not a request's wait.
+  const auto until = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(spin);
+  for (;;) {
+    for (int i = 0; i < 64; i++) {
+      if (signals_.load(std::memory_order_acquire) != seen) return true;
+      CpuRelax();
+    }
+    if (std::chrono::steady_clock::now() >= until) {
+      return signals_.load(std::memory_order_acquire) != seen;
+    }
+  }
 }
 
 void Batcher::Reap() {
@@ -345,7 +380,7 @@ absl::Status Batcher::Enqueue(Item item) {
     executing_ = false;
     // Requests queued meanwhile are the executor thread's; with none, it sleeps on (waking it
     // for nothing costs a context switch per request).
-    if (!queue_.empty() || !tasks_.empty()) changed_ = true;
+    if (!queue_.empty() || !tasks_.empty()) Signal();
   }
   return absl::OkStatus();
 queue_it:
@@ -375,7 +410,7 @@ absl::Status Batcher::RunOnExecutor(std::function<void()> fn) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the model is shutting down");
   tasks_.push_back(&task);
-  changed_ = true;
+  Signal();
   mu_.Await(absl::Condition(&task.done));
   if (!task.error.empty()) return absl::InternalError(task.error);
   return task.ran ? absl::OkStatus() : absl::UnavailableError("the model is shutting down");
@@ -402,7 +437,7 @@ void Batcher::Stop() {
       return;
     }
     stopping_ = true;
-    changed_ = true;
+    Signal();
   }
   if (thread_.joinable()) thread_.join();
   if (reaper_.joinable()) reaper_.join();
@@ -448,6 +483,7 @@ void Batcher::Loop() {
         Task* task = tasks_.front();
         tasks_.pop_front();
         executing_ = true;
+        spun_ = false;
         mu_.Unlock();
         std::string error = RunCatching(task->fn);
         mu_.Lock();
@@ -460,6 +496,18 @@ void Batcher::Loop() {
       std::vector<PendingView> views(views_.begin(), views_.end());
       BatchDecision d = Decide(views, clock_->Now(), policy_);
       if (d.batch.empty() && d.expired.empty()) {
+        const int64_t spin_ns = idle_spin_nanos_.load(std::memory_order_relaxed);
+        if (spin_ns > 0 && !spun_ && queue_.empty() && tasks_.empty()) {
+          // Once after each execution: a spin that ends with nothing sleeps until a Signal.
+          spun_ = true;
+          idle_spins_++;
+          const uint64_t seen = signals_.load(std::memory_order_acquire);
+          mu_.Unlock();
+          const bool caught = SpinFor(seen, absl::Nanoseconds(spin_ns));
+          mu_.Lock();
+          if (caught) idle_spin_catches_++;
+          continue;
+        }
         changed_ = false;
         absl::Duration wait = d.wake_at == absl::InfiniteFuture()
                                   ? absl::Seconds(1)
@@ -479,6 +527,7 @@ void Batcher::Loop() {
       std::sort(take.rbegin(), take.rend());
       for (size_t i : take) (void)TakeAt(i);  // already moved out, in the order decided
       if (!batch.empty()) executing_ = true;
+      spun_ = false;
     }
     for (auto& item : expired) {
       Answer(item, TimedOutInQueue());

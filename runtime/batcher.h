@@ -112,6 +112,16 @@ class Batcher {
   // reply or task running on the batcher's own threads, which it would wait on.
   void Stop();
 
+  // After each execution the executor thread waits busily up to `spin` for the next request
+  // before it sleeps (0, the default: it sleeps at once). A request caught by the spin is
+  // taken with no wake-up to pay (a futex wake and a sleeping CPU's exit, tens of
+  // microseconds on a virtual machine) and on a CPU whose caches are still warm, at the cost
+  // of up to `spin` of CPU time per execution.
+  void SetIdleSpin(absl::Duration spin);
+  // Spins begun, and those that ended with a request or task to take.
+  int64_t idle_spins() const { return idle_spins_.load(); }
+  int64_t idle_spin_catches() const { return idle_spin_catches_.load(); }
+
  private:
   Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, Clock* clock,
           BatchObserver observer, bool one_thread);
@@ -129,6 +139,11 @@ class Batcher {
   std::vector<Item> Run(std::vector<Item> items);
   // Sends the replies Run handed off, in order, until Stop() and none is left.
   void AnswerLoop();
+  // Marks the queue (or the tasks, or stopping) changed: wakes a sleeping executor thread and
+  // ends a spinning one's spin.
+  void Signal() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits busily, without mu_, until a Signal after `seen` or `spin` passes; true on a Signal.
+  bool SpinFor(uint64_t seen, absl::Duration spin);
 
   const BatchPolicy policy_;
   const bool one_thread_;
@@ -150,6 +165,11 @@ class Batcher {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;  // Stop has finished
   bool changed_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<uint64_t> signals_{0};  // Signal()s so far: what a spinning executor watches
+  std::atomic<int64_t> idle_spin_nanos_{0};
+  bool spun_ ABSL_GUARDED_BY(mu_) = false;  // spun since the last work taken
+  std::atomic<int64_t> idle_spins_{0};
+  std::atomic<int64_t> idle_spin_catches_{0};
   bool executing_ ABSL_GUARDED_BY(mu_) = false;  // one execution at a time, either path
   int64_t deadlined_ ABSL_GUARDED_BY(mu_) = 0;   // queued requests with a deadline
   std::map<int64_t, int64_t> queued_by_priority_ ABSL_GUARDED_BY(mu_);

@@ -459,6 +459,8 @@ EngineStats InferenceEngine::Stats() const {
   s.errors = errors_.load();
   s.in_flight = in_flight_.load();
   s.queue_depth = batcher_ ? batcher_->queue_depth() : 0;
+  s.idle_spins = batcher_ ? batcher_->idle_spins() : 0;
+  s.idle_spin_catches = batcher_ ? batcher_->idle_spin_catches() : 0;
   s.batches = batches_.load();
   s.rejected_queue_full = rejected_queue_full_.load();
   s.timed_out = timed_out_.load();

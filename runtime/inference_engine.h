@@ -60,6 +60,8 @@ struct EngineStats {
   uint64_t errors = 0;
   int64_t in_flight = 0;
   int64_t queue_depth = 0;
+  int64_t idle_spins = 0;         // Batcher::idle_spins
+  int64_t idle_spin_catches = 0;  // Batcher::idle_spin_catches
   uint64_t batches = 0;
   uint64_t rejected_queue_full = 0;
   uint64_t timed_out = 0;
@@ -106,6 +108,9 @@ class InferenceEngine {
   // The most a request may hold once padded to its sequence bucket (the frontends' payload
   // limit; kDefaultMaxRequestBytes until set).
   void SetPayloadLimit(int64_t bytes) { payload_limit_ = bytes; }
+  // How long the executions' thread waits busily for the next request before it sleeps
+  // (Batcher::SetIdleSpin; 0 = not at all).
+  void SetIdleSpin(absl::Duration spin) { batcher_->SetIdleSpin(spin); }
   // Validates and queues `request`; `done` runs exactly once (maybe on this thread).
   void Infer(InferRequest request, Done done);
   // A request a frontend refused before it could be decoded (bad body, wrong byte size, a

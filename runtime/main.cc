@@ -71,6 +71,10 @@ void AddRuntimeFlags(CLI::App& app, Flags* f, bool model_required) {
   app.add_option("--max-request-bytes", f->max_request,
                  "Largest request payload (bytes, or 64Mi)")
       ->capture_default_str();
+  app.add_option("--idle-spin-us", o.idle_spin_us,
+                 "After each execution, wait busily this long for the next request before "
+                 "sleeping (0 = off, at most 10000): lower latency at low load, for CPU time")
+      ->capture_default_str();
   app.add_option("--drain-timeout-ms", f->drain_ms, "Default drain deadline")
       ->capture_default_str();
   app.add_option("--cpu-set", f->cpu_set,
@@ -270,7 +274,7 @@ int main(int argc, char** argv) {
     // The model and how it is served come with the Load; said here, they would be ignored.
     for (const char* flag : {"--model-repository", "--model", "--version", "--grpc-port",
                              "--http-port", "--initial-state", "--threads", "--http-threads",
-                             "--cpu-set", "--memory-node", "--replica-id"}) {
+                             "--cpu-set", "--memory-node", "--replica-id", "--idle-spin-us"}) {
       if (app.count(flag) > 0) {
         log->error("{}: not with --prestart (it comes with the Load)", flag);
         return 2;

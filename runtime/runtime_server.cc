@@ -1,5 +1,6 @@
 #include "runtime/runtime_server.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -64,6 +65,11 @@ absl::Status ValidateRuntimeOptions(const RuntimeOptions& o) {
       !(o.device.rfind("cuda:", 0) == 0 && o.device.size() > 5 && o.device.size() < 9 &&
         o.device.find_first_not_of("0123456789", 5) == std::string::npos)) {
     return absl::InvalidArgumentError("--device: must be cpu or cuda:N, got '" + o.device + "'");
+  }
+  if (o.idle_spin_us < 0 || o.idle_spin_us > kMaxIdleSpinMicros) {
+    return absl::InvalidArgumentError("--idle-spin-us: must be in 0.." +
+                                      std::to_string(kMaxIdleSpinMicros) + ", got " +
+                                      std::to_string(o.idle_spin_us));
   }
   if (o.threads < 0 || o.threads > 1024) {
     return absl::InvalidArgumentError("--threads: must be in 0..1024");
@@ -186,6 +192,19 @@ absl::Status RuntimeServer::Load() {
   KILN_ASSIGN_OR_RETURN(engine_, InferenceEngine::Create(model_.config, model_.version,
                                                          std::move(backend), &lifecycle_, clock_));
   engine_->SetPayloadLimit(options_.max_request_bytes);
+  if (options_.idle_spin_us > 0) {
+    // A spinning thread on the only CPU would hold off the frontend thread that hands it work.
+    cpu_set_t cpus;
+    CPU_ZERO(&cpus);
+    const int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+    if (usable >= 2) {
+      engine_->SetIdleSpin(absl::Microseconds(options_.idle_spin_us));
+    } else {
+      log->warn("--idle-spin-us {}: not used, this runtime may run on {} CPU (a spin needs two: "
+                "one spinning, one reading requests)",
+                options_.idle_spin_us, usable);
+    }
+  }
   KILN_RETURN_IF_ERROR(engine_->Warmup());
   absl::Time t2 = clock_->Now();
   host_.SetEngine(engine_.get());
@@ -332,6 +351,8 @@ v1::RuntimeStats RuntimeServer::Stats() {
   out.set_batches(s.batches);
   out.set_rejected_queue_full(s.rejected_queue_full);
   out.set_timed_out(s.timed_out);
+  out.set_idle_spins(static_cast<uint64_t>(s.idle_spins));
+  out.set_idle_spin_catches(static_cast<uint64_t>(s.idle_spin_catches));
   out.set_latency_p50_micros(s.latency_micros.Quantile(0.5));
   out.set_latency_p99_micros(s.latency_micros.Quantile(0.99));
   return out;

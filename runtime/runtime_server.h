@@ -43,7 +43,11 @@ struct RuntimeOptions {
   // Run one warm-up inference before a promoted replica is routed: a power-parked device
   // (CUDA_DISABLE_PERF_BOOST=1) pays its slow first kernel here, not on a client request.
   bool warmup_on_promote = false;
+  // After each execution, the executions' thread waits busily this long for the next request
+  // before it sleeps (Batcher::SetIdleSpin); 0 = off. At most kMaxIdleSpinMicros.
+  int64_t idle_spin_us = 0;
 };
+inline constexpr int64_t kMaxIdleSpinMicros = 10000;
 
 // Checks flag values; errors name the flag.
 absl::Status ValidateRuntimeOptions(const RuntimeOptions& options);

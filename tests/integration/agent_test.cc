@@ -1251,6 +1251,8 @@ TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
       {{"--stop-timeout-ms", "3600001"}, "--stop-timeout-ms: must be in 0..3600000"},
       {{"--runtime-log-level", "verbose"}, "--runtime-log-level: log level 'verbose'"},
       {{"--runtime-malloc-huge-pages", "maybe"}, "--runtime-malloc-huge-pages = maybe"},
+      {{"--runtime-idle-spin-us", "-1"}, "--runtime-idle-spin-us: must be in 0..10000, got -1"},
+      {{"--runtime-idle-spin-us", "10001"}, "--runtime-idle-spin-us: must be in 0..10000"},
   };
   for (const auto& c : cases) {
     std::string cmd = std::string(KILN_AGENT_BIN) + " --runtime-binary " + KILN_RUNTIME_BIN +

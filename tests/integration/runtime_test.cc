@@ -154,6 +154,41 @@ double MaxDiff(const std::vector<float>& got, const json& rows) {
 
 std::vector<float> JsonFloats(const json& data) { return data.get<std::vector<float>>(); }
 
+v1::RuntimeStats Stats(RuntimeProcess* rt);
+
+// --idle-spin-us: the executions' thread waits busily after each execution; answers are the
+// same, and Stats counts the spins and the requests they took.
+TEST(RuntimeTest, AnIdleSpinKeepsTheAnswersAndIsCounted) {
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  if (CPU_COUNT(&allowed) < 2) GTEST_SKIP() << "a spin needs two CPUs; this test has one";
+  auto rt = StartRuntime("encoder", "1", "serving", {"--idle-spin-us", "10000"});
+  ASSERT_NE(rt, nullptr);
+  auto stub = Stub(*rt);
+  auto refs = References("1");
+  for (size_t i = 0; i < 6; ++i) {
+    const json& c = refs[i];
+    grpc::ClientContext ctx;
+    inference::ModelInferResponse resp;
+    grpc::Status s = stub->ModelInfer(&ctx, GrpcEncoderRequest(c, true), &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_LT(MaxDiff(GrpcFloats(resp), c["embedding"]), 1e-5) << i;
+  }
+  // Each request's execution is followed by a spin (the last one's begins after its reply);
+  // most requests sent one after another within 10 ms are taken by one (not asserted: the VM
+  // may stall a thread).
+  v1::RuntimeStats stats;
+  EXPECT_TRUE(kiln::testing::Eventually(
+      [&] {
+        stats = Stats(rt.get());
+        return stats.idle_spins() >= 6;
+      },
+      absl::Seconds(10)))
+      << stats.idle_spins();
+  EXPECT_LE(stats.idle_spin_catches(), stats.idle_spins());
+  EXPECT_EQ(rt->Log().find("--idle-spin-us 10000: not used"), std::string::npos) << rt->Log();
+}
+
 TEST(RuntimeTest, BothProtocolsReturnTheReferenceOutputs) {
   auto rt = StartRuntime("encoder", "1");
   ASSERT_NE(rt, nullptr);
@@ -219,7 +254,7 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
            {"--cpu-set", "3-1"}, {"--cpu-set", "x"}, {"--cpu-set", "99999"},
            {"--memory-node", "-2"}, {"--memory-node", "1024"}, {"--replica-id", "r 1"},
-           {"--http-threads", "0"}}) {
+           {"--http-threads", "0"}, {"--idle-spin-us", "10001"}}) {
     bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "encoder", "--control-socket",
                         rt->control_socket(), flag, value});
     EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << flag << " " << value;
@@ -242,7 +277,7 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   grpc::Status loaded =
       rt->Load(kRepo, "encoder", "serving",
                {"--version", "1", "--cpu-set", std::to_string(cpu), "--replica-id", "enc-7.0",
-                "--http-threads", "3"});
+                "--http-threads", "3", "--idle-spin-us", "200"});
   ASSERT_TRUE(loaded.ok()) << loaded.error_message() << rt->Log();
   st = rt->GetState();
   ASSERT_TRUE(st.ok());
@@ -269,6 +304,17 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
     HttpResult h = f.get();
     ASSERT_EQ(h.code, 200) << h.raw;
     EXPECT_LT(MaxDiff(JsonFloats(h.body["outputs"][0]["data"]), c["embedding"]), 1e-5);
+  }
+  {
+    // The Load's --idle-spin-us was read, and not used: pinned to one CPU, a spinning thread
+    // would hold off the one that reads requests.
+    grpc::ClientContext sctx;
+    v1::RuntimeStats stats;
+    ASSERT_TRUE(rt->control()->Stats(&sctx, {}, &stats).ok());
+    EXPECT_EQ(stats.idle_spins(), 0u);
+    EXPECT_NE(rt->Log().find("--idle-spin-us 200: not used, this runtime may run on 1 CPU"),
+              std::string::npos)
+        << rt->Log();
   }
   // It pinned every thread to the CPUs the Load named.
   std::error_code ec;
@@ -810,6 +856,7 @@ TEST(RuntimeTest, FullQueueIsResourceExhaustedAndTimeoutsExpire) {
   auto stats = Stats(rt.get());
   EXPECT_EQ(stats.rejected_queue_full(), 2u);
   EXPECT_EQ(stats.timed_out(), 1u);
+  EXPECT_EQ(stats.idle_spins(), 0u);  // no --idle-spin-us: the executions' thread sleeps
 }
 
 // A gRPC caller's deadline bounds its request's time in the queue, as a `timeout` parameter
@@ -1600,6 +1647,12 @@ TEST(RuntimeFlagsTest, BadFlagsNameTheFlag) {
        "--http-threads: must be in 1..64, got 0"},
       {{"--model-repository", kRepo, "--model", "encoder", "--http-threads", "65"},
        "--http-threads: must be in 1..64, got 65"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--idle-spin-us", "-1"},
+       "--idle-spin-us: must be in 0..10000, got -1"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--idle-spin-us", "10001"},
+       "--idle-spin-us: must be in 0..10000, got 10001"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--idle-spin-us", "soon"},
+       "--idle-spin-us"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args = {KILN_RUNTIME_BIN};

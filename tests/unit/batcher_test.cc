@@ -193,6 +193,13 @@ TEST(ConcatSplitTest, SplitRejectsWrongBatchDimension) {
   EXPECT_NE(split.status().message().find("batch of 3"), std::string::npos);
 }
 
+// An execution that answers its input as the output "y".
+absl::StatusOr<std::vector<Tensor>> EchoAsY(std::vector<Tensor> in) {
+  Tensor y = in[0];
+  y.name = "y";
+  return std::vector<Tensor>{y};
+}
+
 ModelConfig BatchingConfig(int64_t max_queue) {
   ModelConfig c;
   c.name = "m";
@@ -684,12 +691,7 @@ TEST(BatcherTest, ASlowReplyDoesNotHoldTheNextBatchWhileOthersWait) {
 TEST(BatcherTest, StopFromAReplyIsRefusedAndASecondStopWaitsForTheFirst) {
   RealClock clock;
   ModelConfig config = BatchingConfig(0);
-  auto exec = [](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
-    Tensor y = in[0];
-    y.name = "y";
-    return std::vector<Tensor>{y};
-  };
-  auto batcher = Batcher::Create(config, exec, &clock, nullptr);
+  auto batcher = Batcher::Create(config, EchoAsY, &clock, nullptr);
   ASSERT_TRUE(batcher.ok());
   std::atomic<int> replies{0};
   Batcher::Item it;
@@ -708,6 +710,65 @@ TEST(BatcherTest, StopFromAReplyIsRefusedAndASecondStopWaitsForTheFirst) {
   late.inputs = {Make("x", {1, 1}, {2})};
   late.done = [](absl::StatusOr<std::vector<Tensor>>) {};
   EXPECT_EQ((*batcher)->Enqueue(std::move(late)).code(), absl::StatusCode::kUnavailable);
+}
+
+
+// With an idle spin, the executor thread waits busily after an execution: a request queued
+// then is taken by the spin (no sleep, no wake-up); a spin that ends with nothing leaves the
+// thread asleep and woken as before; Stop ends a spin at once.
+TEST(BatcherTest, AnIdleSpinTakesTheNextRequestAndStopEndsIt) {
+  RealClock clock;
+  ModelConfig config = BatchingConfig(0);
+  config.dynamic_batching.reset();  // no batching: every request runs alone
+  auto batcher = Batcher::Create(config, EchoAsY, &clock, nullptr);
+  ASSERT_TRUE(batcher.ok());
+  Batcher& b = **batcher;
+  absl::Mutex mu;
+  std::vector<float> answered;
+  auto infer = [&](float v) {
+    Batcher::Item it;
+    it.inputs = {Make("x", {1, 1}, {v})};
+    it.may_run_inline = false;  // to the executor thread, as the gRPC frontend sends them
+    it.done = [&](absl::StatusOr<std::vector<Tensor>> r) {
+      ASSERT_TRUE(r.ok()) << r.status();
+      absl::MutexLock lock(&mu);
+      answered.push_back(reinterpret_cast<const float*>((*r)[0].data.data())[0]);
+    };
+    ASSERT_TRUE(b.Enqueue(std::move(it)).ok());
+    absl::MutexLock lock(&mu);
+    auto got = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return !answered.empty() && answered.back() == v; };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&got), absl::Seconds(10)));
+  };
+
+  // Off (the default): the thread never spins.
+  infer(1);
+  EXPECT_EQ(b.idle_spins(), 0);
+
+  // A spin far longer than the test: the next request can only be taken by it.
+  b.SetIdleSpin(absl::Hours(1));
+  infer(2);  // taken from sleep; its execution is followed by a spin
+  ASSERT_TRUE(testing::Eventually([&] { return b.idle_spins() == 1; }, absl::Seconds(10)));
+  EXPECT_EQ(b.idle_spin_catches(), 0);
+  infer(3);
+  EXPECT_EQ(b.idle_spin_catches(), 1);
+
+  // A spin of a microsecond ends with nothing: the thread sleeps, and a request still wakes it.
+  ASSERT_TRUE(testing::Eventually([&] { return b.idle_spins() == 2; }, absl::Seconds(10)));
+  b.SetIdleSpin(absl::Microseconds(1));
+  infer(4);  // ends the hour-long spin (a catch), then one of a microsecond
+  ASSERT_TRUE(testing::Eventually([&] { return b.idle_spins() == 3; }, absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(b.idle_spins(), 3);  // asleep: one spin per execution, not one after another
+  infer(5);
+  ASSERT_TRUE(testing::Eventually([&] { return b.idle_spins() == 4; }, absl::Seconds(10)));
+
+  // Stop during an hour-long spin returns (a spin that ignored it would hang the test).
+  b.SetIdleSpin(absl::Hours(1));
+  infer(6);
+  ASSERT_TRUE(testing::Eventually([&] { return b.idle_spins() == 5; }, absl::Seconds(10)));
+  b.Stop();
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(answered, (std::vector<float>{1, 2, 3, 4, 5, 6}));
 }
 
 }  // namespace
