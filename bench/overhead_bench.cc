@@ -4,6 +4,16 @@
 //   BM_GrpcServed        one synchronous gRPC ModelInfer round trip to a running kiln-runtime
 //                        (KILN_GRPC_ADDRESS), same input.
 //   BM_RestServed        the same over REST JSON (KILN_HTTP_ADDRESS), optional.
+//   BM_GrpcServedLeanClient  BM_GrpcServed through a lean HTTP/2 client (bench/h2_grpc_client.h)
+//                        instead of grpc++'s, whose own cost per call (60-90 us of CPU on the
+//                        development VM) would otherwise be counted as the server's; with
+//                        spin:1 the client also waits for the reply busily, so the server's
+//                        send does not pay for waking it.
+//   BM_GrpcTransportFloor, BM_GrpcTransportFloorLeanClient, BM_RestTransportFloor  ServerLive
+//                        and GET /v2/health/live round trips: each client's floor, no model.
+//
+// BM_InProcessForward's idle_us sleeps that long before each forward (spin:1 waits busily
+// instead), as a server's thread waits between a lone client's requests.
 //
 // Served minus in-process is kiln's per-request overhead (protocol, (de)serialization, queue,
 // scheduling). Point the served benchmarks at a runtime *without* dynamic batching: with it, a
@@ -35,6 +45,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "bench/h2_grpc_client.h"
 #include "bench/http_client.h"
 #include "bench/oip.h"
 #include "inference/grpc_service.grpc.pb.h"
@@ -133,8 +144,16 @@ void BM_InProcessForward(benchmark::State& state) {
   // idle_us > 0: the thread sleeps that long before each forward, untimed, as a server's
   // thread waits between a lone client's requests (the CPU's caches and predictors cool).
   const int64_t idle_us = state.range(2);
+  // spin: the thread waits busily instead (a thread that polls keeps its CPU awake).
+  const bool spin = state.range(3) != 0;
   for (auto _ : state) {
-    if (idle_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
+    if (idle_us > 0 && spin) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(idle_us);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+    } else if (idle_us > 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
+    }
     const auto t0 = std::chrono::steady_clock::now();
     absl::StatusOr<std::vector<Tensor>> out = loaded.backend->Execute(inputs);
     state.SetIterationTime(
@@ -234,11 +253,15 @@ void BM_GrpcTransportFloor(benchmark::State& state) {
   }
 }
 
-// The REST target from KILN_HTTP_ADDRESS, or nothing (and the benchmark skipped with why).
-std::optional<HostPort> RestTarget(benchmark::State& state) {
-  const std::string address = Env("KILN_HTTP_ADDRESS");
+// The same ModelInfer and ServerLive round trips through a lean HTTP/2 client
+// (bench/h2_grpc_client.h): the request serialized once, one write per call, the reply read
+// on this thread. What grpc++'s client costs per call is then left out of the served time.
+// The HOST:PORT in environment variable `var`, or nothing (the benchmark skipped with why).
+std::optional<HostPort> Target(benchmark::State& state, const char* var) {
+  const std::string address = Env(var);
   if (address.empty()) {
-    state.SkipWithError("KILN_HTTP_ADDRESS is not set (HOST:PORT of a running kiln-runtime)");
+    state.SkipWithError(
+        absl::StrCat(var, " is not set (HOST:PORT of a running kiln-runtime)").c_str());
     return std::nullopt;
   }
   absl::StatusOr<HostPort> target = ParseHostPort(address);
@@ -247,6 +270,73 @@ std::optional<HostPort> RestTarget(benchmark::State& state) {
     return std::nullopt;
   }
   return *target;
+}
+std::optional<HostPort> GrpcTarget(benchmark::State& state) {
+  return Target(state, "KILN_GRPC_ADDRESS");
+}
+
+// One call, checked: a transport error, a gRPC error or a reply `Response` cannot parse
+// stops the benchmark with why.
+template <typename Response>
+bool LeanCall(benchmark::State& state, H2GrpcClient& client, const std::string& path,
+              const std::string& request, Response* response) {
+  absl::StatusOr<GrpcReply> reply = client.Call(path, request);
+  if (!reply.ok()) {
+    state.SkipWithError(absl::StrCat(path, ": ", reply.status().message()).c_str());
+    return false;
+  }
+  if (reply->status != 0) {
+    state.SkipWithError(
+        absl::StrCat(path, ": grpc-status ", reply->status, ": ", reply->message).c_str());
+    return false;
+  }
+  if (!response->ParseFromString(reply->body)) {
+    state.SkipWithError(absl::StrCat(path, ": the reply does not parse").c_str());
+    return false;
+  }
+  return true;
+}
+
+// spin: the client waits for each reply busily (H2GrpcClient's `spin`).
+void BM_GrpcServedLeanClient(benchmark::State& state) {
+  std::optional<HostPort> target = GrpcTarget(state);
+  if (!target) return;
+  const int64_t batch = state.range(0);
+  const int64_t seq_len = state.range(1);
+  H2GrpcClient client(*target, std::chrono::milliseconds(10000), state.range(2) != 0);
+  const std::string path = "/inference.GRPCInferenceService/ModelInfer";
+  const std::string request =
+      MakeGrpcInferRequest(ModelName(), "", "bench", BenchInput(batch, seq_len), /*raw=*/true)
+          .SerializeAsString();
+  inference::ModelInferResponse response;
+  if (!LeanCall(state, client, path, request, &response)) return;  // connects, untimed
+  const std::optional<ComputeSample> before = ServerCompute();
+  for (auto _ : state) {
+    if (!LeanCall(state, client, path, request, &response)) break;
+  }
+  if (response.raw_output_contents_size() != 1) {
+    state.SkipWithError("ModelInfer: expected one raw output");
+    return;
+  }
+  ReportServerCompute(state, before);
+  state.SetItemsProcessed(state.iterations() * batch);
+}
+
+void BM_GrpcTransportFloorLeanClient(benchmark::State& state) {
+  std::optional<HostPort> target = GrpcTarget(state);
+  if (!target) return;
+  H2GrpcClient client(*target, std::chrono::milliseconds(10000), state.range(0) != 0);
+  const std::string path = "/inference.GRPCInferenceService/ServerLive";
+  const std::string request = inference::ServerLiveRequest().SerializeAsString();
+  inference::ServerLiveResponse response;
+  for (auto _ : state) {
+    if (!LeanCall(state, client, path, request, &response)) break;
+  }
+  if (!response.live()) state.SkipWithError("ServerLive: the server says it is not live");
+}
+
+std::optional<HostPort> RestTarget(benchmark::State& state) {
+  return Target(state, "KILN_HTTP_ADDRESS");
 }
 
 // The REST round trip with no model work: GET /v2/health/live on a kept-alive connection.
@@ -298,10 +388,12 @@ void BM_RestServed(benchmark::State& state) {
 }
 
 BENCHMARK(BM_InProcessForward)
-    ->ArgNames({"batch", "seq", "idle_us"})
-    ->Args({1, 16, 0})
-    ->Args({1, 16, 300})
-    ->Args({8, 16, 0})
+    ->ArgNames({"batch", "seq", "idle_us", "spin"})
+    ->Args({1, 16, 0, 0})
+    ->Args({1, 16, 150, 0})
+    ->Args({1, 16, 150, 1})
+    ->Args({1, 16, 300, 0})
+    ->Args({8, 16, 0, 0})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_GrpcServed)
@@ -310,7 +402,20 @@ BENCHMARK(BM_GrpcServed)
     ->Args({8, 16})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GrpcServedLeanClient)
+    ->ArgNames({"batch", "seq", "spin"})
+    ->Args({1, 16, 0})
+    ->Args({1, 16, 1})
+    ->Args({8, 16, 0})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_GrpcTransportFloor)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GrpcTransportFloorLeanClient)
+    ->ArgName("spin")
+    ->Arg(0)
+    ->Arg(1)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_RestTransportFloor)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_RestServed)
     ->ArgNames({"batch", "seq"})
