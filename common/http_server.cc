@@ -90,6 +90,20 @@ class HttpServer::State : public std::enable_shared_from_this<HttpServer::State>
   std::vector<std::thread> threads;
 
   void Accept();
+  // Runs the io_context until it stops; with an idle spin, polls busily after each handler.
+  void Run() {
+    if (options.idle_spin <= absl::ZeroDuration()) {
+      ioc.run();
+      return;
+    }
+    const auto spin = absl::ToChronoNanoseconds(options.idle_spin);
+    while (ioc.run_one() > 0) {
+      auto until = std::chrono::steady_clock::now() + spin;
+      while (!ioc.stopped() && std::chrono::steady_clock::now() < until) {
+        if (ioc.poll() > 0) until = std::chrono::steady_clock::now() + spin;
+      }
+    }
+  }
   void Add(const std::shared_ptr<Connection>& c) {
     absl::MutexLock lock(&mu);
     connections[c.get()] = c;
@@ -472,7 +486,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(Options options, H
     state->threads.emplace_back([s = state.get()] {
       for (;;) {  // a handler that throws must not take the process down
         try {
-          s->ioc.run();
+          s->Run();
           return;
         } catch (const std::exception& e) {
           GetLogger("http")->error("HTTP handler failed: {}", e.what());

@@ -82,6 +82,11 @@ class HttpServer {
     absl::Duration linger_timeout = absl::Seconds(5);
     // Names the options that chose bind address and port, for the error when it cannot listen.
     std::string flags = "--bind-address/--port";
+    // After each piece of work (a request read, a handler run, a reply written), a thread
+    // polls busily this long for more before it sleeps in the kernel (0 = never): a request
+    // that comes meanwhile is read with no wake-up to pay, at the cost of up to this much of
+    // a CPU each time.
+    absl::Duration idle_spin = absl::ZeroDuration();
     // A listening socket handed over (systemd socket activation) to accept on instead of
     // binding `bind_address`/`port`; the server works on its own duplicate. -1 = none.
     int listen_fd = -1;

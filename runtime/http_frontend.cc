@@ -130,6 +130,7 @@ class HttpFrontend::Impl {
     o.bind_address = options_.bind_address;
     o.port = options_.port;
     o.threads = options_.threads;
+    o.idle_spin = options_.idle_spin;
     o.max_body_bytes = options_.max_request_bytes;
     o.flags = "--http-port/--bind-address";
     auto server = HttpServer::Start(

@@ -33,6 +33,9 @@ class HttpFrontend {
     int port = 0;  // 0 = pick a free port
     int64_t max_request_bytes = kDefaultMaxRequestBytes;
     int threads = kDefaultThreads;  // reading, JSON decoding and encoding
+    // After each piece of work a thread polls busily this long before it sleeps
+    // (HttpServer::Options::idle_spin).
+    absl::Duration idle_spin = absl::ZeroDuration();
     std::string server_version;
   };
   static absl::StatusOr<std::unique_ptr<HttpFrontend>> Start(ModelHost* host, Options options);

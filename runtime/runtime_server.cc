@@ -138,6 +138,19 @@ absl::Status RuntimeServer::Start() {
 
 absl::Status RuntimeServer::StartListening() {
   auto log = GetLogger("runtime.server");
+  if (options_.idle_spin_us > 0) {
+    // A spinning thread on the only CPU would hold off the one that hands it work.
+    cpu_set_t cpus;
+    CPU_ZERO(&cpus);
+    const int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+    if (usable >= 2) {
+      idle_spin_ = absl::Microseconds(options_.idle_spin_us);
+    } else {
+      log->warn("--idle-spin-us {}: not used, this runtime may run on {} CPU (a spin needs two: "
+                "one spinning, one reading requests)",
+                options_.idle_spin_us, usable);
+    }
+  }
   // Before the control socket answers: GetState reports it.
   if (!options_.data_socket.empty()) {
     KILN_ASSIGN_OR_RETURN(data_, DataServer::Start(options_.data_socket, &host_,
@@ -169,6 +182,7 @@ absl::Status RuntimeServer::StartListening() {
   http.port = options_.http_port;
   http.max_request_bytes = options_.max_request_bytes;
   http.threads = options_.http_threads;
+  http.idle_spin = idle_spin_;
   http.server_version = options_.server_version;
   KILN_ASSIGN_OR_RETURN(http_, HttpFrontend::Start(&host_, http));
   http_port_ = http_->port();
@@ -192,19 +206,7 @@ absl::Status RuntimeServer::Load() {
   KILN_ASSIGN_OR_RETURN(engine_, InferenceEngine::Create(model_.config, model_.version,
                                                          std::move(backend), &lifecycle_, clock_));
   engine_->SetPayloadLimit(options_.max_request_bytes);
-  if (options_.idle_spin_us > 0) {
-    // A spinning thread on the only CPU would hold off the frontend thread that hands it work.
-    cpu_set_t cpus;
-    CPU_ZERO(&cpus);
-    const int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
-    if (usable >= 2) {
-      engine_->SetIdleSpin(absl::Microseconds(options_.idle_spin_us));
-    } else {
-      log->warn("--idle-spin-us {}: not used, this runtime may run on {} CPU (a spin needs two: "
-                "one spinning, one reading requests)",
-                options_.idle_spin_us, usable);
-    }
-  }
+  engine_->SetIdleSpin(idle_spin_);
   KILN_RETURN_IF_ERROR(engine_->Warmup());
   absl::Time t2 = clock_->Now();
   host_.SetEngine(engine_.get());

@@ -44,7 +44,8 @@ struct RuntimeOptions {
   // (CUDA_DISABLE_PERF_BOOST=1) pays its slow first kernel here, not on a client request.
   bool warmup_on_promote = false;
   // After each execution, the executions' thread waits busily this long for the next request
-  // before it sleeps (Batcher::SetIdleSpin); 0 = off. At most kMaxIdleSpinMicros.
+  // before it sleeps (Batcher::SetIdleSpin), and the REST threads poll busily this long after
+  // each piece of work (HttpServer::Options::idle_spin); 0 = off. At most kMaxIdleSpinMicros.
   int64_t idle_spin_us = 0;
 };
 inline constexpr int64_t kMaxIdleSpinMicros = 10000;
@@ -110,6 +111,8 @@ class RuntimeServer : public ControlTarget {
   absl::Mutex promote_mu_;
   std::atomic<int64_t> load_time_micros_{0};
   std::atomic<int64_t> device_memory_bytes_{0};
+  // --idle-spin-us as used: zero when off, or when this process may run on one CPU only.
+  absl::Duration idle_spin_ = absl::ZeroDuration();
   // Device preparation (CUDA graph capture) after loading, in the background.
   std::thread prepare_thread_;
   std::atomic<bool> prepare_cancel_{false};

@@ -173,6 +173,10 @@ TEST(RuntimeTest, AnIdleSpinKeepsTheAnswersAndIsCounted) {
     grpc::Status s = stub->ModelInfer(&ctx, GrpcEncoderRequest(c, true), &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
     EXPECT_LT(MaxDiff(GrpcFloats(resp), c["embedding"]), 1e-5) << i;
+    // REST's thread spins too, after each request it reads and answers.
+    HttpResult h = Http(rt->http_port(), "POST", "/v2/models/encoder/infer", RestEncoderBody(c));
+    ASSERT_EQ(h.code, 200) << h.raw;
+    EXPECT_LT(MaxDiff(JsonFloats(h.body["outputs"][0]["data"]), c["embedding"]), 1e-5) << i;
   }
   // Each request's execution is followed by a spin (the last one's begins after its reply);
   // most requests sent one after another within 10 ms are taken by one (not asserted: the VM
