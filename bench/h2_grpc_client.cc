@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -91,10 +92,16 @@ absl::Status H2GrpcClient::Connect() {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(target_.port));
-  inet_pton(AF_INET, target_.host.c_str(), &addr.sin_addr);
+  if (inet_pton(AF_INET, target_.host.c_str(), &addr.sin_addr) != 1) {
+    Close();
+    return absl::InvalidArgumentError(
+        absl::StrCat("host '", target_.host, "': not an IPv4 address"));
+  }
+  // At least 1 ms: a zero SO_SNDTIMEO would mean no bound at all.
+  const int64_t ms = std::max<int64_t>(1, timeout_.count());
   timeval tv{};
-  tv.tv_sec = timeout_.count() / 1000;
-  tv.tv_usec = (timeout_.count() % 1000) * 1000;
+  tv.tv_sec = ms / 1000;
+  tv.tv_usec = (ms % 1000) * 1000;
   setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));  // bounds connect and send
   if (connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     absl::Status s = absl::UnavailableError(
@@ -118,7 +125,9 @@ absl::Status H2GrpcClient::Connect() {
     return absl::InternalError(absl::StrCat("nghttp2: ", nghttp2_strerror(rv)));
   }
   nghttp2_submit_settings(session_->h2, NGHTTP2_FLAG_NONE, nullptr, 0);
-  return Flush();
+  absl::Status sent = Flush();
+  if (!sent.ok()) Close();  // not left half open for the next call
+  return sent;
 }
 
 absl::Status H2GrpcClient::Flush() {
@@ -194,8 +203,10 @@ absl::StatusOr<GrpcReply> H2GrpcClient::Call(const std::string& path, const std:
   provider.read_callback = &Session::Read;
   s.stream = nghttp2_submit_request(s.h2, nullptr, headers, 6, &provider, nullptr);
   if (s.stream < 0) {
-    Close();
-    return absl::InternalError(absl::StrCat("nghttp2: ", nghttp2_strerror(s.stream)));
+    absl::Status failed =
+        absl::InternalError(absl::StrCat("nghttp2: ", nghttp2_strerror(s.stream)));
+    Close();  // frees `s`
+    return failed;
   }
   absl::Status st = Flush();
   while (st.ok() && !s.closed) st = Pump(deadline);
@@ -219,9 +230,10 @@ absl::StatusOr<GrpcReply> H2GrpcClient::Call(const std::string& path, const std:
     if (s.data.size() >= kPrefixBytes) memcpy(&n, &s.data[1], 4);
     n = ntohl(n);
     if (s.data.size() < kPrefixBytes || s.data[0] != 0 || s.data.size() != kPrefixBytes + n) {
-      Close();
-      return absl::UnavailableError(absl::StrCat("the reply is not one uncompressed gRPC message (",
-                                                 s.data.size(), " bytes)"));
+      absl::Status bad = absl::UnavailableError(absl::StrCat(
+          "the reply is not one uncompressed gRPC message (", s.data.size(), " bytes)"));
+      Close();  // frees `s`
+      return bad;
     }
     reply.body = s.data.substr(kPrefixBytes);
   }

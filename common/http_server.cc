@@ -19,6 +19,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -96,7 +97,8 @@ class HttpServer::State : public std::enable_shared_from_this<HttpServer::State>
       ioc.run();
       return;
     }
-    const auto spin = absl::ToChronoNanoseconds(options.idle_spin);
+    // At most an hour: an infinite spin would overflow steady_clock's arithmetic.
+    const auto spin = absl::ToChronoNanoseconds(std::min(options.idle_spin, absl::Hours(1)));
     while (ioc.run_one() > 0) {
       auto until = std::chrono::steady_clock::now() + spin;
       while (!ioc.stopped() && std::chrono::steady_clock::now() < until) {

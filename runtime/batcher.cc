@@ -289,7 +289,10 @@ void Batcher::Signal() {
 }
 
 void Batcher::SetIdleSpin(absl::Duration spin) {
-  idle_spin_nanos_.store(std::max<int64_t>(0, absl::ToInt64Nanoseconds(spin)));
+  // At most an hour: a spin's end is computed on steady_clock, which an infinite one would
+  // overflow.
+  spin = std::clamp(spin, absl::ZeroDuration(), absl::Hours(1));
+  idle_spin_nanos_.store(absl::ToInt64Nanoseconds(spin));
 }
 
 namespace {

@@ -116,7 +116,10 @@ class Batcher {
   // before it sleeps (0, the default: it sleeps at once). A request caught by the spin is
   // taken with no wake-up to pay (a futex wake and a sleeping CPU's exit, tens of
   // microseconds on a virtual machine) and on a CPU whose caches are still warm, at the cost
-  // of up to `spin` of CPU time per execution.
+  // of up to `spin` of CPU time per execution. A request that may run inline (Enqueue's fast
+  // path: REST without batching, say) still runs on its caller's thread while the executor
+  // spins; the spin helps requests that go to the executor thread (gRPC's always do).
+  // Clamped to 0..1 hour.
   void SetIdleSpin(absl::Duration spin);
   // Spins begun, and those that ended with a request or task to take.
   int64_t idle_spins() const { return idle_spins_.load(); }
