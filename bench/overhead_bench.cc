@@ -253,9 +253,6 @@ void BM_GrpcTransportFloor(benchmark::State& state) {
   }
 }
 
-// The same ModelInfer and ServerLive round trips through a lean HTTP/2 client
-// (bench/h2_grpc_client.h): the request serialized once, one write per call, the reply read
-// on this thread. What grpc++'s client costs per call is then left out of the served time.
 // The HOST:PORT in environment variable `var`, or nothing (the benchmark skipped with why).
 std::optional<HostPort> Target(benchmark::State& state, const char* var) {
   const std::string address = Env(var);
@@ -274,6 +271,13 @@ std::optional<HostPort> Target(benchmark::State& state, const char* var) {
 std::optional<HostPort> GrpcTarget(benchmark::State& state) {
   return Target(state, "KILN_GRPC_ADDRESS");
 }
+std::optional<HostPort> RestTarget(benchmark::State& state) {
+  return Target(state, "KILN_HTTP_ADDRESS");
+}
+
+// The same ModelInfer and ServerLive round trips through a lean HTTP/2 client
+// (bench/h2_grpc_client.h): the request serialized once, one write per call, the reply read
+// on this thread. What grpc++'s client costs per call is then left out of the served time.
 
 // One call, checked: a transport error, a gRPC error or a reply `Response` cannot parse
 // stops the benchmark with why.
@@ -333,10 +337,6 @@ void BM_GrpcTransportFloorLeanClient(benchmark::State& state) {
     if (!LeanCall(state, client, path, request, &response)) break;
   }
   if (!response.live()) state.SkipWithError("ServerLive: the server says it is not live");
-}
-
-std::optional<HostPort> RestTarget(benchmark::State& state) {
-  return Target(state, "KILN_HTTP_ADDRESS");
 }
 
 // The REST round trip with no model work: GET /v2/health/live on a kept-alive connection.
