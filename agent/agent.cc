@@ -315,6 +315,7 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   so.inference_probe_failures = options_.inference_probe_failures;
   // With a controller, replicas on a failing GPU serve until it has moved them elsewhere.
   so.drain_on_unhealthy_gpu = options_.controller.empty();
+  so.before_leaving_routing = [this] { RefreshRoutes(); };
   PowerMode mode = *ParsePowerMode(options_.gpu_power);
   PowerPolicy policy;
   policy.park_warm_replicas = !t.fake_gpus && mode != PowerMode::kOff;
@@ -818,6 +819,12 @@ void Agent::UpdatePower() {
   }
 }
 
+void Agent::RefreshRoutes() {
+  if (!router_ || !supervisor_) return;
+  router_->SetTable(std::make_shared<RouterTable>(
+      BuildRouterTable(routing_, *supervisor_->Snapshot(), options_.node_name)));
+}
+
 void Agent::PinAgent() {
   const std::set<int> held = supervisor_->HeldCpus();
   std::vector<int> want = AgentCpus(topology_.allowed_cpus, held, supervisor_->reserved_cpus());
@@ -869,11 +876,9 @@ void Agent::Loop() {
       gpu_health_ = monitor_->health();
     }
     supervisor_->Tick();
-    // Routing follows the replicas: a replica that is not SERVING leaves routing at once.
-    if (router_) {
-      router_->SetTable(std::make_shared<RouterTable>(
-          BuildRouterTable(routing_, *supervisor_->Snapshot(), options_.node_name)));
-    }
+    // Routing follows the replicas: a replica that is not SERVING leaves routing at once (one
+    // told to drain or demote has left it already: SupervisorOptions::before_leaving_routing).
+    RefreshRoutes();
     UpdatePower();
     PinAgent();
     // Ready (/readyz, systemd's READY=1): an assignment is applied and, once since the agent

@@ -138,6 +138,8 @@ class Agent {
  private:
   Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_ptr<GpuDriver> gpus);
   void Loop();
+  // The router's table again, from the controller's routing and the replicas as published.
+  void RefreshRoutes();
   // Runs `task` on the loop thread and waits (bounded) for its result.
   absl::Status RunOnLoop(std::function<absl::Status()> task);
   absl::Status ApplyFromController(const v1::Assignment& a);

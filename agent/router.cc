@@ -52,7 +52,11 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
     t.routes[route.model] = std::move(route);
   }
   for (const auto& v : replicas) {
-    if (v.state != v1::SERVING || !v.healthy || v.grpc_port == 0) continue;
+    // Not one on its way out: no longer assigned, or assigned WARM while it still serves.
+    if (v.state != v1::SERVING || !v.healthy || v.grpc_port == 0 || v.removing ||
+        v.spec.state() == v1::WARM) {
+      continue;
+    }
     RouterTable::Route& route = t.routes[v.spec.model()];
     route.model = v.spec.model();
     route.endpoints.push_back({v.spec.replica_id(), v.spec.version(),
@@ -338,6 +342,13 @@ grpc::Status AsReplicaGone(const grpc::Status& s) {
   return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the replica went away: " + s.error_message());
 }
 
+// Whether the other end of a finished call is a router that answered it (kAnsweredByHeader; a
+// Trailers-Only answer carries it with the status).
+bool AnsweredByRouter(const grpc::ClientContext& ctx) {
+  return ctx.GetServerInitialMetadata().count(kAnsweredByHeader) > 0 ||
+         ctx.GetServerTrailingMetadata().count(kAnsweredByHeader) > 0;
+}
+
 // `parameters[kiln-version] = version` as serialized ModelInferResponse bytes: appended to an
 // answer, it sets that parameter (a map entry parsed later replaces an earlier one).
 std::string VersionParameterBytes(const std::string& version) {
@@ -390,7 +401,9 @@ void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc
     if (replica_gone && c->attempts == 1 && !c->router->stopping()) {
       c->exclude.insert(id);
       // Another node that did not answer: none of its endpoints (other versions) either.
-      if (!endpoint.local) c->router->ExcludeNode(c->request.model_name(), endpoint, &c->exclude);
+      if (!endpoint.local && !AnsweredByRouter(*c->client_ctx)) {
+        c->router->ExcludeNode(c->request.model_name(), endpoint, &c->exclude);
+      }
       c->response.Clear();
       Attempt(c, AsReplicaGone(s));
       return;
@@ -558,6 +571,7 @@ class RouterGrpcService {
     if (!ParseRequest(*call, &c->request)) return;
     c->raw = std::move(call->message());
     c->forwarded = forwarded;
+    if (forwarded) call->AddInitialMetadata(kAnsweredByHeader, router_->node_name());
     auto [header, param] = router_->StickyKey(c->request.model_name());
     if (!header.empty()) {
       if (const std::string* v = call->Metadata(header)) {
@@ -583,12 +597,15 @@ class RouterGrpcService {
   Router* router_;
 };
 
-void Reply(const HttpReply& request, int code, std::string body, const std::string& version = "") {
+// `answered_by`: this node's name when the call was forwarded to it (kAnsweredByHeader).
+void Reply(const HttpReply& request, int code, std::string body, const std::string& version = "",
+           const std::string& answered_by = "") {
   HttpResponse r;
   r.code = code;
   r.body = std::move(body);
   r.content_type = "application/json";
   if (!version.empty()) r.headers.emplace_back(kVersionParameter, version);
+  if (!answered_by.empty()) r.headers.emplace_back(kAnsweredByHeader, answered_by);
   request.Send(std::move(r));
 }
 
@@ -790,10 +807,10 @@ class Router::Impl {
                                   call->sticky.given, call->exclude, call->forwarded);
     if (!choice.ok()) {
       if (previous) {
-        Reply(call->reply, previous->first, std::move(previous->second));
+        Reply(call->reply, previous->first, std::move(previous->second), "", AnsweredBy(*call));
       } else {
         Reply(call->reply, HttpStatusFromCode(choice.status().code()),
-              JsonError(std::string(choice.status().message())));
+              JsonError(std::string(choice.status().message())), "", AnsweredBy(*call));
       }
       return;
     }
@@ -818,16 +835,25 @@ class Router::Impl {
   // The answer `code`/`text` from endpoint `id` for `call`: a 503 on the first attempt is
   // tried once more elsewhere; anything else goes back to the client, with the version that
   // served when it succeeded.
+  // `node_answered`: another node's router answered (kAnsweredByHeader), so only that endpoint
+  // is ruled out for the retry, not the node's other versions.
   void Answer(std::shared_ptr<RestCall> call, const std::string& id, const std::string& chosen,
-              int code, std::string text) {
+              int code, std::string text, bool node_answered = false) {
     if (code == 503 && call->attempt == 0 && !router_->stopping()) {
       call->exclude.insert(id);
-      if (!call->last.local) router_->ExcludeNode(call->model, call->last, &call->exclude);
+      if (!call->last.local && !node_answered) {
+        router_->ExcludeNode(call->model, call->last, &call->exclude);
+      }
       call->attempt = 1;
       Forward(std::move(call), std::make_pair(code, std::move(text)));
       return;
     }
-    Reply(call->reply, code, std::move(text), code == 200 ? chosen : "");
+    Reply(call->reply, code, std::move(text), code == 200 ? chosen : "", AnsweredBy(*call));
+  }
+
+  // This node's name for kAnsweredByHeader when `call` came from another node's router.
+  std::string AnsweredBy(const RestCall& call) const {
+    return call.forwarded ? router_->node_name() : "";
   }
 
   // Forward's call over HTTP to `choice`.
@@ -862,8 +888,10 @@ class Router::Impl {
           int code = 0;
           std::string text;
           bool versioned = false;  // the answer names the chosen version already
+          bool node_answered = false;
           if (r.ok()) {
             code = r->code;
+            node_answered = r->Header(kAnsweredByHeader).has_value();
             // Another node's router says which version served, in its body too.
             versioned = r->Header(kVersionParameter) == chosen;
             text = std::move(r->body);
@@ -885,7 +913,7 @@ class Router::Impl {
               text = doc.dump(-1, ' ', false, json::error_handler_t::replace);
             }
           }
-          Answer(call, id, chosen, code, std::move(text));
+          Answer(call, id, chosen, code, std::move(text), node_answered);
         });
   }
 

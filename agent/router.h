@@ -42,10 +42,11 @@ struct RouterTable {
 };
 
 // Builds the table from the routing table (file or controller) and the node's replicas: a
-// local replica is an endpoint only while it is SERVING. The routing table's endpoints on
-// `node` itself are left out (the controller sends every node the same table; its own
-// replicas are reached directly, never through its own ingress). A model with SERVING
-// replicas but no route gets one: its serving versions, equal weights.
+// local replica is an endpoint only while it is SERVING, healthy and neither being removed
+// nor assigned WARM. The routing table's endpoints on `node` itself are left out (the
+// controller sends every node the same table; its own replicas are reached directly, never
+// through its own ingress). A model with SERVING replicas but no route gets one: its serving
+// versions, equal weights.
 RouterTable BuildRouterTable(const v1::RoutingTable& routing,
                              const std::vector<ReplicaView>& replicas, const std::string& node);
 
@@ -54,6 +55,11 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
 // version the first one chose (set in the request), so a version picked by weight or sticky
 // key is the version that serves.
 inline constexpr char kForwardedHeader[] = "kiln-forwarded-by";
+// The header (gRPC metadata and HTTP) a router puts on its answers to a forwarded call, naming
+// itself: that node is up, so a failure it answers (no serving replica of the version asked,
+// its routing table being newer than the sender's) rules out that endpoint only, not the
+// node's other versions.
+inline constexpr char kAnsweredByHeader[] = "kiln-answered-by";
 
 // Node ingress: the Open Inference Protocol over gRPC and REST in front of the node's
 // replicas. Picks the version (weight or sticky key), then the endpoint with the fewest

@@ -322,10 +322,15 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
   if (!renames.empty()) state_dirty_ = true;
   std::set<std::string> wanted;
   for (const auto& s : a.replicas()) wanted.insert(s.replica_id());
+  std::vector<pid_t> drains;
+  bool leaving = false;  // a replica leaves routing: stopped, or assigned WARM while serving
   for (auto& [id, r] : replicas_) {
     if (wanted.count(id)) continue;
     r.readd.reset();
-    if (!r.removing) BeginStop(r, "no longer assigned");
+    if (!r.removing) {
+      BeginStop(r, "no longer assigned", &drains);
+      leaving = true;
+    }
   }
   for (const auto& s : a.replicas()) {
     auto it = replicas_.find(s.replica_id());
@@ -356,6 +361,7 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
       replicas_.emplace(s.replica_id(), std::move(r));
     } else {
       v1::ReplicaSpec& kept = it->second.spec;
+      if (kept.state() == v1::SERVING && s.state() != v1::SERVING) leaving = true;
       kept.set_state(s.state());  // promote/demote happens in Tick
       // What the running process does not hold: its next start reads them (and the state
       // file keeps them for an agent restarted before that).
@@ -371,8 +377,18 @@ absl::Status Supervisor::Apply(const v1::Assignment& a,
   }
   recovered_waiting_.clear();  // what the first assignment after Recover did not want is gone
   applied_generation_ = a.generation();
-  Publish();
+  if (leaving) {
+    LeaveRouting(drains);
+  } else {
+    Publish();
+  }
   return absl::OkStatus();
+}
+
+void Supervisor::LeaveRouting(const std::vector<pid_t>& drains) {
+  Publish();
+  if (options_.before_leaving_routing) options_.before_leaving_routing();
+  for (pid_t pid : drains) (void)launcher_->Signal(pid, SIGTERM);
 }
 
 absl::StatusOr<LaunchRequest> Supervisor::ColdStart(Replica& r) {
@@ -868,10 +884,10 @@ void Supervisor::TickPool() {
   }
 }
 
-void Supervisor::BeginStop(Replica& r, const std::string& why) {
+void Supervisor::BeginStop(Replica& r, const std::string& why, std::vector<pid_t>* drains) {
   r.removing = true;
   if (r.pid > 0 && (r.phase == Phase::kStarting || r.phase == Phase::kRunning)) {
-    (void)launcher_->Signal(r.pid, SIGTERM);  // the runtime drains, then exits
+    drains->push_back(r.pid);  // the runtime drains, then exits
     r.phase = Phase::kStopping;
     r.due = clock_->Now() + options_.stop_timeout;
     state_dirty_ = true;  // the drain and its deadline are saved
@@ -910,6 +926,7 @@ void Supervisor::SetGpuHealth(int gpu, bool healthy, const std::string& reason) 
       if (p.gpu == gpu) StopPrestarted(name, p, "gpu " + std::to_string(gpu) + " unhealthy");
     }
   }
+  std::vector<pid_t> drains;
   for (auto& [id, r] : replicas_) {
     if (r.spec.gpu() != gpu || r.removing) continue;
     if (!healthy) {
@@ -921,7 +938,7 @@ void Supervisor::SetGpuHealth(int gpu, bool healthy, const std::string& reason) 
         continue;
       }
       if (r.pid > 0 && (r.phase == Phase::kStarting || r.phase == Phase::kRunning)) {
-        (void)launcher_->Signal(r.pid, SIGTERM);  // drain, then it exits
+        drains.push_back(r.pid);  // drain, then it exits
         r.phase = Phase::kStopping;
         r.due = clock_->Now() + options_.stop_timeout;
         r.gpu_drain = true;
@@ -938,7 +955,11 @@ void Supervisor::SetGpuHealth(int gpu, bool healthy, const std::string& reason) 
       }
     }
   }
-  Publish();
+  if (drains.empty()) {
+    Publish();
+  } else {
+    LeaveRouting(drains);
+  }
 }
 
 void Supervisor::HandleExit(const ProcessExit& e) {

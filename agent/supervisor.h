@@ -72,6 +72,11 @@ struct SupervisorOptions {
   // restarted with backoff: a load stuck on a hung device or a stalled model store would
   // otherwise hold its CPUs and the node's readiness for ever. 0 = no limit.
   absl::Duration start_timeout = absl::Minutes(10);
+  // Called on the supervisor's thread once replicas that leave routing (no longer assigned,
+  // assigned WARM, draining off an unhealthy GPU) are published so, and before any of them is
+  // told to drain or demote: the node's router stops choosing them first, so that no request
+  // is sent to a replica already refusing work. Empty: nothing is called.
+  std::function<void()> before_leaving_routing;
 };
 
 // One pre-started runtime waiting for a replica.
@@ -311,7 +316,11 @@ class Supervisor {
   // A removed replica that is gone becomes its re-assignment (pending), if it has one.
   bool Readd(Replica& r);
   void Observe(Replica& r);
-  void BeginStop(Replica& r, const std::string& why);
+  // Marks `r` stopping; its pid goes into `drains`, to be sent SIGTERM by LeaveRouting.
+  void BeginStop(Replica& r, const std::string& why, std::vector<pid_t>* drains);
+  // Publishes, has the router let go of what left routing (Options::before_leaving_routing),
+  // then sends each of `drains` SIGTERM (it drains, then exits).
+  void LeaveRouting(const std::vector<pid_t>& drains);
   std::string Device(const v1::ReplicaSpec& spec) const;
   std::set<int> CpusInUse(const std::string& except_id) const;
   absl::Status WriteStateFile();

@@ -279,6 +279,15 @@ inference::ModelInferRequest EncoderRequest() {
   return req;
 }
 
+// ModelInfer of EncoderRequest() as `user` (the x-user sticky header), answer in `resp`.
+grpc::Status InferAs(inference::GRPCInferenceService::Stub* stub, const std::string& user,
+                     inference::ModelInferResponse* resp) {
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("x-user", user);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return stub->ModelInfer(&ctx, EncoderRequest(), resp);
+}
+
 // An answer naming output `name`, serialized.
 std::string OutputNamed(const std::string& name) {
   inference::ModelInferResponse r;
@@ -1224,11 +1233,8 @@ TEST(RouterForwardTest, TheVersionChosenHereIsTheOneServedOnTheOtherNode) {
     const std::string user = "user-" + std::to_string(k);
     std::string first;
     for (int rep = 0; rep < 2; ++rep) {
-      grpc::ClientContext ctx;
-      ctx.AddMetadata("x-user", user);
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
       inference::ModelInferResponse resp;
-      grpc::Status s = stub->ModelInfer(&ctx, EncoderRequest(), &resp);
+      grpc::Status s = InferAs(stub.get(), user, &resp);
       ASSERT_TRUE(s.ok()) << user << ": " << s.error_message();
       const std::string version = resp.parameters().at("kiln-version").string_param();
       ASSERT_EQ(resp.outputs_size(), 1);
@@ -1287,6 +1293,59 @@ TEST(RouterForwardTest, TheVersionChosenHereIsTheOneServedOnTheOtherNode) {
                                    R"({"inputs":[]})", std::string(kForwardedHeader) + ": a\r\n")));
   EXPECT_EQ(c.Read().code, 503);
   EXPECT_EQ(data1.requests(), served_by_1);
+  a->Stop();
+  b->Stop();
+}
+
+// Node a's table is older than node b's: it still lists version 1 on node b, which no longer
+// serves it (drained in a rollout). Node b answers such a call UNAVAILABLE, saying it is up
+// (kAnsweredByHeader), so node a rules out only that endpoint and retries on node b's other
+// version instead of giving up on the node: every call is served, over both protocols.
+TEST(RouterForwardTest, AVersionTheOtherNodeNoLongerServesIsRetriedAtItsOtherVersion) {
+  FakeDataSocket data2(TempSocket("stale2"), [](const inference::ModelInferRequest& req) {
+    EXPECT_TRUE(req.model_version().empty() || req.model_version() == "2") << req.model_version();
+    return std::make_pair(0, OutputNamed("served-by-2"));
+  });
+  FakeRestReplica rest2("served-by-2");
+  ASSERT_TRUE(rest2.server);
+  auto a = StartRouter({});
+  auto b = StartRouter({});
+  ASSERT_TRUE(a && b);
+  auto stale = std::make_shared<RouterTable>();
+  RouterTable::Route& route = stale->routes["encoder"];
+  route.model = "encoder";
+  route.versions = {{"1", 50}, {"2", 50}};
+  route.sticky_header = "x-user";
+  const std::string b_grpc = "127.0.0.1:" + std::to_string(b->grpc_port());
+  const std::string b_http = "127.0.0.1:" + std::to_string(b->http_port());
+  route.endpoints.push_back({"b/1", "1", b_grpc, b_http, false, ""});
+  route.endpoints.push_back({"b/2", "2", b_grpc, b_http, false, ""});
+  a->SetTable(stale);
+  auto fresh = std::make_shared<RouterTable>();
+  fresh->routes["encoder"].model = "encoder";
+  fresh->routes["encoder"].versions = {{"2", 100}};
+  fresh->routes["encoder"].endpoints.push_back(
+      {"b.r0", "2", "127.0.0.1:1", rest2.address(), true, TempSocket("stale2")});
+  b->SetTable(fresh);
+  auto stub = RouterStub(*a);
+  for (int k = 0; k < 16; ++k) {
+    const std::string user = "user-" + std::to_string(k);
+    inference::ModelInferResponse resp;
+    grpc::Status s = InferAs(stub.get(), user, &resp);
+    ASSERT_TRUE(s.ok()) << user << ": " << s.error_message();
+    ASSERT_EQ(resp.outputs_size(), 1);
+    EXPECT_EQ(resp.outputs(0).name(), "served-by-2") << user;
+    testing::RawHttpClient c(a->http_port());
+    ASSERT_TRUE(c.Send(testing::Post("/v2/models/encoder/infer",
+                                     R"({"inputs":[{"name":"x","datatype":"INT64","shape":[1],"data":[1]}]})",
+                                     "x-user: " + user + "\r\n")));
+    auto r = c.Read();
+    ASSERT_EQ(r.code, 200) << user << ": " << r.head << r.body;
+    EXPECT_EQ(nlohmann::json::parse(r.body)["outputs"][0]["name"], "served-by-2") << user;
+  }
+  // Some keys chose version 1 (16 keys split 50/50), and each of those calls was retried once.
+  EXPECT_GT(a->retries(), 0u);
+  EXPECT_EQ(b->retries(), 0u);
   a->Stop();
   b->Stop();
 }

@@ -719,6 +719,58 @@ TEST_F(SupervisorTest, RemovedReplicasLogsAreKeptBoundedUnderRemoved) {
   EXPECT_TRUE(fs::exists(logs / "removed" / "old-69.log"));
 }
 
+// Each way a replica leaves routing (no longer assigned, assigned WARM, drained off a sick
+// GPU): it is published out of routing and the router told (before_leaving_routing) before the
+// replica is told to drain or demote, so that no request is sent to one that refuses work.
+TEST_F(SupervisorTest, AReplicaLeavesRoutingBeforeItIsToldToDrainOrDemote) {
+  struct Seen {
+    size_t signals = 0;  // sent by then
+    int demotes = 0;     // b's, by then
+    std::set<std::string> routed;
+  };
+  std::vector<Seen> seen;
+  options_.before_leaving_routing = [&] {
+    Seen s{launcher_.signals().size(), runtimes_.Get(Socket("b")).demotes, {}};
+    RouterTable table = BuildRouterTable({}, *sup_->Snapshot(), "n1");
+    for (const auto& e : table.routes["enc"].endpoints) s.routed.insert(e.id);
+    seen.push_back(std::move(s));
+  };
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 0, 1, v1::SERVING), Spec("b", 1, 1, v1::SERVING),
+                                      Spec("c", 0, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  const pid_t a = View("a")->pid;
+  const pid_t c = View("c")->pid;
+  runtimes_.Set(Socket("a"), v1::SERVING, "enc", "1", 6001);
+  runtimes_.Set(Socket("b"), v1::SERVING, "enc", "1", 6002);
+  runtimes_.Set(Socket("c"), v1::SERVING, "enc", "1", 6003);
+  sup_->Tick();
+  ASSERT_EQ(BuildRouterTable({}, *sup_->Snapshot(), "n1").routes["enc"].endpoints.size(), 3u);
+  EXPECT_TRUE(seen.empty());  // nothing has left routing
+  // "a" is no longer assigned and "b" is assigned WARM: both are out of routing before "a"
+  // gets its SIGTERM and "b" its Demote (in the next pass).
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("b", 1, 1, v1::WARM), Spec("c", 0, 1, v1::SERVING)},
+                                     2)).ok());
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].signals, 0u);
+  EXPECT_EQ(seen[0].routed, std::set<std::string>{"c"});
+  EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGTERM}}));
+  sup_->Tick();
+  EXPECT_EQ(seen[0].demotes, 0);
+  EXPECT_EQ(runtimes_.Get(Socket("b")).demotes, 1);
+  // "c" drains off its GPU gone bad: out of routing before its SIGTERM too.
+  sup_->SetGpuHealth(0, false, "Xid 79: GPU has fallen off the bus");
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[1].signals, 1u);
+  EXPECT_TRUE(seen[1].routed.empty());
+  EXPECT_EQ(launcher_.signals(),
+            (std::vector<std::pair<pid_t, int>>{{a, SIGTERM}, {c, SIGTERM}}));
+  // An assignment that takes nothing out of routing does not call it.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("b", 1, 1, v1::WARM), Spec("c", 0, 1, v1::SERVING)},
+                                     3)).ok());
+  EXPECT_EQ(seen.size(), 2u);
+}
+
 TEST_F(SupervisorTest, UnderAControllerAnUnhealthyGpusReplicasServeUntilMoved) {
   options_.drain_on_unhealthy_gpu = false;
   sup_ = MakeSupervisor();
