@@ -455,6 +455,14 @@ class GrpcH2Server::Impl {
       if (call->deadline_ != absl::InfiniteFuture()) {
         c->server_->AddDeadline(call->deadline_, c->streams_[frame->hd.stream_id]);
       }
+      // So does the upload's own bound, when it comes first (and the request is not whole
+      // already).
+      const absl::Duration upload = c->server_->options_.upload_timeout;
+      if (!whole && upload > absl::ZeroDuration() && upload != absl::InfiniteDuration() &&
+          absl::Now() + upload < call->deadline_) {
+        c->server_->AddDeadline(absl::Now() + upload, c->streams_[frame->hd.stream_id],
+                                /*upload=*/true);
+      }
     }
     if (!whole) return 0;
     // The request is whole.
@@ -535,8 +543,9 @@ class GrpcH2Server::Impl {
 
   // A call's deadline (the server's thread's, from nghttp2's callbacks). Answered calls'
   // entries are dropped when the queue has grown to twice what it held at the last sweep.
-  void AddDeadline(absl::Time at, const std::shared_ptr<Call>& call) {
-    deadlines_.push({at, call});
+  // `upload`: it bounds only the request's arrival (Options::upload_timeout).
+  void AddDeadline(absl::Time at, const std::shared_ptr<Call>& call, bool upload = false) {
+    deadlines_.push({at, call, upload});
     if (deadlines_.size() >= sweep_at_) {
       std::vector<Deadline> live;
       while (!deadlines_.empty()) {
@@ -577,6 +586,7 @@ class GrpcH2Server::Impl {
   struct Deadline {
     absl::Time at;
     std::weak_ptr<Call> call;
+    bool upload = false;  // passes with nothing to do once the request is whole
     bool operator>(const Deadline& o) const { return at > o.at; }
   };
   std::priority_queue<Deadline, std::vector<Deadline>, std::greater<Deadline>> deadlines_;
@@ -968,6 +978,7 @@ void GrpcH2Server::Impl::Close(const std::shared_ptr<Connection>& c) {
 void GrpcH2Server::Impl::ExpireDeadlines(absl::Time now) {
   while (!deadlines_.empty() && deadlines_.top().at <= now) {
     std::shared_ptr<Call> call = deadlines_.top().call.lock();
+    const bool upload = deadlines_.top().upload;
     deadlines_.pop();
     if (!call) continue;
     std::function<void()> cancel;
@@ -976,10 +987,15 @@ void GrpcH2Server::Impl::ExpireDeadlines(absl::Time now) {
       Connection* c = call->conn_.get();
       absl::MutexLock lock(&c->mu_);
       if (call->finished_ || call->cancelled_ || call->closed_ || c->session_ == nullptr) continue;
+      if (upload && call->handed_) continue;  // it came whole in time
       if (!call->handed_) {
         // Still coming in when its time ran out.
         c->Refuse(call.get(), grpc::StatusCode::DEADLINE_EXCEEDED,
-                  "deadline exceeded before the request was whole", /*whole=*/false);
+                  upload ? "the request was not whole within " +
+                               absl::FormatDuration(options_.upload_timeout) +
+                               " of its headers (" + options_.flag + "'s upload limit)"
+                         : "deadline exceeded before the request was whole",
+                  /*whole=*/false);
       } else {
         cancel = call->TakeCancel();
         call->status_ = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded");

@@ -17,7 +17,10 @@
 //    (Options::max_connection_pending_bytes; past it, RESOURCE_EXHAUSTED for the request that
 //    would go over);
 //  - grpc-timeout (the call's deadline, counted from its headers: a request still coming in,
-//    or a call unanswered, is answered DEADLINE_EXCEEDED and cancelled when it passes);
+//    or a call unanswered, is answered DEADLINE_EXCEEDED and cancelled when it passes); a
+//    request not whole within Options::upload_timeout of its headers is answered
+//    DEADLINE_EXCEEDED whatever its deadline (none included), and its bytes let go, so a
+//    stalled upload cannot hold a connection's budget for ever;
 //  - custom metadata as the call's metadata, at most 16 KiB, values as sent (a -bin key's
 //    value stays base64); initial metadata and a status with a percent-encoded grpc-message
 //    on the answer;
@@ -55,6 +58,9 @@ class GrpcH2Server {
     // Bytes of unfinished requests one connection may hold; 0: twice max_message_bytes, and at
     // least 64 MiB.
     int64_t max_connection_pending_bytes = 0;
+    // How long a request may take to arrive whole, from its headers (as HttpServer's
+    // body_timeout); zero or less: only the caller's deadline bounds it.
+    absl::Duration upload_timeout = absl::Seconds(120);
   };
 
   class Connection;

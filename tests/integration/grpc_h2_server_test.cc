@@ -628,6 +628,42 @@ TEST(GrpcH2ServerRawTest, AnUploadIsBoundedInTimeAndBytes) {
   EXPECT_EQ(s.server().calls_in_flight(), 0);
 }
 
+// A request that stalls mid-upload is answered at the server's upload limit whatever its
+// deadline (none, or a later one); one that came whole in time is not touched by the limit,
+// however long its handler takes.
+TEST(GrpcH2ServerRawTest, AStalledUploadIsAnsweredAtTheUploadLimit) {
+  GrpcH2Server::Options o;
+  o.upload_timeout = absl::Milliseconds(100);
+  Served s(o);
+  const int port = s.server().port();
+  const std::string half = Prefixed(std::string(1000, 'a')).substr(0, 600);
+  for (const auto& headers : {GrpcHeaders(), GrpcHeaders({{"grpc-timeout", "30S"}})}) {
+    RawAnswer a = RawCall(port, headers, half, false, /*end_stream=*/false);
+    EXPECT_TRUE(a.closed);
+    EXPECT_EQ(a.headers["grpc-status"], "4");
+    EXPECT_NE(a.headers["grpc-message"].find("not whole within 100ms of its headers"),
+              std::string::npos)
+        << a.headers["grpc-message"];
+  }
+  EXPECT_EQ(s.server().calls_in_flight(), 0);
+  // A call that came whole, kept by its handler past the limit, is answered as it finishes.
+  auto stub = inference::GRPCInferenceService::NewStub(s.Channel());
+  std::thread answer([&] {
+    auto c = s.Kept();
+    ASSERT_NE(c, nullptr);
+    // Past the limit: nothing to poll for, since nothing is to happen.
+    absl::SleepFor(absl::Milliseconds(300));
+    AnswerInfer(*c, "answered");
+  });
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  inference::ModelInferResponse resp;
+  grpc::Status st = stub->ModelInfer(&ctx, Request("encoder", 600), &resp);
+  answer.join();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(resp.id(), "answered");
+}
+
 TEST(GrpcH2ServerRawTest, APingFloodEndsItsConnection) {
   Served s;
   int fd = Connect(s.server().port());
