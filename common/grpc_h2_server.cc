@@ -22,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -347,6 +348,17 @@ class GrpcH2Server::Impl {
         if (call->bad_.empty()) {
           call->bad_ = absl::StrCat("metadata: over ", kMaxMetadataBytes, " bytes");
           call->bad_code_ = grpc::StatusCode::RESOURCE_EXHAUSTED;
+        }
+      } else if (absl::EndsWith(absl::string_view(k.data(), k.size()), "-bin")) {
+        // Binary metadata travels base64-encoded, padded or not; the handler sees its bytes.
+        std::string bytes;
+        if (!absl::Base64Unescape(absl::string_view(v.data(), v.size()), &bytes)) {
+          if (call->bad_.empty()) {
+            call->bad_ = "metadata '" + std::string(k) + "': a -bin value must be base64";
+            call->bad_code_ = grpc::StatusCode::INVALID_ARGUMENT;
+          }
+        } else {
+          call->metadata_.emplace_back(std::string(k), std::move(bytes));
         }
       } else {
         call->metadata_.emplace_back(std::string(k), std::string(v));
@@ -727,7 +739,13 @@ const std::string* GrpcH2Server::Call::Metadata(std::string_view key) const {
 void GrpcH2Server::Call::AddInitialMetadata(std::string key, std::string value) {
   absl::MutexLock lock(&conn_->mu_);
   if (finished_ || cancelled_) return;
-  initial_metadata_.emplace_back(absl::AsciiStrToLower(key), std::move(value));
+  key = absl::AsciiStrToLower(key);
+  if (absl::EndsWith(key, "-bin")) {
+    // Sent base64-encoded, unpadded (as the gRPC wire format asks).
+    value = absl::Base64Escape(value);
+    value.erase(value.find_last_not_of('=') + 1);
+  }
+  initial_metadata_.emplace_back(std::move(key), std::move(value));
 }
 
 void GrpcH2Server::Call::Finish(const grpc::Status& status, std::string response) {

@@ -21,9 +21,10 @@
 //    request not whole within Options::upload_timeout of its headers is answered
 //    DEADLINE_EXCEEDED whatever its deadline (none included), and its bytes let go, so a
 //    stalled upload cannot hold a connection's budget for ever;
-//  - custom metadata as the call's metadata, at most 16 KiB, values as sent (a -bin key's
-//    value stays base64); initial metadata and a status with a percent-encoded grpc-message
-//    on the answer;
+//  - custom metadata as the call's metadata, at most 16 KiB, values as sent but for a -bin
+//    key's, base64-decoded (padded or not; not base64: INVALID_ARGUMENT); initial metadata
+//    (a -bin key's value base64-encoded) and a status with a percent-encoded grpc-message on
+//    the answer;
 //  - RST_STREAM or a closed connection cancels the call; PING is answered by nghttp2, and a
 //    connection sending over 100 a second is cut off (ENHANCE_YOUR_CALM);
 //  - Stop sends GOAWAY, gives calls in flight a grace, then cancels them.
@@ -79,7 +80,7 @@ class GrpcH2Server {
     // The request message, serialized; the handler may take it.
     std::string& message() { return message_; }
 
-    // Sent with the answer; only before Finish.
+    // Sent with the answer; only before Finish. A -bin key's value is bytes (sent base64).
     void AddInitialMetadata(std::string key, std::string value);
     // Answers the call: `response` (a serialized message) when `status` is OK.
     void Finish(const grpc::Status& status, std::string response = "");

@@ -119,11 +119,16 @@ TEST(GrpcH2ServerTest, AnswersAGrpcClientWithMetadataBothWays) {
     EXPECT_EQ(*c->Metadata("x-sticky"), "user-7");
     EXPECT_EQ(c->Metadata("x-absent"), nullptr);
     EXPECT_EQ(c->deadline(), absl::InfiniteFuture());
+    // Binary metadata arrives as its bytes, and goes back as bytes.
+    ASSERT_NE(c->Metadata("x-key-bin"), nullptr);
+    EXPECT_EQ(*c->Metadata("x-key-bin"), std::string("\0\xff\x10ab", 5));
     c->AddInitialMetadata("Kiln-Version", "3");
+    c->AddInitialMetadata("x-out-bin", std::string("\x01\0\xfe", 3));
     AnswerInfer(*c, "answered");
   });
   grpc::ClientContext ctx;
   ctx.AddMetadata("x-sticky", "user-7");
+  ctx.AddMetadata("x-key-bin", std::string("\0\xff\x10ab", 5));
   inference::ModelInferResponse resp;
   grpc::Status st = stub->ModelInfer(&ctx, Request("encoder", 100), &resp);
   answer.join();
@@ -134,6 +139,9 @@ TEST(GrpcH2ServerTest, AnswersAGrpcClientWithMetadataBothWays) {
   auto it = md.find("kiln-version");
   ASSERT_NE(it, md.end());
   EXPECT_EQ(std::string(it->second.data(), it->second.size()), "3");
+  it = md.find("x-out-bin");
+  ASSERT_NE(it, md.end());
+  EXPECT_EQ(std::string(it->second.data(), it->second.size()), std::string("\x01\0\xfe", 3));
   EXPECT_EQ(s.server().calls_in_flight(), 0);
 }
 
@@ -586,6 +594,8 @@ TEST(GrpcH2ServerRawTest, WhatIsNotAGrpcCallIsRefusedSayingWhy) {
       {"compressed-flag", GrpcHeaders(), Prefixed("", 7), "200", "3", "compressed-flag 7"},
       {"metadata", GrpcHeaders({{"x-big-1", big.substr(0, 10000)}, {"x-big-2", big.substr(0, 10000)}}),
        Prefixed(""), "200", "8", "metadata"},
+      {"-bin not base64", GrpcHeaders({{"x-key-bin", "a*b"}}), Prefixed(""), "200", "3",
+       "metadata 'x-key-bin': a -bin value must be base64"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
