@@ -776,15 +776,19 @@ void Agent::Reload() {
   if (options_.assignment_file.empty()) return;
   auto file = LoadAssignmentFile(options_.assignment_file);
   absl::Status s = file.status();
-  if (file.ok()) s = ApplyFile(*file, generation_ + 1);
+  v1::RoutingTable previous = routing_;
+  if (file.ok()) {
+    routing_ = file->routing;  // what a replica leaving routing meanwhile is routed by
+    s = ApplyFile(*file, generation_ + 1);
+  }
   if (!s.ok()) {
+    routing_ = std::move(previous);
     rejected_reloads_++;
     Log()->error("assignment file rejected, keeping generation {}: {}", generation_,
                  std::string(s.message()));
     return;
   }
   generation_++;
-  routing_ = file->routing;
   Log()->info("assignment file reloaded: generation {}, {} replica(s), {} warm pool(s)",
               generation_, file->assignment.replicas_size(), file->pools.size());
 }

@@ -211,6 +211,18 @@ std::pair<std::string, std::string> Router::StickyKey(const std::string& model) 
   return {it->second.sticky_header, it->second.sticky_parameter};
 }
 
+std::string Router::AnsweredBy(const std::string& model) const {
+  if (stopping() || options_.node_name.empty()) return "";
+  absl::MutexLock lock(&mu_);
+  if (!table_) return "";
+  auto it = table_->routes.find(model);
+  if (it == table_->routes.end()) return "";
+  for (const auto& e : it->second.endpoints) {
+    if (e.local) return options_.node_name;
+  }
+  return "";
+}
+
 bool Router::Ready(const std::string& model, const std::string& version) const {
   absl::MutexLock lock(&mu_);
   if (!table_) return false;
@@ -342,11 +354,17 @@ grpc::Status AsReplicaGone(const grpc::Status& s) {
   return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the replica went away: " + s.error_message());
 }
 
-// Whether the other end of a finished call is a router that answered it (kAnsweredByHeader; a
-// Trailers-Only answer carries it with the status).
+// Whether a failed call's answer is another node's router's saying only the version asked
+// failed there (kAnsweredByHeader; a failure comes Trailers-Only, the header with the status).
 bool AnsweredByRouter(const grpc::ClientContext& ctx) {
-  return ctx.GetServerInitialMetadata().count(kAnsweredByHeader) > 0 ||
-         ctx.GetServerTrailingMetadata().count(kAnsweredByHeader) > 0;
+  return ctx.GetServerTrailingMetadata().count(kAnsweredByHeader) > 0;
+}
+
+// Marks a forwarded call's failure with kAnsweredByHeader where the router says so.
+void MarkAnswered(const ForwardCall& c) {
+  if (!c.forwarded) return;
+  const std::string by = c.router->AnsweredBy(c.request.model_name());
+  if (!by.empty()) c.call->AddInitialMetadata(kAnsweredByHeader, by);
 }
 
 // `parameters[kiln-version] = version` as serialized ModelInferResponse bytes: appended to an
@@ -363,6 +381,7 @@ void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc
   auto choice = c->router->Choose(c->request.model_name(), c->request.model_version(), c->sticky,
                                   c->sticky_given, c->exclude, c->forwarded);
   if (!choice.ok()) {
+    MarkAnswered(*c);
     c->call->Finish(previous.ok() ? ToGrpcStatus(choice.status()) : previous);
     return;
   }
@@ -409,6 +428,7 @@ void Attempt(std::shared_ptr<ForwardCall> c, const grpc::Status& previous = grpc
       return;
     }
     if (!s.ok()) {
+      if (replica_gone) MarkAnswered(*c);
       c->call->Finish(replica_gone ? AsReplicaGone(s) : s);
       return;
     }
@@ -571,7 +591,6 @@ class RouterGrpcService {
     if (!ParseRequest(*call, &c->request)) return;
     c->raw = std::move(call->message());
     c->forwarded = forwarded;
-    if (forwarded) call->AddInitialMetadata(kAnsweredByHeader, router_->node_name());
     auto [header, param] = router_->StickyKey(c->request.model_name());
     if (!header.empty()) {
       if (const std::string* v = call->Metadata(header)) {
@@ -807,7 +826,8 @@ class Router::Impl {
                                   call->sticky.given, call->exclude, call->forwarded);
     if (!choice.ok()) {
       if (previous) {
-        Reply(call->reply, previous->first, std::move(previous->second), "", AnsweredBy(*call));
+        Reply(call->reply, previous->first, std::move(previous->second), "",
+              previous->first == 503 ? AnsweredBy(*call) : "");
       } else {
         Reply(call->reply, HttpStatusFromCode(choice.status().code()),
               JsonError(std::string(choice.status().message())), "", AnsweredBy(*call));
@@ -848,12 +868,13 @@ class Router::Impl {
       Forward(std::move(call), std::make_pair(code, std::move(text)));
       return;
     }
-    Reply(call->reply, code, std::move(text), code == 200 ? chosen : "", AnsweredBy(*call));
+    Reply(call->reply, code, std::move(text), code == 200 ? chosen : "",
+          code == 503 ? AnsweredBy(*call) : "");
   }
 
-  // This node's name for kAnsweredByHeader when `call` came from another node's router.
+  // kAnsweredByHeader's value for a failure of `call` (Router::AnsweredBy).
   std::string AnsweredBy(const RestCall& call) const {
-    return call.forwarded ? router_->node_name() : "";
+    return call.forwarded ? router_->AnsweredBy(call.model) : "";
   }
 
   // Forward's call over HTTP to `choice`.

@@ -55,10 +55,11 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
 // version the first one chose (set in the request), so a version picked by weight or sticky
 // key is the version that serves.
 inline constexpr char kForwardedHeader[] = "kiln-forwarded-by";
-// The header (gRPC metadata and HTTP) a router puts on its answers to a forwarded call, naming
-// itself: that node is up, so a failure it answers (no serving replica of the version asked,
-// its routing table being newer than the sender's) rules out that endpoint only, not the
-// node's other versions.
+// The header (gRPC metadata and HTTP) a router puts on a forwarded call's failure, naming
+// itself, when it is not stopping and still serves other versions of the model: the version
+// asked is what failed there (no serving replica of it, its routing table being newer than the
+// sender's), so the sender's retry rules out that endpoint only, not the node's other versions.
+// Without it (a node stopping, or serving none of the model) the whole node is ruled out.
 inline constexpr char kAnsweredByHeader[] = "kiln-answered-by";
 
 // Node ingress: the Open Inference Protocol over gRPC and REST in front of the node's
@@ -115,6 +116,9 @@ class Router {
   // The sticky key configured for `model` ("" when none): {header, parameter}.
   std::pair<std::string, std::string> StickyKey(const std::string& model) const;
   bool Ready(const std::string& model, const std::string& version) const;
+  // This node's name for kAnsweredByHeader on a failure of a call forwarded here for `model`,
+  // or "" when the header is not to be sent (see there).
+  std::string AnsweredBy(const std::string& model) const;
 
   // Outstanding-request accounting around each forwarded call.
   void Begin(const std::string& endpoint_id);

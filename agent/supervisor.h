@@ -74,8 +74,8 @@ struct SupervisorOptions {
   absl::Duration start_timeout = absl::Minutes(10);
   // Called on the supervisor's thread once replicas that leave routing (no longer assigned,
   // assigned WARM, draining off an unhealthy GPU) are published so, and before any of them is
-  // told to drain or demote: the node's router stops choosing them first, so that no request
-  // is sent to a replica already refusing work. Empty: nothing is called.
+  // told to drain or demote: the node's router stops choosing them first, so that no new
+  // request is sent to a replica about to refuse work. Empty: nothing is called.
   std::function<void()> before_leaving_routing;
 };
 

@@ -470,10 +470,11 @@ class GrpcH2Server::Impl {
       // So does the upload's own bound, when it comes first (and the request is not whole
       // already).
       const absl::Duration upload = c->server_->options_.upload_timeout;
-      if (!whole && upload > absl::ZeroDuration() && upload != absl::InfiniteDuration() &&
-          absl::Now() + upload < call->deadline_) {
-        c->server_->AddDeadline(absl::Now() + upload, c->streams_[frame->hd.stream_id],
-                                /*upload=*/true);
+      if (!whole && upload > absl::ZeroDuration() && upload != absl::InfiniteDuration()) {
+        const absl::Time by = absl::Now() + upload;
+        if (by < call->deadline_) {
+          c->server_->AddDeadline(by, c->streams_[frame->hd.stream_id], /*upload=*/true);
+        }
       }
     }
     if (!whole) return 0;

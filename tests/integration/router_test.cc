@@ -1298,9 +1298,10 @@ TEST(RouterForwardTest, TheVersionChosenHereIsTheOneServedOnTheOtherNode) {
 }
 
 // Node a's table is older than node b's: it still lists version 1 on node b, which no longer
-// serves it (drained in a rollout). Node b answers such a call UNAVAILABLE, saying it is up
-// (kAnsweredByHeader), so node a rules out only that endpoint and retries on node b's other
-// version instead of giving up on the node: every call is served, over both protocols.
+// serves it (drained in a rollout). Node b answers such a call UNAVAILABLE, saying it still
+// serves the model (kAnsweredByHeader), so node a rules out only that endpoint and retries on
+// node b's other version instead of giving up on the node: every call is served, over both
+// protocols.
 TEST(RouterForwardTest, AVersionTheOtherNodeNoLongerServesIsRetriedAtItsOtherVersion) {
   FakeDataSocket data2(TempSocket("stale2"), [](const inference::ModelInferRequest& req) {
     EXPECT_TRUE(req.model_version().empty() || req.model_version() == "2") << req.model_version();
@@ -1346,8 +1347,25 @@ TEST(RouterForwardTest, AVersionTheOtherNodeNoLongerServesIsRetriedAtItsOtherVer
   // Some keys chose version 1 (16 keys split 50/50), and each of those calls was retried once.
   EXPECT_GT(a->retries(), 0u);
   EXPECT_EQ(b->retries(), 0u);
+  // Once node b serves none of the model, its failures say nothing of its other versions: the
+  // whole node is ruled out and the retry goes to node z (whose endpoint sorts after b's).
+  OneAnswerReplica z(grpc::Status::OK);
+  int z_port = 0;
+  auto z_server = Serve(&z, &z_port);
+  ASSERT_GT(z_port, 0);
+  stale->routes["encoder"].endpoints.push_back(
+      {"z/2", "2", "127.0.0.1:" + std::to_string(z_port), "", false, ""});
+  a->SetTable(stale);
+  fresh->routes["encoder"].endpoints.clear();
+  b->SetTable(fresh);
+  for (int i = 0; i < 8; ++i) {
+    grpc::Status s = InferEncoder(stub.get());
+    ASSERT_TRUE(s.ok()) << i << ": " << s.error_message();
+  }
+  EXPECT_EQ(z.calls_.load(), 8);
   a->Stop();
   b->Stop();
+  z_server->Shutdown();
 }
 
 // A model split by a `parameters` entry: the same key sees the same version over gRPC (a string

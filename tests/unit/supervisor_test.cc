@@ -725,12 +725,11 @@ TEST_F(SupervisorTest, RemovedReplicasLogsAreKeptBoundedUnderRemoved) {
 TEST_F(SupervisorTest, AReplicaLeavesRoutingBeforeItIsToldToDrainOrDemote) {
   struct Seen {
     size_t signals = 0;  // sent by then
-    int demotes = 0;     // b's, by then
     std::set<std::string> routed;
   };
   std::vector<Seen> seen;
   options_.before_leaving_routing = [&] {
-    Seen s{launcher_.signals().size(), runtimes_.Get(Socket("b")).demotes, {}};
+    Seen s{launcher_.signals().size(), {}};
     RouterTable table = BuildRouterTable({}, *sup_->Snapshot(), "n1");
     for (const auto& e : table.routes["enc"].endpoints) s.routed.insert(e.id);
     seen.push_back(std::move(s));
@@ -747,28 +746,33 @@ TEST_F(SupervisorTest, AReplicaLeavesRoutingBeforeItIsToldToDrainOrDemote) {
   sup_->Tick();
   ASSERT_EQ(BuildRouterTable({}, *sup_->Snapshot(), "n1").routes["enc"].endpoints.size(), 3u);
   EXPECT_TRUE(seen.empty());  // nothing has left routing
-  // "a" is no longer assigned and "b" is assigned WARM: both are out of routing before "a"
-  // gets its SIGTERM and "b" its Demote (in the next pass).
-  ASSERT_TRUE(sup_->Apply(Assignment({Spec("b", 1, 1, v1::WARM), Spec("c", 0, 1, v1::SERVING)},
+  // "a" is no longer assigned: out of routing before its SIGTERM.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("b", 1, 1, v1::SERVING), Spec("c", 0, 1, v1::SERVING)},
                                      2)).ok());
   ASSERT_EQ(seen.size(), 1u);
   EXPECT_EQ(seen[0].signals, 0u);
-  EXPECT_EQ(seen[0].routed, std::set<std::string>{"c"});
+  EXPECT_EQ(seen[0].routed, (std::set<std::string>{"b", "c"}));
   EXPECT_EQ(launcher_.signals(), (std::vector<std::pair<pid_t, int>>{{a, SIGTERM}}));
+  // "b" is assigned WARM: out of routing as the assignment is taken, its Demote in the pass
+  // after.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("b", 1, 1, v1::WARM), Spec("c", 0, 1, v1::SERVING)},
+                                     3)).ok());
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[1].routed, std::set<std::string>{"c"});
+  EXPECT_EQ(runtimes_.Get(Socket("b")).demotes, 0);
   sup_->Tick();
-  EXPECT_EQ(seen[0].demotes, 0);
   EXPECT_EQ(runtimes_.Get(Socket("b")).demotes, 1);
   // "c" drains off its GPU gone bad: out of routing before its SIGTERM too.
   sup_->SetGpuHealth(0, false, "Xid 79: GPU has fallen off the bus");
-  ASSERT_EQ(seen.size(), 2u);
-  EXPECT_EQ(seen[1].signals, 1u);
-  EXPECT_TRUE(seen[1].routed.empty());
+  ASSERT_EQ(seen.size(), 3u);
+  EXPECT_EQ(seen[2].signals, 1u);
+  EXPECT_TRUE(seen[2].routed.empty());
   EXPECT_EQ(launcher_.signals(),
             (std::vector<std::pair<pid_t, int>>{{a, SIGTERM}, {c, SIGTERM}}));
   // An assignment that takes nothing out of routing does not call it.
   ASSERT_TRUE(sup_->Apply(Assignment({Spec("b", 1, 1, v1::WARM), Spec("c", 0, 1, v1::SERVING)},
-                                     3)).ok());
-  EXPECT_EQ(seen.size(), 2u);
+                                     4)).ok());
+  EXPECT_EQ(seen.size(), 3u);
 }
 
 TEST_F(SupervisorTest, UnderAControllerAnUnhealthyGpusReplicasServeUntilMoved) {
