@@ -52,9 +52,9 @@ RouterTable BuildRouterTable(const v1::RoutingTable& routing,
     t.routes[route.model] = std::move(route);
   }
   for (const auto& v : replicas) {
-    // Not one on its way out: no longer assigned, or assigned WARM while it still serves.
-    if (v.state != v1::SERVING || !v.healthy || v.grpc_port == 0 || v.removing ||
-        v.spec.state() == v1::WARM) {
+    // Not one on its way out either: assigned WARM while it still serves. (One no longer
+    // assigned is not healthy: its phase is STOPPING.)
+    if (v.state != v1::SERVING || !v.healthy || v.grpc_port == 0 || v.spec.state() == v1::WARM) {
       continue;
     }
     RouterTable::Route& route = t.routes[v.spec.model()];
@@ -827,10 +827,11 @@ class Router::Impl {
     if (!choice.ok()) {
       if (previous) {
         Reply(call->reply, previous->first, std::move(previous->second), "",
-              previous->first == 503 ? AnsweredBy(*call) : "");
+              AnsweredBy(*call, previous->first));
       } else {
-        Reply(call->reply, HttpStatusFromCode(choice.status().code()),
-              JsonError(std::string(choice.status().message())), "", AnsweredBy(*call));
+        const int code = HttpStatusFromCode(choice.status().code());
+        Reply(call->reply, code, JsonError(std::string(choice.status().message())), "",
+              AnsweredBy(*call, code));
       }
       return;
     }
@@ -868,13 +869,13 @@ class Router::Impl {
       Forward(std::move(call), std::make_pair(code, std::move(text)));
       return;
     }
-    Reply(call->reply, code, std::move(text), code == 200 ? chosen : "",
-          code == 503 ? AnsweredBy(*call) : "");
+    Reply(call->reply, code, std::move(text), code == 200 ? chosen : "", AnsweredBy(*call, code));
   }
 
-  // kAnsweredByHeader's value for a failure of `call` (Router::AnsweredBy).
-  std::string AnsweredBy(const RestCall& call) const {
-    return call.forwarded ? router_->AnsweredBy(call.model) : "";
+  // kAnsweredByHeader's value for `call` answered `code`: Router::AnsweredBy's for a 503 (the
+  // answer a sender retries) to a forwarded call, else "".
+  std::string AnsweredBy(const RestCall& call, int code) const {
+    return call.forwarded && code == 503 ? router_->AnsweredBy(call.model) : "";
   }
 
   // Forward's call over HTTP to `choice`.

@@ -42,11 +42,10 @@ struct RouterTable {
 };
 
 // Builds the table from the routing table (file or controller) and the node's replicas: a
-// local replica is an endpoint only while it is SERVING, healthy and neither being removed
-// nor assigned WARM. The routing table's endpoints on `node` itself are left out (the
-// controller sends every node the same table; its own replicas are reached directly, never
-// through its own ingress). A model with SERVING replicas but no route gets one: its serving
-// versions, equal weights.
+// local replica is an endpoint only while it is SERVING, healthy and not assigned WARM. The
+// routing table's endpoints on `node` itself are left out (the controller sends every node the
+// same table; its own replicas are reached directly, never through its own ingress). A model
+// with SERVING replicas but no route gets one: its serving versions, equal weights.
 RouterTable BuildRouterTable(const v1::RoutingTable& routing,
                              const std::vector<ReplicaView>& replicas, const std::string& node);
 
