@@ -641,6 +641,7 @@ class Router::Impl {
     g.bind_address = o.bind_address;
     g.port = o.grpc_port;
     g.flag = "--grpc-port/--ingress-bind";
+    g.thread_name = "router-grpc";
     // A request may be as large as REST's, plus its framing.
     g.max_message_bytes = o.max_request_bytes + 65536;
     if (o.grpc_listen_fd >= 0) {

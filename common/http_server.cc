@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -486,6 +487,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(Options options, H
   state->Accept();
   for (int i = 0; i < options.threads; ++i) {
     state->threads.emplace_back([s = state.get()] {
+      pthread_setname_np(pthread_self(), "http-server");  // for top -H and perf
       for (;;) {  // a handler that throws must not take the process down
         try {
           s->Run();

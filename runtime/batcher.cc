@@ -1,5 +1,7 @@
 #include "runtime/batcher.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -216,12 +218,18 @@ Batcher::Batcher(BatchPolicy policy, int64_t max_queue_size, Executor executor, 
       executor_(std::move(executor)),
       clock_(clock),
       observer_(std::move(observer)) {
+  // Named for top -H and perf.
   thread_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "executions");
     executor_id_ = std::this_thread::get_id();
     Loop();
   });
-  reaper_ = std::thread([this] { Reap(); });
+  reaper_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "batch-timeouts");
+    Reap();
+  });
   answerer_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "batch-answers");
     answerer_id_ = std::this_thread::get_id();
     AnswerLoop();
   });

@@ -189,6 +189,7 @@ absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(const std::s
   GrpcH2Server::Options o;
   o.listen_fd = *fd;
   o.flag = "--control-socket";
+  o.thread_name = "control";
   // A Load's arguments and a Stats reply are small; 4 MiB is gRPC's usual default.
   o.max_message_bytes = 4LL * 1024 * 1024;
   o.max_concurrent_streams = 64;

@@ -72,8 +72,9 @@ void AddRuntimeFlags(CLI::App& app, Flags* f, bool model_required) {
                  "Largest request payload (bytes, or 64Mi)")
       ->capture_default_str();
   app.add_option("--idle-spin-us", o.idle_spin_us,
-                 "After each execution, wait busily this long for the next request before "
-                 "sleeping (0 = off, at most 10000): lower latency at low load, for CPU time")
+                 "After each execution (and each request read or answer written), the serving "
+                 "threads wait busily this long for the next request before sleeping (0 = off, "
+                 "at most 10000): lower latency at low load, for CPU time")
       ->capture_default_str();
   app.add_option("--drain-timeout-ms", f->drain_ms, "Default drain deadline")
       ->capture_default_str();

@@ -171,6 +171,9 @@ absl::Status RuntimeServer::StartListening() {
   g.port = options_.grpc_port;
   g.flag = "--grpc-port";
   g.max_message_bytes = options_.max_request_bytes + 64 * 1024;
+  // The reading thread spins as the executions' thread does: after a reply, for the caller's
+  // next request.
+  g.idle_spin = idle_spin_;
   KILN_ASSIGN_OR_RETURN(grpc_server_,
                         GrpcH2Server::Start(g, [svc = grpc_service_.get()](
                                                    std::shared_ptr<GrpcH2Server::Call> call) {

@@ -44,8 +44,9 @@ struct RuntimeOptions {
   // (CUDA_DISABLE_PERF_BOOST=1) pays its slow first kernel here, not on a client request.
   bool warmup_on_promote = false;
   // After each execution, the executions' thread waits busily this long for the next request
-  // before it sleeps (Batcher::SetIdleSpin), and the REST threads poll busily this long after
-  // each piece of work (HttpServer::Options::idle_spin); 0 = off. At most kMaxIdleSpinMicros.
+  // before it sleeps (Batcher::SetIdleSpin), and the gRPC and REST threads poll busily this
+  // long after each piece of work (GrpcH2Server::Options::idle_spin,
+  // HttpServer::Options::idle_spin); 0 = off. At most kMaxIdleSpinMicros.
   int64_t idle_spin_us = 0;
 };
 inline constexpr int64_t kMaxIdleSpinMicros = 10000;

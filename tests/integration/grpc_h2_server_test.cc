@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "tests/support/eventually.h"
+#include "tests/support/thread_cpu.h"
 
 namespace kiln {
 namespace {
@@ -460,10 +461,12 @@ struct RawAnswer {
 };
 
 // Sends one request of `headers` and `body` on a fresh connection; reads until the stream ends.
-// `end_stream` false: the body is sent and the request left open.
+// `end_stream` false: the body is sent and the request left open. `silent_fd`: the connection's
+// preface and the request go in one write, then the client falls silent (no acknowledgement,
+// no window update, the answer unread) and the open socket is left in *silent_fd.
 RawAnswer RawCall(int port, std::vector<std::pair<std::string, std::string>> headers,
                   const std::string& body, bool end_after_headers = false,
-                  bool end_stream = true) {
+                  bool end_stream = true, int* silent_fd = nullptr) {
   RawAnswer ans;
   int fd = Connect(port);
   EXPECT_GE(fd, 0);
@@ -525,6 +528,11 @@ RawAnswer RawCall(int port, std::vector<std::pair<std::string, std::string>> hea
             static_cast<ssize_t>(pending.size())) {
       break;
     }
+    if (silent_fd != nullptr) {
+      *silent_fd = fd;
+      fd = -1;
+      break;
+    }
     pollfd p{fd, POLLIN, 0};
     if (poll(&p, 1, 100) <= 0) continue;
     char buf[65536];
@@ -534,7 +542,7 @@ RawAnswer RawCall(int port, std::vector<std::pair<std::string, std::string>> hea
   }
   nghttp2_session_del(session);
   nghttp2_session_callbacks_del(cb);
-  close(fd);
+  if (fd >= 0) close(fd);
   return ans;
 }
 
@@ -562,6 +570,50 @@ std::vector<std::pair<std::string, std::string>> GrpcHeaders(
     if (!replaced) h.push_back(m);
   }
   return h;
+}
+
+// With an idle spin the server's thread polls busily after its last piece of work: bytes read,
+// or an answer finished on another thread (the caller's next request follows it, and a caller
+// may send nothing in between). It sleeps once the spin is over; with a spin of an hour it
+// still serves, and Stop ends the spin.
+TEST(GrpcH2ServerRawTest, AnIdleSpinFollowsEachReadAndAnswerThenSleeps) {
+  using kiln::testing::ThreadCpuMs;
+  GrpcH2Server::Options o;
+  o.idle_spin = absl::Milliseconds(300);
+  o.thread_name = "spin-test";
+  Served s(o);
+  int fd = -1;
+  RawCall(s.server().port(), GrpcHeaders({{":path", kInfer}}),
+          Prefixed(Request("kept").SerializeAsString()), false, true, &fd);
+  ASSERT_GE(fd, 0);
+  auto c = s.Kept();
+  ASSERT_NE(c, nullptr);
+  // 300 ms after the read the spin is over: the thread sleeps (spinning, it would use about
+  // 200 ms of CPU in the 200 ms looked at; ticks are 10 ms).
+  absl::SleepFor(absl::Milliseconds(500));
+  const double idle_from = ThreadCpuMs(0, "spin-test");
+  ASSERT_GE(idle_from, 0) << "no thread named spin-test";
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_LT(ThreadCpuMs(0, "spin-test") - idle_from, 30);
+  // Answered on this thread, with nothing more from the caller: the server's thread spins for
+  // its next request (a tenth of what it would use on an idle machine is asked for).
+  AnswerInfer(*c, "answered");
+  const double spin_from = ThreadCpuMs(0, "spin-test");
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_GE(ThreadCpuMs(0, "spin-test") - spin_from, 20);
+  close(fd);
+
+  GrpcH2Server::Options hour;
+  hour.idle_spin = absl::Hours(1);
+  Served h(hour);
+  auto stub = inference::GRPCInferenceService::NewStub(h.Channel());
+  for (int i = 0; i < 3; i++) {
+    grpc::ClientContext ctx;
+    inference::ServerLiveResponse live;
+    ASSERT_TRUE(stub->ServerLive(&ctx, {}, &live).ok());
+    EXPECT_TRUE(live.live());
+  }
+  h.server().Stop(absl::Seconds(1));
 }
 
 TEST(GrpcH2ServerRawTest, TheRawClientIsAnsweredWhenTheRequestIsRight) {
