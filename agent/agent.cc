@@ -1,6 +1,5 @@
 #include "agent/agent.h"
 
-#include <sched.h>
 #include <sys/stat.h>
 #include <systemd/sd-daemon.h>
 #include <systemd/sd-journal.h>
@@ -23,8 +22,10 @@
 #include "agent/fake_gpu_driver.h"
 #include "agent/nvml_driver.h"
 #include "agent/router.h"
+#include "common/cpu_list.h"
 #include "common/filesystem.h"
 #include "common/http_server.h"
+#include "common/idle_spin.h"
 #include "common/logging.h"
 #include "common/pinning.h"
 #include "common/status.h"
@@ -75,21 +76,6 @@ bool StderrIsJournal() {
   std::string want = std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
   return want == js;
 }
-
-std::vector<int> ProcessAffinity() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  std::vector<int> out;
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return out;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &set)) out.push_back(c);
-  }
-  return out;
-}
-
-}  // namespace
-
-namespace {
 
 // A label name or value: at most 63 of [A-Za-z0-9-_.], alphanumeric at both ends.
 bool LabelWord(std::string_view w) {
@@ -173,8 +159,9 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
   if (absl::Status s = CheckLogLevel(o.runtime_log_level); !s.ok()) {
     return absl::InvalidArgumentError("--runtime-log-level: " + std::string(s.message()));
   }
-  if (o.runtime_idle_spin_us < 0 || o.runtime_idle_spin_us > 10000) {
-    return absl::InvalidArgumentError("--runtime-idle-spin-us: must be in 0..10000, got " +
+  if (o.runtime_idle_spin_us < 0 || o.runtime_idle_spin_us > kMaxIdleSpinMicros) {
+    return absl::InvalidArgumentError("--runtime-idle-spin-us: must be in 0.." +
+                                      std::to_string(kMaxIdleSpinMicros) + ", got " +
                                       std::to_string(o.runtime_idle_spin_us));
   }
   if (o.router_busy_poll_us < 0 || o.router_busy_poll_us > 100000) {
@@ -248,7 +235,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(AgentOptions options, Clock
   std::stringstream cgtext;
   cgtext << cg.rdbuf();
   topo.cgroup_path = CgroupV2Path(cgtext.str());
-  topo.affinity = ProcessAffinity();
+  topo.affinity = AllowedCpus();
   RootedFilesystem fs;
   auto topology = DiscoverTopology(fs, gpus.get(), topo);
   if (!topology.ok()) return Annotate(topology.status(), "--sysfs-root " + options.sysfs_root);

@@ -1,5 +1,7 @@
 #include "common/cpu_list.h"
 
+#include <sched.h>
+
 #include <algorithm>
 
 #include "absl/strings/numbers.h"
@@ -42,6 +44,17 @@ std::string FormatCpuList(const std::vector<int>& cpus) {
     out += std::to_string(c[i]);
     if (j > i) out += "-" + std::to_string(c[j]);
     i = j + 1;
+  }
+  return out;
+}
+
+std::vector<int> AllowedCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> out;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return out;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) out.push_back(c);
   }
   return out;
 }

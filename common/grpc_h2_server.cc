@@ -28,6 +28,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/idle_spin.h"
 #include "common/logging.h"
 
 namespace kiln {
@@ -184,8 +185,7 @@ class GrpcH2Server::Connection : public std::enable_shared_from_this<Connection>
 class GrpcH2Server::Impl {
  public:
   Impl(Options options, Handler handler)
-      : spin_ns_(absl::ToInt64Nanoseconds(
-            std::clamp(options.idle_spin, absl::ZeroDuration(), absl::Hours(1)))),
+      : spin_ns_(absl::ToInt64Nanoseconds(ClampIdleSpin(options.idle_spin))),
         options_(std::move(options)),
         handler_(std::move(handler)) {}
   ~Impl() {

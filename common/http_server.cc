@@ -31,6 +31,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/synchronization/mutex.h"
+#include "common/idle_spin.h"
 #include "common/logging.h"
 
 namespace kiln {
@@ -98,8 +99,7 @@ class HttpServer::State : public std::enable_shared_from_this<HttpServer::State>
       ioc.run();
       return;
     }
-    // At most an hour: an infinite spin would overflow steady_clock's arithmetic.
-    const auto spin = absl::ToChronoNanoseconds(std::min(options.idle_spin, absl::Hours(1)));
+    const auto spin = absl::ToChronoNanoseconds(ClampIdleSpin(options.idle_spin));
     while (ioc.run_one() > 0) {
       auto until = std::chrono::steady_clock::now() + spin;
       while (!ioc.stopped() && std::chrono::steady_clock::now() < until) {

@@ -8,6 +8,7 @@
 #include <numeric>
 #include <string>
 
+#include "common/idle_spin.h"
 #include "common/logging.h"
 
 namespace kiln {
@@ -297,10 +298,7 @@ void Batcher::Signal() {
 }
 
 void Batcher::SetIdleSpin(absl::Duration spin) {
-  // At most an hour: a spin's end is computed on steady_clock, which an infinite one would
-  // overflow.
-  spin = std::clamp(spin, absl::ZeroDuration(), absl::Hours(1));
-  idle_spin_nanos_.store(absl::ToInt64Nanoseconds(spin));
+  idle_spin_nanos_.store(absl::ToInt64Nanoseconds(ClampIdleSpin(spin)));
 }
 
 namespace {

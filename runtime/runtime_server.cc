@@ -1,12 +1,12 @@
 #include "runtime/runtime_server.h"
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <filesystem>
 
 #include <grpcpp/server_builder.h>
 
+#include "common/cpu_list.h"
 #include "common/logging.h"
 #include "common/status.h"
 
@@ -140,9 +140,7 @@ absl::Status RuntimeServer::StartListening() {
   auto log = GetLogger("runtime.server");
   if (options_.idle_spin_us > 0) {
     // A spinning thread on the only CPU would hold off the one that hands it work.
-    cpu_set_t cpus;
-    CPU_ZERO(&cpus);
-    const int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+    const size_t usable = AllowedCpus().size();
     if (usable >= 2) {
       idle_spin_ = absl::Microseconds(options_.idle_spin_us);
     } else {

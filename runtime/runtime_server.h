@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
+#include "common/idle_spin.h"
 #include "runtime/backend.h"
 #include "runtime/control_service.h"
 #include "runtime/grpc_frontend.h"
@@ -49,7 +50,6 @@ struct RuntimeOptions {
   // HttpServer::Options::idle_spin); 0 = off. At most kMaxIdleSpinMicros.
   int64_t idle_spin_us = 0;
 };
-inline constexpr int64_t kMaxIdleSpinMicros = 10000;
 
 // Checks flag values; errors name the flag.
 absl::Status ValidateRuntimeOptions(const RuntimeOptions& options);

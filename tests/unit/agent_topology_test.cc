@@ -1,10 +1,15 @@
+#include <sched.h>
+
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "agent/cpu_allocator.h"
 #include "agent/fake_gpu_driver.h"
 #include "agent/nvml_driver.h"
 #include "agent/topology.h"
+#include "common/cpu_list.h"
 #include "gtest/gtest.h"
 
 namespace kiln {
@@ -23,6 +28,24 @@ TEST(CpuListTest, ParsesAndFormats) {
     EXPECT_FALSE(r.ok()) << bad;
     EXPECT_NE(r.status().message().find("cpuset.cpus.effective"), std::string::npos);
   }
+}
+
+// The calling thread's CPUs: all of this process's here, and only the one a thread is held to.
+TEST(CpuListTest, AllowedCpusAreTheCallingThreadsAffinity) {
+  const std::vector<int> all = AllowedCpus();
+  ASSERT_FALSE(all.empty());
+  EXPECT_TRUE(std::is_sorted(all.begin(), all.end()));
+  std::vector<int> in_thread;
+  std::thread t([&] {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(all.back(), &one);
+    ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+    in_thread = AllowedCpus();
+  });
+  t.join();
+  EXPECT_EQ(in_thread, std::vector<int>{all.back()});
+  EXPECT_EQ(AllowedCpus(), all);  // this thread is untouched
 }
 
 TEST(PciBusIdTest, NormalisesToSysfsForm) {
