@@ -191,7 +191,6 @@ class GrpcH2Server::Impl {
   ~Impl() {
     if (epoll_fd_ >= 0) close(epoll_fd_);
     if (wake_fd_ >= 0) close(wake_fd_);
-    if (spin_fd_ >= 0) close(spin_fd_);
     if (listen_fd_ >= 0 && owns_listener_) close(listen_fd_);
     if (callbacks_ != nullptr) nghttp2_session_callbacks_del(callbacks_);
     if (session_options_ != nullptr) nghttp2_option_del(session_options_);
@@ -270,12 +269,6 @@ class GrpcH2Server::Impl {
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
     ev.data.fd = wake_fd_;
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
-    if (spin_ns_ > 0) {
-      spin_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-      if (spin_fd_ < 0) return absl::InternalError(absl::StrCat(flag, ": eventfd: ", strerror(errno)));
-      ev.data.fd = spin_fd_;
-      epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, spin_fd_, &ev);
-    }
 
     nghttp2_session_callbacks_new(&callbacks_);
     nghttp2_session_callbacks_set_on_begin_headers_callback(callbacks_, &Impl::OnBeginHeaders);
@@ -292,10 +285,9 @@ class GrpcH2Server::Impl {
   }
 
   void Run() {
-    thread_ = std::thread([this] {
-      pthread_setname_np(pthread_self(), options_.thread_name.substr(0, 15).c_str());
-      Loop();
-    });
+    thread_ = std::thread([this] { Loop(); });
+    // Named here rather than by the thread, so the name is there once Start returns.
+    pthread_setname_np(thread_.native_handle(), options_.thread_name.substr(0, 15).c_str());
   }
 
   // The idle spin's clock: monotonic, so a step of the wall clock cannot stretch a spin.
@@ -304,22 +296,6 @@ class GrpcH2Server::Impl {
                std::chrono::steady_clock::now().time_since_epoch())
         .count();
   }
-  // The idle spin runs until spin_ns_ after the latest piece of work: bytes read (on the
-  // server's thread)...
-  void NoteRead() {
-    if (spin_ns_ > 0) last_work_ns_.store(SpinClockNanos());
-  }
-  // ... or an answer finished, on any thread. The server's thread may have gone to sleep
-  // before it: it is woken to spin, so the caller's next request finds it awake.
-  void NoteAnswer() {
-    if (spin_ns_ <= 0) return;
-    last_work_ns_.store(SpinClockNanos());
-    if (asleep_.exchange(false)) {
-      uint64_t one = 1;
-      (void)!write(spin_fd_, &one, sizeof(one));
-    }
-  }
-  bool Spinning() const { return SpinClockNanos() - last_work_ns_.load() < spin_ns_; }
   int epoll_fd() const { return epoll_fd_; }
 
   void Stop(absl::Duration grace) {
@@ -343,13 +319,11 @@ class GrpcH2Server::Impl {
   int port_ = 0;
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> connections_{0};
-  // Options::idle_spin, clamped; and when the last piece of work was done (SpinClockNanos).
+  // Options::idle_spin, clamped; and when the server's thread last had work (SpinClockNanos;
+  // at first, long ago, so that a server started soon after boot does not spin before it has
+  // had any).
   const int64_t spin_ns_;
-  std::atomic<int64_t> last_work_ns_{0};
-  // With a spin: the server's thread is (about to be) asleep in epoll_wait, and the eventfd an
-  // answer wakes it with.
-  std::atomic<bool> asleep_{false};
-  int spin_fd_ = -1;
+  int64_t last_work_ns_ = std::numeric_limits<int64_t>::min() / 2;
 
   // nghttp2's callbacks: user_data is the Connection, whose lock is held.
   static int OnBeginHeaders(nghttp2_session*, const nghttp2_frame* frame, void* user_data) {
@@ -822,7 +796,6 @@ void GrpcH2Server::Call::Finish(const grpc::Status& status, std::string response
     conn_->SubmitAnswer(this);
     conn_->Flush();
     cancels = conn_->TakeCancels();  // streams the writes closed
-    conn_->server_->NoteAnswer();  // the caller's next request may follow at once
   }
   RunAll(cancels);
 }
@@ -867,21 +840,12 @@ void GrpcH2Server::Impl::Loop() {
       timeout_ms = static_cast<int>(std::clamp<int64_t>(
           absl::ToInt64Milliseconds(absl::Ceil(next - now, absl::Milliseconds(1))), 0, 60000));
     }
-    // Spinning: poll, and sleep only once the last piece of work is spin_ns_ old. Going to
-    // sleep is announced first, then the spin looked at again: an answer finished meanwhile
-    // either shows here or sees the announcement and wakes this thread.
-    if (spin_ns_ > 0 && timeout_ms != 0) {
-      asleep_.store(true);
-      if (Spinning()) {
-        asleep_.store(false);
-        timeout_ms = 0;
-      }
+    // Spinning: poll, and sleep only once the last piece of work is spin_ns_ old.
+    if (spin_ns_ > 0 && timeout_ms != 0 && SpinClockNanos() - last_work_ns_ < spin_ns_) {
+      timeout_ms = 0;
     }
     int n = epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), timeout_ms);
-    if (spin_ns_ > 0) {
-      asleep_.store(false);
-      if (n > 0) NoteRead();
-    }
+    if (spin_ns_ > 0 && n > 0) last_work_ns_ = SpinClockNanos();
     if (n < 0 && errno != EINTR) {
       GetLogger("grpc.h2")->error("epoll_wait: {}", strerror(errno));
       absl::SleepFor(absl::Milliseconds(10));
@@ -892,11 +856,6 @@ void GrpcH2Server::Impl::Loop() {
         uint64_t v;
         (void)!read(wake_fd_, &v, sizeof(v));
         BeginStop();
-        continue;
-      }
-      if (fd == spin_fd_) {  // an answer's nudge: spin
-        uint64_t v;
-        (void)!read(spin_fd_, &v, sizeof(v));
         continue;
       }
       if (fd == listen_fd_) {

@@ -28,8 +28,8 @@
 //  - RST_STREAM or a closed connection cancels the call; PING is answered by nghttp2, and a
 //    connection sending over 100 a second is cut off (ENHANCE_YOUR_CALM);
 //  - Stop sends GOAWAY, gives calls in flight a grace, then cancels them.
-// With Options::idle_spin the thread polls its sockets busily for a while after its last piece
-// of work instead of sleeping at once (see there).
+// With Options::idle_spin the thread polls its sockets busily for a while after each piece of
+// work instead of sleeping at once (see there).
 // Bytes that are not HTTP/2 end their connection (and only it).
 
 #include <cstdint>
@@ -64,12 +64,12 @@ class GrpcH2Server {
     // How long a request may take to arrive whole, from its headers (as HttpServer's
     // body_timeout); zero or less: only the caller's deadline bounds it.
     absl::Duration upload_timeout = absl::Seconds(120);
-    // After its last piece of work (bytes read, or an answer finished on any thread) the
-    // server's thread polls its sockets busily for up to this long before it sleeps: a request
-    // that comes meanwhile is read with no wake-up to pay (tens of microseconds on a virtual
-    // machine). An answer counts as work because a client's next request follows it. The cost:
-    // up to this much of a CPU after each, when nothing comes. Zero (the default): it sleeps at
-    // once. At most an hour.
+    // After each piece of work (anything its sockets brought) the server's thread polls them
+    // busily for up to this long before it sleeps in the kernel: a request that comes meanwhile
+    // pays no wake-up, and the thread's CPU does not go idle meanwhile (what this buys a
+    // runtime: bench/RESULTS.md, 2026-11-29 session 11). The cost: up to this much of a CPU
+    // after each piece of work, when nothing comes. Zero (the default): it sleeps at once. At
+    // most an hour (ClampIdleSpin).
     absl::Duration idle_spin = absl::ZeroDuration();
     // The server thread's name (top -H, perf; at most 15 characters kept).
     std::string thread_name = "grpc-server";

@@ -145,7 +145,7 @@ absl::Status RuntimeServer::StartListening() {
       idle_spin_ = absl::Microseconds(options_.idle_spin_us);
     } else {
       log->warn("--idle-spin-us {}: not used, this runtime may run on {} CPU (a spin needs two: "
-                "one spinning, one reading requests)",
+                "on one, a spinning thread would hold off the one that hands it work)",
                 options_.idle_spin_us, usable);
     }
   }
@@ -169,8 +169,7 @@ absl::Status RuntimeServer::StartListening() {
   g.port = options_.grpc_port;
   g.flag = "--grpc-port";
   g.max_message_bytes = options_.max_request_bytes + 64 * 1024;
-  // The reading thread spins as the executions' thread does: after a reply, for the caller's
-  // next request.
+  // The reading thread spins too, after each piece of work, as the REST threads do.
   g.idle_spin = idle_spin_;
   KILN_ASSIGN_OR_RETURN(grpc_server_,
                         GrpcH2Server::Start(g, [svc = grpc_service_.get()](

@@ -159,7 +159,7 @@ v1::RuntimeStats Stats(RuntimeProcess* rt);
 
 // --idle-spin-us: the executions' thread waits busily after each execution, and the gRPC and
 // REST threads after each piece of work; answers are the same, Stats counts the executions'
-// spins and the requests they took, and the gRPC reading thread does spin.
+// spins and the requests they took, and the gRPC thread does spin.
 TEST(RuntimeTest, AnIdleSpinKeepsTheAnswersAndIsCounted) {
   cpu_set_t allowed;
   ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
@@ -194,7 +194,7 @@ TEST(RuntimeTest, AnIdleSpinKeepsTheAnswersAndIsCounted) {
   EXPECT_LE(stats.idle_spin_catches(), stats.idle_spins());
   EXPECT_EQ(rt->Log().find("--idle-spin-us 10000: not used"), std::string::npos) << rt->Log();
   // Each ServerLive, 12 ms apart, is followed by 10 ms of the gRPC thread polling: about 400 ms
-  // of its CPU in 40 calls on an idle machine (without the spin, about 2 ms); a quarter is
+  // of its CPU in 40 calls on an idle machine (without the spin, about 2 ms); an eighth is
   // asked for.
   const double grpc_cpu = kiln::testing::ThreadCpuMs(rt->pid(), "grpc-server");
   ASSERT_GE(grpc_cpu, 0) << "the runtime has no thread named grpc-server";
@@ -204,7 +204,9 @@ TEST(RuntimeTest, AnIdleSpinKeepsTheAnswersAndIsCounted) {
     ASSERT_TRUE(stub->ServerLive(&ctx, {}, &live).ok());
     absl::SleepFor(absl::Milliseconds(12));
   }
-  EXPECT_GE(kiln::testing::ThreadCpuMs(rt->pid(), "grpc-server") - grpc_cpu, 100);
+  const double grpc_cpu_after = kiln::testing::ThreadCpuMs(rt->pid(), "grpc-server");
+  ASSERT_GE(grpc_cpu_after, 0);
+  EXPECT_GE(grpc_cpu_after - grpc_cpu, 50);
 }
 
 TEST(RuntimeTest, BothProtocolsReturnTheReferenceOutputs) {
