@@ -28,7 +28,8 @@ std::string EncodeJsonInferResponse(const InferResponse& response,
 // found while `decoding` is 413 (it can never succeed), not 429 ("retry later").
 int RestErrorStatus(const absl::Status& status, bool decoding);
 
-// Appends a tensor's elements to a JSON array, as numbers (or booleans).
-void AppendTensorData(const Tensor& t, nlohmann::json* array);
+// Appends a tensor's elements as the text of a JSON array of numbers (or booleans), flat; a
+// float as the shortest decimal that reads back as the same value, NaN and infinities as null.
+void AppendTensorData(const Tensor& t, std::string* out);
 
 }  // namespace kiln

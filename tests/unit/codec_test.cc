@@ -1,9 +1,12 @@
 // Request decoding (gRPC and REST JSON), response encoding, and the engine's request
 // validation, with a fake in-process backend.
 #include <atomic>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <limits>
+#include <random>
 
 #include "gtest/gtest.h"
 #include "runtime/grpc_frontend.h"
@@ -492,6 +495,100 @@ TEST(JsonEncodeTest, EchoesIdAndParameters) {
   EXPECT_EQ(j["outputs"][0]["datatype"], "INT64");
   EXPECT_EQ(j["outputs"][0]["data"][1], -9);
   EXPECT_EQ(j["outputs"][0]["shape"][0], 2);
+}
+
+template <typename T>
+Tensor Output(const std::string& name, DataType dtype, const std::vector<T>& values) {
+  Tensor t;
+  t.name = name;
+  t.dtype = dtype;
+  t.shape = {static_cast<int64_t>(values.size())};
+  t.data.assign(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
+  return t;
+}
+
+// The response is written as text directly: each datatype's numbers, floats in their own
+// shortest form (".0" kept on whole ones, as json::dump writes them), NaN and infinities as
+// null, strings escaped with bytes that are not UTF-8 replaced, keys in json::dump's order.
+TEST(JsonEncodeTest, WritesEachDatatypeExactly) {
+  InferResponse resp;
+  resp.model_name = "m";
+  resp.model_version = "2";
+  resp.id = std::string("a\"b\x01\xff", 5);
+  const float inf = std::numeric_limits<float>::infinity();
+  resp.outputs.push_back(Output<float>(
+      "f32", DataType::kFp32,
+      {0.1f, -0.0f, 2.0f, 1e-8f, 3.4028235e38f, std::nanf(""), -inf, 1e-45f, 16777216.0f}));
+  resp.outputs.push_back(Output<double>("f64", DataType::kFp64, {0.1, 1e300, -2.5, 5e-324}));
+  // Half: 1, 1/3 rounded, 65504 (the largest), infinity. Bfloat16: 1, -0.5, NaN.
+  resp.outputs.push_back(
+      Output<uint16_t>("f16", DataType::kFp16, {0x3C00, 0x3555, 0x7BFF, 0x7C00}));
+  resp.outputs.push_back(Output<uint16_t>("bf16", DataType::kBf16, {0x3F80, 0xBF00, 0x7FC0}));
+  resp.outputs.push_back(Output<int8_t>("i8", DataType::kInt8, {-128, 127}));
+  resp.outputs.push_back(Output<int64_t>(
+      "i64", DataType::kInt64, {std::numeric_limits<int64_t>::min(), 0}));
+  resp.outputs.push_back(Output<uint64_t>(
+      "u64", DataType::kUint64, {std::numeric_limits<uint64_t>::max()}));
+  resp.outputs.push_back(Output<uint8_t>("b", DataType::kBool, {1, 0}));
+  resp.outputs.back().shape = {1, 2};
+  const std::string text = EncodeJsonInferResponse(resp, {{"custom", "x"}});
+  EXPECT_EQ(text,
+            "{\"id\":\"a\\\"b\\u0001\xef\xbf\xbd\",\"model_name\":\"m\",\"model_version\":\"2\","
+            "\"outputs\":["
+            "{\"data\":[0.1,-0.0,2.0,1e-08,3.4028235e+38,null,null,1e-45,16777216.0],"
+            "\"datatype\":\"FP32\",\"name\":\"f32\",\"shape\":[9]},"
+            "{\"data\":[0.1,1e+300,-2.5,5e-324],\"datatype\":\"FP64\",\"name\":\"f64\",\"shape\":[4]},"
+            "{\"data\":[1.0,0.33325195,65504.0,null],\"datatype\":\"FP16\",\"name\":\"f16\","
+            "\"shape\":[4]},"
+            "{\"data\":[1.0,-0.5,null],\"datatype\":\"BF16\",\"name\":\"bf16\",\"shape\":[3]},"
+            "{\"data\":[-128,127],\"datatype\":\"INT8\",\"name\":\"i8\",\"shape\":[2]},"
+            "{\"data\":[-9223372036854775808,0],\"datatype\":\"INT64\",\"name\":\"i64\",\"shape\":[2]},"
+            "{\"data\":[18446744073709551615],\"datatype\":\"UINT64\",\"name\":\"u64\",\"shape\":[1]},"
+            "{\"data\":[true,false],\"datatype\":\"BOOL\",\"name\":\"b\",\"shape\":[1,2]}],"
+            "\"parameters\":{\"custom\":\"x\"}}");
+  // Without id or parameters, neither key is written; an output with no elements is [].
+  InferResponse bare;
+  bare.model_name = "m";
+  bare.model_version = "1";
+  bare.outputs.push_back(Output<float>("e", DataType::kFp32, {}));
+  EXPECT_EQ(EncodeJsonInferResponse(bare, nullptr),
+            "{\"model_name\":\"m\",\"model_version\":\"1\",\"outputs\":[{\"data\":[],"
+            "\"datatype\":\"FP32\",\"name\":\"e\",\"shape\":[0]}]}");
+}
+
+// Every finite float and double written reads back as the same bits (random bit patterns,
+// denormals included).
+TEST(JsonEncodeTest, FloatsReadBackAsTheSameBits) {
+  std::mt19937_64 rng(5);
+  std::vector<float> floats;
+  std::vector<double> doubles;
+  while (floats.size() < 20000) {
+    const uint64_t bits = rng();
+    float f;
+    const uint32_t low = static_cast<uint32_t>(bits);
+    std::memcpy(&f, &low, sizeof(f));
+    double d;
+    std::memcpy(&d, &bits, sizeof(d));
+    if (std::isfinite(f)) floats.push_back(f);
+    if (std::isfinite(d)) doubles.push_back(d);
+  }
+  InferResponse resp;
+  resp.outputs.push_back(Output<float>("f", DataType::kFp32, floats));
+  resp.outputs.push_back(Output<double>("d", DataType::kFp64, doubles));
+  const auto j = nlohmann::json::parse(EncodeJsonInferResponse(resp, nullptr));
+  const auto& f_out = j["outputs"][0]["data"];
+  const auto& d_out = j["outputs"][1]["data"];
+  ASSERT_EQ(f_out.size(), floats.size());
+  ASSERT_EQ(d_out.size(), doubles.size());
+  for (size_t i = 0; i < floats.size(); ++i) {
+    // Read as a client reading FP32 would: the number's nearest float.
+    const float back = std::strtof(f_out[i].dump().c_str(), nullptr);
+    ASSERT_EQ(std::memcmp(&back, &floats[i], sizeof(float)), 0) << f_out[i].dump();
+  }
+  for (size_t i = 0; i < doubles.size(); ++i) {
+    const double back = d_out[i].get<double>();
+    ASSERT_EQ(std::memcmp(&back, &doubles[i], sizeof(double)), 0) << d_out[i].dump();
+  }
 }
 
 // Doubles its FP32 input; counts calls.
