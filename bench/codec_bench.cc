@@ -4,6 +4,9 @@
 //   BM_EncodeJsonDocument/N  the same response as a document (the baseline).
 // N: 64 (the demo encoder's pooled embedding), 1024 (one bge-m3 dense embedding), 16384 (a
 // batch of 16 of them). Values: uniform in [-1, 1], as embeddings are.
+//   BM_DecodeJson/L          DecodeJsonInferRequest of an encoder request: token ids and an
+//                            attention mask of L tokens each (16, 512, 8192), as clients send it.
+//   BM_ParseJsonDocument/L   json::parse of the same body, for scale (nothing decoded).
 
 #include <benchmark/benchmark.h>
 
@@ -88,6 +91,52 @@ void BM_EncodeJsonDocument(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * state.range(0));
 }
 
+// An encoder request of `len` tokens, written by hand: each input's data after its name, shape
+// and datatype, the order clients send (json::dump would sort "data" first, which the decoder
+// takes the slower way).
+std::string EncoderRequestBody(int64_t len) {
+  std::mt19937 rng(12);
+  std::uniform_int_distribution<int64_t> token(1, 250001);
+  std::string ids, mask;
+  for (int64_t i = 0; i < len; ++i) {
+    ids += (i > 0 ? "," : "") + std::to_string(token(rng));
+    mask += (i > 0 ? ",1" : "1");
+  }
+  const std::string shape = "[1," + std::to_string(len) + "]";
+  return "{\"id\":\"bench\",\"inputs\":[{\"name\":\"input_ids\",\"shape\":" + shape +
+         ",\"datatype\":\"INT64\",\"data\":[" + ids + "]},{\"name\":\"attention_mask\",\"shape\":" +
+         shape + ",\"datatype\":\"INT64\",\"data\":[" + mask + "]}]}";
+}
+
+void BM_DecodeJson(benchmark::State& state) {
+  const int64_t len = state.range(0);
+  const std::string body = EncoderRequestBody(len);
+  for (auto _ : state) {
+    nlohmann::json parameters;
+    auto r = DecodeJsonInferRequest(body, "encoder", "", 64LL << 20, &parameters);
+    if (!r.ok()) {
+      state.SkipWithError(std::string(r.status().message()).c_str());
+      break;
+    }
+    benchmark::DoNotOptimize(r);
+  }
+  state.counters["bytes"] = static_cast<double>(body.size());
+  state.SetItemsProcessed(state.iterations() * 2 * len);
+}
+
+// For scale: json::parse of the same body into a document, nothing decoded.
+void BM_ParseJsonDocument(benchmark::State& state) {
+  const int64_t len = state.range(0);
+  const std::string body = EncoderRequestBody(len);
+  for (auto _ : state) {
+    nlohmann::json doc = nlohmann::json::parse(body);
+    benchmark::DoNotOptimize(doc);
+  }
+  state.SetItemsProcessed(state.iterations() * 2 * len);
+}
+
+BENCHMARK(BM_DecodeJson)->Arg(16)->Arg(512)->Arg(8192)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ParseJsonDocument)->Arg(16)->Arg(512)->Arg(8192)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_EncodeJson)->Arg(64)->Arg(1024)->Arg(16384)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_EncodeJsonDocument)->Arg(64)->Arg(1024)->Arg(16384)->Unit(benchmark::kMicrosecond);
 
