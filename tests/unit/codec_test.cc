@@ -2,7 +2,6 @@
 // validation, with a fake in-process backend.
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <limits>
@@ -519,12 +518,18 @@ TEST(JsonEncodeTest, WritesEachDatatypeExactly) {
   resp.outputs.push_back(Output<float>(
       "f32", DataType::kFp32,
       {0.1f, -0.0f, 2.0f, 1e-8f, 3.4028235e38f, std::nanf(""), -inf, 1e-45f, 16777216.0f}));
-  resp.outputs.push_back(Output<double>("f64", DataType::kFp64, {0.1, 1e300, -2.5, 5e-324}));
+  resp.outputs.push_back(
+      Output<double>("f64", DataType::kFp64, {0.1, 1e300, -2.5, 5e-324, 2.0, 1e6}));
   // Half: 1, 1/3 rounded, 65504 (the largest), infinity. Bfloat16: 1, -0.5, NaN.
   resp.outputs.push_back(
       Output<uint16_t>("f16", DataType::kFp16, {0x3C00, 0x3555, 0x7BFF, 0x7C00}));
   resp.outputs.push_back(Output<uint16_t>("bf16", DataType::kBf16, {0x3F80, 0xBF00, 0x7FC0}));
   resp.outputs.push_back(Output<int8_t>("i8", DataType::kInt8, {-128, 127}));
+  resp.outputs.push_back(Output<int16_t>("i16", DataType::kInt16, {-32768, 32767}));
+  resp.outputs.push_back(Output<int32_t>("i32", DataType::kInt32, {-2147483647 - 1, 7}));
+  resp.outputs.push_back(Output<uint8_t>("u8", DataType::kUint8, {255, 0}));
+  resp.outputs.push_back(Output<uint16_t>("u16", DataType::kUint16, {65535}));
+  resp.outputs.push_back(Output<uint32_t>("u32", DataType::kUint32, {4294967295u}));
   resp.outputs.push_back(Output<int64_t>(
       "i64", DataType::kInt64, {std::numeric_limits<int64_t>::min(), 0}));
   resp.outputs.push_back(Output<uint64_t>(
@@ -537,11 +542,17 @@ TEST(JsonEncodeTest, WritesEachDatatypeExactly) {
             "\"outputs\":["
             "{\"data\":[0.1,-0.0,2.0,1e-08,3.4028235e+38,null,null,1e-45,16777216.0],"
             "\"datatype\":\"FP32\",\"name\":\"f32\",\"shape\":[9]},"
-            "{\"data\":[0.1,1e+300,-2.5,5e-324],\"datatype\":\"FP64\",\"name\":\"f64\",\"shape\":[4]},"
+            "{\"data\":[0.1,1e+300,-2.5,5e-324,2.0,1e+06],\"datatype\":\"FP64\",\"name\":\"f64\","
+            "\"shape\":[6]},"
             "{\"data\":[1.0,0.33325195,65504.0,null],\"datatype\":\"FP16\",\"name\":\"f16\","
             "\"shape\":[4]},"
             "{\"data\":[1.0,-0.5,null],\"datatype\":\"BF16\",\"name\":\"bf16\",\"shape\":[3]},"
             "{\"data\":[-128,127],\"datatype\":\"INT8\",\"name\":\"i8\",\"shape\":[2]},"
+            "{\"data\":[-32768,32767],\"datatype\":\"INT16\",\"name\":\"i16\",\"shape\":[2]},"
+            "{\"data\":[-2147483648,7],\"datatype\":\"INT32\",\"name\":\"i32\",\"shape\":[2]},"
+            "{\"data\":[255,0],\"datatype\":\"UINT8\",\"name\":\"u8\",\"shape\":[2]},"
+            "{\"data\":[65535],\"datatype\":\"UINT16\",\"name\":\"u16\",\"shape\":[1]},"
+            "{\"data\":[4294967295],\"datatype\":\"UINT32\",\"name\":\"u32\",\"shape\":[1]},"
             "{\"data\":[-9223372036854775808,0],\"datatype\":\"INT64\",\"name\":\"i64\",\"shape\":[2]},"
             "{\"data\":[18446744073709551615],\"datatype\":\"UINT64\",\"name\":\"u64\",\"shape\":[1]},"
             "{\"data\":[true,false],\"datatype\":\"BOOL\",\"name\":\"b\",\"shape\":[1,2]}],"
@@ -557,10 +568,17 @@ TEST(JsonEncodeTest, WritesEachDatatypeExactly) {
 }
 
 // Every finite float and double written reads back as the same bits (random bit patterns,
-// denormals included).
+// denormals included), read as most clients read JSON: a double, narrowed for FP32. Among them
+// the one positive float whose shortest form would not come back that way (it would be one step
+// off through the double) and its negative.
 TEST(JsonEncodeTest, FloatsReadBackAsTheSameBits) {
   std::mt19937_64 rng(5);
   std::vector<float> floats;
+  for (uint32_t bits : {0x15AE43FDu, 0x95AE43FDu}) {
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    floats.push_back(f);
+  }
   std::vector<double> doubles;
   while (floats.size() < 20000) {
     const uint64_t bits = rng();
@@ -581,8 +599,7 @@ TEST(JsonEncodeTest, FloatsReadBackAsTheSameBits) {
   ASSERT_EQ(f_out.size(), floats.size());
   ASSERT_EQ(d_out.size(), doubles.size());
   for (size_t i = 0; i < floats.size(); ++i) {
-    // Read as a client reading FP32 would: the number's nearest float.
-    const float back = std::strtof(f_out[i].dump().c_str(), nullptr);
+    const float back = static_cast<float>(f_out[i].get<double>());
     ASSERT_EQ(std::memcmp(&back, &floats[i], sizeof(float)), 0) << f_out[i].dump();
   }
   for (size_t i = 0; i < doubles.size(); ++i) {
