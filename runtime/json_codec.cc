@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "common/oip_parameters.h"
@@ -544,16 +545,14 @@ void AppendInteger(T v, std::string* out) {
   out->append(buf, r.ptr);
 }
 
-// A floating-point number's text, with ".0" when it would otherwise read as an integer (as
-// json::dump writes floats; "1e+06" keeps its exponent form).
-void AppendFloatingText(std::string_view text, std::string* out) {
-  out->append(text);
-  if (text.find_first_of(".e") == std::string_view::npos) *out += ".0";
-}
-
-// A finite value as the shortest decimal that reads back as it (std::to_chars); null for NaN
-// and infinities, which JSON has no numbers for. The buffer holds the longest form, 24
-// characters for a double.
+// A finite value as the shortest decimal that reads back as it (std::to_chars), with ".0" when
+// it would otherwise read as an integer (as json::dump writes floats; "1e+06" keeps its
+// exponent form); null for NaN and infinities, which JSON has no numbers for. The buffer holds
+// the longest form, 24 characters for a double.
+// A float's own shortest form has up to 9 digits, not its double's 17, but read the way most
+// clients read JSON, as a double then narrowed, a rounding twice can move it one step
+// (7.038531e-26, bits 0x15AE43FD, is the one positive float where it does): such a float is
+// written in its double's form, which comes back exactly.
 template <typename T>
 void AppendFloating(T v, std::string* out) {
   if (!std::isfinite(v)) {
@@ -562,27 +561,17 @@ void AppendFloating(T v, std::string* out) {
   }
   char buf[40];
   const auto r = std::to_chars(buf, buf + sizeof(buf), v);
-  AppendFloatingText(std::string_view(buf, static_cast<size_t>(r.ptr - buf)), out);
-}
-
-// An FP32 value: its own shortest form (up to 9 digits, not its double's 17), unless that does
-// not come back as the same float when read the way most clients read JSON, as a double then
-// narrowed: a rounding twice can move it one step (7.038531e-26, bits 0x15AE43FD, is the one
-// positive float where it does). Then the double's form, which comes back exactly.
-void AppendFp32(float v, std::string* out) {
-  if (!std::isfinite(v)) {
-    *out += "null";
-    return;
+  if constexpr (std::is_same_v<T, float>) {
+    double back = 0;
+    std::from_chars(buf, r.ptr, back);
+    if (static_cast<float>(back) != v) {
+      AppendFloating(static_cast<double>(v), out);
+      return;
+    }
   }
-  char buf[40];
-  const auto r = std::to_chars(buf, buf + sizeof(buf), v);
-  double back = 0;
-  std::from_chars(buf, r.ptr, back);
-  if (static_cast<float>(back) != v) {
-    AppendFloating(static_cast<double>(v), out);
-    return;
-  }
-  AppendFloatingText(std::string_view(buf, static_cast<size_t>(r.ptr - buf)), out);
+  const std::string_view text(buf, static_cast<size_t>(r.ptr - buf));
+  out->append(text);
+  if (text.find_first_of(".e") == std::string_view::npos) *out += ".0";
 }
 
 }  // namespace
@@ -624,13 +613,13 @@ void AppendTensorData(const Tensor& t, std::string* out) {
       // Half-precision values are exact as floats, and read back as the same half from the
       // float's form.
       case DataType::kFp16:
-        AppendFp32(HalfToFloat(Get<uint16_t>(t.data, i)), out);
+        AppendFloating(HalfToFloat(Get<uint16_t>(t.data, i)), out);
         break;
       case DataType::kBf16:
-        AppendFp32(Bf16ToFloat(Get<uint16_t>(t.data, i)), out);
+        AppendFloating(Bf16ToFloat(Get<uint16_t>(t.data, i)), out);
         break;
       case DataType::kFp32:
-        AppendFp32(Get<float>(t.data, i), out);
+        AppendFloating(Get<float>(t.data, i), out);
         break;
       case DataType::kFp64:
         AppendFloating(Get<double>(t.data, i), out);
