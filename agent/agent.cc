@@ -164,6 +164,10 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
                                       std::to_string(kMaxIdleSpinMicros) + ", got " +
                                       std::to_string(o.runtime_idle_spin_us));
   }
+  if (o.runtime_model_cpus < 0 || o.runtime_model_cpus > 1024) {
+    return absl::InvalidArgumentError("--runtime-model-cpus: must be in 0..1024, got " +
+                                      std::to_string(o.runtime_model_cpus));
+  }
   if (o.router_busy_poll_us < 0 || o.router_busy_poll_us > 100000) {
     return absl::InvalidArgumentError("--router-busy-poll-us: must be in 0..100000");
   }
@@ -296,6 +300,7 @@ Agent::Agent(AgentOptions options, Clock* clock, Topology topology, std::unique_
   so.runtime_log_level = options_.runtime_log_level;
   so.runtime_malloc_huge_pages = options_.runtime_malloc_huge_pages;
   so.runtime_idle_spin_us = options_.runtime_idle_spin_us;
+  so.runtime_model_cpus = options_.runtime_model_cpus;
   so.prestart_per_gpu = options_.prestart_per_gpu;
   so.prestart_cpu = options_.prestart_cpu;
   so.inference_probe_interval = options_.inference_probe_interval;

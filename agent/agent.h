@@ -70,6 +70,9 @@ struct AgentOptions {
   // Each runtime's executions' thread waits busily this long for the next request after each
   // execution (the runtime's --idle-spin-us); 0 = off.
   int64_t runtime_idle_spin_us = 0;
+  // Each runtime runs its model alone on the last this many of its CPUs (the runtime's
+  // --model-cpus); 0 = off.
+  int64_t runtime_model_cpus = 0;
   // Pre-started runtimes kept ready per GPU (--prestart-per-gpu) and for CPU replicas
   // (--prestart-cpu): a replica that starts is handed one instead of spawning cold.
   int prestart_per_gpu = 0;

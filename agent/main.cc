@@ -97,6 +97,11 @@ int main(int argc, char** argv) {
                  "request after each execution (its --idle-spin-us; 0 = off, at most 10000): "
                  "lower latency at low load, for CPU time")
       ->capture_default_str();
+  app.add_option("--runtime-model-cpus", o.runtime_model_cpus,
+                 "Each replica runs its model alone on the last N of its CPUs, everything else "
+                 "(frontends, replies) on the rest (its --model-cpus; 0 = off; a replica with "
+                 "N CPUs or fewer runs without it)")
+      ->capture_default_str();
   app.add_option("--prestart-per-gpu", o.prestart_per_gpu,
                  "Pre-started runtimes (LibTorch loaded, device context made, no model) kept "
                  "per GPU: a starting replica is handed one instead of spawning cold (0..16)")

@@ -456,6 +456,10 @@ absl::StatusOr<LaunchRequest> Supervisor::ColdStart(Replica& r) {
     req.argv.push_back("--idle-spin-us");
     req.argv.push_back(std::to_string(options_.runtime_idle_spin_us));
   }
+  if (options_.runtime_model_cpus > 0) {
+    req.argv.push_back("--model-cpus");
+    req.argv.push_back(std::to_string(options_.runtime_model_cpus));
+  }
   req.cpus = r.cpus.cpus;
   req.memory_node = r.cpus.memory_node;
   req.log_file = r.log_file;

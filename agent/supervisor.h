@@ -47,6 +47,9 @@ struct SupervisorOptions {
   // Given to each runtime as --idle-spin-us when not 0: after each execution its executions'
   // thread waits busily this long for the next request before it sleeps.
   int64_t runtime_idle_spin_us = 0;
+  // Given to each runtime as --model-cpus when not 0: its model runs alone on the last this
+  // many of the replica's CPUs, everything else on the rest.
+  int64_t runtime_model_cpus = 0;
   // A running replica whose control socket does not answer for this long is killed (and
   // restarted); it leaves routing at the first unanswered probe.
   absl::Duration probe_timeout = absl::Seconds(10);

@@ -7,6 +7,8 @@
 #   bench/overhead_ab.sh [ROUNDS] [WAY...]     (BUILD_DIR=build by default)
 # A WAY is the runtime's extra flags with commas for spaces: "-" for none (the default),
 # "--idle-spin-us,300" for a 300 us idle spin. Default ways: - and --idle-spin-us,300.
+# CLIENT_CPUS=LIST pins the benchmark (its clients and its in-process forward) to those CPUs in
+# every way, e.g. away from a runtime's --model-cpus.
 # Prints each run's medians (µs) and server_compute_us, one line per benchmark.
 set -euo pipefail
 rounds=${1:-2}
@@ -20,6 +22,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 for f in "$runtime" "$bench" "$build/models/encoder/config.yaml"; do
   [[ -e $f ]] || { echo "missing $f (build first)" >&2; exit 1; }
 done
+pin=()
+[[ -z ${CLIENT_CPUS:-} ]] || pin=(taskset -c "$CLIENT_CPUS")
 work=$(mktemp -d)
 trap 'kill "${pid:-}" 2>/dev/null || true; rm -rf "$work"' EXIT
 cp -r "$build/models" "$work/models"
@@ -44,10 +48,10 @@ for ((r = 1; r <= rounds; r++)); do
     done
     gp=$(grep -oE 'grpc_port=[0-9]+' "$work/runtime.log" | head -1 | cut -d= -f2)
     hp=$(grep -oE 'http_port=[0-9]+' "$work/runtime.log" | head -1 | cut -d= -f2)
-    echo "== round $r, runtime flags: ${extra[*]:-(none)}"
+    echo "== round $r, runtime flags: ${extra[*]:-(none)}${CLIENT_CPUS:+, benchmark on cpus $CLIENT_CPUS}"
     KILN_MODEL_REPO=$work/models KILN_GRPC_ADDRESS=127.0.0.1:$gp \
       KILN_HTTP_ADDRESS=127.0.0.1:$hp KILN_CONTROL_SOCKET=$work/c.sock \
-      timeout 600 "$bench" --benchmark_min_time="${MIN_TIME:-1}" \
+      timeout 600 "${pin[@]}" "$bench" --benchmark_min_time="${MIN_TIME:-1}" \
       --benchmark_repetitions="${REPS:-3}" --benchmark_enable_random_interleaving=true \
       --benchmark_report_aggregates_only=true \
       --benchmark_filter="${FILTER:-batch:1/seq:16|Floor}" 2>&1 |

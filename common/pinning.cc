@@ -15,16 +15,35 @@
 
 namespace kiln {
 
+namespace {
+
+absl::Status ToCpuSet(const std::vector<int>& cpus, cpu_set_t* set) {
+  CPU_ZERO(set);
+  for (int c : cpus) {
+    if (c < 0 || c >= CPU_SETSIZE) {
+      return absl::InvalidArgumentError("cpu " + std::to_string(c) + " is out of range");
+    }
+    CPU_SET(c, set);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status PinThisThread(const std::vector<int>& cpus) {
+  if (cpus.empty()) return absl::InvalidArgumentError("no cpus to pin the thread to");
+  cpu_set_t set;
+  if (absl::Status s = ToCpuSet(cpus, &set); !s.ok()) return s;
+  if (sched_setaffinity(0, sizeof(set), &set) != 0) {
+    return absl::InternalError("sched_setaffinity(this thread): " + std::string(strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PinThisProcess(const std::vector<int>& cpus, int memory_node) {
   if (!cpus.empty()) {
     cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int c : cpus) {
-      if (c < 0 || c >= CPU_SETSIZE) {
-        return absl::InvalidArgumentError("cpu " + std::to_string(c) + " is out of range");
-      }
-      CPU_SET(c, &set);
-    }
+    if (absl::Status s = ToCpuSet(cpus, &set); !s.ok()) return s;
     // A thread may start while the list is read: go round until a pass finds no new one.
     std::set<int> pinned;
     bool settled = false;

@@ -13,4 +13,7 @@ namespace kiln {
 // is. Errors name the step and the CPU or node.
 absl::Status PinThisProcess(const std::vector<int>& cpus, int memory_node);
 
+// Pins the calling thread alone to `cpus` (not empty); threads it starts afterwards inherit it.
+absl::Status PinThisThread(const std::vector<int>& cpus);
+
 }  // namespace kiln

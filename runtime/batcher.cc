@@ -10,6 +10,8 @@
 
 #include "common/idle_spin.h"
 #include "common/logging.h"
+#include "common/pinning.h"
+#include "common/status.h"
 
 namespace kiln {
 
@@ -367,7 +369,8 @@ void Batcher::Reap() {
 Batcher::~Batcher() { Stop(); }
 
 absl::Status Batcher::Enqueue(Item item) {
-  const bool alone = !one_thread_ && item.may_run_inline &&
+  const bool alone = !one_thread_ && !isolated_.load(std::memory_order_relaxed) &&
+                     item.may_run_inline &&
                      (!policy_.dynamic || (policy_.max_queue_delay == absl::ZeroDuration() &&
                                            policy_.preferred_batch_sizes.empty()));
   {
@@ -406,6 +409,14 @@ queue_it:
   item.enqueued = clock_->Now();
   item.alone = false;
   Push(std::move(item), /*front=*/false);
+  return absl::OkStatus();
+}
+
+absl::Status Batcher::IsolateExecutor(const std::vector<int>& cpus) {
+  absl::Status pinned;
+  KILN_RETURN_IF_ERROR(RunOnExecutor([&] { pinned = PinThisThread(cpus); }));
+  if (!pinned.ok()) return pinned;
+  isolated_ = true;
   return absl::OkStatus();
 }
 
@@ -586,15 +597,18 @@ std::vector<Batcher::Item> Batcher::Run(std::vector<Item> items) {
   };
   for (auto& item : items) item.inputs = {};  // run: their memory goes now, not at the reply
   size_t r = 0;
-  if (std::this_thread::get_id() == executor_id_.load() && queue_depth() > 0) {
-    // Others wait for the executor thread: the replies go to the answering thread and the
-    // next batch starts now. Only to an idle answerer: one slower than the model gets no
-    // backlog (the executor replies itself meanwhile, which holds requests in the queue, where
-    // max_queue_size bounds them). An inline run replies itself: the executor thread, not
-    // this caller's, runs what waits; and Stop joins the answerer once the executor is gone.
+  const bool isolated = isolated_.load(std::memory_order_relaxed);
+  if (std::this_thread::get_id() == executor_id_.load() && (isolated || queue_depth() > 0)) {
+    // Others wait for the executor thread: the replies go to the answering thread and the next
+    // batch starts now. Only to an idle answerer: one slower than the model gets no backlog
+    // (the executor replies itself meanwhile, which holds requests in the queue, where
+    // max_queue_size bounds them). An isolated executor's CPU is the model's alone: its replies
+    // go to the answering thread even while it is busy, up to a bounded backlog. An inline run
+    // replies itself: the executor thread, not this caller's, runs what waits; and Stop joins
+    // the answerer once the executor is gone.
     try {
       absl::MutexLock lock(&answer_mu_);
-      if (answers_.empty() && !answering_) {
+      if (isolated ? answers_.size() < kIsolatedAnswerBacklog : answers_.empty() && !answering_) {
         for (; r < items.size(); ++r) answers_.emplace_back(std::move(items[r]), result(r));
       }
     } catch (...) {

@@ -99,8 +99,8 @@ class Batcher {
   // called exactly once: from the executor thread (or, while other requests wait for it, the
   // batcher's answering thread, so the next batch need not wait for this one's replies), or
   // inline when the request would run alone anyway (no batching or no delay), the model is
-  // idle, the batcher was not made with `one_thread` and the item allows it, which saves a
-  // thread hop.
+  // idle, the batcher was not made with `one_thread`, its executor is not isolated and the item
+  // allows it, which saves a thread hop.
   absl::Status Enqueue(Item item);
   int64_t queue_depth() const;
   // Runs `fn` on the executor thread, between executions, and waits for it; UNAVAILABLE
@@ -121,6 +121,20 @@ class Batcher {
   // spins; the spin helps requests that go to the executor thread (gRPC's always do).
   // Clamped to 0..1 hour.
   void SetIdleSpin(absl::Duration spin);
+  // Gives the model CPUs of its own: pins the executor thread to `cpus` (threads it starts
+  // afterwards, such as LibTorch's intra-op pool, inherit them) and from then on keeps
+  // everything else off it: every execution runs there (none inline on a caller's thread), and
+  // its replies go to the answering thread, so encoding and sending them run elsewhere. The caller pins its other threads away from `cpus`. Served work on the
+  // model's CPU (the network stack, protobuf, HTTP/2) evicts the model's code and data from
+  // that CPU's caches and slows its next execution (bench/RESULTS.md, session 12). Errors:
+  // `cpus` empty or out of range, or the kernel refusing them (a CPU outside the cgroup's);
+  // UNAVAILABLE after Stop().
+  absl::Status IsolateExecutor(const std::vector<int>& cpus);
+  // Replies an isolated executor leaves to the answering thread while it is busy, at most; past
+  // that it replies itself (and so holds the queue, where max_queue_size bounds requests).
+  static constexpr size_t kIsolatedAnswerBacklog = 64;
+  bool executor_isolated() const { return isolated_.load(); }
+
   // Spins begun, and those that ended with a request or task to take.
   int64_t idle_spins() const { return idle_spins_.load(); }
   int64_t idle_spin_catches() const { return idle_spin_catches_.load(); }
@@ -170,6 +184,7 @@ class Batcher {
   bool changed_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<uint64_t> signals_{0};  // Signal()s so far: what a spinning executor watches
   std::atomic<int64_t> idle_spin_nanos_{0};
+  std::atomic<bool> isolated_{false};  // IsolateExecutor succeeded
   bool spun_ ABSL_GUARDED_BY(mu_) = false;  // spun since the last work taken
   std::atomic<int64_t> idle_spins_{0};
   std::atomic<int64_t> idle_spin_catches_{0};

@@ -76,6 +76,11 @@ void AddRuntimeFlags(CLI::App& app, Flags* f, bool model_required) {
                  "threads wait busily this long for the next request before sleeping (0 = off, "
                  "at most 10000): lower latency at low load, for CPU time")
       ->capture_default_str();
+  app.add_option("--model-cpus", o.model_cpus,
+                 "Run the model alone on the last N of this process's CPUs (its executions' "
+                 "thread and LibTorch's intra-op threads); every other thread, and encoding and "
+                 "sending replies, on the rest (0 = off; needs at least N+1 CPUs)")
+      ->capture_default_str();
   app.add_option("--drain-timeout-ms", f->drain_ms, "Default drain deadline")
       ->capture_default_str();
   app.add_option("--cpu-set", f->cpu_set,
@@ -275,7 +280,8 @@ int main(int argc, char** argv) {
     // The model and how it is served come with the Load; said here, they would be ignored.
     for (const char* flag : {"--model-repository", "--model", "--version", "--grpc-port",
                              "--http-port", "--initial-state", "--threads", "--http-threads",
-                             "--cpu-set", "--memory-node", "--replica-id", "--idle-spin-us"}) {
+                             "--cpu-set", "--memory-node", "--replica-id", "--idle-spin-us",
+                             "--model-cpus"}) {
       if (app.count(flag) > 0) {
         log->error("{}: not with --prestart (it comes with the Load)", flag);
         return 2;

@@ -7,6 +7,7 @@
 #include <grpcpp/server_builder.h>
 
 #include "common/cpu_list.h"
+#include "common/pinning.h"
 #include "common/logging.h"
 #include "common/status.h"
 
@@ -70,6 +71,10 @@ absl::Status ValidateRuntimeOptions(const RuntimeOptions& o) {
     return absl::InvalidArgumentError("--idle-spin-us: must be in 0.." +
                                       std::to_string(kMaxIdleSpinMicros) + ", got " +
                                       std::to_string(o.idle_spin_us));
+  }
+  if (o.model_cpus < 0 || o.model_cpus > 1024) {
+    return absl::InvalidArgumentError("--model-cpus: must be in 0..1024, got " +
+                                      std::to_string(o.model_cpus));
   }
   if (o.threads < 0 || o.threads > 1024) {
     return absl::InvalidArgumentError("--threads: must be in 0..1024");
@@ -200,6 +205,22 @@ absl::Status RuntimeServer::Load() {
   BackendOptions bo;
   bo.device = options_.device;
   bo.threads = options_.threads;
+  // The model's own CPUs: the last --model-cpus of those this process may use.
+  std::vector<int> model_cpus;
+  std::vector<int> other_cpus;
+  if (options_.model_cpus > 0) {
+    const std::vector<int> usable = AllowedCpus();
+    const size_t n = static_cast<size_t>(options_.model_cpus);
+    if (usable.size() > n) {
+      other_cpus.assign(usable.begin(), usable.end() - static_cast<long>(n));
+      model_cpus.assign(usable.end() - static_cast<long>(n), usable.end());
+      if (bo.threads == 0 && model_.config.instance.threads == 0) bo.threads = options_.model_cpus;
+    } else {
+      log->warn("--model-cpus {}: not used, this runtime may run on {} CPU(s) ({}); the model's "
+                "CPUs need at least one more for everything else",
+                options_.model_cpus, usable.size(), FormatCpuList(usable));
+    }
+  }
   absl::Time t0 = clock_->Now();
   KILN_ASSIGN_OR_RETURN(auto backend, backends_->Create(model_.config, model_.model_file, bo));
   absl::Time t1 = clock_->Now();
@@ -207,6 +228,20 @@ absl::Status RuntimeServer::Load() {
                                                          std::move(backend), &lifecycle_, clock_));
   engine_->SetPayloadLimit(options_.max_request_bytes);
   engine_->SetIdleSpin(idle_spin_);
+  if (!model_cpus.empty()) {
+    // Every thread so far (the frontends', the batcher's) leaves the model's CPUs, and those
+    // started from here on inherit that; then the executions' thread alone moves onto them.
+    if (absl::Status s = PinThisProcess(other_cpus, -1); !s.ok()) {
+      return absl::InternalError("--model-cpus: pinning the other threads to cpus " +
+                                 FormatCpuList(other_cpus) + ": " + std::string(s.message()));
+    }
+    if (absl::Status s = engine_->IsolateModel(model_cpus); !s.ok()) {
+      return absl::InternalError("--model-cpus: pinning the model to cpus " +
+                                 FormatCpuList(model_cpus) + ": " + std::string(s.message()));
+    }
+    log->info("the model runs alone on cpus {}, everything else on cpus {}",
+              FormatCpuList(model_cpus), FormatCpuList(other_cpus));
+  }
   KILN_RETURN_IF_ERROR(engine_->Warmup());
   absl::Time t2 = clock_->Now();
   host_.SetEngine(engine_.get());

@@ -49,6 +49,13 @@ struct RuntimeOptions {
   // long after each piece of work (GrpcH2Server::Options::idle_spin,
   // HttpServer::Options::idle_spin); 0 = off. At most kMaxIdleSpinMicros.
   int64_t idle_spin_us = 0;
+  // The last this many of the CPUs the runtime may use run the model alone (its executions'
+  // thread and what that thread starts, LibTorch's intra-op threads among them); every other
+  // thread runs on the rest, and replies are encoded and sent there
+  // (Batcher::IsolateExecutor). 0 = off. Without at least one CPU left over it is not used (a
+  // warning). With it and no --threads or config threads, the model gets this many intra-op
+  // threads.
+  int64_t model_cpus = 0;
 };
 
 // Checks flag values; errors name the flag.

@@ -1253,6 +1253,7 @@ TEST(AgentFlagsTest, BadFlagsAndFilesAreClearErrors) {
       {{"--runtime-malloc-huge-pages", "maybe"}, "--runtime-malloc-huge-pages = maybe"},
       {{"--runtime-idle-spin-us", "-1"}, "--runtime-idle-spin-us: must be in 0..10000, got -1"},
       {{"--runtime-idle-spin-us", "10001"}, "--runtime-idle-spin-us: must be in 0..10000"},
+      {{"--runtime-model-cpus", "-1"}, "--runtime-model-cpus: must be in 0..1024, got -1"},
   };
   for (const auto& c : cases) {
     std::string cmd = std::string(KILN_AGENT_BIN) + " --runtime-binary " + KILN_RUNTIME_BIN +

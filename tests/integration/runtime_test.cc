@@ -22,6 +22,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
+#include "common/cpu_list.h"
 #include "common/data_frames.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -157,6 +158,24 @@ std::vector<float> JsonFloats(const json& data) { return data.get<std::vector<fl
 
 v1::RuntimeStats Stats(RuntimeProcess* rt);
 
+// The first `cases` reference inputs of version 1, one after another, through gRPC (raw) and
+// REST: each gets its reference output.
+void ExpectReferenceAnswers(const RuntimeProcess& rt, size_t cases) {
+  auto stub = Stub(rt);
+  auto refs = References("1");
+  for (size_t i = 0; i < cases; ++i) {
+    const json& c = refs[i];
+    grpc::ClientContext ctx;
+    inference::ModelInferResponse resp;
+    grpc::Status s = stub->ModelInfer(&ctx, GrpcEncoderRequest(c, true), &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_LT(MaxDiff(GrpcFloats(resp), c["embedding"]), 1e-5) << i;
+    HttpResult h = Http(rt.http_port(), "POST", "/v2/models/encoder/infer", RestEncoderBody(c));
+    ASSERT_EQ(h.code, 200) << h.raw;
+    EXPECT_LT(MaxDiff(JsonFloats(h.body["outputs"][0]["data"]), c["embedding"]), 1e-5) << i;
+  }
+}
+
 // --idle-spin-us: the executions' thread waits busily after each execution, and the gRPC and
 // REST threads after each piece of work; answers are the same, Stats counts the executions'
 // spins and the requests they took, and the gRPC thread does spin.
@@ -167,19 +186,8 @@ TEST(RuntimeTest, AnIdleSpinKeepsTheAnswersAndIsCounted) {
   auto rt = StartRuntime("encoder", "1", "serving", {"--idle-spin-us", "10000"});
   ASSERT_NE(rt, nullptr);
   auto stub = Stub(*rt);
-  auto refs = References("1");
-  for (size_t i = 0; i < 6; ++i) {
-    const json& c = refs[i];
-    grpc::ClientContext ctx;
-    inference::ModelInferResponse resp;
-    grpc::Status s = stub->ModelInfer(&ctx, GrpcEncoderRequest(c, true), &resp);
-    ASSERT_TRUE(s.ok()) << s.error_message();
-    EXPECT_LT(MaxDiff(GrpcFloats(resp), c["embedding"]), 1e-5) << i;
-    // REST's thread spins too, after each request it reads and answers.
-    HttpResult h = Http(rt->http_port(), "POST", "/v2/models/encoder/infer", RestEncoderBody(c));
-    ASSERT_EQ(h.code, 200) << h.raw;
-    EXPECT_LT(MaxDiff(JsonFloats(h.body["outputs"][0]["data"]), c["embedding"]), 1e-5) << i;
-  }
+  // REST's thread spins too, after each request it reads and answers.
+  ExpectReferenceAnswers(*rt, 6);
   // Each request's execution is followed by a spin (the last one's begins after its reply);
   // most requests sent one after another within 10 ms are taken by one (not asserted: the VM
   // may stall a thread).
@@ -207,6 +215,42 @@ TEST(RuntimeTest, AnIdleSpinKeepsTheAnswersAndIsCounted) {
   const double grpc_cpu_after = kiln::testing::ThreadCpuMs(rt->pid(), "grpc-server");
   ASSERT_GE(grpc_cpu_after, 0);
   EXPECT_GE(grpc_cpu_after - grpc_cpu, 50);
+}
+
+// --model-cpus 1: the executions' thread runs alone on the last CPU the runtime may use, every
+// other thread on the rest, and both protocols still get the reference outputs. (That REST's
+// requests then go to the executions' thread is BatcherTest's.)
+TEST(RuntimeTest, ModelCpusGiveTheModelACpuOfItsOwn) {
+  const std::vector<int> usable = AllowedCpus();
+  if (usable.size() < 2) GTEST_SKIP() << "the model's CPU and the rest need two CPUs; this test has one";
+  const std::string model_cpu = FormatCpuList({usable.back()});
+  const std::string other_cpus = FormatCpuList({usable.begin(), usable.end() - 1});
+  auto rt = StartRuntime("encoder", "1", "serving", {"--model-cpus", "1"});
+  ASSERT_NE(rt, nullptr);
+  EXPECT_NE(rt->Log().find("the model runs alone on cpus " + model_cpu + ", everything else on cpus " +
+                           other_cpus),
+            std::string::npos)
+      << rt->Log();
+  ExpectReferenceAnswers(*rt, 3);
+  std::map<std::string, std::set<std::string>> cpus_of;  // thread name -> its CPU lists
+  std::error_code ec;
+  for (const auto& t : std::filesystem::directory_iterator(
+           "/proc/" + std::to_string(rt->pid()) + "/task", ec)) {
+    std::string name = kiln::testing::ReadFile(t.path().string() + "/comm");
+    if (!name.empty() && name.back() == '\n') name.pop_back();
+    const std::string status = kiln::testing::ReadFile(t.path().string() + "/status");
+    const std::string key = "Cpus_allowed_list:\t";
+    const size_t at = status.find(key);
+    ASSERT_NE(at, std::string::npos) << status;
+    const size_t from = at + key.size();
+    cpus_of[name].insert(status.substr(from, status.find('\n', from) - from));
+  }
+  ASSERT_FALSE(ec) << ec.message();
+  EXPECT_EQ(cpus_of["executions"], std::set<std::string>{model_cpu});
+  for (const char* other : {"kiln-runtime", "grpc-server", "http-server", "batch-answers",
+                            "batch-timeouts"}) {
+    EXPECT_EQ(cpus_of[other], std::set<std::string>{other_cpus}) << other;
+  }
 }
 
 TEST(RuntimeTest, BothProtocolsReturnTheReferenceOutputs) {
@@ -274,7 +318,7 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
            {"--cpu-set", "3-1"}, {"--cpu-set", "x"}, {"--cpu-set", "99999"},
            {"--memory-node", "-2"}, {"--memory-node", "1024"}, {"--replica-id", "r 1"},
-           {"--http-threads", "0"}, {"--idle-spin-us", "10001"}}) {
+           {"--http-threads", "0"}, {"--idle-spin-us", "10001"}, {"--model-cpus", "-1"}}) {
     bad = rt->LoadArgs({"--model-repository", kRepo, "--model", "encoder", "--control-socket",
                         rt->control_socket(), flag, value});
     EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << flag << " " << value;
@@ -297,7 +341,7 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   grpc::Status loaded =
       rt->Load(kRepo, "encoder", "serving",
                {"--version", "1", "--cpu-set", std::to_string(cpu), "--replica-id", "enc-7.0",
-                "--http-threads", "3", "--idle-spin-us", "200"});
+                "--http-threads", "3", "--idle-spin-us", "200", "--model-cpus", "1"});
   ASSERT_TRUE(loaded.ok()) << loaded.error_message() << rt->Log();
   st = rt->GetState();
   ASSERT_TRUE(st.ok());
@@ -333,6 +377,11 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
     ASSERT_TRUE(rt->control()->Stats(&sctx, {}, &stats).ok());
     EXPECT_EQ(stats.idle_spins(), 0u);
     EXPECT_NE(rt->Log().find("--idle-spin-us 200: not used, this runtime may run on 1 CPU"),
+              std::string::npos)
+        << rt->Log();
+    // Nor --model-cpus: with one CPU, nothing would be left for the rest.
+    EXPECT_NE(rt->Log().find("--model-cpus 1: not used, this runtime may run on 1 CPU(s) (" +
+                             std::to_string(cpu) + ")"),
               std::string::npos)
         << rt->Log();
   }
@@ -1465,7 +1514,9 @@ TEST(RuntimeTest, TheDataSocketAnswersRestBodiesAsTheRestPortDoes) {
                         "/v2/models/" + model + (version.empty() ? "" : "/versions/" + version) +
                             "/infer",
                         body);
-    if (deadline == 0) EXPECT_EQ(h.code, want) << h.raw;
+    if (deadline == 0) {
+      EXPECT_EQ(h.code, want) << h.raw;
+    }
   };
   const std::string good = RestEncoderBody(refs[0]);
   expect("{not json", "encoder", "", 400, "JSON");
@@ -1673,6 +1724,10 @@ TEST(RuntimeFlagsTest, BadFlagsNameTheFlag) {
        "--idle-spin-us: must be in 0..10000, got 10001"},
       {{"--model-repository", kRepo, "--model", "encoder", "--idle-spin-us", "soon"},
        "--idle-spin-us"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--model-cpus", "-1"},
+       "--model-cpus: must be in 0..1024, got -1"},
+      {{"--model-repository", kRepo, "--model", "encoder", "--model-cpus", "1025"},
+       "--model-cpus: must be in 0..1024, got 1025"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args = {KILN_RUNTIME_BIN};

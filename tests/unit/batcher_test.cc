@@ -1,5 +1,7 @@
 #include "runtime/batcher.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -8,6 +10,7 @@
 #include <thread>
 
 #include "absl/synchronization/notification.h"
+#include "common/cpu_list.h"
 #include "gtest/gtest.h"
 #include "tests/support/eventually.h"
 
@@ -570,6 +573,119 @@ TEST(BatcherTest, WithOneThreadEveryExecutionRunsOnTheExecutorThread) {
   EXPECT_NE(ran_on[0], std::this_thread::get_id());
   EXPECT_EQ(ran_on[1], ran_on[0]);
   EXPECT_EQ(ran_on[2], ran_on[0]);
+}
+
+// An isolated executor has the model's CPUs to itself: it runs on them, every request runs
+// there (none inline, though batching is off), and its replies are sent from another thread.
+// CPUs it may not have are refused, and the batcher stays as it was.
+TEST(BatcherTest, AnIsolatedExecutorRunsEveryRequestOnItsCpusAndRepliesElsewhere) {
+  const std::vector<int> usable = AllowedCpus();
+  ASSERT_FALSE(usable.empty());
+  RealClock clock;
+  ModelConfig config = BatchingConfig(0);
+  config.dynamic_batching.reset();  // would run inline on the caller's thread
+  absl::Mutex mu;
+  std::vector<std::thread::id> ran_on, replied_on;  // guarded by mu
+  std::vector<std::vector<int>> ran_with;           // guarded by mu: the executing thread's CPUs
+  auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+    absl::MutexLock lock(&mu);
+    ran_on.push_back(std::this_thread::get_id());
+    ran_with.push_back(AllowedCpus());
+    Tensor y = in[0];
+    y.name = "y";
+    return std::vector<Tensor>{y};
+  };
+  auto batcher = Batcher::Create(config, exec, &clock, nullptr);
+  ASSERT_TRUE(batcher.ok());
+
+  absl::Status bad = (*batcher)->IsolateExecutor({CPU_SETSIZE + 1});
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("out of range"), std::string::npos) << bad;
+  EXPECT_EQ((*batcher)->IsolateExecutor({}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE((*batcher)->executor_isolated());
+
+  const std::vector<int> model_cpu = {usable.back()};
+  ASSERT_TRUE((*batcher)->IsolateExecutor(model_cpu).ok());
+  EXPECT_TRUE((*batcher)->executor_isolated());
+  int done = 0;  // guarded by mu
+  for (int i = 0; i < 3; ++i) {
+    Batcher::Item it;
+    it.inputs = {Make("x", {1, 1}, {static_cast<float>(i)})};
+    it.done = [&](absl::StatusOr<std::vector<Tensor>> r) {
+      absl::MutexLock lock(&mu);
+      replied_on.push_back(std::this_thread::get_id());
+      if (r.ok()) done++;
+    };
+    ASSERT_TRUE((*batcher)->Enqueue(std::move(it)).ok());
+    absl::MutexLock lock(&mu);
+    auto answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return done == i + 1; };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&answered), absl::Seconds(10)));
+  }
+  (*batcher)->Stop();
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(ran_on.size(), 3u);
+  ASSERT_EQ(replied_on.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_NE(ran_on[i], std::this_thread::get_id()) << "request " << i << " ran inline";
+    EXPECT_EQ(ran_on[i], ran_on[0]);
+    EXPECT_EQ(ran_with[i], model_cpu) << "request " << i;
+    EXPECT_NE(replied_on[i], ran_on[i]) << "request " << i << " was replied on the model's CPU";
+    EXPECT_NE(replied_on[i], std::this_thread::get_id());
+  }
+  // This thread keeps the CPUs it had.
+  EXPECT_EQ(AllowedCpus(), usable);
+}
+
+// While the answering thread is held by a slow reply, an isolated executor leaves it up to
+// kIsolatedAnswerBacklog more; past that it replies itself. Every request is answered.
+TEST(BatcherTest, AnIsolatedExecutorsRepliesWaitForABusyAnswererUpToABound) {
+  RealClock clock;
+  ModelConfig config = BatchingConfig(0);
+  config.dynamic_batching.reset();
+  std::atomic<std::thread::id> executor{};
+  auto exec = [&](std::vector<Tensor> in) -> absl::StatusOr<std::vector<Tensor>> {
+    executor = std::this_thread::get_id();
+    return EchoAsY(std::move(in));
+  };
+  auto batcher = Batcher::Create(config, exec, &clock, nullptr);
+  ASSERT_TRUE(batcher.ok());
+  ASSERT_TRUE((*batcher)->IsolateExecutor({AllowedCpus().back()}).ok());
+  absl::Notification first_in_reply, release;
+  absl::Mutex mu;
+  int answered = 0, on_executor = 0;  // guarded by mu
+  auto enqueue = [&](int i) {
+    Batcher::Item it;
+    it.inputs = {Make("x", {1, 1}, {static_cast<float>(i)})};
+    it.done = [&, i](absl::StatusOr<std::vector<Tensor>> r) {
+      if (i == 0) {
+        first_in_reply.Notify();
+        release.WaitForNotification();
+      }
+      absl::MutexLock lock(&mu);
+      if (r.ok()) answered++;
+      if (std::this_thread::get_id() == executor.load()) on_executor++;
+    };
+    return (*batcher)->Enqueue(std::move(it));
+  };
+  ASSERT_TRUE(enqueue(0).ok());
+  ASSERT_TRUE(first_in_reply.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  const int more = static_cast<int>(Batcher::kIsolatedAnswerBacklog) + 5;
+  for (int i = 1; i <= more; ++i) ASSERT_TRUE(enqueue(i).ok());
+  {
+    // The executor replied to the last five itself, with the answerer still held.
+    absl::MutexLock lock(&mu);
+    auto five = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return on_executor == 5; };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&five), absl::Seconds(10))) << on_executor;
+    EXPECT_EQ(answered, 5);
+  }
+  release.Notify();
+  {
+    absl::MutexLock lock(&mu);
+    auto all = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return answered == more + 1; };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all), absl::Seconds(10))) << answered;
+    EXPECT_EQ(on_executor, 5);
+  }
+  (*batcher)->Stop();
 }
 
 // RunOnExecutor runs its function on the executor thread and waits for it; after Stop it

@@ -224,6 +224,24 @@ TEST_F(SupervisorTest, AnIdleSpinIsGivenToEachRuntime) {
   EXPECT_EQ(Arg(launches[1], "--idle-spin-us"), "150");
 }
 
+// --runtime-model-cpus: each runtime is started with its --model-cpus; off (0, the default),
+// the flag is not given at all.
+TEST_F(SupervisorTest, ModelCpusAreGivenToEachRuntime) {
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("a", 1, 2, v1::SERVING)})).ok());
+  sup_->Tick();
+  ASSERT_EQ(launcher_.launches().size(), 1u);
+  const std::vector<std::string> off = launcher_.launches()[0].argv;
+  EXPECT_EQ(std::find(off.begin(), off.end(), "--model-cpus"), off.end());
+
+  options_.runtime_model_cpus = 2;
+  sup_ = MakeSupervisor();
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("b", -1, 1, v1::SERVING)})).ok());
+  sup_->Tick();
+  auto launches = launcher_.launches();
+  ASSERT_EQ(launches.size(), 2u);
+  EXPECT_EQ(Arg(launches[1], "--model-cpus"), "2");
+}
+
 // --runtime-malloc-huge-pages=false: replicas start with the agent's environment only.
 TEST_F(SupervisorTest, MallocOnHugePagesIsTheOperatorsToTurnOff) {
   options_.runtime_malloc_huge_pages = false;
