@@ -434,6 +434,11 @@ absl::StatusOr<LaunchRequest> Supervisor::ColdStart(Replica& r) {
   const bool real_gpu = s.gpu() >= 0 && !options_.fake_gpus;
   int threads = s.runtime().threads() > 0 ? s.runtime().threads()
                                           : static_cast<int>(r.cpus.cpus.size());
+  if (s.runtime().threads() == 0 && options_.runtime_model_cpus > 0 &&
+      r.cpus.cpus.size() > static_cast<size_t>(options_.runtime_model_cpus)) {
+    // The model's intra-op threads, one per CPU of its own (the runtime's --model-cpus).
+    threads = static_cast<int>(options_.runtime_model_cpus);
+  }
   req.argv = {options_.runtime_binary,
               "--model-repository", s.repository(),
               "--model", s.model(),

@@ -130,8 +130,9 @@ class Batcher {
   // `cpus` empty or out of range, or the kernel refusing them (a CPU outside the cgroup's);
   // UNAVAILABLE after Stop().
   absl::Status IsolateExecutor(const std::vector<int>& cpus);
-  // Replies an isolated executor leaves to the answering thread while it is busy, at most; past
-  // that it replies itself (and so holds the queue, where max_queue_size bounds requests).
+  // Replies an isolated executor leaves waiting for the answering thread while that one is busy
+  // (checked before a batch's replies are added; those being sent are not counted); past that
+  // it replies itself (and so holds the queue, where max_queue_size bounds requests).
   static constexpr size_t kIsolatedAnswerBacklog = 64;
   bool executor_isolated() const { return isolated_.load(); }
 

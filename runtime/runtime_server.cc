@@ -143,15 +143,31 @@ absl::Status RuntimeServer::Start() {
 
 absl::Status RuntimeServer::StartListening() {
   auto log = GetLogger("runtime.server");
+  const std::vector<int> usable = AllowedCpus();
+  if (options_.model_cpus > 0) {
+    // The model's own CPUs: the last --model-cpus of those this process may use (applied in
+    // Load, once the model's thread exists).
+    const size_t n = static_cast<size_t>(options_.model_cpus);
+    if (usable.size() > n) {
+      other_cpus_.assign(usable.begin(), usable.end() - static_cast<long>(n));
+      model_cpus_.assign(usable.end() - static_cast<long>(n), usable.end());
+    } else {
+      log->warn("--model-cpus {}: not used, this runtime may run on {} CPU(s) ({}); the model's "
+                "CPUs need at least one more for everything else",
+                options_.model_cpus, usable.size(), FormatCpuList(usable));
+    }
+  }
   if (options_.idle_spin_us > 0) {
     // A spinning thread on the only CPU would hold off the one that hands it work.
-    const size_t usable = AllowedCpus().size();
-    if (usable >= 2) {
+    if (usable.size() >= 2) {
+      // With --model-cpus leaving one CPU for the rest, the frontends still spin there: on the
+      // development VM that served faster than not (bench/RESULTS.md, session 12); the
+      // answering thread, woken, takes the CPU from a spinning one.
       idle_spin_ = absl::Microseconds(options_.idle_spin_us);
     } else {
       log->warn("--idle-spin-us {}: not used, this runtime may run on {} CPU (a spin needs two: "
                 "on one, a spinning thread would hold off the one that hands it work)",
-                options_.idle_spin_us, usable);
+                options_.idle_spin_us, usable.size());
     }
   }
   // Before the control socket answers: GetState reports it.
@@ -205,21 +221,14 @@ absl::Status RuntimeServer::Load() {
   BackendOptions bo;
   bo.device = options_.device;
   bo.threads = options_.threads;
-  // The model's own CPUs: the last --model-cpus of those this process may use.
-  std::vector<int> model_cpus;
-  std::vector<int> other_cpus;
-  if (options_.model_cpus > 0) {
-    const std::vector<int> usable = AllowedCpus();
-    const size_t n = static_cast<size_t>(options_.model_cpus);
-    if (usable.size() > n) {
-      other_cpus.assign(usable.begin(), usable.end() - static_cast<long>(n));
-      model_cpus.assign(usable.end() - static_cast<long>(n), usable.end());
-      if (bo.threads == 0 && model_.config.instance.threads == 0) bo.threads = options_.model_cpus;
-    } else {
-      log->warn("--model-cpus {}: not used, this runtime may run on {} CPU(s) ({}); the model's "
-                "CPUs need at least one more for everything else",
-                options_.model_cpus, usable.size(), FormatCpuList(usable));
+  if (!model_cpus_.empty()) {
+    // One intra-op thread per model CPU: more would take turns on them.
+    const int64_t asked = bo.threads > 0 ? bo.threads : model_.config.instance.threads;
+    if (asked > options_.model_cpus) {
+      log->warn("{} {}: capped at --model-cpus {} (one intra-op thread per model CPU)",
+                bo.threads > 0 ? "--threads" : "instance.threads", asked, options_.model_cpus);
     }
+    if (asked == 0 || asked > options_.model_cpus) bo.threads = options_.model_cpus;
   }
   absl::Time t0 = clock_->Now();
   KILN_ASSIGN_OR_RETURN(auto backend, backends_->Create(model_.config, model_.model_file, bo));
@@ -228,19 +237,19 @@ absl::Status RuntimeServer::Load() {
                                                          std::move(backend), &lifecycle_, clock_));
   engine_->SetPayloadLimit(options_.max_request_bytes);
   engine_->SetIdleSpin(idle_spin_);
-  if (!model_cpus.empty()) {
+  if (!model_cpus_.empty()) {
     // Every thread so far (the frontends', the batcher's) leaves the model's CPUs, and those
     // started from here on inherit that; then the executions' thread alone moves onto them.
-    if (absl::Status s = PinThisProcess(other_cpus, -1); !s.ok()) {
+    if (absl::Status s = PinThisProcess(other_cpus_, -1); !s.ok()) {
       return absl::InternalError("--model-cpus: pinning the other threads to cpus " +
-                                 FormatCpuList(other_cpus) + ": " + std::string(s.message()));
+                                 FormatCpuList(other_cpus_) + ": " + std::string(s.message()));
     }
-    if (absl::Status s = engine_->IsolateModel(model_cpus); !s.ok()) {
+    if (absl::Status s = engine_->IsolateModel(model_cpus_); !s.ok()) {
       return absl::InternalError("--model-cpus: pinning the model to cpus " +
-                                 FormatCpuList(model_cpus) + ": " + std::string(s.message()));
+                                 FormatCpuList(model_cpus_) + ": " + std::string(s.message()));
     }
     log->info("the model runs alone on cpus {}, everything else on cpus {}",
-              FormatCpuList(model_cpus), FormatCpuList(other_cpus));
+              FormatCpuList(model_cpus_), FormatCpuList(other_cpus_));
   }
   KILN_RETURN_IF_ERROR(engine_->Warmup());
   absl::Time t2 = clock_->Now();

@@ -53,8 +53,8 @@ struct RuntimeOptions {
   // thread and what that thread starts, LibTorch's intra-op threads among them); every other
   // thread runs on the rest, and replies are encoded and sent there
   // (Batcher::IsolateExecutor). 0 = off. Without at least one CPU left over it is not used (a
-  // warning). With it and no --threads or config threads, the model gets this many intra-op
-  // threads.
+  // warning). The model then gets this many intra-op threads, or fewer if --threads or the
+  // config's instance.threads asks for fewer (more are capped, with a warning).
   int64_t model_cpus = 0;
 };
 
@@ -121,6 +121,10 @@ class RuntimeServer : public ControlTarget {
   std::atomic<int64_t> device_memory_bytes_{0};
   // --idle-spin-us as used: zero when off, or when this process may run on one CPU only.
   absl::Duration idle_spin_ = absl::ZeroDuration();
+  // --model-cpus as used (StartListening): the model's CPUs and the rest; empty when off or
+  // when this process may not run on more CPUs than the model's.
+  std::vector<int> model_cpus_;
+  std::vector<int> other_cpus_;
   // Device preparation (CUDA graph capture) after loading, in the background.
   std::thread prepare_thread_;
   std::atomic<bool> prepare_cancel_{false};

@@ -647,12 +647,21 @@ TEST(BatcherTest, AnIsolatedExecutorsRepliesWaitForABusyAnswererUpToABound) {
     executor = std::this_thread::get_id();
     return EchoAsY(std::move(in));
   };
-  auto batcher = Batcher::Create(config, exec, &clock, nullptr);
-  ASSERT_TRUE(batcher.ok());
-  ASSERT_TRUE((*batcher)->IsolateExecutor({AllowedCpus().back()}).ok());
+  // Declared before the batcher, so they outlive it.
   absl::Notification first_in_reply, release;
   absl::Mutex mu;
   int answered = 0, on_executor = 0;  // guarded by mu
+  auto batcher = Batcher::Create(config, exec, &clock, nullptr);
+  ASSERT_TRUE(batcher.ok());
+  // A failed assertion below must not leave the answering thread held: the batcher's
+  // destructor would wait on it.
+  struct Release {
+    absl::Notification* n;
+    ~Release() {
+      if (!n->HasBeenNotified()) n->Notify();
+    }
+  } release_at_exit{&release};
+  ASSERT_TRUE((*batcher)->IsolateExecutor({AllowedCpus().back()}).ok());
   auto enqueue = [&](int i) {
     Batcher::Item it;
     it.inputs = {Make("x", {1, 1}, {static_cast<float>(i)})};

@@ -235,11 +235,19 @@ TEST_F(SupervisorTest, ModelCpusAreGivenToEachRuntime) {
 
   options_.runtime_model_cpus = 2;
   sup_ = MakeSupervisor();
-  ASSERT_TRUE(sup_->Apply(Assignment({Spec("b", -1, 1, v1::SERVING)})).ok());
+  // Four CPUs: the model's two get one intra-op thread each. One CPU: the runtime will not
+  // split it, and its one thread is the replica's.
+  ASSERT_TRUE(sup_->Apply(Assignment({Spec("b", -1, 4, v1::SERVING), Spec("c", -1, 1, v1::SERVING)})).ok());
   sup_->Tick();
   auto launches = launcher_.launches();
-  ASSERT_EQ(launches.size(), 2u);
-  EXPECT_EQ(Arg(launches[1], "--model-cpus"), "2");
+  ASSERT_EQ(launches.size(), 3u);
+  std::map<std::string, std::string> threads_of;  // replica -> its --threads
+  for (size_t i : {1u, 2u}) {
+    EXPECT_EQ(Arg(launches[i], "--model-cpus"), "2") << i;
+    threads_of[Arg(launches[i], "--replica-id")] = Arg(launches[i], "--threads");
+  }
+  EXPECT_EQ(threads_of["b"], "2");
+  EXPECT_EQ(threads_of["c"], "1");
 }
 
 // --runtime-malloc-huge-pages=false: replicas start with the agent's environment only.
