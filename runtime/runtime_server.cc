@@ -308,6 +308,8 @@ v1::RuntimeState RuntimeServer::GetState() {
   s.set_grpc_port(grpc_port_.load());
   s.set_http_port(http_port_.load());
   if (data_) s.set_data_socket(data_->path());
+  // Set before the control socket answers; the engine is handed over once pinned.
+  if (engine != nullptr && !model_cpus_.empty()) s.set_model_cpus(FormatCpuList(model_cpus_));
   s.set_pid(getpid());
   s.set_load_time_micros(load_time_micros_.load());
   s.set_failure_reason(lifecycle_.failure_reason());

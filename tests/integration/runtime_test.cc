@@ -231,6 +231,9 @@ TEST(RuntimeTest, ModelCpusGiveTheModelACpuOfItsOwn) {
                            other_cpus),
             std::string::npos)
       << rt->Log();
+  auto state = rt->GetState();
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->model_cpus(), model_cpu);
   // One intra-op thread per model CPU: the two asked for would take turns on one.
   EXPECT_NE(rt->Log().find("--threads 2: capped at --model-cpus 1"), std::string::npos) << rt->Log();
   EXPECT_NE(rt->Log().find(", 1 intra-op threads"), std::string::npos) << rt->Log();
@@ -351,6 +354,7 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
   EXPECT_EQ(st->state(), v1::SERVING);
   EXPECT_EQ(st->model_name(), "encoder");
   EXPECT_EQ(st->replica_id(), "enc-7.0");
+  EXPECT_EQ(st->model_cpus(), "");  // --model-cpus 1 on one CPU: not split
   EXPECT_GT(st->load_time_micros(), 0);
   auto stub = Stub(*rt);
   const json refs = References("1");

@@ -10,6 +10,7 @@
 #include "agent/nvml_driver.h"
 #include "agent/topology.h"
 #include "common/cpu_list.h"
+#include "common/pinning.h"
 #include "gtest/gtest.h"
 
 namespace kiln {
@@ -44,6 +45,31 @@ TEST(CpuListTest, AllowedCpusAreTheCallingThreadsAffinity) {
     in_thread = AllowedCpus();
   });
   t.join();
+  EXPECT_EQ(in_thread, std::vector<int>{all.back()});
+  EXPECT_EQ(AllowedCpus(), all);  // this thread is untouched
+}
+
+// PinThisThread holds the calling thread alone; no CPUs, or one out of range, is refused
+// and leaves it where it was.
+TEST(PinningTest, PinThisThreadPinsOnlyTheCaller) {
+  const std::vector<int> all = AllowedCpus();
+  ASSERT_FALSE(all.empty());
+  std::vector<int> in_thread, after_bad;
+  absl::Status empty, out_of_range, pinned;
+  std::thread t([&] {
+    empty = PinThisThread({});
+    out_of_range = PinThisThread({all.back(), CPU_SETSIZE});
+    after_bad = AllowedCpus();
+    pinned = PinThisThread({all.back()});
+    in_thread = AllowedCpus();
+  });
+  t.join();
+  EXPECT_EQ(empty.code(), absl::StatusCode::kInvalidArgument) << empty;
+  EXPECT_EQ(out_of_range.code(), absl::StatusCode::kInvalidArgument) << out_of_range;
+  EXPECT_NE(out_of_range.message().find("cpu " + std::to_string(CPU_SETSIZE)), std::string::npos)
+      << out_of_range;
+  EXPECT_EQ(after_bad, all);
+  ASSERT_TRUE(pinned.ok()) << pinned;
   EXPECT_EQ(in_thread, std::vector<int>{all.back()});
   EXPECT_EQ(AllowedCpus(), all);  // this thread is untouched
 }
