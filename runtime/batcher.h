@@ -124,11 +124,12 @@ class Batcher {
   // Gives the model CPUs of its own: pins the executor thread to `cpus` (threads it starts
   // afterwards, such as LibTorch's intra-op pool, inherit them) and from then on keeps
   // everything else off it: every execution runs there (none inline on a caller's thread), and
-  // its replies go to the answering thread, so encoding and sending them run elsewhere. The caller pins its other threads away from `cpus`. Served work on the
-  // model's CPU (the network stack, protobuf, HTTP/2) evicts the model's code and data from
-  // that CPU's caches and slows its next execution (bench/RESULTS.md, session 12). Errors:
-  // `cpus` empty or out of range, or the kernel refusing them (a CPU outside the cgroup's);
-  // UNAVAILABLE after Stop().
+  // its replies go to the answering thread (up to kIsolatedAnswerBacklog), so encoding and
+  // sending them run elsewhere. The caller pins its other threads away from `cpus`. Served
+  // work on the model's CPU (the network stack, protobuf, HTTP/2) evicts the model's code and
+  // data from that CPU's caches and slows its next execution (bench/RESULTS.md, session 12).
+  // Errors: `cpus` empty or out of range, or the kernel refusing them (a CPU outside the
+  // cgroup's); UNAVAILABLE after Stop().
   absl::Status IsolateExecutor(const std::vector<int>& cpus);
   // Replies an isolated executor leaves waiting for the answering thread while that one is busy
   // (checked before a batch's replies are added; those being sent are not counted); past that

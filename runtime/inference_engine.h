@@ -113,7 +113,9 @@ class InferenceEngine {
   void SetIdleSpin(absl::Duration spin) { batcher_->SetIdleSpin(spin); }
   // Runs the model on `cpus` alone (Batcher::IsolateExecutor). Before Warmup, so that what
   // the first executions set up (LibTorch's intra-op threads) is made on those CPUs.
-  absl::Status IsolateModel(const std::vector<int>& cpus) { return batcher_->IsolateExecutor(cpus); }
+  absl::Status IsolateModel(const std::vector<int>& cpus) {
+    return batcher_->IsolateExecutor(cpus);
+  }
   // Validates and queues `request`; `done` runs exactly once (maybe on this thread).
   void Infer(InferRequest request, Done done);
   // A request a frontend refused before it could be decoded (bad body, wrong byte size, a

@@ -7,8 +7,8 @@
 #include <grpcpp/server_builder.h>
 
 #include "common/cpu_list.h"
-#include "common/pinning.h"
 #include "common/logging.h"
+#include "common/pinning.h"
 #include "common/status.h"
 
 namespace kiln {

@@ -222,20 +222,23 @@ TEST(RuntimeTest, AnIdleSpinKeepsTheAnswersAndIsCounted) {
 // requests then go to the executions' thread is BatcherTest's.)
 TEST(RuntimeTest, ModelCpusGiveTheModelACpuOfItsOwn) {
   const std::vector<int> usable = AllowedCpus();
-  if (usable.size() < 2) GTEST_SKIP() << "the model's CPU and the rest need two CPUs; this test has one";
+  if (usable.size() < 2) {
+    GTEST_SKIP() << "the model's CPU and the rest need two CPUs; this test has one";
+  }
   const std::string model_cpu = FormatCpuList({usable.back()});
   const std::string other_cpus = FormatCpuList({usable.begin(), usable.end() - 1});
   auto rt = StartRuntime("encoder", "1", "serving", {"--model-cpus", "1", "--threads", "2"});
   ASSERT_NE(rt, nullptr);
-  EXPECT_NE(rt->Log().find("the model runs alone on cpus " + model_cpu + ", everything else on cpus " +
-                           other_cpus),
+  EXPECT_NE(rt->Log().find("the model runs alone on cpus " + model_cpu +
+                           ", everything else on cpus " + other_cpus),
             std::string::npos)
       << rt->Log();
   auto state = rt->GetState();
   ASSERT_TRUE(state.ok()) << state.status();
   EXPECT_EQ(state->model_cpus(), model_cpu);
   // One intra-op thread per model CPU: the two asked for would take turns on one.
-  EXPECT_NE(rt->Log().find("--threads 2: capped at --model-cpus 1"), std::string::npos) << rt->Log();
+  EXPECT_NE(rt->Log().find("--threads 2: capped at --model-cpus 1"), std::string::npos)
+      << rt->Log();
   EXPECT_NE(rt->Log().find(", 1 intra-op threads"), std::string::npos) << rt->Log();
   ExpectReferenceAnswers(*rt, 3);
   std::map<std::string, std::set<std::string>> cpus_of;  // thread name -> its CPU lists

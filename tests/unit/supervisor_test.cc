@@ -237,7 +237,8 @@ TEST_F(SupervisorTest, ModelCpusAreGivenToEachRuntime) {
   sup_ = MakeSupervisor();
   // Four CPUs: the model's two get one intra-op thread each. One CPU: the runtime will not
   // split it, and its one thread is the replica's.
-  ASSERT_TRUE(sup_->Apply(Assignment({Spec("b", -1, 4, v1::SERVING), Spec("c", -1, 1, v1::SERVING)})).ok());
+  ASSERT_TRUE(
+      sup_->Apply(Assignment({Spec("b", -1, 4, v1::SERVING), Spec("c", -1, 1, v1::SERVING)})).ok());
   sup_->Tick();
   auto launches = launcher_.launches();
   ASSERT_EQ(launches.size(), 3u);
