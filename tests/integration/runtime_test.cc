@@ -242,19 +242,7 @@ TEST(RuntimeTest, ModelCpusGiveTheModelACpuOfItsOwn) {
   EXPECT_NE(rt->Log().find(", 1 intra-op threads"), std::string::npos) << rt->Log();
   ExpectReferenceAnswers(*rt, 3);
   std::map<std::string, std::set<std::string>> cpus_of;  // thread name -> its CPU lists
-  std::error_code ec;
-  for (const auto& t : std::filesystem::directory_iterator(
-           "/proc/" + std::to_string(rt->pid()) + "/task", ec)) {
-    std::string name = kiln::testing::ReadFile(t.path().string() + "/comm");
-    if (!name.empty() && name.back() == '\n') name.pop_back();
-    const std::string status = kiln::testing::ReadFile(t.path().string() + "/status");
-    const std::string key = "Cpus_allowed_list:\t";
-    const size_t at = status.find(key);
-    if (name.empty() || at == std::string::npos) continue;  // the thread ended meanwhile
-    const size_t from = at + key.size();
-    cpus_of[name].insert(status.substr(from, status.find('\n', from) - from));
-  }
-  ASSERT_FALSE(ec) << ec.message();
+  for (const auto& t : kiln::testing::ThreadCpuLists(rt->pid())) cpus_of[t.name].insert(t.cpus);
   EXPECT_EQ(cpus_of["executions"], std::set<std::string>{model_cpu});
   for (const char* other : {"kiln-runtime", "grpc-server", "http-server", "batch-answers",
                             "batch-timeouts"}) {
@@ -396,16 +384,9 @@ TEST(RuntimeTest, APrestartedRuntimeLoadsItsModelOnDemand) {
         << rt->Log();
   }
   // It pinned every thread to the CPUs the Load named.
-  std::error_code ec;
-  int threads = 0;
-  for (const auto& t : std::filesystem::directory_iterator(
-           "/proc/" + std::to_string(rt->pid()) + "/task", ec)) {
-    std::string status = kiln::testing::ReadFile(t.path().string() + "/status");
-    EXPECT_NE(status.find("Cpus_allowed_list:\t" + std::to_string(cpu) + "\n"), std::string::npos)
-        << t.path() << status;
-    ++threads;
-  }
-  EXPECT_GT(threads, 1);
+  const auto threads = kiln::testing::ThreadCpuLists(rt->pid());
+  for (const auto& t : threads) EXPECT_EQ(t.cpus, std::to_string(cpu)) << t.name;
+  EXPECT_GT(threads.size(), 1u);
   grpc::Status again = rt->LoadArgs({"--model", "x"});
   EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
 }

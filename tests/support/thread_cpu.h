@@ -1,6 +1,7 @@
 #pragma once
 
-// CPU time a process's threads of one name have used, from /proc: for tests of what spins.
+// A process's threads, from /proc: the CPU time those of one name have used (for tests of what
+// spins), and the CPUs each may run on (for tests of pinning).
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -43,6 +44,35 @@ inline double ThreadCpuMs(pid_t pid, const std::string& name) {
     ms = (ms < 0 ? 0 : ms) + ticks * 1000.0 / static_cast<double>(sysconf(_SC_CLK_TCK));
   }
   return ms;
+}
+
+// Each thread of process `pid`: its name (comm) and the CPUs it may run on, as /proc writes
+// them ("0-3,8"). Threads that end while they are looked at are left out; empty when /proc
+// cannot be read.
+struct ThreadCpuList {
+  std::string name;
+  std::string cpus;
+};
+inline std::vector<ThreadCpuList> ThreadCpuLists(pid_t pid) {
+  std::vector<ThreadCpuList> out;
+  std::error_code ec;
+  std::filesystem::directory_iterator
+      it(std::filesystem::path("/proc") / std::to_string(pid) / "task", ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    std::ifstream comm(it->path() / "comm");
+    std::ifstream status(it->path() / "status");
+    ThreadCpuList t;
+    if (!std::getline(comm, t.name)) continue;
+    const std::string key = "Cpus_allowed_list:\t";
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind(key, 0) == 0) {
+        t.cpus = line.substr(key.size());
+        out.push_back(std::move(t));
+        break;
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace kiln::testing
