@@ -164,8 +164,9 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
                                       std::to_string(kMaxIdleSpinMicros) + ", got " +
                                       std::to_string(o.runtime_idle_spin_us));
   }
-  if (o.runtime_model_cpus < 0 || o.runtime_model_cpus > 1024) {
-    return absl::InvalidArgumentError("--runtime-model-cpus: must be in 0..1024, got " +
+  if (o.runtime_model_cpus < 0 || o.runtime_model_cpus > kMaxModelCpus) {
+    return absl::InvalidArgumentError("--runtime-model-cpus: must be in 0.." +
+                                      std::to_string(kMaxModelCpus) + ", got " +
                                       std::to_string(o.runtime_model_cpus));
   }
   if (o.router_busy_poll_us < 0 || o.router_busy_poll_us > 100000) {

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -12,6 +13,9 @@ namespace kiln {
 // threads the caller starts afterwards inherit both. Memory already allocated stays where it
 // is. Errors name the step and the CPU or node.
 absl::Status PinThisProcess(const std::vector<int>& cpus, int memory_node);
+
+// kiln-runtime --model-cpus and kiln-agent --runtime-model-cpus: at most this many.
+inline constexpr int64_t kMaxModelCpus = 1024;
 
 // Pins the calling thread alone to `cpus` (not empty); threads it starts afterwards inherit it.
 absl::Status PinThisThread(const std::vector<int>& cpus);

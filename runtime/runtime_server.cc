@@ -72,8 +72,9 @@ absl::Status ValidateRuntimeOptions(const RuntimeOptions& o) {
                                       std::to_string(kMaxIdleSpinMicros) + ", got " +
                                       std::to_string(o.idle_spin_us));
   }
-  if (o.model_cpus < 0 || o.model_cpus > 1024) {
-    return absl::InvalidArgumentError("--model-cpus: must be in 0..1024, got " +
+  if (o.model_cpus < 0 || o.model_cpus > kMaxModelCpus) {
+    return absl::InvalidArgumentError("--model-cpus: must be in 0.." +
+                                      std::to_string(kMaxModelCpus) + ", got " +
                                       std::to_string(o.model_cpus));
   }
   if (o.threads < 0 || o.threads > 1024) {
